@@ -1,0 +1,80 @@
+# kdtree: build, test, run, bench, deps, install, clean.
+# `make` builds libkdtree.so (C core + CPU backend, + the CUDA backend when nvcc is found).
+PREFIX  ?= /usr/local
+DESTDIR ?=
+CC      ?= cc
+NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CUDA    ?= $(if $(NVCC),1,0)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+
+CFLAGS  ?= -O2 -g
+CFLAGS  += -std=c11 -D_GNU_SOURCE -fPIC -Wall -Wextra -Wno-unused-parameter -Icore
+LDLIBS  := -lcjson -lm -lpthread
+CORE_SRC := $(wildcard core/*.c core/cpu/*.c)
+CUDA_SRC := $(wildcard cuda/*.cu)
+BUILD   := build
+CORE_OBJ := $(CORE_SRC:%.c=$(BUILD)/%.o)
+CUDA_OBJ := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
+# sm_90 (H200) and sm_120 (RTX PRO 6000 Blackwell) machine code, plus sm_120 PTX for newer parts
+NVFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -Icore -lineinfo \
+           -gencode arch=compute_90,code=sm_90 -gencode arch=compute_120,code=sm_120 \
+           -gencode arch=compute_120,code=compute_120
+
+ifeq ($(CUDA),1)
+  CFLAGS += -DKD_WITH_CUDA
+  OBJ := $(CORE_OBJ) $(CUDA_OBJ)
+  LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lstdc++
+else
+  OBJ := $(CORE_OBJ)
+endif
+
+LUAJIT  := luajit
+BUSTED  := $(LUAJIT) /usr/bin/busted
+DEB_PKGS := luajit libluajit-5.1-dev lua-busted libcjson-dev libreadline8
+
+.PHONY: all test test-gpu run bench deps install clean
+all: $(BUILD)/libkdtree.so
+
+$(BUILD)/libkdtree.so: $(OBJ)
+	$(CC) -shared -o $@ $^ $(LDLIBS)
+
+$(BUILD)/%.o: %.c $(wildcard core/*.h core/cpu/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c -o $@ $<
+
+$(BUILD)/%.o: %.cu $(wildcard core/*.h cuda/*.cuh)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -c -o $@ $<
+
+# deps: the Debian packages; as root install them, otherwise print the command.
+deps:
+	@missing=""; for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else echo "missing packages:$$missing"; echo "run: sudo apt-get install -y$$missing"; exit 1; fi; fi
+
+test: deps all
+	KDTREE_LIB=$(BUILD)/libkdtree.so $(BUSTED) --exclude-tags=gpu,slow spec
+
+test-gpu: all
+	KDTREE_LIB=$(BUILD)/libkdtree.so KDTREE_BACKEND=cuda $(BUSTED) spec
+
+run: deps all
+	KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/kdtree generate --model models/tiny-k2.6 \
+	  --draft models/tiny-k2.6-dflash --policy ddtree --budget 16 --prompt-ids 5,77,300 -n 32 --stats
+
+bench: all
+	KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/bench/run.lua
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin \
+	  $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/policy $(DESTDIR)$(PREFIX)/share/kdtree/models
+	install -m 644 $(BUILD)/libkdtree.so $(DESTDIR)$(PREFIX)/lib/
+	install -m 644 core/kdtree.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 lua/kdtree/*.lua $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/
+	install -m 644 lua/kdtree/policy/*.lua $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/policy/
+	install -m 755 scripts/kdtree $(DESTDIR)$(PREFIX)/bin/kdtree
+	cp -r models/tiny-k2.6 models/tiny-k2.6-dflash $(DESTDIR)$(PREFIX)/share/kdtree/models/
+
+clean:
+	rm -rf $(BUILD)

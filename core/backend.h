@@ -1,0 +1,144 @@
+/* backend.h: the backend interface (a table of function pointers, ggml-backend style).
+ *
+ * The model code (model.c, drafter.c) is written once against these ops; the CPU
+ * backend (cpu/) is the readable specification in fp32, the CUDA backend (cuda/)
+ * the fast path with bf16 activations and fp32 accumulation. Every op here has a
+ * CPU twin and a spec comparing the two.
+ *
+ * Memory: pointers handed to ops live in the backend's memory (host memory for the
+ * CPU backend, device memory for CUDA). Ops are asynchronous on the backend's
+ * stream; download() and sync() wait.
+ */
+#ifndef KD_BACKEND_H
+#define KD_BACKEND_H
+#include "kdtree.h"
+#include <stdbool.h>
+
+typedef enum kd_dtype { KD_F32, KD_F16, KD_BF16, KD_I32, KD_I64 } kd_dtype;
+size_t kd_dtype_size(kd_dtype t);
+const char *kd_dtype_name(kd_dtype t);
+
+/* A weight matrix [rows = out, cols = in] (vectors: rows = n, cols = 1). */
+typedef enum kd_wformat { KD_W_BF16, KD_W_F32, KD_W_INT4 } kd_wformat;
+typedef struct kd_weight {
+    const char *name;        /* checkpoint name, kept for error messages (points into the loader's table) */
+    kd_wformat format;
+    int64_t rows, cols;
+    int group;               /* INT4: scale group along cols */
+    const void *src;         /* mapped checkpoint bytes: bf16/f32 [rows, cols], or int32 [rows, cols/8] */
+    const void *src_scale;   /* INT4: bf16 [rows, cols/group] */
+    void *dev;               /* the backend's form; CPU uses src directly */
+    void *dev_scale;
+} kd_weight;
+
+/* A row-major activation view: element (r, c) at data + (r*ld + c)*size(dtype). */
+typedef struct kd_act {
+    void *data;
+    int rows, cols, ld;
+    kd_dtype dtype;
+} kd_act;
+
+/* RoPE parameters: inverse frequencies (dim/2 floats, in backend memory) and the
+ * cos/sin amplitude. interleaved: pairs (2i, 2i+1) (MLA); else rotate-half pairs (i, i+dim/2). */
+typedef struct kd_rope {
+    int dim;
+    bool interleaved;
+    float attn_factor;
+    const float *inv_freq;
+} kd_rope;
+
+/* The routed experts of one MoE layer. */
+typedef struct kd_experts {
+    int n, top_k, n_group, topk_group;
+    bool norm_topk_prob;
+    float routed_scaling_factor;
+    const kd_weight *router;       /* [n, hidden] */
+    const float *bias;             /* e_score_correction_bias, n floats in backend memory (NULL: none) */
+    kd_weight *gate, *up, *down;   /* n each */
+    void *table;                   /* the backend's own per-layer form (CUDA: pointer tables), or NULL */
+} kd_experts;
+
+typedef struct kd_backend kd_backend;
+typedef struct kd_backend_ops {
+    const char *name;
+    void (*destroy)(kd_backend *be);
+
+    /* memory */
+    kd_status (*alloc)(kd_backend *be, size_t bytes, void **ptr);    /* zero-filled */
+    void (*free)(kd_backend *be, void *ptr);
+    kd_status (*upload)(kd_backend *be, void *dst, const void *src, size_t bytes);
+    kd_status (*download)(kd_backend *be, void *dst, const void *src, size_t bytes);
+    kd_status (*sync)(kd_backend *be);
+    kd_status (*weight_load)(kd_backend *be, kd_weight *w);     /* w->src -> w->dev */
+    void (*weight_free)(kd_backend *be, kd_weight *w);
+    kd_status (*experts_load)(kd_backend *be, kd_experts *e);   /* after weight_load of each expert */
+    void (*experts_free)(kd_backend *be, kd_experts *e);
+
+    /* elementwise and data movement */
+    kd_status (*copy)(kd_backend *be, kd_act dst, kd_act src);        /* same shape, converts dtype */
+    kd_status (*embed)(kd_backend *be, const kd_weight *table, const int32_t *ids, kd_act out);
+    kd_status (*add)(kd_backend *be, kd_act x, kd_act y);             /* x += y */
+    kd_status (*scale_add)(kd_backend *be, kd_act x, kd_act y, float s);   /* x += s*y */
+    kd_status (*swiglu)(kd_backend *be, kd_act gate, kd_act up, kd_act out);   /* silu(gate)*up */
+    /* out = x * rsqrt(mean(x^2)+eps) * w, in fp32; rows may be heads (x viewed [rows*k, cols/k]) */
+    kd_status (*rmsnorm)(kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act out);
+    /* in place on dims [offset, offset+r->dim) of each of n_heads blocks of head_stride cols */
+    kd_status (*rope)(kd_backend *be, kd_act x, int n_heads, int head_stride, int offset,
+                      const int32_t *pos, const kd_rope *r);
+    /* rows[i] of src -> rows dst_row0+i of dst (KV compaction gathers) */
+    kd_status (*gather_rows)(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n);
+
+    /* matrix products */
+    kd_status (*linear)(kd_backend *be, kd_act x, const kd_weight *w, kd_act out);  /* out = x w^T */
+    /* per head h: out[:, h*ocols:(h+1)*ocols] = x[:, h*xstride : h*xstride+k] @ W_h, where
+     * W_h is rows [h*wstride + wrow0, +k) of w (transposed = false: W_h is k x ocols, out = x W_h)
+     * or (transposed = true: W_h is ocols x k rows, out = x W_h^T). MLA absorption uses both. */
+    kd_status (*head_matmul)(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
+                             const kd_weight *w, int wstride, int wrow0, bool transposed,
+                             kd_act out, int ocols);
+
+    /* attention.
+     * q: [T, Hq*dq]; keys/values: kv rows [0, S), key = first dk cols, value = first dv cols of
+     * the value view; Hkv groups (Hq % Hkv == 0). Query t sits at cache row past+t.
+     * visible: NULL with causal = true: query t sees rows <= past+t; causal = false: all rows;
+     * else bits (T rows, ceil(T/64) words) over the last T rows, rows < past always visible.
+     * window > 0: key row r visible only when pos_q - pos_k < window (positions = rows). */
+    kd_status (*attention)(kd_backend *be, kd_act q, int n_heads, int head_dim,
+                           kd_act k, kd_act v, int n_kv_heads, int past, bool causal,
+                           const uint64_t *visible, int window, float scale, kd_act out);
+
+    /* mixture of experts: out = sum_j w_j expert_{idx_j}(x) (the shared expert is separate) */
+    kd_status (*moe)(kd_backend *be, kd_act x, const kd_experts *e, kd_act out);
+
+    /* rows of logits -> log_softmax in place (fp32) */
+    kd_status (*log_softmax)(kd_backend *be, kd_act x);
+    kd_status (*argmax)(kd_backend *be, kd_act x, int32_t *out);       /* one id per row */
+    /* per row the k largest values, descending; equal values: lower id first */
+    kd_status (*topk)(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids);
+} kd_backend_ops;
+
+struct kd_backend {
+    const kd_backend_ops *ops;
+    kd_backend_kind kind;
+    kd_dtype act_dtype;      /* activations: F32 on CPU, BF16 on CUDA */
+    int device;
+    void *impl;
+};
+
+kd_status kd_backend_cpu_create(kd_backend **out);
+kd_status kd_backend_cuda_create(int device, kd_backend **out);   /* UNSUPPORTED without CUDA */
+
+/* helpers shared by both backends and the model code */
+static inline kd_act kd_act_cols(kd_act a, int col0, int ncols) {
+    kd_act v = a;
+    v.data = (char *)a.data + (size_t)col0 * kd_dtype_size(a.dtype);
+    v.cols = ncols;
+    return v;
+}
+static inline kd_act kd_act_rows(kd_act a, int row0, int nrows) {
+    kd_act v = a;
+    v.data = (char *)a.data + (size_t)row0 * a.ld * kd_dtype_size(a.dtype);
+    v.rows = nrows;
+    return v;
+}
+#endif

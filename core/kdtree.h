@@ -1,0 +1,172 @@
+/* kdtree.h: the one public header of the kdtree engine.
+ *
+ * FFI-clean on purpose: LuaJIT's ffi.cdef reads this file after dropping the
+ * lines that start with '#', so everything below the guard is plain C
+ * declarations: opaque handles, enums (never #defines), fixed-size ints.
+ *
+ * Error model: every call that can fail returns a kd_status; on failure
+ * kd_last_error() (thread-local) names what failed and where (file, tensor,
+ * field, argument) and what was expected. No library function aborts or exits,
+ * and a failed call leaves the engine usable.
+ */
+#ifndef KDTREE_H
+#define KDTREE_H
+#include <stddef.h>
+#include <stdint.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum kd_status {
+    KD_OK = 0,
+    KD_ERR_IO = 1,          /* a file is missing, unreadable or truncated */
+    KD_ERR_FORMAT = 2,      /* a file's content is malformed (header, offsets, dtype, shape) */
+    KD_ERR_CONFIG = 3,      /* config.json is missing a field or is inconsistent */
+    KD_ERR_ARG = 4,         /* a bad argument (token id, budget, shape, NULL) */
+    KD_ERR_STATE = 5,       /* a call out of order (accept before verify, commit twice, closed handle) */
+    KD_ERR_NOMEM = 6,       /* host or device memory exhausted */
+    KD_ERR_CAPACITY = 7,    /* a sequence would grow past its capacity */
+    KD_ERR_BACKEND = 8,     /* a backend (CUDA, cuBLAS, NCCL) call failed */
+    KD_ERR_UNSUPPORTED = 9  /* valid input this build cannot run (backend not compiled in) */
+} kd_status;
+
+typedef enum kd_backend_kind {
+    KD_BACKEND_CPU = 0,
+    KD_BACKEND_CUDA = 1
+} kd_backend_kind;
+
+typedef struct kd_model kd_model;       /* a loaded target model (weights on one backend) */
+typedef struct kd_drafter kd_drafter;   /* a loaded DFlash drafter bound to one target model */
+typedef struct kd_seq kd_seq;           /* one sequence: latent KV cache, outputs, drafter context */
+typedef struct kd_tree kd_tree;         /* a draft tree: root + nodes in pop order */
+
+/* ---- errors and build facts ---- */
+const char *kd_last_error(void);
+const char *kd_status_name(kd_status s);
+const char *kd_version(void);
+int kd_backend_available(kd_backend_kind kind);
+
+/* ---- model ---- */
+typedef struct kd_model_options {
+    kd_backend_kind backend;
+    int device;              /* first CUDA device used */
+    int n_devices;           /* tensor-parallel width; 0 or 1 = one device */
+} kd_model_options;
+
+typedef struct kd_model_info {
+    int n_layers, first_k_dense, hidden, vocab;
+    int n_heads, q_lora_rank, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim;
+    int intermediate, moe_intermediate, n_experts, n_experts_per_tok, n_shared_experts;
+    int n_group, topk_group, norm_topk_prob;
+    int expert_bits, expert_group;       /* 4 / 32 for compressed-tensors experts; 16 / 0 for bf16 */
+    int max_positions;
+    float rms_norm_eps, routed_scaling_factor, rope_theta, softmax_scale;
+    int n_eos, eos[8];
+    int bos;
+    kd_backend_kind backend;
+    uint64_t bytes_weights;              /* bytes the backend holds for weights */
+} kd_model_info;
+
+/* Bytes of a checkpoint by kind, from config.json and the safetensors headers
+ * only: nothing is mapped or loaded. Works for checkpoints that cannot be loaded here. */
+typedef struct kd_inspect_report {
+    kd_model_info info;
+    int n_tensors, n_files, n_skipped;   /* skipped: other towers (vision, projector) */
+    uint64_t bytes_attention, bytes_dense_mlp, bytes_shared_experts, bytes_routed_experts,
+             bytes_router, bytes_embed, bytes_lm_head, bytes_norms, bytes_total;
+    uint64_t bytes_per_token_kv;         /* latent cache bytes per token (bf16, all layers) */
+    uint64_t bytes_read_per_token;       /* weight bytes one batch-1 decode step reads */
+} kd_inspect_report;
+
+kd_status kd_inspect(const char *dir, kd_inspect_report *out);
+kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model **out);
+void kd_model_close(kd_model *m);
+kd_status kd_model_get_info(const kd_model *m, kd_model_info *out);
+
+/* ---- sequences and forward passes ---- */
+kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out);
+void kd_seq_free(kd_seq *s);
+int kd_seq_len(const kd_seq *s);
+int kd_seq_capacity(const kd_seq *s);
+/* Forward T new tokens on top of the committed cache.
+ * positions: absolute positions, NULL = len, len+1, ...
+ * visible: NULL = causal; else T rows of ceil(T/64) uint64 words, bit j of row i
+ *          set when new token i may see new token j (the cached past is always visible).
+ * A causal forward commits its tokens (len += T); a masked forward (tree verify)
+ * writes KV for all T at slots len..len+T-1 and leaves them pending until
+ * kd_seq_compact or kd_commit. Logits of all T rows are kept on the backend. */
+kd_status kd_forward(kd_seq *s, const int32_t *tokens, int n, const int32_t *positions,
+                     const uint64_t *visible);
+int kd_seq_out_rows(const kd_seq *s);                       /* rows of the last forward */
+kd_status kd_seq_logits(kd_seq *s, int row0, int n_rows, float *dst);   /* n_rows x vocab, fp32 */
+kd_status kd_seq_argmax(kd_seq *s, int32_t *dst);          /* one id per output row */
+/* Cache: keep slots [0, len) and drop everything after. */
+kd_status kd_seq_truncate(kd_seq *s, int len);
+/* Cache compaction: slot start+keep[i] moves to start+i (keep strictly increasing,
+ * all inside the written slots), then the sequence length becomes start+n_keep. */
+kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep);
+/* Read the cached latent rows [row0, row0+n) of one layer as fp32:
+ * n x (kv_lora_rank + qk_rope_dim), c_kv then roped k_pe. For tests and tools. */
+kd_status kd_seq_read_cache(kd_seq *s, int layer, int row0, int n, float *dst);
+
+/* ---- sampling (counter-based RNG keyed by seed and absolute position) ---- */
+typedef struct kd_sampler {
+    float temperature;       /* <= 0: greedy argmax */
+    int top_k;               /* <= 0: off */
+    float top_p;             /* >= 1 or <= 0: off */
+    uint64_t seed;
+} kd_sampler;
+/* One token per output row of the last forward; row i's token is drawn with the
+ * key (seed, positions[i]) where positions[i] is the absolute position of the token
+ * being produced (row position + 1). */
+kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *positions, int32_t *dst);
+/* The same rule on a host row of logits, for tests and Lua drafters. */
+kd_status kd_sample_logits(const float *logits, int vocab, const kd_sampler *sp,
+                           int32_t position, int32_t *dst);
+
+/* ---- DDTree primitives ---- */
+kd_status kd_tree_new(kd_tree **out);
+void kd_tree_free(kd_tree *t);
+/* Algorithm 1 (DDTree): K = min(budget, V) per depth, best-first in double
+ * precision, ties by rank tuple, nodes in pop order, root = node 0.
+ * scores: L x V draft logits (is_logprobs = 0) or log-probs (is_logprobs = 1). */
+kd_status kd_tree_build(kd_tree *t, const float *scores, int L, int V, int budget, int is_logprobs);
+/* A chain root -> tokens[0] -> tokens[1] ... (the DFlash policy). */
+kd_status kd_tree_set_chain(kd_tree *t, const int32_t *tokens, int n);
+kd_status kd_tree_set_root(kd_tree *t, int32_t token);
+int kd_tree_size(const kd_tree *t);                           /* drafted nodes, root excluded */
+/* arrays of 1+size entries, index 0 = root (parent -1, depth 0) */
+kd_status kd_tree_nodes(const kd_tree *t, int32_t *tokens, int32_t *parents, int32_t *depths);
+/* the ancestor-only visibility mask, (1+size) rows of ceil((1+size)/64) words */
+kd_status kd_tree_visibility(const kd_tree *t, uint64_t *dst);
+/* one target pass over root + nodes at positions len + depth, ancestor-only mask */
+kd_status kd_verify(kd_seq *s, kd_tree *t);
+/* one target token per node (greedy when sp is NULL or temperature <= 0), walk
+ * from the root; accepted: node ids of the path (root first), *n_accepted = tau. */
+kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accepted_nodes,
+                    int32_t *accepted_tokens, int *n_accepted, int32_t *bonus);
+/* compact the KV to the accepted path, hand its tap features to the drafter
+ * context, advance the sequence by tau */
+kd_status kd_commit(kd_seq *s, kd_tree *t);
+
+/* ---- DFlash drafter ---- */
+typedef struct kd_drafter_info {
+    int n_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate, block_size, mask_token_id;
+    int n_taps, taps[16];
+} kd_drafter_info;
+kd_status kd_drafter_open(const char *dir, kd_model *target, kd_drafter **out);
+void kd_drafter_close(kd_drafter *d);
+kd_status kd_drafter_get_info(const kd_drafter *d, kd_drafter_info *out);
+/* bind a drafter to a sequence: from now on the sequence keeps the tap features
+ * of its committed tokens as the drafter's context */
+kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d);
+/* one draft pass over [bonus, MASK x (bs-1)] at positions len..len+bs-1;
+ * writes (bs-1) x vocab log-probs to dst when dst is not NULL */
+kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst);
+/* build the DDTree from the last draft's log-probs, on the backend */
+kd_status kd_tree_build_drafted(kd_tree *t, kd_seq *s, int budget);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

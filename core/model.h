@@ -1,0 +1,97 @@
+/* model.h: the target model (DeepSeek-V3 / Kimi K2.x) as the core sees it:
+ * its config, its weights, a sequence with its latent KV cache. */
+#ifndef KD_MODEL_H
+#define KD_MODEL_H
+#include "backend.h"
+#include "safetensors.h"
+
+/* Everything read from config.json (+ generation_config.json); never hard-coded. */
+typedef struct kd_config {
+    int vocab, hidden, n_layers, first_k_dense, moe_layer_freq;
+    int n_heads, q_lora_rank, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim;
+    int intermediate, moe_intermediate, n_experts, n_experts_per_tok, n_shared_experts;
+    int n_group, topk_group;
+    bool norm_topk_prob, tie_embeddings;
+    float routed_scaling_factor, rms_norm_eps;
+    float q_a_norm_eps, kv_a_norm_eps;       /* HF builds these norms with eps 1e-6 (see docs/formats.md) */
+    int max_positions;
+    /* RoPE / YaRN */
+    float rope_theta;
+    bool yarn;
+    float yarn_factor, yarn_beta_fast, yarn_beta_slow, yarn_mscale, yarn_mscale_all_dim;
+    int yarn_original_max_positions;
+    float softmax_scale;                      /* qk_head_dim^-0.5 * mscale^2 under YaRN */
+    float rope_attn_factor;                   /* cos/sin amplitude */
+    /* quantization (compressed-tensors pack-quantized) */
+    bool experts_int4;
+    int quant_bits, quant_group;
+    char **quant_ignore;                      /* the ignore list, as written */
+    int n_quant_ignore;
+    /* checkpoint naming */
+    char prefix[32];                          /* "" or "language_model." */
+    int n_eos, eos[8], bos;
+} kd_config;
+
+/* Parse DIR/config.json (+ generation_config.json when present) and validate it. */
+kd_status kd_config_load(const char *dir, kd_config *cfg);
+void kd_config_free(kd_config *cfg);
+/* YaRN/plain inverse frequencies for `dim` rotary dims (host array of dim/2). */
+void kd_rope_inv_freq(const kd_config *cfg, int dim, float *inv_freq);
+
+typedef struct kd_layer {
+    kd_weight attn_norm, ffn_norm;
+    kd_weight q_a, q_a_norm, q_b, q_proj;     /* q_proj when q_lora_rank == 0, else q_a/q_a_norm/q_b */
+    kd_weight kv_a, kv_a_norm, kv_b, o_proj;
+    bool is_moe;
+    kd_weight mlp_gate, mlp_up, mlp_down;     /* dense layer MLP, or the shared experts of a MoE layer */
+    kd_weight router, router_bias;            /* router bias: f32 [n_experts] */
+    kd_experts experts;
+} kd_layer;
+
+struct kd_model {
+    kd_config cfg;
+    kd_backend *be;
+    kd_st_set files;                          /* the mapped checkpoint */
+    kd_weight embed, final_norm, lm_head;
+    kd_layer *layers;
+    float *rope_inv_freq;                     /* backend memory, qk_rope_dim/2 */
+    kd_rope rope;
+    char dir[1024];
+    int n_seqs;                               /* open sequences (a model outlives them) */
+};
+
+/* Load all weights of cfg from the mapped set into m (shapes and dtypes checked). */
+kd_status kd_model_load_weights(kd_model *m);
+
+/* The sequence. The cache is one buffer per layer, rows = capacity,
+ * cols = kv_lora_rank + qk_rope_dim (c_kv then roped k_pe). */
+typedef enum kd_seq_phase { KD_PHASE_IDLE, KD_PHASE_VERIFIED, KD_PHASE_ACCEPTED } kd_seq_phase;
+
+struct kd_drafter;
+typedef struct kd_draft_state kd_draft_state;   /* the drafter's per-sequence state (drafter.c) */
+
+struct kd_seq {
+    kd_model *model;
+    int capacity, len, pending;    /* pending: rows written by a masked forward, not committed */
+    kd_act *cache;                 /* n_layers */
+    /* outputs of the last forward */
+    int out_rows, out_cap;
+    kd_act logits;                 /* [out_cap, vocab] f32 */
+    kd_act taps;                   /* [out_cap, n_taps*hidden] act dtype (when a drafter is attached) */
+    int32_t *out_positions;        /* host copy of the positions of the last forward */
+    /* scratch activations, sized for out_cap rows */
+    void *scratch;
+    size_t scratch_bytes;
+    /* DDTree round state */
+    kd_seq_phase phase;
+    int32_t accepted[1024];
+    int n_accepted;
+    /* the attached drafter */
+    struct kd_drafter *drafter;
+    kd_draft_state *draft;
+};
+
+/* Model forward over n tokens (internal form of kd_forward; taps_rows: which layer outputs to keep). */
+kd_status kd_model_forward(kd_seq *s, const int32_t *tokens, int n, const int32_t *positions,
+                           const uint64_t *visible);
+#endif

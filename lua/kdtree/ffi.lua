@@ -1,0 +1,46 @@
+-- ffi.lua: loads libkdtree through the LuaJIT FFI.
+-- The declarations come from core/kdtree.h itself (FFI-clean by design: we drop
+-- the preprocessor lines), so the binding can never drift from the C API.
+local ffi = require("ffi")
+
+local here = debug.getinfo(1, "S").source:match("^@(.*)/kdtree/ffi%.lua$") or "."
+
+local function first_existing(paths)
+  for _, p in ipairs(paths) do
+    local f = io.open(p, "r")
+    if f then f:close(); return p end
+  end
+end
+
+local header = first_existing({
+  os.getenv("KDTREE_HEADER") or "",
+  here .. "/../core/kdtree.h",                 -- source tree: lua/ beside core/
+  here .. "/../../../include/kdtree.h",        -- installed: PREFIX/share/lua/5.1 -> PREFIX/include
+  "/usr/local/include/kdtree.h", "/usr/include/kdtree.h",
+})
+if not header then error("kdtree: cannot find kdtree.h (set KDTREE_HEADER)") end
+
+local text = assert(io.open(header)):read("*a")
+local decls = {}
+for line in text:gmatch("[^\n]*") do
+  if not line:match("^%s*#") and not line:match('^%s*extern "C"') then decls[#decls + 1] = line end
+end
+-- drop the closing brace of the C++ guard block, if any survived
+ffi.cdef((table.concat(decls, "\n"):gsub('\n}%s*$', "\n")))
+
+local lib_path = first_existing({
+  os.getenv("KDTREE_LIB") or "",
+  here .. "/../build/libkdtree.so",
+  here .. "/../../../lib/libkdtree.so",
+})
+local C = ffi.load(lib_path or "kdtree")
+
+-- check(st, what): turn a failing kd_status into a Lua error carrying kd_last_error()
+local function check(st, what)
+  if st ~= 0 then
+    local msg = ffi.string(C.kd_last_error())
+    error(string.format("kdtree: %s failed (%s): %s", what, ffi.string(C.kd_status_name(st)), msg), 3)
+  end
+end
+
+return { C = C, ffi = ffi, check = check, header = header }
