@@ -30,7 +30,7 @@ endif
 
 LUAJIT  := luajit
 BUSTED  := $(LUAJIT) /usr/bin/busted
-DEB_PKGS := luajit libluajit-5.1-dev lua-busted libcjson-dev libreadline8
+DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libreadline8
 
 .PHONY: all test test-gpu run bench deps install clean
 all: $(BUILD)/libkdtree.so

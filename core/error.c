@@ -45,3 +45,10 @@ const char *kd_status_name(kd_status s) {
 }
 
 const char *kd_version(void) { return "0.1.0"; }
+
+#include <time.h>
+uint64_t kd_time_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}

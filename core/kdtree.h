@@ -45,6 +45,7 @@ const char *kd_last_error(void);
 const char *kd_status_name(kd_status s);
 const char *kd_version(void);
 int kd_backend_available(kd_backend_kind kind);
+uint64_t kd_time_ns(void);               /* monotonic clock, for per-stage timing */
 
 /* ---- model ---- */
 typedef struct kd_model_options {
