@@ -1,0 +1,64 @@
+-- model.lua: the target model object (kd_model).
+local K = require("kdtree.ffi")
+local H = require("kdtree.handle")
+local U = require("kdtree.util")
+local ffi, C, check = K.ffi, K.C, K.check
+
+local Model = {}
+Model.__index = Model
+Model.__tostring = function(m)
+  if rawget(m, "_h") == nil then return "kdtree.model (closed)" end
+  local i = m.info
+  return string.format("kdtree.model(%s, %d layers, hidden %d, vocab %d, %s)", m.dir, i.n_layers,
+    i.hidden, i.vocab, i.backend)
+end
+
+local function free_model(p) C.kd_model_close(p) end
+
+-- Model.open(dir, opts): opts.backend = "cpu" | "cuda" (default env KDTREE_BACKEND or "cpu"),
+-- opts.device, opts.n_devices
+function Model.open(dir, opts)
+  opts = opts or {}
+  if type(dir) ~= "string" then error("kdtree: open_model: expected a directory path, got " .. type(dir), 2) end
+  local bname = opts.backend or os.getenv("KDTREE_BACKEND") or "cpu"
+  local bk = U.BACKENDS[bname]
+  if bk == nil then
+    error(string.format("kdtree: open_model: backend: expected \"cpu\" or \"cuda\", got %q", tostring(bname)), 2)
+  end
+  local o = ffi.new("kd_model_options")
+  o.backend = bk
+  o.device = opts.device or 0
+  o.n_devices = opts.n_devices or 1
+  local out = ffi.new("kd_model*[1]")
+  check(C.kd_model_open(dir, o, out), "kd_model_open(" .. dir .. ")")
+  local st, h = H.own(out[0], "kd_model*", free_model, "model")
+  local ci = ffi.new("kd_model_info")
+  local m = setmetatable({ _h = h, _st = st, dir = dir }, Model)
+  local ok, err = pcall(function() check(C.kd_model_get_info(h, ci), "kd_model_get_info") end)
+  if not ok then H.close(m); error(err, 0) end
+  m.info = U.model_info(ci)
+  return m
+end
+
+function Model:handle() return H.get(self, "model") end
+function Model:is_closed() return rawget(self, "_h") == nil end
+
+-- a new sequence with room for `capacity` tokens (committed + pending tree nodes)
+function Model:new_seq(capacity)
+  local Seq = require("kdtree.seq")
+  return Seq.new(self, capacity)
+end
+
+-- refresh info (bytes_weights may change as the backend allocates)
+function Model:get_info()
+  local ci = ffi.new("kd_model_info")
+  check(C.kd_model_get_info(H.get(self, "model"), ci), "kd_model_get_info")
+  self.info = U.model_info(ci)
+  return self.info
+end
+
+-- closing marks the model closed for Lua; the weights are freed at once, or when
+-- the last sequence / drafter using them is closed
+function Model:close() H.close(self) end
+
+return Model
