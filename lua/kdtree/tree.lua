@@ -151,6 +151,12 @@ function Tree:dump(out)
 end
 
 -- ---- module functions (kd.tree.*) ----
+-- any accepted score form (L x V table, or {data=, L=, V=}) -> {data = float* cdata, L =, V =}
+function M.rows(scores)
+  local a, L, V = score_array(scores)
+  return { data = a, L = L, V = V }
+end
+
 function M.build(scores, budget, opts)
   local t = M.new()
   local ok, err = pcall(t.build, t, scores, budget, opts)

@@ -1,0 +1,98 @@
+-- generate.lua: what every decoding policy shares: options, the first token after the
+-- prefill, the stopping rule, per-round stats, and a dispatcher.
+--
+--   local gen = require("kdtree.generate")
+--   local r = gen.run(m, {5, 77, 300}, {policy = "ddtree", drafter = d, budget = 16, n = 32})
+--   r.tokens    -- generated ids (the prompt excluded), at most n, ending at an eos id if one came
+--   r.rounds    -- one entry per decoding step/round: {tau=, size=, ns = {stage = ns, ...}}
+local kd = require("kdtree")
+
+local G = {}
+
+-- normalise a policy's options: n, sampler (nil = greedy), eos set, capacity
+function G.options(m, prompt, opts)
+  opts = opts or {}
+  if type(prompt) ~= "table" or #prompt == 0 then
+    error("kdtree: generate: prompt: expected a non-empty list of token ids", 3)
+  end
+  local o = {}
+  for k, v in pairs(opts) do o[k] = v end
+  o.n = opts.n or 16
+  if type(o.n) ~= "number" or o.n < 0 or o.n ~= math.floor(o.n) then
+    error("kdtree: generate: n: expected a non-negative integer, got " .. tostring(opts.n), 3)
+  end
+  local sp = opts.sampler
+  if sp and (sp.temperature or 0) > 0 then o.sampler = sp else o.sampler = nil end
+  -- eos: true (default) = the model's eos ids, false = none, or a list of ids
+  o.eos_set = {}
+  local eos = opts.eos
+  if eos == nil or eos == true then eos = m.info.eos elseif eos == false then eos = {} end
+  for _, id in ipairs(eos) do o.eos_set[id] = true end
+  return o
+end
+
+-- the token the last output row produces (greedy, or a keyed sample at its position)
+function G.last_token(s, sampler)
+  local ids = sampler and s:sample(sampler) or s:argmax()
+  return ids[#ids]
+end
+
+-- append tokens to out, honouring n and eos; returns true when generation is over
+function G.push(out, toks, o)
+  for _, t in ipairs(toks) do
+    if #out >= o.n then return true end
+    out[#out + 1] = t
+    if o.eos_set[t] then out.stop = "eos"; return true end
+  end
+  return #out >= o.n
+end
+
+-- a tiny stage timer: local tm = G.timer(); ...; tm("draft"); ...; tm("verify"); tm.ns
+function G.timer()
+  local t0 = kd.now_ns()
+  local ns = {}
+  return setmetatable({ ns = ns }, { __call = function(self, stage)
+    local t1 = kd.now_ns()
+    ns[stage] = (ns[stage] or 0) + (t1 - t0)
+    t0 = t1
+  end })
+end
+
+-- the result every policy returns
+function G.result(out, rounds, prefill_ns, t_start)
+  return { tokens = out, rounds = rounds, stop = out.stop or "n", prefill_ns = prefill_ns,
+           total_ns = kd.now_ns() - t_start }
+end
+
+-- aggregate stats: rounds, mean tau, ns per stage, decode tokens/s
+function G.summary(res)
+  local s = { rounds = #res.rounds, tokens = #res.tokens, ns = {}, prefill_ns = res.prefill_ns }
+  local tau_sum, size_sum, decode_ns = 0, 0, 0
+  for _, r in ipairs(res.rounds) do
+    tau_sum = tau_sum + (r.tau or 1)
+    size_sum = size_sum + (r.size or 0)
+    for k, v in pairs(r.ns or {}) do
+      s.ns[k] = (s.ns[k] or 0) + v
+      decode_ns = decode_ns + v
+    end
+  end
+  s.mean_tau = #res.rounds > 0 and tau_sum / #res.rounds or 0
+  s.mean_size = #res.rounds > 0 and size_sum / #res.rounds or 0
+  s.decode_ns = decode_ns
+  s.tok_per_s = decode_ns > 0 and (#res.tokens - 1) / (decode_ns * 1e-9) or 0
+  return s
+end
+
+-- run a policy by name ("ar", "dflash", "ddtree") or policy table
+function G.run(m, prompt, opts)
+  opts = opts or {}
+  local p = opts.policy or "ar"
+  if type(p) == "string" then
+    local ok, mod = pcall(require, "kdtree.policy." .. p)
+    if not ok then error("kdtree: generate: policy: expected ar, dflash or ddtree, got " .. p, 2) end
+    p = mod
+  end
+  return p.generate(m, prompt, opts)
+end
+
+return G
