@@ -17,7 +17,7 @@ local function free_drafter(p) C.kd_drafter_close(p) end
 
 function Drafter.open(dir, model)
   if type(dir) ~= "string" then error("kdtree: open_drafter: expected a directory path, got " .. type(dir), 2) end
-  if type(model) ~= "table" or model._st == nil then
+  if getmetatable(model) ~= require("kdtree.model") then
     error("kdtree: open_drafter: expected a target model (kd.open_model) as 2nd argument", 2)
   end
   local mh = H.get(model, "model")
