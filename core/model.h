@@ -30,6 +30,7 @@ typedef struct kd_config {
     /* checkpoint naming */
     char prefix[32];                          /* "" or "language_model." */
     int n_eos, eos[8], bos;
+    bool yarn_truncate;                       /* HF rope_parameters.truncate (default true): floor/ceil the ramp */
 } kd_config;
 
 /* Parse DIR/config.json (+ generation_config.json when present) and validate it. */
@@ -58,7 +59,14 @@ struct kd_model {
     kd_rope rope;
     char dir[1024];
     int n_seqs;                               /* open sequences (a model outlives them) */
+    bool closing;                             /* kd_model_close was called while n_seqs > 0 */
 };
+
+/* Reference counting (model_load.c): kd_seq_new / kd_drafter_open take a reference with
+ * m->n_seqs++; kd_seq_free / kd_drafter_close give it back with kd_model_unref(m), which
+ * decrements n_seqs and frees the model when kd_model_close was called meanwhile and this
+ * was the last reference. kd_model_close frees at once when n_seqs == 0. */
+void kd_model_unref(kd_model *m);
 
 /* Load all weights of cfg from the mapped set into m (shapes and dtypes checked). */
 kd_status kd_model_load_weights(kd_model *m);
