@@ -1,0 +1,34 @@
+/* forward.h: the scratch plan of a sequence, shared by seq.c (which allocates it)
+ * and model.c (which runs the forward in it). Private to the core.
+ *
+ * FlashInfer-style: the layout is planned once on the host for `rows` tokens per
+ * forward (the sequence's out_cap) and allocated once in backend memory by
+ * kd_seq_new; a forward never allocates. Every region is 256-byte aligned. */
+#ifndef KD_FORWARD_H
+#define KD_FORWARD_H
+#include "model.h"
+
+/* the most tokens one forward chunk holds (out_cap <= this) */
+enum { KD_SEQ_MAX_ROWS = 1024 };
+
+typedef struct kd_fwd_plan {
+    int rows;                 /* tokens per forward chunk (the sequence's out_cap) */
+    int words;                /* uint64 words per visibility row: ceil(rows / 64) */
+    /* byte offsets into s->scratch */
+    size_t ids, pos, vis, idx;            /* int32 [rows], int32 [rows], uint64 [rows*words], int32 [rows] */
+    size_t x, h, t1, t2;                  /* [rows, hidden]: residual, normed input, two block outputs */
+    size_t qa;                            /* [rows, q_lora_rank] (q_lora only) */
+    size_t q;                             /* [rows, H*(dn+dr)] */
+    size_t kva;                           /* [rows, r+dr] */
+    size_t qfull;                         /* [rows, H*(r+dr)]: per head [q_lat | q_pe], the MQA query */
+    size_t lat;                           /* [rows, H*r]: q_lat, then reused for o_lat */
+    size_t o;                             /* [rows, H*dv] */
+    size_t gate, up;                      /* [rows, max(intermediate, shared width)] */
+    size_t tmp;                           /* [rows, r+dr] fp32-sized: compaction and read_cache staging */
+    size_t bytes;
+} kd_fwd_plan;
+
+void kd_fwd_plan_make(const kd_model *m, int rows, kd_fwd_plan *p);
+/* the scratch region at byte offset off as an activation view [rows, cols] (ld = cols) */
+kd_act kd_fwd_act(const kd_seq *s, size_t off, int rows, int cols, kd_dtype dt);
+#endif

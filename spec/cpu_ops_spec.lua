@@ -1,0 +1,481 @@
+-- cpu_ops_spec.lua: every op of the CPU backend against a reference written here in Lua
+-- (double precision, from the definitions in core/backend.h and the HF DeepseekV3 code),
+-- on random data. Errors are reported as max |engine - ref| / max |ref|; the engine
+-- computes in fp32, so 1e-5 relative is the bar (typical values are ~1e-7).
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
+local B = require("helpers.backend")
+local ffi, C = B.ffi, B.C
+
+local TOL = 1e-5
+
+local function randn()
+  -- Box-Muller on math.random (seeded per test, deterministic under LuaJIT)
+  local u1, u2 = math.random(), math.random()
+  return math.sqrt(-2 * math.log(u1 + 1e-300)) * math.cos(2 * math.pi * u2)
+end
+
+local function floats(n, f)
+  local a = ffi.new("float[?]", n)
+  for i = 0, n - 1 do a[i] = f(i) end
+  return a
+end
+
+-- relative error of engine floats e (cdata, ld) against a Lua ref table rows x cols
+local function rel_err(e, ld, ref)
+  local maxd, maxr = 0, 0
+  for r = 1, #ref do
+    for c = 1, #ref[r] do
+      local d = math.abs(e[(r - 1) * ld + (c - 1)] - ref[r][c])
+      if d ~= d then return math.huge end
+      if d > maxd then maxd = d end
+      if math.abs(ref[r][c]) > maxr then maxr = math.abs(ref[r][c]) end
+    end
+  end
+  return maxd / math.max(maxr, 1e-30)
+end
+
+local function ok(be, st)
+  if st ~= 0 then error(ffi.string(C.kd_last_error()), 2) end
+end
+
+-- x as a Lua table (exact fp32 values) and as cdata
+local function rand_act(rows, cols, scale)
+  scale = scale or 1
+  local data = floats(rows * cols, function() return randn() * scale end)
+  local t = {}
+  for r = 1, rows do
+    t[r] = {}
+    for c = 1, cols do t[r][c] = tonumber(data[(r - 1) * cols + c - 1]) end
+  end
+  return data, t
+end
+
+-- ---- INT4 pack-quantized (compressed-tensors), written from the format notes ----
+-- q in [-8, 7] -> u = q + 8; word j of a row holds elements 8j..8j+7, element 8j+i in bits [4i, 4i+3]
+local function int4_weight(name, rows, cols, group)
+  local words = ffi.new("int32_t[?]", rows * cols / 8)
+  local scales = ffi.new("uint16_t[?]", rows * cols / group)
+  local dense = {}
+  for r = 0, rows - 1 do
+    local row = {}
+    local sc = {}
+    for g = 0, cols / group - 1 do
+      local h = B.f32_to_bf16(0.01 + 0.05 * math.random())
+      scales[r * (cols / group) + g] = h
+      sc[g] = B.bf16_to_f32(h)
+    end
+    for j = 0, cols / 8 - 1 do
+      local word = 0
+      for i = 0, 7 do
+        local q = math.random(-8, 7)
+        word = bit.bor(word, bit.lshift(q + 8, 4 * i))
+        row[8 * j + i + 1] = q * sc[math.floor((8 * j + i) / group)]
+      end
+      words[r * (cols / 8) + j] = word
+    end
+    dense[r + 1] = row
+  end
+  local w = ffi.new("kd_weight")
+  local cname = ffi.new("char[?]", #name + 1, name)
+  w.name, w.format, w.rows, w.cols, w.group, w.src, w.src_scale = cname, C.KD_W_INT4, rows, cols, group, words, scales
+  return { w = w, vals = dense, _keep = { words, scales, cname } }
+end
+
+local function matmul_t(x, wv)        -- x [T][k], wv [n][k] -> [T][n]
+  local out = {}
+  for t = 1, #x do
+    out[t] = {}
+    for o = 1, #wv do
+      local s = 0
+      for i = 1, #x[t] do s = s + x[t][i] * wv[o][i] end
+      out[t][o] = s
+    end
+  end
+  return out
+end
+
+describe("cpu backend ops", function()
+  local be
+  before_each(function()
+    math.randomseed(1234)
+    be = B.create("cpu")
+  end)
+
+  it("linear with bf16 weights matches a double reference", function()
+    local T, k, n = 5, 37, 11
+    local x, xt = rand_act(T, k)
+    local W = B.bf16_weight("w.bf16", n, k, function() return randn() * 0.2 end)
+    local out = ffi.new("float[?]", T * n)
+    ok(be, be.ops.linear(be, B.act(x, T, k), W.w, B.act(out, T, n)))
+    local e = rel_err(out, n, matmul_t(xt, W.vals))
+    assert.is_true(e < TOL, "relative error " .. e)
+  end)
+
+  it("INT4 pack-quantized weights: a Lua packer round-trips through the engine's dequant", function()
+    for _, case in ipairs({ { 24, 64, 32 }, { 9, 128, 32 }, { 7, 128, 64 }, { 5, 256, 128 } }) do
+      local n, k, group = case[1], case[2], case[3]
+      local T = 3
+      local x, xt = rand_act(T, k)
+      local W = int4_weight("w.int4", n, k, group)
+      local out = ffi.new("float[?]", T * n)
+      ok(be, be.ops.linear(be, B.act(x, T, k), W.w, B.act(out, T, n)))
+      local e = rel_err(out, n, matmul_t(xt, W.vals))
+      assert.is_true(e < TOL, ("group %d: relative error %g"):format(group, e))
+      -- one-hot rows read single weights back exactly: (nibble - 8) * scale
+      local eye = floats(k * k, function(i) return (i % (k + 1) == 0) and 1 or 0 end)
+      local dq = ffi.new("float[?]", k * n)
+      ok(be, be.ops.linear(be, B.act(eye, k, k), W.w, B.act(dq, k, n)))
+      for r = 1, n do
+        for c = 1, k do assert.are.equal(W.vals[r][c], dq[(c - 1) * n + (r - 1)]) end
+      end
+    end
+  end)
+
+  it("rejects an INT4 weight whose group does not divide its columns", function()
+    local W = int4_weight("model.layers.1.mlp.experts.0.up_proj", 4, 64, 32)
+    W.w.group = 24
+    local x = floats(64, function() return 1 end)
+    local out = ffi.new("float[4]")
+    local st = be.ops.linear(be, B.act(x, 1, 64), W.w, B.act(out, 1, 4))
+    assert.are_not.equal(0, tonumber(st))
+    assert.matches("up_proj", ffi.string(C.kd_last_error()))
+  end)
+
+  it("head_matmul, plain and transposed, matches per-head products", function()
+    local T, H, k, oc, wstride = 3, 3, 5, 7, 12
+    -- weight rows: per head wstride rows; plain uses rows [h*wstride+2, +k) (k x oc),
+    -- transposed uses rows [h*wstride+2, +oc) of k cols
+    local Wp = B.bf16_weight("kv_b", H * wstride, oc, function() return randn() end)
+    local Wt = B.bf16_weight("kv_bt", H * wstride, k, function() return randn() end)
+    local xstride = k + 2
+    local x, xt = rand_act(T, H * xstride)
+    local out = ffi.new("float[?]", T * H * oc)
+    ok(be, be.ops.head_matmul(be, B.act(x, T, H * xstride), H, xstride, k, Wp.w, wstride, 2, false,
+      B.act(out, T, H * oc), oc))
+    local ref = {}
+    for t = 1, T do
+      ref[t] = {}
+      for h = 0, H - 1 do
+        for c = 1, oc do
+          local s = 0
+          for i = 1, k do s = s + xt[t][h * xstride + i] * Wp.vals[h * wstride + 2 + i][c] end
+          ref[t][h * oc + c] = s
+        end
+      end
+    end
+    local e = rel_err(out, H * oc, ref)
+    assert.is_true(e < TOL, "plain: relative error " .. e)
+    ok(be, be.ops.head_matmul(be, B.act(x, T, H * xstride), H, xstride, k, Wt.w, wstride, 2, true,
+      B.act(out, T, H * oc), oc))
+    for t = 1, T do
+      for h = 0, H - 1 do
+        for c = 1, oc do
+          local s = 0
+          for i = 1, k do s = s + xt[t][h * xstride + i] * Wt.vals[h * wstride + 2 + c][i] end
+          ref[t][h * oc + c] = s
+        end
+      end
+    end
+    e = rel_err(out, H * oc, ref)
+    assert.is_true(e < TOL, "transposed: relative error " .. e)
+  end)
+
+  it("rmsnorm over whole rows and over head segments", function()
+    local T, d = 4, 6
+    for _, segs in ipairs({ 1, 3 }) do
+      local cols = d * segs
+      local x, xt = rand_act(T, cols, 3)
+      local W = B.bf16_weight("norm", d, 1, function() return 0.5 + math.random() end)
+      local out = ffi.new("float[?]", T * cols)
+      local eps = 1e-5
+      ok(be, be.ops.rmsnorm(be, B.act(x, T, cols), W.w, eps, B.act(out, T, cols)))
+      local ref = {}
+      for t = 1, T do
+        ref[t] = {}
+        for s = 0, segs - 1 do
+          local ss = 0
+          for i = 1, d do ss = ss + xt[t][s * d + i] ^ 2 end
+          local inv = 1 / math.sqrt(ss / d + eps)
+          for i = 1, d do ref[t][s * d + i] = W.vals[i][1] * xt[t][s * d + i] * inv end
+        end
+      end
+      local e = rel_err(out, cols, ref)
+      assert.is_true(e < TOL, segs .. " segments: relative error " .. e)
+    end
+  end)
+
+  it("rope: interleaved pairs (MLA) and rotate-half, on an offset inside each head", function()
+    local T, H, stride, off, dim = 3, 2, 10, 4, 6
+    local inv = floats(dim / 2, function(i) return 1 / (50000 ^ (2 * i / dim)) * (i == 2 and 0.125 or 1) end)
+    for _, interleaved in ipairs({ true, false }) do
+      local x, xt = rand_act(T, H * stride)
+      local pos = ffi.new("int32_t[3]", { 0, 7, 1234 })
+      local r = ffi.new("kd_rope")
+      r.dim, r.interleaved, r.attn_factor, r.inv_freq = dim, interleaved, 1.25, inv
+      ok(be, be.ops.rope(be, B.act(x, T, H * stride), H, stride, off, pos, r))
+      local ref = {}
+      for t = 1, T do
+        ref[t] = {}
+        for c = 1, H * stride do ref[t][c] = xt[t][c] end
+        for h = 0, H - 1 do
+          for i = 0, dim / 2 - 1 do
+            local ang = B.f32(pos[t - 1] * inv[i])          -- fp32 angle, as HF computes it
+            local cs, sn = math.cos(ang) * 1.25, math.sin(ang) * 1.25
+            local ia = interleaved and 2 * i or i
+            local ib = interleaved and 2 * i + 1 or i + dim / 2
+            local a, b = xt[t][h * stride + off + ia + 1], xt[t][h * stride + off + ib + 1]
+            ref[t][h * stride + off + ia + 1] = a * cs - b * sn
+            ref[t][h * stride + off + ib + 1] = b * cs + a * sn
+          end
+        end
+      end
+      local e = rel_err(x, H * stride, ref)
+      assert.is_true(e < TOL, (interleaved and "interleaved" or "rotate-half") .. ": relative error " .. e)
+    end
+  end)
+
+  -- attention reference: visibility exactly as backend.h states it
+  local function attn_ref(qt, H, hd, kt, vt, vcols, Hkv, past, causal, vis, words, window, scale, dv)
+    local T, S = #qt, #kt
+    local kstride, vstride = #kt[1] / Hkv, vcols / Hkv
+    local out = {}
+    for t = 1, T do
+      out[t] = {}
+      for h = 0, H - 1 do
+        local g = math.floor(h / (H / Hkv))
+        local sc, m = {}, -math.huge
+        for s = 0, S - 1 do
+          local see
+          if vis then
+            if s < past then see = true
+            elseif s - past >= T then see = false
+            else
+              local j = s - past
+              local w = vis[(t - 1) * words + math.floor(j / 64)]
+              see = bit.band(tonumber(bit.rshift(w, j % 64) % 2), 1) == 1
+            end
+          else
+            see = (not causal) or s <= past + t - 1
+          end
+          if window > 0 and (past + t - 1) - s >= window then see = false end
+          if see then
+            local d = 0
+            for i = 1, hd do d = d + qt[t][h * hd + i] * kt[s + 1][g * kstride + i] end
+            sc[s] = d * scale
+            if sc[s] > m then m = sc[s] end
+          end
+        end
+        local sum, o = 0, {}
+        for c = 1, dv do o[c] = 0 end
+        for s = 0, S - 1 do
+          if sc[s] then
+            local e = math.exp(sc[s] - m)
+            sum = sum + e
+            for c = 1, dv do o[c] = o[c] + e * vt[s + 1][g * vstride + c] end
+          end
+        end
+        for c = 1, dv do out[t][h * dv + c] = sum > 0 and o[c] / sum or 0 end
+      end
+    end
+    return out
+  end
+
+  it("attention: causal, full, bitmask and sliding window, MQA with a narrower value and GQA", function()
+    local cases = {
+      -- H, Hkv, hd, kcols, vcols, dv, T, past, mode, window
+      { 4, 1, 12, 12, 8, 8, 5, 3, "causal", 0 },     -- MLA-like: key = whole row, value = first 8 cols
+      { 4, 2, 6, 12, 10, 5, 4, 0, "full", 0 },        -- GQA, non-causal (drafter)
+      { 4, 1, 12, 12, 8, 8, 70, 2, "mask", 0 },       -- tree mask over >64 tokens (2 words per row)
+      { 2, 2, 4, 8, 8, 4, 6, 5, "causal", 4 },        -- sliding window
+      { 2, 1, 4, 4, 4, 4, 3, 2, "mask", 0 },          -- a token that sees only the past (empty mask row)
+    }
+    for ci, cs in ipairs(cases) do
+      local H, Hkv, hd, kc, vc, dv, T, past, mode, window = unpack(cs)
+      local S = past + T
+      local q, qt = rand_act(T, H * hd)
+      local kv, kvt = rand_act(S, kc)
+      local v, vt = rand_act(S, vc)
+      local vld = vc
+      if ci == 1 or ci == 3 or ci == 5 then v, vt, vld = kv, kvt, kc end   -- value = the first cols of the key rows
+      local words = math.ceil(T / 64)
+      local vis = nil
+      if mode == "mask" then
+        vis = ffi.new("uint64_t[?]", T * words)
+        local parent = {}
+        for i = 0, T - 1 do
+          parent[i] = i == 0 and -1 or math.random(0, i - 1)
+          -- ancestors + self
+          local a = i
+          while a >= 0 do
+            if not (ci == 5 and i == 1) then
+              local wi = i * words + math.floor(a / 64)
+              vis[wi] = bit.bor(vis[wi], bit.lshift(1ULL, a % 64))
+            end
+            a = parent[a]
+          end
+        end
+      end
+      local out = ffi.new("float[?]", T * H * dv)
+      ok(be, be.ops.attention(be, B.act(q, T, H * hd), H, hd, B.act(kv, S, kc), B.act(v, S, vc, vld), Hkv, past,
+        mode == "causal", vis, window, 0.3, B.act(out, T, H * dv)))
+      local ref = attn_ref(qt, H, hd, kvt, vt, vc, Hkv, past, mode == "causal", vis, words, window, 0.3, dv)
+      local e = rel_err(out, H * dv, ref)
+      assert.is_true(e < TOL, ("case %d (%s): relative error %g"):format(ci, mode, e))
+    end
+  end)
+
+  it("moe: sigmoid noaux_tc routing with group-limited top-k and the experts' weighted sum", function()
+    local T, D, I, n, topk, ng, tg = 6, 8, 6, 16, 4, 4, 2
+    local x, xt = rand_act(T, D)
+    local router = B.bf16_weight("mlp.gate.weight", n, D, function() return randn() end)
+    local bias = floats(n, function() return randn() * 0.3 end)
+    local gate, up, down = ffi.new("kd_weight[?]", n), ffi.new("kd_weight[?]", n), ffi.new("kd_weight[?]", n)
+    local keep, G, U, Dn = {}, {}, {}, {}
+    for e = 0, n - 1 do
+      G[e] = B.bf16_weight("g", I, D, function() return randn() * 0.3 end)
+      U[e] = B.bf16_weight("u", I, D, function() return randn() * 0.3 end)
+      Dn[e] = B.bf16_weight("d", D, I, function() return randn() * 0.3 end)
+      gate[e], up[e], down[e] = G[e].w, U[e].w, Dn[e].w
+    end
+    for _, norm in ipairs({ true, false }) do
+      local ex = ffi.new("kd_experts")
+      ex.n, ex.top_k, ex.n_group, ex.topk_group = n, topk, ng, tg
+      ex.norm_topk_prob, ex.routed_scaling_factor = norm, 2.5
+      ex.router, ex.bias, ex.gate, ex.up, ex.down = router.w, bias, gate, up, down
+      local out = ffi.new("float[?]", T * D)
+      ok(be, be.ops.moe(be, B.act(x, T, D), ex, B.act(out, T, D)))
+      -- reference (HF DeepseekV3TopkRouter + DeepseekV3Experts)
+      local ref = {}
+      for t = 1, T do
+        local s, choice = {}, {}
+        for e = 1, n do
+          local l = 0
+          for i = 1, D do l = l + xt[t][i] * router.vals[e][i] end
+          s[e] = 1 / (1 + math.exp(-l))
+          choice[e] = s[e] + bias[e - 1]
+        end
+        local per = n / ng
+        local gsc = {}
+        for g = 0, ng - 1 do
+          local vals = {}
+          for e = g * per + 1, (g + 1) * per do vals[#vals + 1] = choice[e] end
+          table.sort(vals, function(a, b) return a > b end)
+          gsc[g] = vals[1] + vals[2]
+        end
+        local order = {}
+        for g = 0, ng - 1 do order[#order + 1] = g end
+        table.sort(order, function(a, b) return gsc[a] > gsc[b] end)
+        local kept = {}
+        for j = 1, tg do kept[order[j]] = true end
+        for e = 1, n do if not kept[math.floor((e - 1) / per)] then choice[e] = -math.huge end end
+        local ids = {}
+        for e = 1, n do ids[e] = e end
+        table.sort(ids, function(a, b) return choice[a] > choice[b] end)
+        local sel, wsum = {}, 0
+        for j = 1, topk do sel[j] = ids[j]; wsum = wsum + s[ids[j]] end
+        ref[t] = {}
+        for c = 1, D do ref[t][c] = 0 end
+        table.sort(sel)
+        for _, e in ipairs(sel) do
+          local w = s[e]
+          if norm then w = w / (wsum + 1e-20) end
+          w = w * 2.5
+          local h = {}
+          for j = 1, I do
+            local g, u = 0, 0
+            for i = 1, D do
+              g = g + xt[t][i] * G[e - 1].vals[j][i]
+              u = u + xt[t][i] * U[e - 1].vals[j][i]
+            end
+            h[j] = g / (1 + math.exp(-g)) * u
+          end
+          for c = 1, D do
+            local d = 0
+            for j = 1, I do d = d + h[j] * Dn[e - 1].vals[c][j] end
+            ref[t][c] = ref[t][c] + w * d
+          end
+        end
+      end
+      local e = rel_err(out, D, ref)
+      assert.is_true(e < TOL, (norm and "normalized" or "unnormalized") .. ": relative error " .. e)
+    end
+  end)
+
+  it("log_softmax, argmax and top-k (equal values: lower id first)", function()
+    local x = floats(2 * 7, function(i) return ({ 1, 5, 3, 5, -2, 0, 5, 2, 2, 9, 1, 9, 9, -1 })[i + 1] end)
+    local ids = ffi.new("int32_t[2]")
+    ok(be, be.ops.argmax(be, B.act(x, 2, 7), ids))
+    assert.are.same({ 1, 2 }, { ids[0], ids[1] })
+    local vals, tid = ffi.new("float[8]"), ffi.new("int32_t[8]")
+    ok(be, be.ops.topk(be, B.act(x, 2, 7), 4, vals, tid))
+    assert.are.same({ 1, 3, 6, 2, 2, 4, 5, 0 }, { tid[0], tid[1], tid[2], tid[3], tid[4], tid[5], tid[6], tid[7] })
+    assert.are.same({ 5, 5, 5, 3 }, { vals[0], vals[1], vals[2], vals[3] })
+    local big, bt = rand_act(3, 1000)
+    local bv, bi = ffi.new("float[?]", 3 * 50), ffi.new("int32_t[?]", 3 * 50)
+    ok(be, be.ops.topk(be, B.act(big, 3, 1000), 50, bv, bi))
+    for r = 1, 3 do
+      local order = {}
+      for c = 1, 1000 do order[c] = c - 1 end
+      table.sort(order, function(a, b) return bt[r][a + 1] > bt[r][b + 1] end)
+      for j = 1, 50 do assert.are.equal(order[j], bi[(r - 1) * 50 + j - 1]) end
+    end
+    ok(be, be.ops.log_softmax(be, B.act(big, 3, 1000)))
+    local ref = {}
+    for r = 1, 3 do
+      local m, s = -math.huge, 0
+      for c = 1, 1000 do m = math.max(m, bt[r][c]) end
+      for c = 1, 1000 do s = s + math.exp(bt[r][c] - m) end
+      ref[r] = {}
+      for c = 1, 1000 do ref[r][c] = bt[r][c] - m - math.log(s) end
+    end
+    local e = rel_err(big, 1000, ref)
+    assert.is_true(e < TOL, "log_softmax relative error " .. e)
+  end)
+
+  it("copy converts to bf16 with round-to-nearest-even, gather_rows moves rows, embed looks rows up", function()
+    local src = floats(4, function(i) return ({ 1.0, 1.00390625, 1.01171875, -3.3 })[i + 1] end)
+    local dst = ffi.new("uint16_t[4]")
+    local a = B.act(dst, 1, 4)
+    a.dtype = C.KD_BF16
+    ok(be, be.ops.copy(be, a, B.act(src, 1, 4)))
+    for i = 0, 3 do assert.are.equal(B.f32_to_bf16(src[i]), dst[i]) end
+    assert.are.equal(0x3f80, dst[1])            -- 1 + 2^-8 is a tie: rounds to even (1.0)
+    assert.are.equal(0x3f82, dst[2])            -- 1 + 3*2^-8: tie, rounds up to even
+    local back = ffi.new("float[4]")
+    ok(be, be.ops.copy(be, B.act(back, 1, 4), a))
+    assert.are.equal(B.bf16_to_f32(dst[3]), back[3])
+
+    local m, mt = rand_act(5, 3)
+    local g = ffi.new("float[9]")
+    local rows = ffi.new("int32_t[3]", { 4, 0, 2 })
+    ok(be, be.ops.gather_rows(be, B.act(g, 3, 3), B.act(m, 5, 3), rows, 3))
+    for i = 0, 2 do for c = 0, 2 do assert.are.equal(mt[rows[i] + 1][c + 1], g[i * 3 + c]) end end
+    rows[1] = 5
+    assert.are_not.equal(0, tonumber(be.ops.gather_rows(be, B.act(g, 3, 3), B.act(m, 5, 3), rows, 3)))
+
+    local E = B.bf16_weight("embed_tokens", 10, 4, function() return randn() end)
+    local ids = ffi.new("int32_t[2]", { 7, 3 })
+    local eo = ffi.new("float[8]")
+    ok(be, be.ops.embed(be, E.w, ids, B.act(eo, 2, 4)))
+    for c = 1, 4 do
+      assert.are.equal(E.vals[8][c], eo[c - 1])
+      assert.are.equal(E.vals[4][c], eo[4 + c - 1])
+    end
+  end)
+
+  it("swiglu and scale_add", function()
+    local g, gt = rand_act(2, 5)
+    local u, ut = rand_act(2, 5)
+    local o = ffi.new("float[10]")
+    ok(be, be.ops.swiglu(be, B.act(g, 2, 5), B.act(u, 2, 5), B.act(o, 2, 5)))
+    local ref = {}
+    for r = 1, 2 do
+      ref[r] = {}
+      for c = 1, 5 do ref[r][c] = gt[r][c] / (1 + math.exp(-gt[r][c])) * ut[r][c] end
+    end
+    assert.is_true(rel_err(o, 5, ref) < TOL)
+    ok(be, be.ops.scale_add(be, B.act(g, 2, 5), B.act(u, 2, 5), -0.5))
+    for r = 1, 2 do for c = 1, 5 do ref[r][c] = gt[r][c] - 0.5 * ut[r][c] end end
+    assert.is_true(rel_err(g, 5, ref) < TOL)
+  end)
+end)
