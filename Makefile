@@ -68,11 +68,13 @@ bench: all
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin \
-	  $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/policy $(DESTDIR)$(PREFIX)/share/kdtree/models
+	  $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/policy $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/drafters \
+	  $(DESTDIR)$(PREFIX)/share/kdtree/models
 	install -m 644 $(BUILD)/libkdtree.so $(DESTDIR)$(PREFIX)/lib/
 	install -m 644 core/kdtree.h $(DESTDIR)$(PREFIX)/include/
 	install -m 644 lua/kdtree/*.lua $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/
 	install -m 644 lua/kdtree/policy/*.lua $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/policy/
+	install -m 644 lua/kdtree/drafters/*.lua $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/drafters/
 	install -m 755 scripts/kdtree $(DESTDIR)$(PREFIX)/bin/kdtree
 	cp -r models/tiny-k2.6 models/tiny-k2.6-dflash $(DESTDIR)$(PREFIX)/share/kdtree/models/
 

@@ -181,32 +181,37 @@ describe("model, seq and tree handles", function()
     assert.is_true(st.freed)                  -- freed with its last sequence
   end)
 
+  -- objects are made in helper functions: LuaJIT's GC scans every slot of a live frame, so a
+  -- local set to nil can still be held by a stale temporary slot of the same function
   it("garbage collection frees in a safe order, whatever becomes garbage first", function()
-    do
+    local seq_holder = {}
+    local function make()
       local m2 = kd.open_model(MODEL)
-      local s = m2:new_seq(16)
-      local held_model = m2._st                -- keep the state table to observe it
-      m2 = nil                                 -- drop the model object: the seq still holds it
-      collectgarbage(); collectgarbage()
-      assert.is_false(held_model.freed)
-      s:forward(PROMPT)                        -- model weights are still there
-      assert.are.equal(5, s:len())
-      local st_model, st_seq = held_model, s._st
-      s = nil
-      collectgarbage(); collectgarbage()
-      assert.is_true(st_seq.freed)
-      assert.is_true(st_model.freed)
+      seq_holder.s = m2:new_seq(16)
+      return m2._st, seq_holder.s._st
     end
+    local st_model, st_seq = make()       -- the model object is garbage now; the seq holds it
+    collectgarbage(); collectgarbage()
+    assert.is_false(st_model.freed)
+    local function use() seq_holder.s:forward(PROMPT); return seq_holder.s:len() end
+    assert.are.equal(5, use())             -- the weights are still there
+    seq_holder.s = nil                     -- now both are garbage, collected in one cycle
+    collectgarbage(); collectgarbage()
+    assert.is_true(st_seq.freed)
+    assert.is_true(st_model.freed)
   end)
 
   it("many handles dropped without close are reclaimed by the GC", function()
-    local sts = {}
-    for i = 1, 50 do
+    local function make(i)
       local s = m:new_seq(8)
       s:forward({ i })
-      sts[i] = s._st
       local t = kd.tree.chain(i, { 1, 2, 3 })
-      sts[#sts + 1] = t._st
+      return s._st, t._st
+    end
+    local sts = {}
+    for i = 1, 50 do
+      local a, b = make(i)
+      sts[#sts + 1] = a; sts[#sts + 1] = b
     end
     collectgarbage(); collectgarbage()
     for _, st in ipairs(sts) do assert.is_true(st.freed) end

@@ -60,7 +60,9 @@ end
 
 -- the result every policy returns
 function G.result(out, rounds, prefill_ns, t_start)
-  return { tokens = out, rounds = rounds, stop = out.stop or "n", prefill_ns = prefill_ns,
+  local stop = out.stop or "n"
+  out.stop = nil
+  return { tokens = out, rounds = rounds, stop = stop, prefill_ns = prefill_ns,
            total_ns = kd.now_ns() - t_start }
 end
 

@@ -26,12 +26,15 @@ H.try_free = try_free
 
 -- H.own(ptr, ctype, free, kind, parents): returns (state, gc-anchored handle)
 function H.own(ptr, ctype, free, kind, parents)
-  local st = { ptr = ffi.cast(ctype, ptr), free = free, kind = kind, closed = false,
+  -- ffi.new, not ffi.cast: a cast to the same type returns the very same cdata object, and
+  -- st.ptr must not be the anchor (st is reachable from the anchor's finalizer, and a
+  -- finalizer that reaches its own cdata keeps it alive forever)
+  local st = { ptr = ffi.new(ctype, ptr), free = free, kind = kind, closed = false,
                freed = false, refs = 0, parents = {} }
   for _, p in ipairs(parents or {}) do H.depend(st, p) end
   -- the finalizer closes over st only (st.ptr is a plain pointer without a finalizer),
   -- so the anchor itself stays collectable
-  local anchor = ffi.gc(ffi.cast(ctype, ptr), function()
+  local anchor = ffi.gc(ffi.new(ctype, ptr), function()
     st.closed = true
     try_free(st)
   end)

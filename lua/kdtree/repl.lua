@@ -4,11 +4,11 @@
 -- cover one DDTree round step by step:
 --   load(dir)            open a target model as `m` (and a fresh sequence `s`)
 --   drafter(dir)         open a DFlash drafter as `d`, attached to `s`
---   prefill{5, 77, 300}  forward a prompt; returns the greedy next token (the bonus)
+--   prefill{5, 77, 300}  forward a prompt; sets `bonus` (the greedy next token)
 --   draft(bonus)         one draft pass -> `lp` (L x V log-probs)
 --   tree(budget)         build a tree from `lp` (or the drafted one) -> `t`, printed
 --   verify()             verify `t` on `s`
---   accept()             accept (greedy) -> {nodes, tokens, tau, bonus}; commit()
+--   accept()             accept (greedy) -> acc = {nodes, tokens, tau, bonus}; commit()
 --   round(budget)        draft + tree + verify + accept + commit in one go
 --   top(k, row)          the k most likely tokens of an output row of the last forward
 --   help()               this list
@@ -70,14 +70,12 @@ function R.env(opts)
     if E.m then pcall(function() E.s:close() end) end
     E.m = kd.open_model(dir, { backend = (o and o.backend) or opts.backend })
     E.s = E.m:new_seq((o and o.capacity) or 4096)
-    print(tostring(E.m))
     return E.m
   end
   function E.drafter(dir)
     assert(E.m, "load a model first: load(dir)")
     E.d = kd.open_drafter(dir, E.m)
     E.s:attach_drafter(E.d)
-    print(tostring(E.d))
     return E.d
   end
   function E.prefill(ids)
@@ -86,7 +84,6 @@ function R.env(opts)
     local a = E.s:argmax()
     E.bonus = a[#a]
     print(string.format("len %d, next token (bonus) %d", E.s:len(), E.bonus))
-    return E.bonus
   end
   function E.top(k, row)
     assert(E.s, "load a model first: load(dir)")
@@ -105,13 +102,12 @@ function R.env(opts)
       res[i] = { token = j - 1, logit = l[j], prob = math.exp(l[j] - mx) / z }
       print(string.format("  %2d. token %6d  logit %9.4f  p %.4f", i, j - 1, l[j], res[i].prob))
     end
-    return res
+    E.tops = res
   end
   function E.draft(bonus)
     bonus = bonus or E.bonus
     E.lp = E.s:draft(bonus)
     print(string.format("draft: %d x %d log-probs after bonus %d (lp)", E.lp.L, E.lp.V, bonus))
-    return E.lp
   end
   function E.tree(budget, scores)
     budget = budget or 16
@@ -122,13 +118,11 @@ function R.env(opts)
       E.t = kd.tree.build_drafted(E.s, budget)
     end
     print(E.t:dump())
-    return E.t
   end
   function E.verify() E.s:verify(E.t); print(string.format("verified %d nodes", E.t.n + 1)) end
   function E.accept(sampler)
     E.acc = E.s:accept(E.t, sampler)
     print(string.format("tau %d: tokens %s, bonus %d", E.acc.tau, table.concat(E.acc.tokens, " "), E.acc.bonus))
-    return E.acc
   end
   function E.commit()
     E.s:commit(E.t)
@@ -139,9 +133,8 @@ function R.env(opts)
     E.draft()
     E.tree(budget)
     E.verify()
-    local a = E.accept()
+    E.accept()
     E.commit()
-    return a
   end
   return E
 end
@@ -150,12 +143,12 @@ R.helptext = [[
   kd                    the kdtree module (kd.open_model, kd.tree.build, ...; docs/lua-api.md)
   load(dir)             open a target model as m, with a sequence s
   drafter(dir)          open a DFlash drafter as d and attach it to s
-  prefill{5, 77, 300}   forward a prompt; sets and returns the bonus (greedy next token)
-  top(k, row)           top-k tokens of an output row of the last forward (default: last row)
-  draft()               one draft pass after the bonus -> lp (L x V log-probs)
+  prefill{5, 77, 300}   forward a prompt; sets bonus (the greedy next token)
+  top(k, row)           top-k tokens of an output row of the last forward (default: last row) -> tops
+  draft()               one draft pass after bonus -> lp (L x V log-probs, lp:row(i))
   tree(budget)          DDTree from the drafted log-probs -> t (printed)
   tree(budget, rows)    ... or from any L x V log-prob rows (Lua drafters)
-  verify()  accept()  commit()    the rest of a round, step by step
+  verify()  accept()  commit()    the rest of a round, step by step (accept -> acc)
   round(budget)         a whole round
   show(v)               print a table readably
   quit with Ctrl-D or os.exit()

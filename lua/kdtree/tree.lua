@@ -103,10 +103,13 @@ function Tree:set_root(tok)
   return self:_sync()
 end
 
--- from the last s:draft of sequence s, on the backend
-function Tree:build_drafted(s, budget)
+-- from the last s:draft of sequence s, on the backend; the root is that draft's bonus token
+-- (or `root` when given)
+function Tree:build_drafted(s, budget, root)
   local h = H.get(self, "tree")
   check(C.kd_tree_build_drafted(h, H.get(s, "seq"), budget), "kd_tree_build_drafted")
+  root = root or rawget(s, "_draft_bonus")
+  if root ~= nil then check(C.kd_tree_set_root(h, root), "kd_tree_set_root") end
   return self:_sync()
 end
 
@@ -171,9 +174,9 @@ function M.chain(root, tokens)
   return t
 end
 
-function M.build_drafted(s, budget)
+function M.build_drafted(s, budget, root)
   local t = M.new()
-  local ok, err = pcall(t.build_drafted, t, s, budget)
+  local ok, err = pcall(t.build_drafted, t, s, budget, root)
   if not ok then t:close(); error(err, 0) end
   return t
 end
