@@ -1,0 +1,86 @@
+/* kdtree_testing.h: the op test surface (not part of the engine's API).
+ *
+ * Runs one backend op on host fp32 inputs and returns host fp32 outputs, on the CPU or
+ * the CUDA backend alike, so a spec can run the same op on both and compare. Inputs are
+ * converted to the backend's activation dtype on upload (f32 on CPU, bf16 on CUDA; round
+ * them to bf16 first with kd_test_round_bf16 so both backends see the same numbers);
+ * outputs are converted back to fp32. Weights are given as raw checkpoint bytes.
+ *
+ * FFI-clean like kdtree.h: LuaJIT's ffi.cdef reads it after kdtree.h (spec/helpers/ops.lua).
+ */
+#ifndef KDTREE_TESTING_H
+#define KDTREE_TESTING_H
+#include "kdtree.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kd_test_backend kd_test_backend;
+
+/* A weight in host memory, as a checkpoint stores it.
+ * format 0: bf16 [rows, cols] (data: uint16 bits); 1: f32 [rows, cols] (data: float);
+ * 2: INT4 compressed-tensors (data: int32 [rows, cols/8], low nibble first, nibble = q + 8;
+ *    scale: bf16 bits [rows, cols/group]). */
+typedef struct kd_test_weight {
+    int format;
+    int64_t rows, cols;
+    int group;
+    const void *data;
+    const void *scale;
+} kd_test_weight;
+
+/* kind: KD_BACKEND_CPU or KD_BACKEND_CUDA (device index for CUDA) */
+kd_status kd_test_backend_new(kd_backend_kind kind, int device, kd_test_backend **out);
+void kd_test_backend_free(kd_test_backend *tb);
+/* the activation dtype's element size: 4 (f32, CPU) or 2 (bf16, CUDA) */
+int kd_test_backend_act_bytes(const kd_test_backend *tb);
+
+/* host helpers: round fp32 values to the nearest bf16 (ties to even) in place; fp32 -> bf16 bits */
+void kd_test_round_bf16(float *x, size_t n);
+void kd_test_to_bf16(const float *x, uint16_t *bits, size_t n);
+
+/* ---- one op each; every array is host memory, row-major and dense ---- */
+/* src [rows, cols] f32 -> a dst_dtype buffer (0 f32, 1 f16, 2 bf16) -> back to f32 */
+kd_status kd_test_copy(kd_test_backend *tb, const float *src, int rows, int cols, int dst_dtype, float *out);
+kd_status kd_test_embed(kd_test_backend *tb, const kd_test_weight *table, const int32_t *ids, int n, float *out);
+/* out = x + s*y (use_scale = 0: the add op, s ignored) */
+kd_status kd_test_add(kd_test_backend *tb, const float *x, const float *y, int rows, int cols, float s,
+                      int use_scale, float *out);
+kd_status kd_test_swiglu(kd_test_backend *tb, const float *gate, const float *up, int rows, int cols, float *out);
+kd_status kd_test_rmsnorm(kd_test_backend *tb, const float *x, int rows, int cols, const kd_test_weight *w, float eps,
+                          float *out);
+/* x [rows, cols] roped in place on the device; pos [rows]; inv_freq [dim/2] */
+kd_status kd_test_rope(kd_test_backend *tb, const float *x, int rows, int cols, int n_heads, int head_stride,
+                       int offset, const int32_t *pos, int dim, int interleaved, float attn_factor,
+                       const float *inv_freq, float *out);
+/* inplace = 0: out [n, cols] = src rows idx[i]; inplace = 1: dst is rows [dst_row0, dst_row0+n) of the
+ * source buffer itself (KV compaction) and out receives the whole buffer [src_rows, cols] afterwards */
+kd_status kd_test_gather_rows(kd_test_backend *tb, const float *src, int src_rows, int cols, const int32_t *idx,
+                              int n, int inplace, int dst_row0, float *out);
+/* out [M, w.rows] = x [M, w.cols] w^T; out_f32: output buffer in f32 (else act dtype) */
+kd_status kd_test_linear(kd_test_backend *tb, const float *x, int M, const kd_test_weight *w, int out_f32, float *out);
+/* x [rows, xcols]; out [rows, out_cols] (starts zeroed); see backend.h head_matmul */
+kd_status kd_test_head_matmul(kd_test_backend *tb, const float *x, int rows, int xcols, int n_heads, int xstride,
+                              int k, const kd_test_weight *w, int wstride, int wrow0, int transposed, int ocols,
+                              int out_cols, float *out);
+/* q [T, q_cols]; k [S, k_cols]; v [S, v_cols] (v_from_k = 1: the value view is the first v_cols
+ * columns of the k buffer, as MLA uses the cache); visible: NULL or T x ceil(T/64) words;
+ * out [T, out_cols] */
+kd_status kd_test_attention(kd_test_backend *tb, const float *q, int T, int q_cols, int n_heads, int head_dim,
+                            const float *k, int S, int k_cols, const float *v, int v_cols, int v_from_k,
+                            int n_kv_heads, int past, int causal, const uint64_t *visible, int window, float scale,
+                            int out_cols, float *out);
+/* routed experts: router [n, H] weight, bias (n floats or NULL), gate/up [I, H] and down [H, I] per expert */
+kd_status kd_test_moe(kd_test_backend *tb, const float *x, int T, int H, int n, int top_k, int n_group,
+                      int topk_group, int norm_topk_prob, float routed_scaling_factor, const kd_test_weight *router,
+                      const float *bias, const kd_test_weight *gate, const kd_test_weight *up,
+                      const kd_test_weight *down, float *out);
+/* rows of fp32 values (kept fp32 on every backend) */
+kd_status kd_test_log_softmax(kd_test_backend *tb, const float *x, int rows, int cols, float *out);
+kd_status kd_test_argmax(kd_test_backend *tb, const float *x, int rows, int cols, int32_t *out);
+kd_status kd_test_topk(kd_test_backend *tb, const float *x, int rows, int cols, int k, float *vals, int32_t *ids);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

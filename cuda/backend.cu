@@ -1,0 +1,332 @@
+/* backend.cu: the CUDA backend's table, its device, stream and memory, and weight loading.
+ *
+ * One kd_backend drives one GPU (be->device). Every entry point first makes that device
+ * current, so one host thread can drive several backends (tensor parallel, later). All
+ * work goes to the backend's own stream in order; download() and sync() wait for it.
+ *
+ * Weights: bf16 and f32 tensors are copied from the memory-mapped checkpoint straight to
+ * the device (cudaMemcpy from the mapping: no second full host copy); INT4 experts are
+ * repacked by the W4A16 code (cuda/w4a16.cuh) into the layout its kernels stream.
+ *
+ * Several GPUs (not built yet): the state keeps a communicator slot (NCCL comm, rank,
+ * world size); docs/architecture.md "Backends and devices" says how slices are placed. */
+#include "cuda_internal.cuh"
+#include <stdlib.h>
+#include <string.h>
+
+kd_status kd_cuda_fail(cudaError_t e, const char *call, const char *file, int line) {
+    const char *base = strrchr(file, '/');
+    base = base ? base + 1 : file;
+    if (e == cudaErrorMemoryAllocation) {
+        cudaGetLastError();   /* clear the sticky-free error so the engine stays usable */
+        return kd_fail(KD_ERR_NOMEM, "cuda: %s at %s:%d: %s", call, base, line, cudaGetErrorString(e));
+    }
+    cudaGetLastError();
+    return kd_fail(KD_ERR_BACKEND, "cuda: %s at %s:%d: %s", call, base, line, cudaGetErrorString(e));
+}
+
+kd_status kd_cublas_fail(cublasStatus_t e, const char *call, const char *file, int line) {
+    const char *base = strrchr(file, '/');
+    base = base ? base + 1 : file;
+    return kd_fail(e == CUBLAS_STATUS_ALLOC_FAILED ? KD_ERR_NOMEM : KD_ERR_BACKEND, "cublas: %s at %s:%d: %s", call,
+                   base, line, cublasGetStatusString(e));
+}
+
+static const char *ws_name(int which) {
+    static const char *names[KD_WS_COUNT] = {"gemm split-K partials", "attention partials", "moe routing",
+                                             "moe expert activations", "top-k candidates", "staging",
+                                             "w4a16 workspace"};
+    return which >= 0 && which < KD_WS_COUNT ? names[which] : "workspace";
+}
+
+kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr) {
+    kd_cuda *c = kd_cuda_of(be);
+    if (bytes <= c->ws_bytes[which] && c->ws[which]) {
+        *ptr = c->ws[which];
+        return KD_OK;
+    }
+    size_t want = bytes + bytes / 4;          /* headroom: fewer regrowths */
+    if (want < ((size_t)1 << 20)) want = (size_t)1 << 20;
+    if (c->ws[which]) {
+        KD_CUDA(cudaStreamSynchronize(c->stream));   /* in-flight kernels may still read it */
+        cudaFree(c->ws[which]);
+        c->bytes_workspace -= c->ws_bytes[which];
+        c->ws[which] = NULL;
+        c->ws_bytes[which] = 0;
+    }
+    cudaError_t e = cudaMalloc(&c->ws[which], want);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        c->ws[which] = NULL;
+        return kd_fail(e == cudaErrorMemoryAllocation ? KD_ERR_NOMEM : KD_ERR_BACKEND,
+                       "cuda: cannot allocate %zu bytes of device memory for the %s on device %d: %s", want,
+                       ws_name(which), c->device, cudaGetErrorString(e));
+    }
+    c->ws_bytes[which] = want;
+    c->bytes_workspace += want;
+    *ptr = c->ws[which];
+    return KD_OK;
+}
+
+/* ---- memory ---- */
+static kd_status set_dev(kd_backend *be) {
+    KD_CUDA(cudaSetDevice(be->device));
+    return KD_OK;
+}
+
+static void cuda_destroy(kd_backend *be) {
+    if (!be) return;
+    kd_cuda *c = kd_cuda_of(be);
+    if (c) {
+        cudaSetDevice(be->device);
+        if (c->stream) cudaStreamSynchronize(c->stream);
+        for (int i = 0; i < KD_WS_COUNT; i++) if (c->ws[i]) cudaFree(c->ws[i]);
+        if (c->cublas) cublasDestroy(c->cublas);
+        if (c->stream) cudaStreamDestroy(c->stream);
+        free(c);
+    }
+    free(be);
+}
+
+static kd_status cuda_alloc(kd_backend *be, size_t bytes, void **ptr) {
+    kd_cuda *c = kd_cuda_of(be);
+    KD_TRY(set_dev(be));
+    *ptr = NULL;
+    cudaError_t e = cudaMalloc(ptr, bytes ? bytes : 16);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        *ptr = NULL;
+        return kd_fail(e == cudaErrorMemoryAllocation ? KD_ERR_NOMEM : KD_ERR_BACKEND,
+                       "cuda: cannot allocate %zu bytes of device memory (backend buffer) on device %d: %s", bytes,
+                       be->device, cudaGetErrorString(e));
+    }
+    e = cudaMemsetAsync(*ptr, 0, bytes ? bytes : 16, c->stream);
+    if (e != cudaSuccess) {
+        cudaFree(*ptr);
+        *ptr = NULL;
+        return kd_cuda_fail(e, "cudaMemsetAsync (zero-fill)", __FILE__, __LINE__);
+    }
+    c->bytes_alloc += bytes;
+    return KD_OK;
+}
+
+static void cuda_free(kd_backend *be, void *ptr) {
+    if (!ptr) return;
+    cudaSetDevice(be->device);
+    cudaFree(ptr);   /* waits for the device; frees are rare (sequence close) */
+}
+
+static kd_status cuda_upload(kd_backend *be, void *dst, const void *src, size_t bytes) {
+    kd_cuda *c = kd_cuda_of(be);
+    if (!bytes) return KD_OK;
+    KD_TRY(set_dev(be));
+    KD_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
+    /* the host buffer may be reused by the caller at once: pageable copies are staged by
+     * the driver before returning, but wait anyway so pinned callers are safe too */
+    KD_CUDA(cudaStreamSynchronize(c->stream));
+    return KD_OK;
+}
+
+static kd_status cuda_download(kd_backend *be, void *dst, const void *src, size_t bytes) {
+    kd_cuda *c = kd_cuda_of(be);
+    if (!bytes) return KD_OK;
+    KD_TRY(set_dev(be));
+    KD_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
+    KD_CUDA(cudaStreamSynchronize(c->stream));
+    return KD_OK;
+}
+
+static kd_status cuda_sync(kd_backend *be) {
+    kd_cuda *c = kd_cuda_of(be);
+    KD_TRY(set_dev(be));
+    KD_CUDA(cudaStreamSynchronize(c->stream));
+    return KD_OK;
+}
+
+/* ---- weights ---- */
+static kd_status dev_copy_of(kd_backend *be, const void *src, size_t bytes, const char *what, const char *name,
+                             void **out) {
+    kd_cuda *c = kd_cuda_of(be);
+    *out = NULL;
+    cudaError_t e = cudaMalloc(out, bytes ? bytes : 16);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        *out = NULL;
+        return kd_fail(e == cudaErrorMemoryAllocation ? KD_ERR_NOMEM : KD_ERR_BACKEND,
+                       "cuda: cannot allocate %zu bytes of device memory for %s of weight '%s' on device %d: %s", bytes,
+                       what, name, be->device, cudaGetErrorString(e));
+    }
+    e = cudaMemcpyAsync(*out, src, bytes, cudaMemcpyHostToDevice, c->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess) {
+        cudaFree(*out);
+        *out = NULL;
+        return kd_cuda_fail(e, "cudaMemcpyAsync (weight upload)", __FILE__, __LINE__);
+    }
+    return KD_OK;
+}
+
+static kd_status cuda_weight_load(kd_backend *be, kd_weight *w) {
+    kd_cuda *c = kd_cuda_of(be);
+    const char *name = w && w->name ? w->name : "(unnamed)";
+    if (!w || !w->src) return kd_fail(KD_ERR_ARG, "cuda weight_load: weight '%s' has no data", name);
+    if (w->rows <= 0 || w->cols <= 0)
+        return kd_fail(KD_ERR_ARG, "cuda weight_load: weight '%s' has shape [%lld, %lld]", name, (long long)w->rows,
+                       (long long)w->cols);
+    KD_TRY(set_dev(be));
+    size_t n = (size_t)w->rows * (size_t)w->cols;
+    switch (w->format) {
+    case KD_W_BF16:
+        KD_TRY(dev_copy_of(be, w->src, n * 2, "the bf16 values", name, &w->dev));
+        c->bytes_weights += n * 2;
+        return KD_OK;
+    case KD_W_F32:
+        KD_TRY(dev_copy_of(be, w->src, n * 4, "the f32 values", name, &w->dev));
+        c->bytes_weights += n * 4;
+        return KD_OK;
+    case KD_W_INT4:
+        if (!w->src_scale) return kd_fail(KD_ERR_ARG, "cuda weight_load: INT4 weight '%s' has no scales", name);
+        if (w->group <= 0 || w->cols % 8 || w->cols % w->group)
+            return kd_fail(KD_ERR_ARG, "cuda weight_load: INT4 weight '%s': group %d and 8 must divide cols %lld", name,
+                           w->group, (long long)w->cols);
+#if KD_HAVE_W4A16
+        KD_TRY(kd_cuda_w4a16_repack(be, w));
+        c->bytes_weights += n / 2 + (n / w->group) * 2;
+        return KD_OK;
+#else
+        return kd_fail(KD_ERR_UNSUPPORTED, "cuda weight_load: INT4 weight '%s': this build has no W4A16 kernels", name);
+#endif
+    }
+    return kd_fail(KD_ERR_ARG, "cuda weight_load: weight '%s': unknown format %d", name, (int)w->format);
+}
+
+static void cuda_weight_free(kd_backend *be, kd_weight *w) {
+    if (!w) return;
+    kd_cuda *c = kd_cuda_of(be);
+    cudaSetDevice(be->device);
+    size_t n = (size_t)w->rows * (size_t)w->cols;
+    if (w->format == KD_W_INT4) {
+#if KD_HAVE_W4A16
+        if (w->dev) {
+            kd_cuda_w4a16_free(be, w);
+            size_t b = n / 2 + (w->group > 0 ? (n / w->group) * 2 : 0);
+            c->bytes_weights = c->bytes_weights > b ? c->bytes_weights - b : 0;
+        }
+#endif
+    } else if (w->dev) {
+        cudaFree(w->dev);
+        size_t b = n * (w->format == KD_W_F32 ? 4 : 2);
+        c->bytes_weights = c->bytes_weights > b ? c->bytes_weights - b : 0;
+    }
+    w->dev = NULL;
+    w->dev_scale = NULL;
+}
+
+/* ---- the op table: each entry makes the backend's device current first ---- */
+#define KD_DEV_WRAP(ret, name, params, args) \
+    static ret name##_dev params { KD_TRY(set_dev(be)); return kd_cuda_##name args; }
+
+KD_DEV_WRAP(kd_status, copy, (kd_backend *be, kd_act dst, kd_act src), (be, dst, src))
+KD_DEV_WRAP(kd_status, embed, (kd_backend *be, const kd_weight *t, const int32_t *ids, kd_act out), (be, t, ids, out))
+KD_DEV_WRAP(kd_status, add, (kd_backend *be, kd_act x, kd_act y), (be, x, y))
+KD_DEV_WRAP(kd_status, scale_add, (kd_backend *be, kd_act x, kd_act y, float s), (be, x, y, s))
+KD_DEV_WRAP(kd_status, swiglu, (kd_backend *be, kd_act g, kd_act u, kd_act o), (be, g, u, o))
+KD_DEV_WRAP(kd_status, rmsnorm, (kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act o), (be, x, w, eps, o))
+KD_DEV_WRAP(kd_status, rope,
+            (kd_backend *be, kd_act x, int nh, int hs, int off, const int32_t *pos, const kd_rope *r),
+            (be, x, nh, hs, off, pos, r))
+KD_DEV_WRAP(kd_status, gather_rows, (kd_backend *be, kd_act d, kd_act s, const int32_t *rows, int n), (be, d, s, rows, n))
+KD_DEV_WRAP(kd_status, linear, (kd_backend *be, kd_act x, const kd_weight *w, kd_act o), (be, x, w, o))
+KD_DEV_WRAP(kd_status, head_matmul,
+            (kd_backend *be, kd_act x, int nh, int xs, int k, const kd_weight *w, int ws, int wr0, bool tr, kd_act o,
+             int oc),
+            (be, x, nh, xs, k, w, ws, wr0, tr, o, oc))
+KD_DEV_WRAP(kd_status, attention,
+            (kd_backend *be, kd_act q, int nh, int hd, kd_act k, kd_act v, int nkv, int past, bool causal,
+             const uint64_t *vis, int window, float scale, kd_act o),
+            (be, q, nh, hd, k, v, nkv, past, causal, vis, window, scale, o))
+KD_DEV_WRAP(kd_status, moe, (kd_backend *be, kd_act x, const kd_experts *e, kd_act o), (be, x, e, o))
+KD_DEV_WRAP(kd_status, experts_load, (kd_backend *be, kd_experts *e), (be, e))
+KD_DEV_WRAP(kd_status, log_softmax, (kd_backend *be, kd_act x), (be, x))
+KD_DEV_WRAP(kd_status, argmax, (kd_backend *be, kd_act x, int32_t *o), (be, x, o))
+KD_DEV_WRAP(kd_status, topk, (kd_backend *be, kd_act x, int k, float *v, int32_t *ids), (be, x, k, v, ids))
+
+static void experts_free_dev(kd_backend *be, kd_experts *e) {
+    cudaSetDevice(be->device);
+    kd_cuda_experts_free(be, e);
+}
+
+static kd_backend_ops make_ops() {
+    kd_backend_ops o;
+    memset(&o, 0, sizeof o);
+    o.name = "cuda";
+    o.destroy = cuda_destroy;
+    o.alloc = cuda_alloc;
+    o.free = cuda_free;
+    o.upload = cuda_upload;
+    o.download = cuda_download;
+    o.sync = cuda_sync;
+    o.weight_load = cuda_weight_load;
+    o.weight_free = cuda_weight_free;
+    o.experts_load = experts_load_dev;
+    o.experts_free = experts_free_dev;
+    o.copy = copy_dev;
+    o.embed = embed_dev;
+    o.add = add_dev;
+    o.scale_add = scale_add_dev;
+    o.swiglu = swiglu_dev;
+    o.rmsnorm = rmsnorm_dev;
+    o.rope = rope_dev;
+    o.gather_rows = gather_rows_dev;
+    o.linear = linear_dev;
+    o.head_matmul = head_matmul_dev;
+    o.attention = attention_dev;
+    o.moe = moe_dev;
+    o.log_softmax = log_softmax_dev;
+    o.argmax = argmax_dev;
+    o.topk = topk_dev;
+    return o;
+}
+static const kd_backend_ops cuda_ops = make_ops();
+
+extern "C" kd_status kd_backend_cuda_create(int device, kd_backend **out) {
+    if (!out) return kd_fail(KD_ERR_ARG, "kd_backend_cuda_create: out is NULL");
+    *out = NULL;
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return kd_fail(KD_ERR_UNSUPPORTED, "cuda: no usable CUDA device (cudaGetDeviceCount: %s)", cudaGetErrorString(e));
+    }
+    if (device < 0 || device >= count)
+        return kd_fail(KD_ERR_ARG, "cuda: device %d does not exist (%d device%s)", device, count, count == 1 ? "" : "s");
+    kd_backend *be = (kd_backend *)calloc(1, sizeof *be);
+    kd_cuda *c = (kd_cuda *)calloc(1, sizeof *c);
+    if (!be || !c) {
+        free(be);
+        free(c);
+        return kd_fail(KD_ERR_NOMEM, "kd_backend_cuda_create: out of host memory");
+    }
+    be->ops = &cuda_ops;
+    be->kind = KD_BACKEND_CUDA;
+    be->act_dtype = KD_BF16;
+    be->device = device;
+    be->impl = c;
+    c->device = device;
+    c->tp_rank = 0;
+    c->tp_world = 1;
+    kd_status st = KD_OK;
+    cudaDeviceProp prop;
+    e = cudaSetDevice(device);
+    if (e == cudaSuccess) e = cudaGetDeviceProperties(&prop, device);
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+        st = kd_cuda_fail(e, "creating the backend (cudaSetDevice / properties / stream)", __FILE__, __LINE__);
+        cuda_destroy(be);
+        return st;
+    }
+    c->n_sms = prop.multiProcessorCount;
+    c->smem_optin = prop.sharedMemPerBlockOptin;
+    *out = be;
+    return KD_OK;
+}

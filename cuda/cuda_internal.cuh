@@ -1,0 +1,177 @@
+/* cuda_internal.cuh: what the CUDA backend's files share: the backend state, error
+ * sites that turn CUDA/cuBLAS failures into kd_status, scratch workspaces, and the
+ * small device helpers (bf16/f32 loads and stores, fixed-order block reductions).
+ *
+ * Batch invariance is a rule for every kernel here: a row's result depends only on
+ * that row's inputs, never on how many rows share the launch or where the row sits.
+ * Reductions therefore run in an order fixed by the reduced length alone (block
+ * reductions over a row use the same thread layout whatever the row count), and the
+ * GEMMs never choose a split or an algorithm from M (see linear.cu). */
+#ifndef KD_CUDA_INTERNAL_CUH
+#define KD_CUDA_INTERNAL_CUH
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cublas_v2.h>
+#include <stdint.h>
+#include <stddef.h>
+
+extern "C" {
+#include "backend.h"
+#include "error.h"
+}
+
+typedef __nv_bfloat16 bf16;
+
+/* The W4A16 engineer's kernels (INT4 experts); absent while that file is being written. */
+#if __has_include("w4a16.cuh")
+#include "w4a16.cuh"
+#define KD_HAVE_W4A16 1
+#else
+#define KD_HAVE_W4A16 0
+#endif
+
+/* Scratch workspaces, one per user so an op that calls another op never hands out
+ * the same bytes twice. They grow on demand (never shrink until destroy). */
+enum kd_cuda_ws {
+    KD_WS_GEMM = 0,      /* split-K partial sums of linear */
+    KD_WS_ATTN,          /* attention partials (m, l, o per chunk) and visible lists */
+    KD_WS_MOE,           /* router logits, expert ids/weights, grouped rows */
+    KD_WS_MOE2,          /* expert intermediate activations */
+    KD_WS_TREE,          /* top-k candidates */
+    KD_WS_TMP,           /* dtype conversions, in-place gather staging */
+    KD_WS_W4A16,         /* handed to the W4A16 kernels */
+    KD_WS_COUNT
+};
+
+typedef struct kd_cuda {
+    int device;
+    int n_sms;
+    size_t smem_optin;             /* max dynamic shared memory per block */
+    cudaStream_t stream;
+    cublasHandle_t cublas;         /* created lazily; the dense GEMMs use our own kernels */
+    void *ws[KD_WS_COUNT];
+    size_t ws_bytes[KD_WS_COUNT];
+    /* memory accounting (bytes currently held) */
+    size_t bytes_alloc, bytes_weights, bytes_workspace;
+    /* several GPUs (tensor parallel, not used yet): the communicator of this device's
+     * rank. ncclComm_t is kept as void* so this header needs no NCCL. */
+    void *nccl_comm;
+    int tp_rank, tp_world;
+} kd_cuda;
+
+static inline kd_cuda *kd_cuda_of(kd_backend *be) { return (kd_cuda *)be->impl; }
+
+/* ---- error sites ---- */
+kd_status kd_cuda_fail(cudaError_t e, const char *call, const char *file, int line);
+kd_status kd_cublas_fail(cublasStatus_t e, const char *call, const char *file, int line);
+
+#define KD_CUDA(call) do { cudaError_t kd_e_ = (call); \
+    if (kd_e_ != cudaSuccess) return kd_cuda_fail(kd_e_, #call, __FILE__, __LINE__); } while (0)
+#define KD_CUBLAS(call) do { cublasStatus_t kd_e_ = (call); \
+    if (kd_e_ != CUBLAS_STATUS_SUCCESS) return kd_cublas_fail(kd_e_, #call, __FILE__, __LINE__); } while (0)
+/* after a kernel launch: report a launch failure where it happened */
+#define KD_CUDA_LAUNCH(what) do { cudaError_t kd_e_ = cudaGetLastError(); \
+    if (kd_e_ != cudaSuccess) return kd_cuda_fail(kd_e_, what, __FILE__, __LINE__); } while (0)
+
+/* a workspace of at least `bytes` (grows: waits for the stream, frees, reallocates) */
+kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr);
+
+/* ---- dtype helpers (device) ---- */
+__device__ __forceinline__ float kd_ld(const void *p, int dt, size_t i) {
+    if (dt == KD_BF16) return __bfloat162float(((const bf16 *)p)[i]);
+    if (dt == KD_F32) return ((const float *)p)[i];
+    return __half2float(((const __half *)p)[i]);   /* KD_F16 */
+}
+__device__ __forceinline__ void kd_st(void *p, int dt, size_t i, float v) {
+    if (dt == KD_BF16) ((bf16 *)p)[i] = __float2bfloat16(v);
+    else if (dt == KD_F32) ((float *)p)[i] = v;
+    else ((__half *)p)[i] = __float2half(v);
+}
+static inline bool kd_cuda_float_dtype(kd_dtype t) { return t == KD_F32 || t == KD_BF16 || t == KD_F16; }
+
+/* Block-wide sum with a fixed order: each warp reduces with the same xor tree, then
+ * warp 0 adds the warp sums in warp order. The order depends on blockDim only. */
+__device__ __forceinline__ float kd_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float kd_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+/* red: __shared__ float[32]; all threads get the result */
+__device__ __forceinline__ float kd_block_sum(float v, float *red) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = kd_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < nw ? red[lane] : 0.0f;
+        s = kd_warp_sum(s);
+        if (lane == 0) red[0] = s;
+    }
+    __syncthreads();
+    return red[0];
+}
+__device__ __forceinline__ float kd_block_max(float v, float *red) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = kd_warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < nw ? red[lane] : -INFINITY;
+        s = kd_warp_max(s);
+        if (lane == 0) red[0] = s;
+    }
+    __syncthreads();
+    return red[0];
+}
+
+/* ---- entry points shared between the backend's files (extern "C" for the table) ---- */
+extern "C" {
+kd_status kd_cuda_copy(kd_backend *be, kd_act dst, kd_act src);
+kd_status kd_cuda_embed(kd_backend *be, const kd_weight *table, const int32_t *ids, kd_act out);
+kd_status kd_cuda_add(kd_backend *be, kd_act x, kd_act y);
+kd_status kd_cuda_scale_add(kd_backend *be, kd_act x, kd_act y, float s);
+kd_status kd_cuda_swiglu(kd_backend *be, kd_act gate, kd_act up, kd_act out);
+kd_status kd_cuda_rmsnorm(kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act out);
+kd_status kd_cuda_rope(kd_backend *be, kd_act x, int n_heads, int head_stride, int offset,
+                       const int32_t *pos, const kd_rope *r);
+kd_status kd_cuda_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n);
+kd_status kd_cuda_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act out);
+kd_status kd_cuda_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
+                              const kd_weight *w, int wstride, int wrow0, bool transposed,
+                              kd_act out, int ocols);
+kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, int head_dim,
+                            kd_act k, kd_act v, int n_kv_heads, int past, bool causal,
+                            const uint64_t *visible, int window, float scale, kd_act out);
+kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act out);
+kd_status kd_cuda_experts_load(kd_backend *be, kd_experts *e);
+void kd_cuda_experts_free(kd_backend *be, kd_experts *e);
+kd_status kd_cuda_log_softmax(kd_backend *be, kd_act x);
+kd_status kd_cuda_argmax(kd_backend *be, kd_act x, int32_t *out);
+kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids);
+}
+
+/* ---- the GEMM core (linear.cu), shared by linear, head_matmul and the bf16 experts ----
+ * C[m, n] = sum_k A[m, k] * B(n, k), fp32 accumulation in a fixed k order.
+ * A: activations (bf16 or f32 elements, row stride lda), optionally through a row
+ *    index list a_rows (grouped experts); B: bf16 weights, either [N, K] row-major
+ *    (b_kmajor: element (n,k) at B[n*ldb + k]) or [K, N] row-major (element at B[k*ldb + n]).
+ * batch z (blockIdx.z): A, B, C advance by their z strides; or, grouped (groups != NULL),
+ *    z is an expert: B = b_ptrs[z], rows [row_off[z], row_off[z+1]) of the gathered list. */
+typedef struct kd_gemm_args {
+    const void *A; int a_dtype; long long lda; long long a_zstride;
+    const int32_t *a_rows;          /* grouped: source row of A for gathered row i (NULL: identity) */
+    const bf16 *B; long long ldb; long long b_zstride; bool b_kmajor;
+    const bf16 *const *b_ptrs;      /* grouped: one weight per z */
+    void *C; int c_dtype; long long ldc; long long c_zstride;
+    const int32_t *row_off;         /* grouped: z's rows are [row_off[z], row_off[z+1]) */
+    int M, N, K, batch;
+} kd_gemm_args;
+kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g);
+
+#endif

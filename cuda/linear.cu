@@ -1,0 +1,387 @@
+/* linear.cu: the dense bf16 GEMM of the CUDA backend (linear, head_matmul, bf16 experts).
+ *
+ * Why our own kernel and not cuBLAS: cuBLAS picks its algorithm (tile shape, split-K)
+ * from M, so the same token row can get different bits in a batch of 1 and a batch of
+ * 37. Here every output element is computed by the same sequence of tensor-core MMAs
+ * (mma.sync m16n8k16, bf16 in, fp32 accumulate) over k in a fixed order, and the
+ * row's position in its 64-row tile changes nothing (an MMA row depends only on that
+ * row of A). Split-K, used to give small-M launches enough blocks, is chosen from
+ * (N, K, batch, SM count) only, never from M, and its partial sums are added in split
+ * order by a second kernel. So a row's result is bit-identical for any M.
+ *
+ * Loads: cp.async 16-byte copies through a 4-stage shared-memory pipeline when the
+ * operands are 16-byte aligned; otherwise (odd leading dims, f32 activations) plain
+ * loads into the same shared tiles, so both paths feed identical MMAs.
+ */
+#include "cuda_internal.cuh"
+
+namespace {
+
+constexpr int BM = 64, BN = 64, BK = 32, STAGES = 4, THREADS = 128;
+constexpr int A_LD = BK + 8;        /* smem row stride (bf16): conflict-free 32-bit fragment loads */
+constexpr int BK_LD = BK + 8;       /* B stored [n][k] */
+constexpr int BN_LD = BN + 8;       /* B stored [k][n] (ldmatrix.trans) */
+constexpr int A_STAGE = BM * A_LD;
+constexpr int B_STAGE = (BN * BK_LD > BK * BN_LD) ? BN * BK_LD : BK * BN_LD;
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool pred) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    int n = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void mma_bf16(float *c, const uint32_t *a, const uint32_t *b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t *r, const void *smem) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(s));
+}
+
+struct Tile {
+    int z, m0, n0, row_base, rows;   /* rows: valid rows of this z (grouped) or M */
+};
+
+/* Load one BK slice (k0) of A and B into shared stage buffers. */
+template <bool ASYNC, bool BKM>
+__device__ __forceinline__ void load_tile(const kd_gemm_args &g, const Tile &t, bf16 *As, bf16 *Bs,
+                                          int k0, const bf16 *Bz, const char *Az) {
+    const int tid = threadIdx.x;
+    /* A: BM rows x BK cols = 256 chunks of 8 */
+    for (int c = tid; c < BM * (BK / 8); c += THREADS) {
+        int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+        int m = t.m0 + r, k = k0 + kc;
+        bool ok = m < t.rows;
+        long long src_row = 0;
+        if (ok) {
+            int gi = t.row_base + m;
+            src_row = g.a_rows ? (long long)g.a_rows[gi] : (long long)gi;
+        }
+        bf16 *dst = As + r * A_LD + kc;
+        if (ASYNC) {
+            const bf16 *src = (const bf16 *)Az + src_row * g.lda + k;
+            cp_async16(dst, ok && k < g.K ? (const void *)src : (const void *)g.A, ok && k < g.K);
+        } else {
+            for (int i = 0; i < 8; i++) {
+                float v = 0.0f;
+                if (ok && k + i < g.K) {
+                    size_t idx = (size_t)(src_row * g.lda + k + i);
+                    v = g.a_dtype == KD_F32 ? ((const float *)Az)[idx] : __bfloat162float(((const bf16 *)Az)[idx]);
+                }
+                dst[i] = __float2bfloat16(v);
+            }
+        }
+    }
+    if (BKM) {   /* B [n][k]: BN rows x BK cols */
+        for (int c = tid; c < BN * (BK / 8); c += THREADS) {
+            int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+            int n = t.n0 + r, k = k0 + kc;
+            bf16 *dst = Bs + r * BK_LD + kc;
+            bool ok = n < g.N;
+            if (ASYNC) {
+                const bf16 *src = Bz + (long long)n * g.ldb + k;
+                cp_async16(dst, ok && k < g.K ? (const void *)src : (const void *)Bz, ok && k < g.K);
+            } else {
+                for (int i = 0; i < 8; i++)
+                    dst[i] = (ok && k + i < g.K) ? Bz[(long long)n * g.ldb + k + i] : __float2bfloat16(0.0f);
+            }
+        }
+    } else {     /* B [k][n]: BK rows x BN cols */
+        for (int c = tid; c < BK * (BN / 8); c += THREADS) {
+            int r = c / (BN / 8), nc = (c % (BN / 8)) * 8;
+            int k = k0 + r, n = t.n0 + nc;
+            bf16 *dst = Bs + r * BN_LD + nc;
+            bool ok = k < g.K;
+            if (ASYNC) {
+                const bf16 *src = Bz + (long long)k * g.ldb + n;
+                cp_async16(dst, ok && n < g.N ? (const void *)src : (const void *)Bz, ok && n < g.N);
+            } else {
+                for (int i = 0; i < 8; i++)
+                    dst[i] = (ok && n + i < g.N) ? Bz[(long long)k * g.ldb + n + i] : __float2bfloat16(0.0f);
+            }
+        }
+    }
+}
+
+/* grid: x = n_tiles * splits, y = m tiles, z = batch (or expert) */
+template <bool ASYNC, bool BKM>
+__global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_tiles, int splits,
+                                                       int kts_per_split, float *partial) {
+    __shared__ __align__(16) bf16 As[STAGES][A_STAGE];
+    __shared__ __align__(16) bf16 Bs[STAGES][B_STAGE];
+
+    Tile t;
+    t.z = blockIdx.z;
+    int nt = blockIdx.x % n_tiles, split = blockIdx.x / n_tiles;
+    t.n0 = nt * BN;
+    t.m0 = blockIdx.y * BM;
+    if (g.row_off) {
+        t.row_base = g.row_off[t.z];
+        t.rows = g.row_off[t.z + 1] - t.row_base;
+    } else {
+        t.row_base = 0;
+        t.rows = g.M;
+    }
+    if (t.m0 >= t.rows) return;
+    const bf16 *Bz = g.b_ptrs ? g.b_ptrs[t.z] : g.B + (long long)t.z * g.b_zstride;
+    const char *Az = (const char *)g.A +
+                     (size_t)((long long)t.z * g.a_zstride) * (g.a_dtype == KD_F32 ? 4 : 2);
+
+    const int kt_total = (g.K + BK - 1) / BK;
+    const int kt0 = split * kts_per_split;
+    const int kt1 = min(kt_total, kt0 + kts_per_split);
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int gq = lane >> 2, tq = lane & 3;
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (kt0 + s < kt1) load_tile<ASYNC, BKM>(g, t, As[s], Bs[s], (kt0 + s) * BK, Bz, Az);
+        if (ASYNC) cp_async_commit();
+    }
+    for (int kt = kt0; kt < kt1; kt++) {
+        if (ASYNC) cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        int nk = kt + STAGES - 1;
+        if (nk < kt1) load_tile<ASYNC, BKM>(g, t, As[(nk - kt0) % STAGES], Bs[(nk - kt0) % STAGES], nk * BK, Bz, Az);
+        if (ASYNC) cp_async_commit();
+        const bf16 *as = As[(kt - kt0) % STAGES];
+        const bf16 *bs = Bs[(kt - kt0) % STAGES];
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            uint32_t af[2][4], bfr[4][2];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const bf16 *p = as + (wm + mi * 16 + gq) * A_LD + kk + 2 * tq;
+                af[mi][0] = *(const uint32_t *)(p);
+                af[mi][1] = *(const uint32_t *)(p + 8 * A_LD);
+                af[mi][2] = *(const uint32_t *)(p + 8);
+                af[mi][3] = *(const uint32_t *)(p + 8 * A_LD + 8);
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                if (BKM) {
+                    const bf16 *p = bs + (wn + ni * 8 + gq) * BK_LD + kk + 2 * tq;
+                    bfr[ni][0] = *(const uint32_t *)(p);
+                    bfr[ni][1] = *(const uint32_t *)(p + 8);
+                } else {
+                    ldmatrix_x2_trans(bfr[ni], bs + (kk + (lane & 15)) * BN_LD + wn + ni * 8);
+                }
+            }
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) mma_bf16(acc[mi][ni], af[mi], bfr[ni]);
+        }
+    }
+    if (ASYNC) cp_async_wait<0>();
+
+    /* epilogue: fragment c0,c1 -> row gq, cols 2tq,2tq+1; c2,c3 -> row gq+8 */
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int m = t.m0 + wm + mi * 16 + gq + h * 8;
+                if (m >= t.rows) continue;
+                int out_row = t.row_base + m;
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    int n = t.n0 + wn + ni * 8 + 2 * tq + e;
+                    if (n >= g.N) continue;
+                    float v = acc[mi][ni][h * 2 + e];
+                    if (splits > 1) {
+                        partial[(((size_t)split * g.batch + t.z) * g.M + out_row) * g.N + n] = v;
+                    } else {
+                        size_t idx = (size_t)((long long)t.z * g.c_zstride + (long long)out_row * g.ldc + n);
+                        kd_st(g.C, g.c_dtype, idx, v);
+                    }
+                }
+            }
+}
+
+/* C = sum over splits in split order */
+__global__ void gemm_reduce_kernel(kd_gemm_args g, int splits, const float *partial) {
+    size_t total = (size_t)g.batch * g.M * g.N;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        int n = (int)(i % g.N);
+        size_t r = i / g.N;
+        int m = (int)(r % g.M), z = (int)(r / g.M);
+        float s = 0.0f;
+        for (int sp = 0; sp < splits; sp++) s += partial[(size_t)sp * total + i];
+        kd_st(g.C, g.c_dtype, (size_t)((long long)z * g.c_zstride + (long long)m * g.ldc + n), s);
+    }
+}
+
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+}  // namespace
+
+/* Split-K choice: from N, K, batch and the SM count only (never M, see top). */
+static int gemm_splits(const kd_cuda *c, const kd_gemm_args *g, int *kts_per_split) {
+    int kt_total = (g->K + BK - 1) / BK;
+    int blocks = ((g->N + BN - 1) / BN) * g->batch;
+    int target = 3 * c->n_sms;
+    int splits = 1;
+    if (!g->row_off && blocks < target) {
+        splits = (target + blocks - 1) / blocks;
+        int max_splits = kt_total / 4 > 0 ? kt_total / 4 : 1;   /* >= 4 k-tiles per split */
+        if (splits > max_splits) splits = max_splits;
+        if (splits > 32) splits = 32;
+        if (splits < 1) splits = 1;
+    }
+    int per = (kt_total + splits - 1) / splits;
+    if (per < 1) per = 1;
+    *kts_per_split = per;
+    return (kt_total + per - 1) / per;
+}
+
+kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
+    kd_cuda *c = kd_cuda_of(be);
+    kd_gemm_args g = *g0;
+    if (g.M <= 0 || g.N <= 0 || g.batch <= 0) return KD_OK;
+    if (g.K <= 0) return kd_fail(KD_ERR_ARG, "cuda gemm: K must be positive, got %d", g.K);
+    int kts;
+    int splits = gemm_splits(c, &g, &kts);
+    int n_tiles = (g.N + BN - 1) / BN;
+
+    bool async = g.a_dtype == KD_BF16 && g.K % 8 == 0 && g.lda % 8 == 0 && g.ldb % 8 == 0 &&
+                 g.a_zstride % 8 == 0 && g.b_zstride % 8 == 0 && aligned16(g.A) &&
+                 (g.b_ptrs || aligned16(g.B)) && (g.b_kmajor || g.N % 8 == 0);
+    /* grouped weights: their pointers are checked at experts_load (16-byte aligned allocations) */
+
+    /* split-K partials: bound the workspace by running M in chunks (rows are independent) */
+    int m_chunk = g.M;
+    float *partial = NULL;
+    if (splits > 1) {
+        size_t per_row = (size_t)splits * g.batch * g.N * sizeof(float);
+        size_t cap = (size_t)256 << 20;
+        m_chunk = (int)(cap / per_row);
+        if (m_chunk < BM) m_chunk = BM;
+        if (m_chunk > g.M) m_chunk = g.M;
+        void *ws;
+        KD_TRY(kd_cuda_ws(be, KD_WS_GEMM, per_row * m_chunk, &ws));
+        partial = (float *)ws;
+    }
+    size_t asz = g.a_dtype == KD_F32 ? 4 : 2, csz = kd_dtype_size((kd_dtype)g.c_dtype);
+    for (int m0 = 0; m0 < g.M; m0 += m_chunk) {
+        kd_gemm_args s = g;
+        s.M = g.M - m0 < m_chunk ? g.M - m0 : m_chunk;
+        if (!g.row_off) {
+            s.A = (const char *)g.A + (size_t)m0 * g.lda * asz;
+            s.C = (char *)g.C + (size_t)m0 * g.ldc * csz;
+        }
+        bool async_s = async && aligned16(s.A);
+        dim3 grid(n_tiles * splits, (s.M + BM - 1) / BM, s.batch);
+        if (grid.y > 65535 || grid.z > 65535)
+            return kd_fail(KD_ERR_ARG, "cuda gemm: grid too large (M=%d, batch=%d)", s.M, s.batch);
+        if (async_s && g.b_kmajor) gemm_kernel<true, true><<<grid, THREADS, 0, c->stream>>>(s, n_tiles, splits, kts, partial);
+        else if (async_s) gemm_kernel<true, false><<<grid, THREADS, 0, c->stream>>>(s, n_tiles, splits, kts, partial);
+        else if (g.b_kmajor) gemm_kernel<false, true><<<grid, THREADS, 0, c->stream>>>(s, n_tiles, splits, kts, partial);
+        else gemm_kernel<false, false><<<grid, THREADS, 0, c->stream>>>(s, n_tiles, splits, kts, partial);
+        KD_CUDA_LAUNCH("gemm_kernel");
+        if (splits > 1) {
+            size_t total = (size_t)s.batch * s.M * s.N;
+            int blocks = (int)((total + 255) / 256);
+            if (blocks > 8 * c->n_sms) blocks = 8 * c->n_sms;
+            gemm_reduce_kernel<<<blocks, 256, 0, c->stream>>>(s, splits, partial);
+            KD_CUDA_LAUNCH("gemm_reduce_kernel");
+        }
+    }
+    return KD_OK;
+}
+
+/* ---- fp32 weights: a plain CUDA-core product, one warp per output, fixed order ---- */
+__global__ void linear_f32w_kernel(const void *x, int xdt, long long ldx, const float *w, long long ldw,
+                                   void *out, int odt, long long ldo, int M, int N, int K) {
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (warp >= M * N) return;
+    int m = warp / N, n = warp % N;
+    float s = 0.0f;
+    for (int k = lane; k < K; k += 32) s += kd_ld(x, xdt, (size_t)m * ldx + k) * w[(size_t)n * ldw + k];
+    s = kd_warp_sum(s);
+    if (lane == 0) kd_st(out, odt, (size_t)m * ldo + n, s);
+}
+
+extern "C" kd_status kd_cuda_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act out) {
+    kd_cuda *c = kd_cuda_of(be);
+    const char *name = w && w->name ? w->name : "?";
+    if (!w || !w->dev) return kd_fail(KD_ERR_STATE, "cuda linear: weight '%s' is not loaded on the device", name);
+    if (x.cols != w->cols || out.cols != w->rows || x.rows != out.rows)
+        return kd_fail(KD_ERR_ARG, "cuda linear: weight '%s' [%lld, %lld]: x is [%d, %d], out is [%d, %d]; expected "
+                       "x [M, %lld] and out [M, %lld]", name, (long long)w->rows, (long long)w->cols, x.rows, x.cols,
+                       out.rows, out.cols, (long long)w->cols, (long long)w->rows);
+    if (!kd_cuda_float_dtype(x.dtype) || !kd_cuda_float_dtype(out.dtype))
+        return kd_fail(KD_ERR_ARG, "cuda linear '%s': activations must be f32/bf16/f16, got %s -> %s", name,
+                       kd_dtype_name(x.dtype), kd_dtype_name(out.dtype));
+    if (x.rows == 0) return KD_OK;
+    if (w->format == KD_W_INT4) {
+#if KD_HAVE_W4A16
+        return kd_cuda_w4a16_linear(be, x, w, out);
+#else
+        return kd_fail(KD_ERR_UNSUPPORTED, "cuda linear: INT4 weight '%s': this build has no W4A16 kernels", name);
+#endif
+    }
+    if (w->format == KD_W_F32) {
+        long long warps = (long long)x.rows * w->rows;
+        int blocks = (int)((warps * 32 + 255) / 256);
+        linear_f32w_kernel<<<blocks, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, (const float *)w->dev, w->cols,
+                                                          out.data, out.dtype, out.ld, x.rows, (int)w->rows, (int)w->cols);
+        KD_CUDA_LAUNCH("linear_f32w_kernel");
+        return KD_OK;
+    }
+    if (x.dtype == KD_F16) return kd_fail(KD_ERR_ARG, "cuda linear '%s': f16 activations are not supported", name);
+    kd_gemm_args g = {};
+    g.A = x.data; g.a_dtype = x.dtype; g.lda = x.ld;
+    g.B = (const bf16 *)w->dev; g.ldb = w->cols; g.b_kmajor = true;
+    g.C = out.data; g.c_dtype = out.dtype; g.ldc = out.ld;
+    g.M = x.rows; g.N = (int)w->rows; g.K = (int)w->cols; g.batch = 1;
+    return kd_cuda_gemm(be, &g);
+}
+
+extern "C" kd_status kd_cuda_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
+                                         const kd_weight *w, int wstride, int wrow0, bool transposed,
+                                         kd_act out, int ocols) {
+    const char *name = w && w->name ? w->name : "?";
+    if (!w || !w->dev) return kd_fail(KD_ERR_STATE, "cuda head_matmul: weight '%s' is not loaded", name);
+    if (w->format != KD_W_BF16)
+        return kd_fail(KD_ERR_UNSUPPORTED, "cuda head_matmul: weight '%s' must be bf16 (got format %d)", name, (int)w->format);
+    if (n_heads <= 0 || k <= 0 || ocols <= 0)
+        return kd_fail(KD_ERR_ARG, "cuda head_matmul '%s': heads %d, k %d, ocols %d must be positive", name, n_heads, k, ocols);
+    if ((long long)(n_heads - 1) * xstride + k > x.cols || (long long)n_heads * ocols > out.cols || x.rows != out.rows)
+        return kd_fail(KD_ERR_ARG, "cuda head_matmul '%s': x [%d, %d] / out [%d, %d] too small for %d heads (xstride %d, "
+                       "k %d, ocols %d)", name, x.rows, x.cols, out.rows, out.cols, n_heads, xstride, k, ocols);
+    long long last_row = (long long)(n_heads - 1) * wstride + wrow0 + (transposed ? ocols : k);
+    if (last_row > w->rows || (transposed ? k > w->cols : ocols > w->cols))
+        return kd_fail(KD_ERR_ARG, "cuda head_matmul '%s' [%lld, %lld]: heads need rows up to %lld and %d cols", name,
+                       (long long)w->rows, (long long)w->cols, last_row, transposed ? k : ocols);
+    if (x.dtype == KD_F16) return kd_fail(KD_ERR_ARG, "cuda head_matmul '%s': f16 activations are not supported", name);
+    if (x.rows == 0) return KD_OK;
+    kd_gemm_args g = {};
+    g.A = x.data; g.a_dtype = x.dtype; g.lda = x.ld; g.a_zstride = xstride;
+    g.B = (const bf16 *)w->dev + (size_t)wrow0 * w->cols; g.ldb = w->cols;
+    g.b_zstride = (long long)wstride * w->cols; g.b_kmajor = transposed;
+    g.C = out.data; g.c_dtype = out.dtype; g.ldc = out.ld; g.c_zstride = ocols;
+    g.M = x.rows; g.N = ocols; g.K = k; g.batch = n_heads;
+    return kd_cuda_gemm(be, &g);
+}

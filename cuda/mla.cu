@@ -1,0 +1,299 @@
+/* mla.cu: attention over cached rows (MLA absorbed as MQA with a 576-d key and 512-d
+ * value; GQA for the drafter), for prefill, decode and tree verification.
+ *
+ * Layout (the same as core/cpu/cpu_attention.c): query head h is q[:, h*head_dim, +head_dim);
+ * kv head g's key is the first head_dim cols of k[:, g*kstride..] (kstride = k.cols / Hkv),
+ * its value the first dv cols of v[:, g*vstride..] (vstride = v.cols / Hkv, dv = out.cols / Hq);
+ * query head h reads kv head h / (Hq / Hkv). Query t sits at cache row past + t.
+ *
+ * Flash-decoding with a split that never depends on T: each query's visible keys are
+ * listed in order (its "ordinals": rows 0..past-1, then the new rows it may see, in row
+ * order), and cut into fixed chunks of CHUNK ordinals. One block computes one chunk for
+ * one query and a tile of heads (scores, chunk max, exp, weighted value sum, all in fp32
+ * with fixed loop orders) and writes (max, sum, o); a merge kernel combines the chunks in
+ * chunk order. A token therefore sees exactly the same chunks and the same arithmetic
+ * whether it is decoded alone (past = p, T = 1), sits at row p of a causal prefill, or is
+ * a tree node whose ancestors sit at scattered rows: in all three its visible keys are the
+ * same rows' contents in the same order. That is what makes greedy DDTree reproduce greedy
+ * autoregressive decoding bit for bit.
+ *
+ * Scores and values are computed on CUDA cores (fp32 FMA, fixed order). A tensor-core
+ * MLA kernel is a later step (docs/performance.md measures this one). */
+#include "cuda_internal.cuh"
+
+namespace {
+
+constexpr int CHUNK = 256;     /* ordinals per split: fixed, never derived from T or S */
+constexpr int KT = 32;         /* keys per shared-memory tile */
+constexpr int HT_MAX = 8;      /* query heads per block */
+constexpr int THREADS = 256;
+constexpr int DV_MAX = 512;
+constexpr int DPT = DV_MAX / THREADS;   /* value dims per thread */
+
+struct AttnArgs {
+    const void *q; long long ldq;
+    const void *k; long long ldk; int kstride;
+    const void *v; long long ldv; int vstride;
+    int T, S, past, Hq, Hkv, G, hd, dv, HT, n_tiles;
+    bool causal; int window; float scale;
+    const int32_t *vis_list; const int32_t *vis_cnt;   /* bitmask mode: per query, visible new rows */
+    int t0;                    /* first query of this batch */
+    int nc_max;                /* chunks per query slot in the partial buffers */
+    float *pm, *pl, *po;       /* partials [tb][Hq][nc_max] (+ [dv] for po) */
+};
+
+__device__ __forceinline__ int n_visible(const AttnArgs &a, int t) {
+    if (a.vis_list) return a.past + a.vis_cnt[t];
+    if (a.causal) return min(a.S, a.past + t + 1);
+    return a.S;
+}
+__device__ __forceinline__ int ordinal_row(const AttnArgs &a, int t, int o) {
+    if (a.vis_list && o >= a.past) return a.past + a.vis_list[(size_t)t * a.T + (o - a.past)];
+    return o;
+}
+
+template <typename T> __device__ __forceinline__ float tof(T v);
+template <> __device__ __forceinline__ float tof<float>(float v) { return v; }
+template <> __device__ __forceinline__ float tof<bf16>(bf16 v) { return __bfloat162float(v); }
+
+/* grid: x = chunk, y = query within the batch, z = kv head * n_tiles + head tile */
+template <typename T>
+__global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int c = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
+    const int g = blockIdx.z / a.n_tiles, h0 = g * a.G + (blockIdx.z % a.n_tiles) * a.HT;
+    const int nh = min(a.HT, g * a.G + a.G - h0);
+    const int nvis = n_visible(a, t);
+    const int o0 = c * CHUNK;
+    if (o0 >= nvis) return;
+    const int n_in = min(CHUNK, nvis - o0);
+    const int tid = threadIdx.x;
+    const int kld = (a.hd > a.dv ? a.hd : a.dv) + 2;          /* padded smem row (elements) */
+
+    float *q_s = (float *)smem;                                /* [HT][hd] */
+    float *s_s = q_s + HT_MAX * a.hd;                          /* [HT][CHUNK] */
+    int *row_s = (int *)(s_s + HT_MAX * CHUNK);                /* [CHUNK] */
+    T *kv_s = (T *)(row_s + CHUNK);                            /* [KT][kld] */
+
+    for (int i = tid; i < nh * a.hd; i += THREADS) {
+        int h = i / a.hd, d = i % a.hd;
+        q_s[i] = tof<T>(((const T *)a.q)[(size_t)t * a.ldq + (size_t)(h0 + h) * a.hd + d]);
+    }
+    for (int i = tid; i < CHUNK; i += THREADS) row_s[i] = i < n_in ? ordinal_row(a, t, o0 + i) : -1;
+    __syncthreads();
+
+    const int qrow = a.past + t;
+    /* scores: thread = (head hh, key jj) of each KT-key tile */
+    for (int j0 = 0; j0 < n_in; j0 += KT) {
+        for (int i = tid; i < KT * a.hd; i += THREADS) {
+            int j = i / a.hd, d = i % a.hd;
+            int r = j0 + j < n_in ? row_s[j0 + j] : -1;
+            kv_s[j * kld + d] = r >= 0 ? ((const T *)a.k)[(size_t)r * a.ldk + (size_t)g * a.kstride + d] : T(0.0f);
+        }
+        __syncthreads();
+        for (int i = tid; i < HT_MAX * KT; i += THREADS) {
+            int hh = i / KT, jj = i % KT;
+            if (hh >= nh) continue;
+            int j = j0 + jj;
+            float s = -INFINITY;
+            int r = j < n_in ? row_s[j] : -1;
+            if (r >= 0 && !(a.window > 0 && qrow - r >= a.window)) {
+                const float *qh = q_s + hh * a.hd;
+                const T *kr = kv_s + jj * kld;
+                float acc = 0.0f;
+                for (int d = 0; d < a.hd; d++) acc = fmaf(qh[d], tof<T>(kr[d]), acc);
+                s = acc * a.scale;
+            }
+            if (j < CHUNK) s_s[hh * CHUNK + j] = s;
+        }
+        __syncthreads();
+    }
+    /* per head: chunk max, p = exp(s - m), l = sum p (warp hh owns head hh; fixed order) */
+    const int warp = tid >> 5, lane = tid & 31;
+    __shared__ float m_s[HT_MAX], l_s[HT_MAX];
+    if (warp < nh) {
+        float *sh = s_s + warp * CHUNK;
+        float m = -INFINITY;
+        for (int j = lane; j < n_in; j += 32) m = fmaxf(m, sh[j]);
+        m = kd_warp_max(m);
+        float l = 0.0f;
+        for (int j = lane; j < n_in; j += 32) {
+            float p = sh[j] == -INFINITY ? 0.0f : expf(sh[j] - m);
+            sh[j] = p;
+            l += p;
+        }
+        l = kd_warp_sum(l);
+        if (lane == 0) { m_s[warp] = m; l_s[warp] = l; }
+    }
+    __syncthreads();
+    /* o[h][d] = sum_j p[h][j] v[j][d], j ascending */
+    float acc[HT_MAX][DPT];
+#pragma unroll
+    for (int h = 0; h < HT_MAX; h++)
+#pragma unroll
+        for (int e = 0; e < DPT; e++) acc[h][e] = 0.0f;
+    for (int j0 = 0; j0 < n_in; j0 += KT) {
+        __syncthreads();
+        for (int i = tid; i < KT * a.dv; i += THREADS) {
+            int j = i / a.dv, d = i % a.dv;
+            int r = j0 + j < n_in ? row_s[j0 + j] : -1;
+            kv_s[j * kld + d] = r >= 0 ? ((const T *)a.v)[(size_t)r * a.ldv + (size_t)g * a.vstride + d] : T(0.0f);
+        }
+        __syncthreads();
+        int jn = min(KT, n_in - j0);
+        for (int jj = 0; jj < jn; jj++) {
+#pragma unroll
+            for (int e = 0; e < DPT; e++) {
+                int d = tid + e * THREADS;
+                if (d >= a.dv) continue;
+                float vv = tof<T>(kv_s[jj * kld + d]);
+#pragma unroll
+                for (int h = 0; h < HT_MAX; h++)
+                    if (h < nh) acc[h][e] = fmaf(s_s[h * CHUNK + j0 + jj], vv, acc[h][e]);
+            }
+        }
+    }
+    /* partials */
+    for (int h = 0; h < nh; h++) {
+        size_t slot = ((size_t)tb * a.Hq + h0 + h) * a.nc_max + c;
+        if (tid == 0) { a.pm[slot] = m_s[h]; a.pl[slot] = l_s[h]; }
+#pragma unroll
+        for (int e = 0; e < DPT; e++) {
+            int d = tid + e * THREADS;
+            if (d < a.dv) a.po[slot * a.dv + d] = acc[h][e];
+        }
+    }
+}
+
+/* grid: x = query head, y = query within the batch; chunks merged in chunk order */
+__global__ void attn_merge_kernel(AttnArgs a, void *out, int odt, long long ldo) {
+    const int h = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
+    int nvis = n_visible(a, t);
+    int nc = (nvis + CHUNK - 1) / CHUNK;
+    size_t base = ((size_t)tb * a.Hq + h) * a.nc_max;
+    float M = -INFINITY;
+    for (int c = 0; c < nc; c++) M = fmaxf(M, a.pm[base + c]);
+    float L = 0.0f;
+    for (int c = 0; c < nc; c++) if (a.pm[base + c] != -INFINITY) L += a.pl[base + c] * expf(a.pm[base + c] - M);
+    for (int d = threadIdx.x; d < a.dv; d += blockDim.x) {
+        float o = 0.0f;
+        for (int c = 0; c < nc; c++)
+            if (a.pm[base + c] != -INFINITY) o += a.po[(base + c) * a.dv + d] * expf(a.pm[base + c] - M);
+        kd_st(out, odt, (size_t)t * ldo + (size_t)h * a.dv + d, M == -INFINITY || L == 0.0f ? 0.0f : o / L);
+    }
+}
+
+/* bitmask -> ordered list of visible new rows per query (one warp per query) */
+__global__ void vis_list_kernel(const uint64_t *visible, int T, int32_t *list, int32_t *cnt) {
+    int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (t >= T) return;
+    int words = (T + 63) / 64, n = 0;
+    for (int j0 = 0; j0 < T; j0 += 32) {
+        int j = j0 + lane;
+        bool b = j < T && ((visible[(size_t)t * words + (j >> 6)] >> (j & 63)) & 1ull);
+        unsigned m = __ballot_sync(0xffffffffu, b);
+        if (b) list[(size_t)t * T + n + __popc(m & ((1u << lane) - 1u))] = j;
+        n += __popc(m);
+    }
+    if (lane == 0) cnt[t] = n;
+}
+
+static kd_status check_act(const char *arg, kd_act a) {
+    if (!kd_cuda_float_dtype(a.dtype))
+        return kd_fail(KD_ERR_ARG, "cuda attention: %s: expected f32/bf16 activations, got %s", arg,
+                       kd_dtype_name(a.dtype));
+    if (!a.data && a.rows > 0) return kd_fail(KD_ERR_ARG, "cuda attention: %s: NULL data", arg);
+    return KD_OK;
+}
+
+}  // namespace
+
+extern "C" kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,
+                                       int n_kv_heads, int past, bool causal, const uint64_t *visible, int window,
+                                       float scale, kd_act out) {
+    kd_cuda *c = kd_cuda_of(be);
+    KD_TRY(check_act("q", q));
+    KD_TRY(check_act("k", k));
+    KD_TRY(check_act("v", v));
+    KD_TRY(check_act("out", out));
+    int T = q.rows, S = k.rows;
+    if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads || head_dim <= 0 || q.cols < n_heads * head_dim)
+        return kd_fail(KD_ERR_ARG, "cuda attention: %d query heads of %d dims over %d kv heads (q has %d cols)", n_heads,
+                       head_dim, n_kv_heads, q.cols);
+    int kstride = k.cols / n_kv_heads, vstride = v.cols / n_kv_heads, dv = out.cols / n_heads;
+    if (kstride < head_dim || dv <= 0 || vstride < dv || v.rows != S || out.rows != T || past < 0 ||
+        ((causal || visible) && past + T > S))
+        return kd_fail(KD_ERR_ARG, "cuda attention: k %d x %d, v %d x %d, out %d x %d, %d queries after %d past rows: "
+                       "expected k cols >= %d*%d, v cols >= %d*(out cols / %d), past + T <= rows", k.rows, k.cols, v.rows,
+                       v.cols, out.rows, out.cols, T, past, n_kv_heads, head_dim, n_kv_heads, n_heads);
+    if (q.dtype != k.dtype || q.dtype != v.dtype || (q.dtype != KD_BF16 && q.dtype != KD_F32))
+        return kd_fail(KD_ERR_ARG, "cuda attention: q, k, v must share one dtype (bf16 or f32), got %s, %s, %s",
+                       kd_dtype_name(q.dtype), kd_dtype_name(k.dtype), kd_dtype_name(v.dtype));
+    if (dv > DV_MAX || head_dim > 1024)
+        return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: value dim %d (max %d) / key dim %d (max 1024)", dv, DV_MAX,
+                       head_dim);
+    if (T == 0) return KD_OK;
+    if (S == 0) return kd_fail(KD_ERR_ARG, "cuda attention: no key rows");
+
+    AttnArgs a = {};
+    a.q = q.data; a.ldq = q.ld;
+    a.k = k.data; a.ldk = k.ld; a.kstride = kstride;
+    a.v = v.data; a.ldv = v.ld; a.vstride = vstride;
+    a.T = T; a.S = S; a.past = past; a.Hq = n_heads; a.Hkv = n_kv_heads; a.G = n_heads / n_kv_heads;
+    a.hd = head_dim; a.dv = dv;
+    a.HT = a.G < HT_MAX ? a.G : HT_MAX;
+    a.n_tiles = (a.G + a.HT - 1) / a.HT;
+    a.causal = causal; a.window = window; a.scale = scale;
+    a.nc_max = (S + CHUNK - 1) / CHUNK;
+
+    /* workspace: [visible lists] + partials for a batch of queries, bounded */
+    size_t list_bytes = visible ? ((size_t)T * T + T) * sizeof(int32_t) : 0;
+    list_bytes = (list_bytes + 255) & ~(size_t)255;
+    size_t per_q = (size_t)n_heads * a.nc_max * (dv + 2) * sizeof(float);
+    size_t cap = (size_t)512 << 20;
+    int tbatch = (int)(cap / per_q);
+    if (tbatch < 1) tbatch = 1;
+    if (tbatch > T) tbatch = T;
+    if (tbatch > 65535) tbatch = 65535;
+    void *ws;
+    KD_TRY(kd_cuda_ws(be, KD_WS_ATTN, list_bytes + per_q * tbatch + 256, &ws));
+    char *p = (char *)ws;
+    if (visible) {
+        a.vis_list = (int32_t *)p;
+        a.vis_cnt = a.vis_list + (size_t)T * T;
+        vis_list_kernel<<<(T + 7) / 8, 256, 0, c->stream>>>(visible, T, (int32_t *)a.vis_list, (int32_t *)a.vis_cnt);
+        KD_CUDA_LAUNCH("vis_list_kernel");
+    }
+    p += list_bytes;
+    a.pm = (float *)p;
+    a.pl = a.pm + (size_t)tbatch * n_heads * a.nc_max;
+    a.po = a.pl + (size_t)tbatch * n_heads * a.nc_max;
+
+    size_t esz = q.dtype == KD_BF16 ? 2 : 4;
+    int kld = (head_dim > dv ? head_dim : dv) + 2;
+    size_t smem = (size_t)HT_MAX * head_dim * 4 + (size_t)HT_MAX * CHUNK * 4 + CHUNK * 4 + (size_t)KT * kld * esz;
+    smem = (smem + 15) & ~(size_t)15;
+    if (smem > c->smem_optin)
+        return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: key dim %d needs %zu bytes of shared memory (device has %zu)",
+                       head_dim, smem, c->smem_optin);
+    if (q.dtype == KD_BF16) KD_CUDA(cudaFuncSetAttribute(attn_chunk_kernel<bf16>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    else KD_CUDA(cudaFuncSetAttribute(attn_chunk_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+
+    for (int t0 = 0; t0 < T; t0 += tbatch) {
+        int tb = T - t0 < tbatch ? T - t0 : tbatch;
+        a.t0 = t0;
+        /* chunks: enough for the query that sees the most keys (<= S) */
+        int max_vis = visible ? past + T : causal ? past + t0 + tb : S;
+        if (max_vis > S) max_vis = S;
+        int nc = (max_vis + CHUNK - 1) / CHUNK;
+        if (nc < 1) nc = 1;
+        dim3 grid(nc, tb, n_kv_heads * a.n_tiles);
+        if (q.dtype == KD_BF16) attn_chunk_kernel<bf16><<<grid, THREADS, smem, c->stream>>>(a);
+        else attn_chunk_kernel<float><<<grid, THREADS, smem, c->stream>>>(a);
+        KD_CUDA_LAUNCH("attn_chunk_kernel");
+        int mt = dv < 256 ? ((dv + 31) / 32) * 32 : 256;
+        attn_merge_kernel<<<dim3(n_heads, tb), mt, 0, c->stream>>>(a, out.data, out.dtype, out.ld);
+        KD_CUDA_LAUNCH("attn_merge_kernel");
+    }
+    return KD_OK;
+}

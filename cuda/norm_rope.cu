@@ -1,0 +1,291 @@
+/* norm_rope.cu: the CUDA backend's row-wise ops: copy/convert, embedding lookup,
+ * residual adds, SwiGLU, RMSNorm, RoPE (interleaved and rotate-half), row gathers.
+ * Math in fp32, stored in the destination's dtype (bf16 activations on this backend).
+ * Each row is computed the same way whatever the row count (RMSNorm's sum of squares
+ * uses a block layout fixed by the row width), so all of these are batch-invariant. */
+#include "cuda_internal.cuh"
+
+namespace {
+
+constexpr int EW_THREADS = 256;
+
+static int ew_blocks(const kd_cuda *c, size_t n) {
+    size_t b = (n + EW_THREADS - 1) / EW_THREADS;
+    size_t cap = (size_t)c->n_sms * 16;
+    if (b > cap) b = cap;
+    return b < 1 ? 1 : (int)b;
+}
+
+__global__ void convert_kernel(void *dst, int ddt, long long ldd, const void *src, int sdt, long long lds,
+                               int rows, int cols) {
+    size_t n = (size_t)rows * cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        int r = (int)(i / cols), c = (int)(i % cols);
+        kd_st(dst, ddt, (size_t)r * ldd + c, kd_ld(src, sdt, (size_t)r * lds + c));
+    }
+}
+
+__global__ void embed_kernel(const void *table, int tdt, long long V, int H, const int32_t *ids,
+                             void *out, int odt, long long ldo, int rows) {
+    size_t n = (size_t)rows * H;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        int r = (int)(i / H), c = (int)(i % H);
+        int id = ids[r];
+        float v = (id >= 0 && id < V) ? kd_ld(table, tdt, (size_t)id * H + c) : 0.0f;
+        kd_st(out, odt, (size_t)r * ldo + c, v);
+    }
+}
+
+__global__ void scale_add_kernel(void *x, int xdt, long long ldx, const void *y, int ydt, long long ldy,
+                                 float s, int rows, int cols) {
+    size_t n = (size_t)rows * cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        int r = (int)(i / cols), c = (int)(i % cols);
+        size_t xi = (size_t)r * ldx + c;
+        float yv = kd_ld(y, ydt, (size_t)r * ldy + c);
+        kd_st(x, xdt, xi, kd_ld(x, xdt, xi) + (s == 1.0f ? yv : s * yv));
+    }
+}
+
+__global__ void swiglu_kernel(const void *g, int gdt, long long ldg, const void *u, int udt, long long ldu,
+                              void *o, int odt, long long ldo, int rows, int cols) {
+    size_t n = (size_t)rows * cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        int r = (int)(i / cols), c = (int)(i % cols);
+        float gv = kd_ld(g, gdt, (size_t)r * ldg + c), uv = kd_ld(u, udt, (size_t)r * ldu + c);
+        kd_st(o, odt, (size_t)r * ldo + c, gv / (1.0f + expf(-gv)) * uv);
+    }
+}
+
+/* one block per (row, segment of d columns) */
+__global__ void rmsnorm_kernel(const void *x, int xdt, long long ldx, const void *w, int wdt, int d, int segs,
+                               float eps, void *o, int odt, long long ldo) {
+    __shared__ float red[32];
+    int r = blockIdx.x / segs, s0 = (blockIdx.x % segs) * d;
+    size_t xb = (size_t)r * ldx + s0, ob = (size_t)r * ldo + s0;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = kd_ld(x, xdt, xb + i);
+        ss += v * v;
+    }
+    ss = kd_block_sum(ss, red);
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        kd_st(o, odt, ob + i, kd_ld(w, wdt, i) * (kd_ld(x, xdt, xb + i) * inv));
+}
+
+/* one thread per (row, head, pair) */
+__global__ void rope_kernel(void *x, int xdt, long long ldx, int rows, int n_heads, int head_stride, int offset,
+                            const int32_t *pos, const float *inv_freq, int half, bool interleaved, float amp) {
+    size_t n = (size_t)rows * n_heads * half;
+    for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+        int i = (int)(idx % half);
+        size_t rest = idx / half;
+        int h = (int)(rest % n_heads), t = (int)(rest / n_heads);
+        float ang = (float)pos[t] * inv_freq[i];
+        double sd, cd;
+        sincos((double)ang, &sd, &cd);
+        float c = (float)cd * amp, s = (float)sd * amp;
+        size_t base = (size_t)t * ldx + (size_t)h * head_stride + offset;
+        int ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+        float a = kd_ld(x, xdt, base + ia), b = kd_ld(x, xdt, base + ib);
+        kd_st(x, xdt, base + ia, a * c - b * s);
+        kd_st(x, xdt, base + ib, b * c + a * s);
+    }
+}
+
+__global__ void gather_kernel(void *dst, int ddt, long long ldd, const void *src, int sdt, long long lds,
+                              long long src_rows, const int32_t *rows, int n, int cols) {
+    size_t total = (size_t)n * cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        int r = (int)(i / cols), c = (int)(i % cols);
+        int sr = rows[r];
+        float v = (sr >= 0 && sr < src_rows) ? kd_ld(src, sdt, (size_t)sr * lds + c) : 0.0f;
+        kd_st(dst, ddt, (size_t)r * ldd + c, v);
+    }
+}
+
+/* same-dtype gather of raw bytes (also for integer views), 4-byte words when possible */
+__global__ void gather_bytes_kernel(char *dst, long long ldd_b, const char *src, long long lds_b, long long src_rows,
+                                    const int32_t *rows, int n, long long row_bytes) {
+    size_t total = (size_t)n * row_bytes;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        int r = (int)(i / row_bytes);
+        long long c = (long long)(i % row_bytes);
+        int sr = rows[r];
+        dst[(size_t)r * ldd_b + c] = (sr >= 0 && sr < src_rows) ? src[(size_t)sr * lds_b + c] : 0;
+    }
+}
+
+static kd_status check_view(const char *op, const char *arg, kd_act a) {
+    if (!a.data && a.rows > 0 && a.cols > 0) return kd_fail(KD_ERR_ARG, "cuda %s: %s: NULL data", op, arg);
+    if (a.rows < 0 || a.cols < 0 || (a.rows > 1 && a.ld < a.cols))
+        return kd_fail(KD_ERR_ARG, "cuda %s: %s: bad view %d x %d (ld %d)", op, arg, a.rows, a.cols, a.ld);
+    if (!kd_cuda_float_dtype(a.dtype))
+        return kd_fail(KD_ERR_ARG, "cuda %s: %s: expected f32/bf16/f16 activations, got %s", op, arg,
+                       kd_dtype_name(a.dtype));
+    return KD_OK;
+}
+static kd_status check_shape(const char *op, const char *arg, kd_act a, int rows, int cols) {
+    if (a.rows != rows || a.cols != cols)
+        return kd_fail(KD_ERR_ARG, "cuda %s: %s: expected %d x %d, got %d x %d", op, arg, rows, cols, a.rows, a.cols);
+    return KD_OK;
+}
+static int wdtype(const kd_weight *w) { return w->format == KD_W_F32 ? KD_F32 : KD_BF16; }
+
+}  // namespace
+
+extern "C" kd_status kd_cuda_copy(kd_backend *be, kd_act dst, kd_act src) {
+    kd_cuda *c = kd_cuda_of(be);
+    KD_TRY(check_shape("copy", "dst", dst, src.rows, src.cols));
+    if (src.rows == 0 || src.cols == 0) return KD_OK;
+    if (src.dtype == dst.dtype) {
+        size_t es = kd_dtype_size(src.dtype);
+        KD_CUDA(cudaMemcpy2DAsync(dst.data, (size_t)(dst.rows > 1 ? dst.ld : dst.cols) * es, src.data,
+                                  (size_t)(src.rows > 1 ? src.ld : src.cols) * es, (size_t)src.cols * es,
+                                  src.rows, cudaMemcpyDeviceToDevice, c->stream));
+        return KD_OK;
+    }
+    KD_TRY(check_view("copy", "dst", dst));
+    KD_TRY(check_view("copy", "src", src));
+    size_t n = (size_t)src.rows * src.cols;
+    convert_kernel<<<ew_blocks(c, n), EW_THREADS, 0, c->stream>>>(dst.data, dst.dtype, dst.ld, src.data, src.dtype,
+                                                                  src.ld, src.rows, src.cols);
+    KD_CUDA_LAUNCH("convert_kernel");
+    return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_embed(kd_backend *be, const kd_weight *table, const int32_t *ids, kd_act out) {
+    kd_cuda *c = kd_cuda_of(be);
+    const char *name = table && table->name ? table->name : "?";
+    if (!table || !table->dev) return kd_fail(KD_ERR_STATE, "cuda embed: table '%s' is not loaded", name);
+    KD_TRY(check_view("embed", "out", out));
+    if (table->format == KD_W_INT4 || out.cols != table->cols)
+        return kd_fail(KD_ERR_ARG, "cuda embed: table '%s' is %lld wide (bf16/f32 expected), out has %d cols", name,
+                       (long long)table->cols, out.cols);
+    if (out.rows == 0) return KD_OK;
+    /* ids are device memory: the model validates them on the host (kd_forward); an id out of
+     * range here gives a zero row rather than a wild read */
+    size_t n = (size_t)out.rows * out.cols;
+    embed_kernel<<<ew_blocks(c, n), EW_THREADS, 0, c->stream>>>(table->dev, wdtype(table), table->rows,
+                                                                (int)table->cols, ids, out.data, out.dtype, out.ld,
+                                                                out.rows);
+    KD_CUDA_LAUNCH("embed_kernel");
+    return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_scale_add(kd_backend *be, kd_act x, kd_act y, float s) {
+    kd_cuda *c = kd_cuda_of(be);
+    KD_TRY(check_view("add", "x", x));
+    KD_TRY(check_view("add", "y", y));
+    KD_TRY(check_shape("add", "y", y, x.rows, x.cols));
+    size_t n = (size_t)x.rows * x.cols;
+    if (!n) return KD_OK;
+    scale_add_kernel<<<ew_blocks(c, n), EW_THREADS, 0, c->stream>>>(x.data, x.dtype, x.ld, y.data, y.dtype, y.ld, s,
+                                                                    x.rows, x.cols);
+    KD_CUDA_LAUNCH("scale_add_kernel");
+    return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_add(kd_backend *be, kd_act x, kd_act y) { return kd_cuda_scale_add(be, x, y, 1.0f); }
+
+extern "C" kd_status kd_cuda_swiglu(kd_backend *be, kd_act gate, kd_act up, kd_act out) {
+    kd_cuda *c = kd_cuda_of(be);
+    KD_TRY(check_view("swiglu", "gate", gate));
+    KD_TRY(check_view("swiglu", "up", up));
+    KD_TRY(check_view("swiglu", "out", out));
+    KD_TRY(check_shape("swiglu", "up", up, gate.rows, gate.cols));
+    KD_TRY(check_shape("swiglu", "out", out, gate.rows, gate.cols));
+    size_t n = (size_t)gate.rows * gate.cols;
+    if (!n) return KD_OK;
+    swiglu_kernel<<<ew_blocks(c, n), EW_THREADS, 0, c->stream>>>(gate.data, gate.dtype, gate.ld, up.data, up.dtype,
+                                                                 up.ld, out.data, out.dtype, out.ld, gate.rows,
+                                                                 gate.cols);
+    KD_CUDA_LAUNCH("swiglu_kernel");
+    return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_rmsnorm(kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act out) {
+    kd_cuda *c = kd_cuda_of(be);
+    const char *name = w && w->name ? w->name : "?";
+    KD_TRY(check_view("rmsnorm", "x", x));
+    KD_TRY(check_view("rmsnorm", "out", out));
+    KD_TRY(check_shape("rmsnorm", "out", out, x.rows, x.cols));
+    if (!w || !w->dev) return kd_fail(KD_ERR_STATE, "cuda rmsnorm: weight '%s' is not loaded", name);
+    long long d = w->rows * w->cols;
+    if (w->format == KD_W_INT4 || d <= 0 || x.cols % d)
+        return kd_fail(KD_ERR_ARG, "cuda rmsnorm: weight '%s' has %lld entries, which must divide the %d cols", name, d,
+                       x.cols);
+    if (x.rows == 0) return KD_OK;
+    int segs = (int)(x.cols / d);
+    long long blocks = (long long)x.rows * segs;
+    if (blocks > 0x7fffffff) return kd_fail(KD_ERR_ARG, "cuda rmsnorm: too many rows (%d x %d segments)", x.rows, segs);
+    /* thread count from the width alone (batch invariance of the reduction order) */
+    int threads = d >= 1024 ? 256 : d >= 256 ? 128 : d >= 64 ? 64 : 32;
+    rmsnorm_kernel<<<(unsigned)blocks, threads, 0, c->stream>>>(x.data, x.dtype, x.ld, w->dev, wdtype(w), (int)d, segs,
+                                                                eps, out.data, out.dtype, out.ld);
+    KD_CUDA_LAUNCH("rmsnorm_kernel");
+    return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_rope(kd_backend *be, kd_act x, int n_heads, int head_stride, int offset,
+                                  const int32_t *pos, const kd_rope *r) {
+    kd_cuda *c = kd_cuda_of(be);
+    KD_TRY(check_view("rope", "x", x));
+    if (!r || !r->inv_freq || r->dim <= 0 || r->dim % 2 || offset < 0 || n_heads <= 0 ||
+        offset + r->dim > head_stride || (long long)(n_heads - 1) * head_stride + offset + r->dim > x.cols)
+        return kd_fail(KD_ERR_ARG, "cuda rope: dims [%d, %d) of %d heads of stride %d do not fit %d cols", offset,
+                       offset + (r ? r->dim : 0), n_heads, head_stride, x.cols);
+    if (!pos && x.rows > 0) return kd_fail(KD_ERR_ARG, "cuda rope: positions are NULL");
+    size_t n = (size_t)x.rows * n_heads * (r->dim / 2);
+    if (!n) return KD_OK;
+    rope_kernel<<<ew_blocks(c, n), EW_THREADS, 0, c->stream>>>(x.data, x.dtype, x.ld, x.rows, n_heads, head_stride,
+                                                               offset, pos, r->inv_freq, r->dim / 2, r->interleaved,
+                                                               r->attn_factor);
+    KD_CUDA_LAUNCH("rope_kernel");
+    return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n) {
+    kd_cuda *c = kd_cuda_of(be);
+    if (n < 0 || n > dst.rows || dst.cols != src.cols)
+        return kd_fail(KD_ERR_ARG, "cuda gather_rows: %d rows of %d cols into a %d x %d view", n, src.cols, dst.rows,
+                       dst.cols);
+    if (n == 0 || src.cols == 0) return KD_OK;
+    if (!rows) return kd_fail(KD_ERR_ARG, "cuda gather_rows: rows is NULL");
+    /* rows are device memory (validated by the caller on the host); out-of-range rows give zeros.
+     * In-place compaction (dst and src in one buffer) goes through a staging copy, so no block
+     * reads a row another block is overwriting. */
+    size_t des = kd_dtype_size(dst.dtype), ses = kd_dtype_size(src.dtype);
+    const char *s_lo = (const char *)src.data, *s_hi = s_lo + ((size_t)(src.rows - 1) * src.ld + src.cols) * ses;
+    const char *d_lo = (const char *)dst.data, *d_hi = d_lo + ((size_t)(n - 1) * dst.ld + dst.cols) * des;
+    bool overlap = src.rows > 0 && d_lo < s_hi && s_lo < d_hi;
+    kd_act out = dst;
+    if (overlap) {
+        void *tmp;
+        KD_TRY(kd_cuda_ws(be, KD_WS_TMP, (size_t)n * dst.cols * des, &tmp));
+        out.data = tmp;
+        out.ld = dst.cols;
+    }
+    size_t total = (size_t)n * src.cols;
+    if (src.dtype == dst.dtype) {
+        gather_bytes_kernel<<<ew_blocks(c, total * ses), EW_THREADS, 0, c->stream>>>(
+            (char *)out.data, (long long)out.ld * des, (const char *)src.data, (long long)src.ld * ses, src.rows, rows, n,
+            (long long)src.cols * ses);
+        KD_CUDA_LAUNCH("gather_bytes_kernel");
+    } else {
+        KD_TRY(check_view("gather_rows", "dst", dst));
+        KD_TRY(check_view("gather_rows", "src", src));
+        gather_kernel<<<ew_blocks(c, total), EW_THREADS, 0, c->stream>>>(out.data, out.dtype, out.ld, src.data,
+                                                                         src.dtype, src.ld, src.rows, rows, n, src.cols);
+        KD_CUDA_LAUNCH("gather_kernel");
+    }
+    if (overlap) {
+        kd_act staged = out;
+        staged.rows = n;
+        kd_act d = dst;
+        d.rows = n;
+        KD_TRY(kd_cuda_copy(be, d, staged));
+    }
+    return KD_OK;
+}

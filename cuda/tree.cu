@@ -1,0 +1,207 @@
+/* tree.cu: per-row reductions over the vocabulary: log_softmax (in place), argmax, top-k.
+ * One block per row; fixed reduction orders, so a row's result never depends on the
+ * other rows. Order of equal values: the lower id first (argmax and top-k), and NaN
+ * loses to everything, exactly as core/cpu/cpu_elementwise.c.
+ *
+ * top-k (k up to 16384, V up to 2^31): a radix select finds the k-th largest value in
+ * four 8-bit passes over the row, then one ordered pass collects everything above it
+ * plus the lowest-id entries equal to it, and a bitonic sort in shared memory orders
+ * the k candidates by (value desc, id asc). */
+#include "cuda_internal.cuh"
+
+namespace {
+
+constexpr int ROW_THREADS = 1024;
+constexpr int TOPK_MAX = 16384;
+
+__device__ __forceinline__ float ld_row(const void *x, int dt, size_t i) { return kd_ld(x, dt, i); }
+
+__global__ void __launch_bounds__(ROW_THREADS) log_softmax_kernel(void *x, int dt, long long ld, int cols) {
+    __shared__ float red[32];
+    size_t base = (size_t)blockIdx.x * ld;
+    float m = -INFINITY;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, ld_row(x, dt, base + c));
+    m = kd_block_max(m, red);
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += expf(ld_row(x, dt, base + c) - m);
+    s = kd_block_sum(s, red);
+    float lse = m + logf(s);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) kd_st(x, dt, base + c, ld_row(x, dt, base + c) - lse);
+}
+
+/* a beats b: larger value, or equal and lower id; NaN loses to everything */
+__device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
+    if (va != va) return false;
+    if (vb != vb) return true;
+    return va > vb || (va == vb && ia < ib);
+}
+
+__global__ void __launch_bounds__(ROW_THREADS) argmax_kernel(const void *x, int dt, long long ld, int cols, int32_t *out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    size_t base = (size_t)blockIdx.x * ld;
+    float bv = NAN;
+    int bi = 0x7fffffff;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = ld_row(x, dt, base + c);
+        if (bi == 0x7fffffff || beats(v, c, bv, bi)) { bv = v; bi = c; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (oi != 0x7fffffff && (bi == 0x7fffffff || beats(ov, oi, bv, bi))) { bv = ov; bi = oi; }
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int nw = (blockDim.x + 31) >> 5;
+        for (int w = 1; w < nw; w++)
+            if (si[w] != 0x7fffffff && (bi == 0x7fffffff || beats(sv[w], si[w], bv, bi))) { bv = sv[w]; bi = si[w]; }
+        out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+    }
+}
+
+/* order-preserving key: larger value -> larger key; NaN lowest; -0 == +0 */
+__device__ __forceinline__ uint32_t fkey(float v) {
+    if (v != v) return 0u;
+    if (v == 0.0f) v = 0.0f;
+    uint32_t u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
+                                                           int kpow2, float *vals, int32_t *ids) {
+    extern __shared__ unsigned long long cand[];     /* kpow2 composite keys */
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned int s_sel[2];
+    __shared__ unsigned int warp_cnt[32];
+    __shared__ unsigned int s_ngt, s_neq_taken;
+    const size_t base = (size_t)blockIdx.x * ld;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+
+    /* radix select of the k-th largest key */
+    uint32_t prefix = 0, mask = 0;
+    unsigned int kr = (unsigned)k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int c = tid; c < cols; c += blockDim.x) {
+            uint32_t key = fkey(ld_row(x, dt, base + c));
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            unsigned int cum = 0;
+            int d = 255;
+            for (; d > 0; d--) {
+                if (cum + hist[d] >= kr) break;
+                cum += hist[d];
+            }
+            s_sel[0] = (unsigned)d;
+            s_sel[1] = kr - cum;
+        }
+        __syncthreads();
+        prefix |= s_sel[0] << shift;
+        mask |= 255u << shift;
+        kr = s_sel[1];
+        __syncthreads();
+    }
+    const uint32_t kth = prefix;           /* the k-th largest key */
+    const unsigned int n_eq_take = kr;     /* how many entries equal to it are kept (lowest ids) */
+
+    /* collect: all keys > kth (any slot), and the first n_eq_take keys == kth in id order */
+    if (tid == 0) { s_ngt = 0; s_neq_taken = 0; }
+    for (int i = tid; i < kpow2; i += blockDim.x) cand[i] = 0ull;   /* padding sorts last */
+    __syncthreads();
+    const unsigned int n_gt_total = (unsigned)k - n_eq_take;
+    for (int c0 = 0; c0 < cols; c0 += blockDim.x) {
+        int c = c0 + tid;
+        uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
+        bool gt = c < cols && key > kth, eq = c < cols && key == kth;
+        if (gt) {
+            unsigned int slot = atomicAdd(&s_ngt, 1u);
+            cand[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
+        }
+        unsigned int m = __ballot_sync(0xffffffffu, eq);
+        if (lane == 0) warp_cnt[warp] = __popc(m);
+        __syncthreads();
+        unsigned int before = s_neq_taken;
+        for (int w = 0; w < warp; w++) before += warp_cnt[w];
+        unsigned int rank = before + __popc(m & ((1u << lane) - 1u));
+        if (eq && rank < n_eq_take)
+            cand[n_gt_total + rank] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
+        __syncthreads();
+        if (tid == 0) {
+            unsigned int tot = 0;
+            for (int w = 0; w < nw; w++) tot += warp_cnt[w];
+            s_neq_taken += tot;
+        }
+        __syncthreads();
+    }
+    /* bitonic sort, descending */
+    for (int size = 2; size <= kpow2; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = tid; i < kpow2; i += blockDim.x) {
+                int j = i ^ stride;
+                if (j > i) {
+                    bool desc = (i & size) == 0;
+                    unsigned long long a = cand[i], b = cand[j];
+                    if (desc ? a < b : a > b) { cand[i] = b; cand[j] = a; }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int i = tid; i < k; i += blockDim.x) {
+        int id = (int)(0xffffffffu - (uint32_t)(cand[i] & 0xffffffffull));
+        ids[(size_t)blockIdx.x * k + i] = id;
+        vals[(size_t)blockIdx.x * k + i] = ld_row(x, dt, base + id);
+    }
+}
+
+static kd_status check_rows(const char *op, kd_act x) {
+    if (!kd_cuda_float_dtype(x.dtype))
+        return kd_fail(KD_ERR_ARG, "cuda %s: x: expected f32/bf16 values, got %s", op, kd_dtype_name(x.dtype));
+    if (x.rows < 0 || x.cols <= 0 || (x.rows > 0 && !x.data))
+        return kd_fail(KD_ERR_ARG, "cuda %s: x: bad view %d x %d", op, x.rows, x.cols);
+    if (x.rows > 0x7fffffff) return kd_fail(KD_ERR_ARG, "cuda %s: too many rows", op);
+    return KD_OK;
+}
+
+}  // namespace
+
+extern "C" kd_status kd_cuda_log_softmax(kd_backend *be, kd_act x) {
+    kd_cuda *c = kd_cuda_of(be);
+    KD_TRY(check_rows("log_softmax", x));
+    if (!x.rows) return KD_OK;
+    log_softmax_kernel<<<x.rows, ROW_THREADS, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols);
+    KD_CUDA_LAUNCH("log_softmax_kernel");
+    return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_argmax(kd_backend *be, kd_act x, int32_t *out) {
+    kd_cuda *c = kd_cuda_of(be);
+    KD_TRY(check_rows("argmax", x));
+    if (!x.rows) return KD_OK;
+    if (!out) return kd_fail(KD_ERR_ARG, "cuda argmax: out is NULL");
+    argmax_kernel<<<x.rows, ROW_THREADS, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, out);
+    KD_CUDA_LAUNCH("argmax_kernel");
+    return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids) {
+    kd_cuda *c = kd_cuda_of(be);
+    KD_TRY(check_rows("topk", x));
+    if (k <= 0 || k > x.cols) return kd_fail(KD_ERR_ARG, "cuda topk: k = %d must be in [1, %d]", k, x.cols);
+    if (k > TOPK_MAX) return kd_fail(KD_ERR_UNSUPPORTED, "cuda topk: k = %d is above the supported %d", k, TOPK_MAX);
+    if (!x.rows) return KD_OK;
+    if (!vals || !ids) return kd_fail(KD_ERR_ARG, "cuda topk: vals/ids are NULL");
+    int kp = 1;
+    while (kp < k) kp <<= 1;
+    size_t smem = (size_t)kp * sizeof(unsigned long long);
+    KD_CUDA(cudaFuncSetAttribute(topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    topk_kernel<<<x.rows, ROW_THREADS, smem, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, kp, vals, ids);
+    KD_CUDA_LAUNCH("topk_kernel");
+    return KD_OK;
+}
