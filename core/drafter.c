@@ -1,0 +1,842 @@
+/* drafter.c: the DFlash drafter: config, weights, per-sequence context cache, draft pass.
+ *
+ * A DFlash drafter (z-lab DFlashDraftModel) is a stack of Qwen3-style layers with no embedding
+ * and no lm_head of its own: the block [bonus, MASK x (bs-1)] is embedded with the TARGET's table
+ * and the drafter's normed output goes through the TARGET's lm_head. It is conditioned on the
+ * target through "tap" features: the outputs of the target decoder layers target_layer_ids,
+ * concatenated, projected by fc and normed by hidden_norm, then injected as K/V into every
+ * drafter layer (that layer's k_proj/k_norm/RoPE and v_proj; no input_layernorm).
+ *
+ * The per-sequence state keeps, per layer, the K/V of the committed context (positions
+ * 0..ctx_len-1) in rows [0, ctx_len) of a [capacity + bs] buffer; a draft pass writes the block's
+ * K/V into rows [ctx_len, ctx_len + bs) and attends bidirectionally over all of them, so the block
+ * is never part of the context (the reference's crop(start)). Context rows are added eagerly when
+ * the target commits tokens (kd_draft_context_append), so a draft pass costs one block forward.
+ *
+ * Everything runs through backend ops (backend.h); docs/dflash.md documents format and numerics. */
+#include "drafter.h"
+#include "error.h"
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+enum { KD_DRAFT_MAX_TAPS = 16, KD_DRAFT_CHUNK = 64 };
+enum { ROPE_DEFAULT, ROPE_LINEAR, ROPE_YARN };
+
+typedef struct kd_dcfg {
+    int n_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate, block_size, mask_token_id;
+    int n_taps, taps[KD_DRAFT_MAX_TAPS];
+    int vocab;                  /* -1 when config.json omits vocab_size */
+    int num_target_layers;      /* -1 when omitted */
+    int max_positions;          /* 0 when omitted */
+    float eps;
+    /* RoPE (rotate-half over the full head dim) */
+    int rope_kind;
+    double rope_theta, rope_factor, yarn_beta_fast, yarn_beta_slow, yarn_mscale, yarn_mscale_all_dim;
+    double yarn_attention_factor;   /* < 0: derived */
+    int yarn_original_max, yarn_truncate;
+    float rope_amp;             /* cos/sin amplitude (HF attention_factor) */
+    int *window;                /* per layer: 0 = full attention, else sliding_window */
+} kd_dcfg;
+
+typedef struct kd_dlayer {
+    kd_weight attn_norm, ffn_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, gate, up, down;
+} kd_dlayer;
+
+struct kd_drafter {
+    kd_dcfg cfg;
+    kd_model *target;           /* NULL: opened for inspection only (no weights loaded) */
+    kd_backend *be;
+    kd_st_set files;
+    bool files_open;
+    kd_weight fc, hidden_norm, norm;
+    kd_dlayer *layers;
+    float *inv_freq;            /* backend memory, head_dim/2 */
+    kd_rope rope;
+    char dir[1024];
+    int n_seqs;                 /* sequences with this drafter attached */
+    bool closed;                /* closed by its owner while sequences still use it */
+};
+
+struct kd_draft_state {
+    int ctx_len, cap;           /* committed context rows, capacity of the context */
+    kd_act *k, *v;              /* per layer [cap + bs, n_kv_heads*head_dim], act dtype */
+    void *scratch;              /* backend memory, carved into the views below */
+    kd_act x, h, q, kt, att, o, g, u, m;   /* block activations */
+    kd_act f, fn;               /* context fusion, KD_DRAFT_CHUNK rows */
+    int32_t *ids, *pos;         /* backend memory: bs (>= chunk) ints each */
+    kd_act logprobs;            /* [bs-1, vocab] f32 */
+    bool have_logprobs;
+};
+
+/* ------------------------------------------------------------------ config.json */
+
+static const char *cfg_file(const char *dir, char *buf, size_t n) {
+    snprintf(buf, n, "%s/config.json", dir);
+    return buf;
+}
+
+static kd_status json_int(const cJSON *o, const char *key, const char *file, bool required, int def,
+                          int *out) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!it || cJSON_IsNull(it)) {
+        if (required) return kd_fail(KD_ERR_CONFIG, "%s: field '%s' is missing (expected an integer)", file, key);
+        *out = def;
+        return KD_OK;
+    }
+    if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || fabs(it->valuedouble) > 2147483647.0)
+        return kd_fail(KD_ERR_CONFIG, "%s: field '%s': expected an integer", file, key);
+    *out = (int)it->valuedouble;
+    return KD_OK;
+}
+
+static kd_status json_num(const cJSON *o, const char *key, const char *file, double def, double *out) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!it || cJSON_IsNull(it)) { *out = def; return KD_OK; }
+    if (!cJSON_IsNumber(it)) return kd_fail(KD_ERR_CONFIG, "%s: field '%s': expected a number", file, key);
+    *out = it->valuedouble;
+    return KD_OK;
+}
+
+static kd_status json_positive(const cJSON *o, const char *key, const char *file, int *out) {
+    KD_TRY(json_int(o, key, file, true, 0, out));
+    if (*out <= 0) return kd_fail(KD_ERR_CONFIG, "%s: field '%s': expected a positive integer, got %d", file, key, *out);
+    return KD_OK;
+}
+
+/* HF DFlash default taps when dflash_config lacks target_layer_ids (z-lab build_target_layer_ids) */
+static void default_taps(int n_target, int n_draft, kd_dcfg *c) {
+    if (n_draft == 1) { c->n_taps = 1; c->taps[0] = n_target / 2; return; }
+    c->n_taps = n_draft;
+    double start = 1, span = (double)(n_target - 3) - start;
+    for (int i = 0; i < n_draft; i++) c->taps[i] = (int)lround(start + i * span / (n_draft - 1));
+}
+
+static kd_status parse_rope(const cJSON *root, const char *file, kd_dcfg *c) {
+    /* transformers 5 writes rope_parameters (with rope_theta inside); older files rope_scaling */
+    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
+    const char *rs_name = "rope_scaling";
+    if (!rs || cJSON_IsNull(rs)) { rs = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters"); rs_name = "rope_parameters"; }
+    KD_TRY(json_num(root, "rope_theta", file, 10000.0, &c->rope_theta));
+    c->rope_kind = ROPE_DEFAULT;
+    c->rope_amp = 1.0f;
+    if (!rs || cJSON_IsNull(rs)) return KD_OK;
+    if (!cJSON_IsObject(rs)) return kd_fail(KD_ERR_CONFIG, "%s: field '%s': expected an object or null", file, rs_name);
+    KD_TRY(json_num(rs, "rope_theta", file, c->rope_theta, &c->rope_theta));
+    const cJSON *ty = cJSON_GetObjectItemCaseSensitive(rs, "rope_type");
+    if (!ty) ty = cJSON_GetObjectItemCaseSensitive(rs, "type");
+    const char *kind = cJSON_IsString(ty) ? ty->valuestring : "default";
+    if (c->rope_theta <= 0) return kd_fail(KD_ERR_CONFIG, "%s: field 'rope_theta': expected > 0, got %g", file, c->rope_theta);
+    if (!strcmp(kind, "default")) return KD_OK;
+    if (!strcmp(kind, "linear")) {
+        c->rope_kind = ROPE_LINEAR;
+        KD_TRY(json_num(rs, "factor", file, 0, &c->rope_factor));
+        if (!(c->rope_factor > 0))
+            return kd_fail(KD_ERR_CONFIG, "%s: field '%s.factor': expected a number > 0 for linear RoPE", file, rs_name);
+        return KD_OK;
+    }
+    if (strcmp(kind, "yarn") && strcmp(kind, "deepseek_yarn"))
+        return kd_fail(KD_ERR_UNSUPPORTED, "%s: field '%s.type': RoPE type '%s' is not supported "
+                       "(supported: default, linear, yarn, deepseek_yarn)", file, rs_name, kind);
+    c->rope_kind = ROPE_YARN;
+    double orig = 0;
+    KD_TRY(json_num(rs, "original_max_position_embeddings", file, c->max_positions, &orig));
+    if (!(orig > 0))
+        return kd_fail(KD_ERR_CONFIG, "%s: field '%s.original_max_position_embeddings' is missing "
+                       "(expected a positive integer for YaRN)", file, rs_name);
+    c->yarn_original_max = (int)orig;
+    double dflt_factor = c->max_positions > 0 ? (double)c->max_positions / orig : 0;
+    KD_TRY(json_num(rs, "factor", file, dflt_factor, &c->rope_factor));
+    if (!(c->rope_factor > 0))
+        return kd_fail(KD_ERR_CONFIG, "%s: field '%s.factor': expected a number > 0 for YaRN", file, rs_name);
+    KD_TRY(json_num(rs, "beta_fast", file, 32, &c->yarn_beta_fast));
+    KD_TRY(json_num(rs, "beta_slow", file, 1, &c->yarn_beta_slow));
+    if (c->yarn_beta_fast == 0) c->yarn_beta_fast = 32;    /* HF: `get("beta_fast") or 32` */
+    if (c->yarn_beta_slow == 0) c->yarn_beta_slow = 1;
+    KD_TRY(json_num(rs, "mscale", file, 0, &c->yarn_mscale));
+    KD_TRY(json_num(rs, "mscale_all_dim", file, 0, &c->yarn_mscale_all_dim));
+    KD_TRY(json_num(rs, "attention_factor", file, -1, &c->yarn_attention_factor));
+    const cJSON *tr = cJSON_GetObjectItemCaseSensitive(rs, "truncate");
+    c->yarn_truncate = tr && cJSON_IsBool(tr) ? cJSON_IsTrue(tr) : 1;
+    /* the cos/sin amplitude, exactly HF _compute_yarn_parameters */
+    double f = c->rope_factor, af = c->yarn_attention_factor;
+#define KD_MSCALE(s, m) ((s) <= 1 ? 1.0 : 0.1 * (m) * log(s) + 1.0)
+    if (af < 0) {
+        if (c->yarn_mscale != 0 && c->yarn_mscale_all_dim != 0)
+            af = KD_MSCALE(f, c->yarn_mscale) / KD_MSCALE(f, c->yarn_mscale_all_dim);
+        else
+            af = KD_MSCALE(f, 1.0);
+    }
+#undef KD_MSCALE
+    c->rope_amp = (float)af;
+    return KD_OK;
+}
+
+/* HF inverse frequencies for rotate-half RoPE over `dim` dims (double math, stored as float) */
+static void rope_inv_freq(const kd_dcfg *c, int dim, float *out) {
+    int half = dim / 2;
+    double theta = c->rope_theta;
+    double low = 0, high = 0;
+    if (c->rope_kind == ROPE_YARN) {
+        double orig = c->yarn_original_max;
+#define KD_CORR(rot) ((dim * log(orig / ((rot) * 2 * M_PI))) / (2 * log(theta)))
+        low = KD_CORR(c->yarn_beta_fast);
+        high = KD_CORR(c->yarn_beta_slow);
+#undef KD_CORR
+        if (c->yarn_truncate) { low = floor(low); high = ceil(high); }
+        if (low < 0) low = 0;
+        if (high > dim - 1) high = dim - 1;
+        if (low == high) high += 0.001;
+    }
+    for (int i = 0; i < half; i++) {
+        double inv = 1.0 / pow(theta, (double)(2 * i) / dim);
+        if (c->rope_kind == ROPE_LINEAR) inv /= c->rope_factor;
+        else if (c->rope_kind == ROPE_YARN) {
+            double ramp = ((double)i - low) / (high - low);
+            ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+            double extrap = 1.0 - ramp;            /* weight of the unscaled frequency */
+            inv = (inv / c->rope_factor) * (1.0 - extrap) + inv * extrap;
+        }
+        out[i] = (float)inv;
+    }
+}
+
+static kd_status parse_config(const char *dir, kd_dcfg *c) {
+    char file[1100];
+    cfg_file(dir, file, sizeof file);
+    memset(c, 0, sizeof *c);
+    FILE *fp = fopen(file, "rb");
+    if (!fp) return kd_fail(KD_ERR_IO, "%s: cannot open the drafter config (expected a DFlash drafter directory)", file);
+    fseek(fp, 0, SEEK_END);
+    long sz = ftell(fp);
+    fseek(fp, 0, SEEK_SET);
+    if (sz < 0 || sz > (64 << 20)) { fclose(fp); return kd_fail(KD_ERR_FORMAT, "%s: unreadable or larger than 64 MiB", file); }
+    char *text = malloc((size_t)sz + 1);
+    if (!text) { fclose(fp); return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %ld bytes", file, sz); }
+    size_t got = fread(text, 1, (size_t)sz, fp);
+    fclose(fp);
+    text[got] = 0;
+    cJSON *root = cJSON_Parse(text);
+    free(text);
+    if (!root || !cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        return kd_fail(KD_ERR_FORMAT, "%s: not a JSON object", file);
+    }
+    kd_status st = KD_OK;
+#define CK(expr) do { st = (expr); if (st != KD_OK) goto done; } while (0)
+    const cJSON *arch = cJSON_GetObjectItemCaseSensitive(root, "architectures");
+    if (arch) {
+        bool ok = false;
+        const cJSON *a;
+        cJSON_ArrayForEach(a, arch) if (cJSON_IsString(a) && !strcmp(a->valuestring, "DFlashDraftModel")) ok = true;
+        if (!ok) {
+            const cJSON *a0 = cJSON_IsArray(arch) ? cJSON_GetArrayItem(arch, 0) : NULL;
+            st = kd_fail(KD_ERR_CONFIG, "%s: field 'architectures': expected [\"DFlashDraftModel\"], got %s",
+                         file, a0 && cJSON_IsString(a0) ? a0->valuestring : "something else");
+            goto done;
+        }
+    }
+    CK(json_positive(root, "hidden_size", file, &c->hidden));
+    CK(json_positive(root, "num_hidden_layers", file, &c->n_layers));
+    CK(json_positive(root, "num_attention_heads", file, &c->n_heads));
+    CK(json_int(root, "num_key_value_heads", file, false, c->n_heads, &c->n_kv_heads));
+    CK(json_positive(root, "intermediate_size", file, &c->intermediate));
+    CK(json_int(root, "head_dim", file, false, c->hidden / c->n_heads, &c->head_dim));
+    CK(json_positive(root, "block_size", file, &c->block_size));
+    CK(json_int(root, "vocab_size", file, false, -1, &c->vocab));
+    CK(json_int(root, "num_target_layers", file, false, -1, &c->num_target_layers));
+    CK(json_int(root, "max_position_embeddings", file, false, 0, &c->max_positions));
+    double eps;
+    CK(json_num(root, "rms_norm_eps", file, 1e-6, &eps));
+    c->eps = (float)eps;
+    if (c->n_kv_heads <= 0 || c->n_heads % c->n_kv_heads) {
+        st = kd_fail(KD_ERR_CONFIG, "%s: field 'num_key_value_heads': %d must be positive and divide "
+                     "num_attention_heads %d", file, c->n_kv_heads, c->n_heads);
+        goto done;
+    }
+    if (c->head_dim <= 0 || c->head_dim % 2) {
+        st = kd_fail(KD_ERR_CONFIG, "%s: field 'head_dim': expected a positive even integer (RoPE pairs), got %d",
+                     file, c->head_dim);
+        goto done;
+    }
+    if (c->block_size < 2) {
+        st = kd_fail(KD_ERR_CONFIG, "%s: field 'block_size': expected >= 2 (bonus + at least one drafted depth), "
+                     "got %d", file, c->block_size);
+        goto done;
+    }
+    if (!(c->eps > 0)) { st = kd_fail(KD_ERR_CONFIG, "%s: field 'rms_norm_eps': expected > 0", file); goto done; }
+    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
+    if (act && !(cJSON_IsString(act) && !strcmp(act->valuestring, "silu"))) {
+        st = kd_fail(KD_ERR_UNSUPPORTED, "%s: field 'hidden_act': only \"silu\" (SwiGLU) is supported", file);
+        goto done;
+    }
+    const cJSON *bias = cJSON_GetObjectItemCaseSensitive(root, "attention_bias");
+    if (bias && cJSON_IsTrue(bias)) {
+        st = kd_fail(KD_ERR_UNSUPPORTED, "%s: field 'attention_bias': true is not supported (expected false)", file);
+        goto done;
+    }
+    /* dflash_config */
+    const cJSON *dc = cJSON_GetObjectItemCaseSensitive(root, "dflash_config");
+    if (!dc || !cJSON_IsObject(dc)) {
+        st = kd_fail(KD_ERR_CONFIG, "%s: field 'dflash_config' is missing (expected an object with "
+                     "mask_token_id and target_layer_ids)", file);
+        goto done;
+    }
+    CK(json_int(dc, "mask_token_id", file, true, 0, &c->mask_token_id));
+    if (c->mask_token_id < 0) {
+        st = kd_fail(KD_ERR_CONFIG, "%s: field 'dflash_config.mask_token_id': expected >= 0, got %d", file,
+                     c->mask_token_id);
+        goto done;
+    }
+    const cJSON *tl = cJSON_GetObjectItemCaseSensitive(dc, "target_layer_ids");
+    if (tl && !cJSON_IsNull(tl)) {
+        int n = cJSON_IsArray(tl) ? cJSON_GetArraySize(tl) : -1;
+        if (n < 1 || n > KD_DRAFT_MAX_TAPS) {
+            st = kd_fail(KD_ERR_CONFIG, "%s: field 'dflash_config.target_layer_ids': expected a list of 1..%d "
+                         "layer ids", file, KD_DRAFT_MAX_TAPS);
+            goto done;
+        }
+        c->n_taps = n;
+        for (int i = 0; i < n; i++) {
+            const cJSON *e = cJSON_GetArrayItem(tl, i);
+            if (!cJSON_IsNumber(e) || e->valuedouble != floor(e->valuedouble) || e->valuedouble < 0) {
+                st = kd_fail(KD_ERR_CONFIG, "%s: field 'dflash_config.target_layer_ids[%d]': expected a "
+                             "non-negative integer", file, i);
+                goto done;
+            }
+            c->taps[i] = (int)e->valuedouble;
+        }
+    } else {
+        if (c->num_target_layers <= 0) {
+            st = kd_fail(KD_ERR_CONFIG, "%s: field 'dflash_config.target_layer_ids' is missing and so is "
+                         "'num_target_layers' (one of them is needed to pick the tap layers)", file);
+            goto done;
+        }
+        if (c->n_layers > KD_DRAFT_MAX_TAPS) {
+            st = kd_fail(KD_ERR_CONFIG, "%s: default tap layers for %d drafter layers: at most %d taps supported",
+                         file, c->n_layers, KD_DRAFT_MAX_TAPS);
+            goto done;
+        }
+        default_taps(c->num_target_layers, c->n_layers, c);
+    }
+    CK(parse_rope(root, file, c));
+    /* per-layer attention kind */
+    c->window = calloc((size_t)c->n_layers, sizeof(int));
+    if (!c->window) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate layer table", file); goto done; }
+    int sw = 0;
+    const cJSON *swj = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
+    if (swj && cJSON_IsNumber(swj)) sw = (int)swj->valuedouble;
+    const cJSON *lt = cJSON_GetObjectItemCaseSensitive(root, "layer_types");
+    if (lt && !cJSON_IsNull(lt)) {
+        if (!cJSON_IsArray(lt) || cJSON_GetArraySize(lt) != c->n_layers) {
+            st = kd_fail(KD_ERR_CONFIG, "%s: field 'layer_types': expected a list of %d entries (num_hidden_layers)",
+                         file, c->n_layers);
+            goto done;
+        }
+        for (int i = 0; i < c->n_layers; i++) {
+            const cJSON *e = cJSON_GetArrayItem(lt, i);
+            const char *s = cJSON_IsString(e) ? e->valuestring : "";
+            if (!strcmp(s, "full_attention")) c->window[i] = 0;
+            else if (!strcmp(s, "sliding_attention")) {
+                if (sw <= 0) {
+                    st = kd_fail(KD_ERR_CONFIG, "%s: field 'sliding_window': layer_types[%d] is sliding_attention "
+                                 "but sliding_window is not a positive integer", file, i);
+                    goto done;
+                }
+                c->window[i] = sw;
+            } else {
+                st = kd_fail(KD_ERR_CONFIG, "%s: field 'layer_types[%d]': expected \"full_attention\" or "
+                             "\"sliding_attention\", got \"%s\"", file, i, s);
+                goto done;
+            }
+        }
+    } else {
+        /* Qwen3Config without layer_types: sliding from max_window_layers on when use_sliding_window */
+        const cJSON *use = cJSON_GetObjectItemCaseSensitive(root, "use_sliding_window");
+        if (use && cJSON_IsTrue(use)) {
+            int mwl;
+            CK(json_int(root, "max_window_layers", file, false, 28, &mwl));
+            if (sw <= 0) {
+                st = kd_fail(KD_ERR_CONFIG, "%s: field 'sliding_window': use_sliding_window is true but "
+                             "sliding_window is not a positive integer", file);
+                goto done;
+            }
+            for (int i = 0; i < c->n_layers; i++) c->window[i] = i >= mwl ? sw : 0;
+        }
+    }
+done:
+#undef CK
+    cJSON_Delete(root);
+    if (st != KD_OK) { free(c->window); c->window = NULL; }
+    return st;
+}
+
+/* the checks against the target model: everything the drafter borrows from it must fit */
+static kd_status check_target(const char *dir, const kd_dcfg *c, const kd_model *m) {
+    char file[1100];
+    cfg_file(dir, file, sizeof file);
+    const kd_config *t = &m->cfg;
+    if (c->hidden != t->hidden)
+        return kd_fail(KD_ERR_CONFIG, "%s: field 'hidden_size': drafter %d != target hidden_size %d (the drafter "
+                       "uses the target's embedding and lm_head)", file, c->hidden, t->hidden);
+    if (c->vocab >= 0 && c->vocab != t->vocab)
+        return kd_fail(KD_ERR_CONFIG, "%s: field 'vocab_size': drafter %d != target vocab_size %d", file, c->vocab,
+                       t->vocab);
+    if (c->mask_token_id >= t->vocab)
+        return kd_fail(KD_ERR_CONFIG, "%s: field 'dflash_config.mask_token_id': %d is outside the target "
+                       "vocabulary [0, %d)", file, c->mask_token_id, t->vocab);
+    if (c->num_target_layers >= 0 && c->num_target_layers != t->n_layers)
+        return kd_fail(KD_ERR_CONFIG, "%s: field 'num_target_layers': drafter %d != target num_hidden_layers %d",
+                       file, c->num_target_layers, t->n_layers);
+    for (int i = 0; i < c->n_taps; i++)
+        if (c->taps[i] >= t->n_layers)
+            return kd_fail(KD_ERR_CONFIG, "%s: field 'dflash_config.target_layer_ids[%d]': layer %d is out of "
+                           "range for a target with %d layers (expected 0..%d)", file, i, c->taps[i],
+                           t->n_layers, t->n_layers - 1);
+    return KD_OK;
+}
+
+/* ------------------------------------------------------------------ weights */
+
+static kd_status bind_weight(kd_drafter *d, const char *name, int64_t rows, int64_t cols, kd_weight *w) {
+    char alt[256];
+    const kd_st_tensor *t = kd_st_find(&d->files, name);
+    if (!t) {
+        snprintf(alt, sizeof alt, "model.%s", name);
+        t = kd_st_find(&d->files, alt);
+    }
+    if (!t)
+        return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s' is missing (also tried 'model.%s')", d->dir, name, name);
+    const char *file = d->files.files[t->file].path;
+    if (t->dtype != KD_ST_BF16 && t->dtype != KD_ST_F32)
+        return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected dtype BF16 or F32, got %s", file, t->name,
+                       t->dtype_name);
+    bool vec = cols == 1;
+    bool ok = vec ? (t->ndim == 1 && t->shape[0] == rows)
+                  : (t->ndim == 2 && t->shape[0] == rows && t->shape[1] == cols);
+    if (!ok) {
+        char got[128] = "[", *p = got + 1;
+        for (int i = 0; i < t->ndim && p < got + sizeof got - 24; i++)
+            p += snprintf(p, (size_t)(got + sizeof got - p), "%s%lld", i ? ", " : "", (long long)t->shape[i]);
+        snprintf(p, (size_t)(got + sizeof got - p), "]");
+        if (vec)
+            return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected shape [%lld], got %s", file, t->name,
+                           (long long)rows, got);
+        return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected shape [%lld, %lld], got %s", file, t->name,
+                       (long long)rows, (long long)cols, got);
+    }
+    memset(w, 0, sizeof *w);
+    w->name = t->name;
+    w->format = t->dtype == KD_ST_BF16 ? KD_W_BF16 : KD_W_F32;
+    w->rows = rows;
+    w->cols = cols;
+    w->src = t->data;
+    if (d->be) {
+        kd_status st = d->be->ops->weight_load(d->be, w);
+        if (st != KD_OK) return kd_fail_context(st, "%s: loading tensor '%s'", file, t->name);
+    }
+    return KD_OK;
+}
+
+static void free_weight(kd_drafter *d, kd_weight *w) {
+    if (d->be && w->dev) d->be->ops->weight_free(d->be, w);
+    w->dev = NULL;
+}
+
+static kd_status load_weights(kd_drafter *d) {
+    const kd_dcfg *c = &d->cfg;
+    int64_t H = c->hidden, qd = (int64_t)c->n_heads * c->head_dim, kvd = (int64_t)c->n_kv_heads * c->head_dim;
+    KD_TRY(bind_weight(d, "fc.weight", H, (int64_t)c->n_taps * H, &d->fc));
+    KD_TRY(bind_weight(d, "hidden_norm.weight", H, 1, &d->hidden_norm));
+    KD_TRY(bind_weight(d, "norm.weight", H, 1, &d->norm));
+    for (int i = 0; i < c->n_layers; i++) {
+        kd_dlayer *L = &d->layers[i];
+        char n[128];
+#define W(field, suffix, r, cc) do { snprintf(n, sizeof n, "layers.%d.%s", i, suffix); \
+        KD_TRY(bind_weight(d, n, r, cc, &L->field)); } while (0)
+        W(attn_norm, "input_layernorm.weight", H, 1);
+        W(ffn_norm, "post_attention_layernorm.weight", H, 1);
+        W(q_proj, "self_attn.q_proj.weight", qd, H);
+        W(k_proj, "self_attn.k_proj.weight", kvd, H);
+        W(v_proj, "self_attn.v_proj.weight", kvd, H);
+        W(o_proj, "self_attn.o_proj.weight", H, qd);
+        W(q_norm, "self_attn.q_norm.weight", c->head_dim, 1);
+        W(k_norm, "self_attn.k_norm.weight", c->head_dim, 1);
+        W(gate, "mlp.gate_proj.weight", c->intermediate, H);
+        W(up, "mlp.up_proj.weight", c->intermediate, H);
+        W(down, "mlp.down_proj.weight", H, c->intermediate);
+#undef W
+    }
+    return KD_OK;
+}
+
+static void drafter_destroy(kd_drafter *d) {
+    if (!d) return;
+    if (d->layers) {
+        for (int i = 0; i < d->cfg.n_layers; i++) {
+            kd_dlayer *L = &d->layers[i];
+            kd_weight *ws[] = {&L->attn_norm, &L->ffn_norm, &L->q_proj, &L->k_proj, &L->v_proj, &L->o_proj,
+                               &L->q_norm, &L->k_norm, &L->gate, &L->up, &L->down};
+            for (size_t j = 0; j < sizeof ws / sizeof *ws; j++) free_weight(d, ws[j]);
+        }
+        free(d->layers);
+    }
+    free_weight(d, &d->fc);
+    free_weight(d, &d->hidden_norm);
+    free_weight(d, &d->norm);
+    if (d->be && d->inv_freq) d->be->ops->free(d->be, d->inv_freq);
+    if (d->files_open) kd_st_close(&d->files);
+    free(d->cfg.window);
+    kd_model *m = d->target;
+    free(d);
+    if (m) kd_model_unref(m);        /* the reference kd_drafter_open took */
+}
+
+static bool file_exists(const char *dir, const char *name) {
+    char p[1100];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    return access(p, R_OK) == 0;
+}
+
+kd_status kd_drafter_open(const char *dir, kd_model *target, kd_drafter **out) {
+    if (!out) return kd_fail(KD_ERR_ARG, "kd_drafter_open: argument 'out' is NULL");
+    *out = NULL;
+    if (!dir) return kd_fail(KD_ERR_ARG, "kd_drafter_open: argument 'dir' is NULL");
+    kd_drafter *d = calloc(1, sizeof *d);
+    if (!d) return kd_fail(KD_ERR_NOMEM, "kd_drafter_open(%s): cannot allocate the drafter", dir);
+    snprintf(d->dir, sizeof d->dir, "%s", dir);
+    kd_status st = parse_config(dir, &d->cfg);
+    if (st != KD_OK) goto fail;
+    d->layers = calloc((size_t)d->cfg.n_layers, sizeof *d->layers);
+    if (!d->layers) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %d layers", dir, d->cfg.n_layers); goto fail; }
+    if (target) {
+        st = check_target(dir, &d->cfg, target);
+        if (st != KD_OK) goto fail;
+        d->target = target;
+        target->n_seqs++;                /* the target outlives its drafter (model.h) */
+        d->be = target->be;
+        st = kd_st_open_dir(dir, true, &d->files);
+        if (st != KD_OK) { kd_fail_context(st, "loading drafter %s", dir); goto fail; }
+        d->files_open = true;
+        st = load_weights(d);
+        if (st != KD_OK) goto fail;
+        int half = d->cfg.head_dim / 2;
+        float *host = malloc((size_t)half * sizeof(float));
+        if (!host) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate RoPE table", dir); goto fail; }
+        rope_inv_freq(&d->cfg, d->cfg.head_dim, host);
+        st = d->be->ops->alloc(d->be, (size_t)half * sizeof(float), (void **)&d->inv_freq);
+        if (st == KD_OK) st = d->be->ops->upload(d->be, d->inv_freq, host, (size_t)half * sizeof(float));
+        free(host);
+        if (st != KD_OK) { kd_fail_context(st, "%s: RoPE table", dir); goto fail; }
+        d->rope = (kd_rope){.dim = d->cfg.head_dim, .interleaved = false, .attn_factor = d->cfg.rope_amp,
+                            .inv_freq = d->inv_freq};
+    } else if (file_exists(dir, "model.safetensors") || file_exists(dir, "model.safetensors.index.json")) {
+        /* inspection only: validate names, dtypes and shapes from the headers, load nothing */
+        st = kd_st_open_dir(dir, false, &d->files);
+        if (st != KD_OK) { kd_fail_context(st, "inspecting drafter %s", dir); goto fail; }
+        d->files_open = true;
+        st = load_weights(d);
+        if (st != KD_OK) goto fail;
+    }
+    *out = d;
+    return KD_OK;
+fail:
+    drafter_destroy(d);
+    return st;
+}
+
+void kd_drafter_close(kd_drafter *d) {
+    if (!d) return;
+    if (d->n_seqs > 0) { d->closed = true; return; }   /* freed when its last sequence lets go */
+    drafter_destroy(d);
+}
+
+kd_status kd_drafter_get_info(const kd_drafter *d, kd_drafter_info *out) {
+    if (!d || !out) return kd_fail(KD_ERR_ARG, "kd_drafter_get_info: argument '%s' is NULL", d ? "out" : "d");
+    memset(out, 0, sizeof *out);
+    const kd_dcfg *c = &d->cfg;
+    out->n_layers = c->n_layers;
+    out->hidden = c->hidden;
+    out->n_heads = c->n_heads;
+    out->n_kv_heads = c->n_kv_heads;
+    out->head_dim = c->head_dim;
+    out->intermediate = c->intermediate;
+    out->block_size = c->block_size;
+    out->mask_token_id = c->mask_token_id;
+    out->n_taps = c->n_taps;
+    for (int i = 0; i < c->n_taps; i++) out->taps[i] = c->taps[i];
+    return KD_OK;
+}
+
+int kd_drafter_taps(const struct kd_drafter *d, const int **taps) {
+    if (!d) { if (taps) *taps = NULL; return 0; }
+    if (taps) *taps = d->cfg.taps;
+    return d->cfg.n_taps;
+}
+
+/* ------------------------------------------------------------------ per-sequence state */
+
+static kd_act act_at(void *base, size_t *off, int rows, int cols, kd_dtype dt) {
+    kd_act a = {.data = (char *)base + *off, .rows = rows, .cols = cols, .ld = cols, .dtype = dt};
+    size_t b = (size_t)rows * cols * kd_dtype_size(dt);
+    *off += (b + 255) & ~(size_t)255;
+    return a;
+}
+
+void kd_draft_state_free(kd_seq *s) {
+    if (!s || !s->draft) return;
+    kd_draft_state *ds = s->draft;
+    kd_drafter *d = s->drafter;
+    kd_backend *be = s->model->be;
+    if (ds->k) for (int i = 0; i < d->cfg.n_layers; i++) if (ds->k[i].data) be->ops->free(be, ds->k[i].data);
+    if (ds->v) for (int i = 0; i < d->cfg.n_layers; i++) if (ds->v[i].data) be->ops->free(be, ds->v[i].data);
+    free(ds->k);
+    free(ds->v);
+    if (ds->scratch) be->ops->free(be, ds->scratch);
+    if (ds->ids) be->ops->free(be, ds->ids);
+    if (ds->pos) be->ops->free(be, ds->pos);
+    if (ds->logprobs.data) be->ops->free(be, ds->logprobs.data);
+    free(ds);
+    s->draft = NULL;
+    if (s->taps.data) be->ops->free(be, s->taps.data);
+    memset(&s->taps, 0, sizeof s->taps);
+    s->drafter = NULL;
+    if (d) {
+        d->n_seqs--;
+        if (d->closed && d->n_seqs == 0) drafter_destroy(d);
+    }
+}
+
+kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
+    if (!s || !d) return kd_fail(KD_ERR_ARG, "kd_seq_attach_drafter: argument '%s' is NULL", s ? "d" : "s");
+    if (d->closed) return kd_fail(KD_ERR_STATE, "kd_seq_attach_drafter: the drafter %s is closed", d->dir);
+    if (!d->target)
+        return kd_fail(KD_ERR_STATE, "kd_seq_attach_drafter: the drafter %s was opened for inspection only "
+                       "(no target model, no weights)", d->dir);
+    if (d->target != s->model)
+        return kd_fail(KD_ERR_ARG, "kd_seq_attach_drafter: the drafter %s is bound to another target model than "
+                       "this sequence's", d->dir);
+    if (s->drafter) return kd_fail(KD_ERR_STATE, "kd_seq_attach_drafter: the sequence already has a drafter");
+    if (s->len != 0 || s->pending != 0)
+        return kd_fail(KD_ERR_STATE, "kd_seq_attach_drafter: the sequence must be empty (len %d, pending %d): the "
+                       "drafter's context must hold every committed token", s->len, s->pending);
+    const kd_dcfg *c = &d->cfg;
+    kd_backend *be = s->model->be;
+    kd_dtype dt = be->act_dtype;
+    int bs = c->block_size, H = c->hidden, kvd = c->n_kv_heads * c->head_dim, qd = c->n_heads * c->head_dim;
+    int V = s->model->cfg.vocab;
+    int tapc = c->n_taps * s->model->cfg.hidden;
+    kd_draft_state *ds = calloc(1, sizeof *ds);
+    if (!ds) return kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: cannot allocate the drafter state");
+    s->draft = ds;
+    s->drafter = d;
+    d->n_seqs++;
+    ds->cap = s->capacity;
+    kd_status st = KD_OK;
+    ds->k = calloc((size_t)c->n_layers, sizeof(kd_act));
+    ds->v = calloc((size_t)c->n_layers, sizeof(kd_act));
+    if (!ds->k || !ds->v) { st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: cannot allocate layer tables"); goto fail; }
+    size_t rows = (size_t)ds->cap + bs, kv_bytes = rows * kvd * kd_dtype_size(dt);
+    for (int i = 0; i < c->n_layers; i++) {
+        st = be->ops->alloc(be, kv_bytes, &ds->k[i].data);
+        if (st == KD_OK) st = be->ops->alloc(be, kv_bytes, &ds->v[i].data);
+        if (st != KD_OK) {
+            kd_fail_context(st, "kd_seq_attach_drafter: drafter K/V cache layer %d (%zu rows x %d)", i, rows, kvd);
+            goto fail;
+        }
+        ds->k[i].rows = ds->v[i].rows = (int)rows;
+        ds->k[i].cols = ds->v[i].cols = ds->k[i].ld = ds->v[i].ld = kvd;
+        ds->k[i].dtype = ds->v[i].dtype = dt;
+    }
+    /* scratch: block activations (bs rows) and context fusion (chunk rows) */
+    int ch = KD_DRAFT_CHUNK;
+    size_t need = 0, es = kd_dtype_size(dt);
+#define SZ(r, cc) (((size_t)(r) * (cc) * es + 255) & ~(size_t)255)
+    need += SZ(bs, H) * 3 + SZ(bs, qd) * 2 + SZ(bs > ch ? bs : ch, kvd) + SZ(bs, c->intermediate) * 3;
+    need += SZ(ch, H) * 2;
+#undef SZ
+    st = be->ops->alloc(be, need, &ds->scratch);
+    if (st != KD_OK) { kd_fail_context(st, "kd_seq_attach_drafter: scratch (%zu bytes)", need); goto fail; }
+    size_t off = 0;
+    ds->x = act_at(ds->scratch, &off, bs, H, dt);
+    ds->h = act_at(ds->scratch, &off, bs, H, dt);
+    ds->o = act_at(ds->scratch, &off, bs, H, dt);
+    ds->q = act_at(ds->scratch, &off, bs, qd, dt);
+    ds->att = act_at(ds->scratch, &off, bs, qd, dt);
+    ds->kt = act_at(ds->scratch, &off, bs > ch ? bs : ch, kvd, dt);
+    ds->g = act_at(ds->scratch, &off, bs, c->intermediate, dt);
+    ds->u = act_at(ds->scratch, &off, bs, c->intermediate, dt);
+    ds->m = act_at(ds->scratch, &off, bs, c->intermediate, dt);
+    ds->f = act_at(ds->scratch, &off, ch, H, dt);
+    ds->fn = act_at(ds->scratch, &off, ch, H, dt);
+    int nid = bs > ch ? bs : ch;
+    st = be->ops->alloc(be, (size_t)nid * sizeof(int32_t), (void **)&ds->ids);
+    if (st == KD_OK) st = be->ops->alloc(be, (size_t)nid * sizeof(int32_t), (void **)&ds->pos);
+    if (st == KD_OK) st = be->ops->alloc(be, (size_t)(bs - 1) * V * sizeof(float), &ds->logprobs.data);
+    if (st != KD_OK) { kd_fail_context(st, "kd_seq_attach_drafter: draft buffers"); goto fail; }
+    ds->logprobs.rows = bs - 1;
+    ds->logprobs.cols = ds->logprobs.ld = V;
+    ds->logprobs.dtype = KD_F32;
+    /* the target keeps its tap features here for the rows of each forward */
+    if (s->taps.data && (s->taps.cols != tapc || s->taps.rows < s->out_cap)) {
+        be->ops->free(be, s->taps.data);
+        memset(&s->taps, 0, sizeof s->taps);
+    }
+    if (!s->taps.data) {
+        st = be->ops->alloc(be, (size_t)s->out_cap * tapc * es, &s->taps.data);
+        if (st != KD_OK) { kd_fail_context(st, "kd_seq_attach_drafter: tap features (%d rows x %d)", s->out_cap, tapc); goto fail; }
+        s->taps.rows = s->out_cap;
+        s->taps.cols = s->taps.ld = tapc;
+        s->taps.dtype = dt;
+    }
+    return KD_OK;
+fail:
+    kd_draft_state_free(s);
+    return st;
+}
+
+/* project n feature rows (a view with ld) into every layer's context K/V at positions p0.. */
+static kd_status append_run(kd_seq *s, kd_act feats, int p0) {
+    kd_drafter *d = s->drafter;
+    kd_draft_state *ds = s->draft;
+    kd_backend *be = s->model->be;
+    const kd_backend_ops *op = be->ops;
+    const kd_dcfg *c = &d->cfg;
+    int n = feats.rows, kvh = c->n_kv_heads, hd = c->head_dim;
+    int32_t pos[KD_DRAFT_CHUNK];
+    for (int i = 0; i < n; i++) pos[i] = p0 + i;
+    KD_TRY(op->upload(be, ds->pos, pos, (size_t)n * sizeof(int32_t)));
+    kd_act f = kd_act_rows(ds->f, 0, n), fn = kd_act_rows(ds->fn, 0, n), kt = kd_act_rows(ds->kt, 0, n);
+    KD_TRY(op->linear(be, feats, &d->fc, f));
+    KD_TRY(op->rmsnorm(be, f, &d->hidden_norm, c->eps, fn));
+    for (int l = 0; l < c->n_layers; l++) {
+        kd_dlayer *L = &d->layers[l];
+        kd_act kc = kd_act_rows(ds->k[l], p0, n), vc = kd_act_rows(ds->v[l], p0, n);
+        KD_TRY(op->linear(be, fn, &L->k_proj, kt));
+        kd_act kt_h = {.data = kt.data, .rows = n * kvh, .cols = hd, .ld = hd, .dtype = kt.dtype};
+        kd_act kc_h = {.data = kc.data, .rows = n * kvh, .cols = hd, .ld = hd, .dtype = kc.dtype};
+        KD_TRY(op->rmsnorm(be, kt_h, &L->k_norm, c->eps, kc_h));
+        KD_TRY(op->rope(be, kc, kvh, hd, 0, ds->pos, &d->rope));
+        KD_TRY(op->linear(be, fn, &L->v_proj, vc));
+    }
+    return KD_OK;
+}
+
+kd_status kd_draft_context_append(kd_seq *s, const int32_t *rows, int n) {
+    if (!s) return kd_fail(KD_ERR_ARG, "kd_draft_context_append: argument 's' is NULL");
+    if (!s->draft) return KD_OK;          /* no drafter attached: nothing keeps a context */
+    kd_draft_state *ds = s->draft;
+    if (n < 0) return kd_fail(KD_ERR_ARG, "kd_draft_context_append: n = %d, expected >= 0", n);
+    if (ds->ctx_len + n > ds->cap)
+        return kd_fail(KD_ERR_CAPACITY, "kd_draft_context_append: drafter context %d + %d rows exceeds the "
+                       "sequence capacity %d", ds->ctx_len, n, ds->cap);
+    for (int i = 0; i < n; i++) {
+        int r = rows ? rows[i] : i;
+        if (r < 0 || r >= s->out_rows || r >= s->taps.rows)
+            return kd_fail(KD_ERR_ARG, "kd_draft_context_append: rows[%d] = %d is outside the last forward's "
+                           "%d rows", i, r, s->out_rows);
+    }
+    ds->have_logprobs = false;
+    /* contiguous runs of rows go through fc as one view, in chunks */
+    int i = 0;
+    while (i < n) {
+        int r0 = rows ? rows[i] : i, len = 1;
+        while (i + len < n && len < KD_DRAFT_CHUNK && (rows ? rows[i + len] : i + len) == r0 + len) len++;
+        kd_status st = append_run(s, kd_act_rows(s->taps, r0, len), ds->ctx_len);
+        if (st != KD_OK) return kd_fail_context(st, "drafter context append (rows %d..%d)", r0, r0 + len - 1);
+        ds->ctx_len += len;
+        i += len;
+    }
+    return KD_OK;
+}
+
+kd_status kd_draft_context_truncate(kd_seq *s, int len) {
+    if (!s) return kd_fail(KD_ERR_ARG, "kd_draft_context_truncate: argument 's' is NULL");
+    if (len < 0) return kd_fail(KD_ERR_ARG, "kd_draft_context_truncate: len = %d, expected >= 0", len);
+    if (!s->draft) return KD_OK;
+    if (len < s->draft->ctx_len) {
+        s->draft->ctx_len = len;
+        s->draft->have_logprobs = false;
+    }
+    return KD_OK;
+}
+
+kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst) {
+    if (!s) return kd_fail(KD_ERR_ARG, "kd_draft: argument 's' is NULL");
+    if (!s->draft) return kd_fail(KD_ERR_STATE, "kd_draft: no drafter attached to this sequence (kd_seq_attach_drafter)");
+    kd_drafter *d = s->drafter;
+    kd_draft_state *ds = s->draft;
+    kd_model *m = s->model;
+    kd_backend *be = m->be;
+    const kd_backend_ops *op = be->ops;
+    const kd_dcfg *c = &d->cfg;
+    int V = m->cfg.vocab;
+    if (bonus < 0 || bonus >= V)
+        return kd_fail(KD_ERR_ARG, "kd_draft: bonus token %d is outside the vocabulary [0, %d)", bonus, V);
+    if (ds->ctx_len != s->len)
+        return kd_fail(KD_ERR_STATE, "kd_draft: the drafter context holds %d tokens but the sequence has %d "
+                       "committed: the target forward did not hand over its tap features", ds->ctx_len, s->len);
+    int bs = c->block_size, nh = c->n_heads, kvh = c->n_kv_heads, hd = c->head_dim, p0 = ds->ctx_len;
+    ds->have_logprobs = false;
+    int32_t ids[1024], pos[1024];
+    if (bs > 1024) return kd_fail(KD_ERR_UNSUPPORTED, "kd_draft: block_size %d > 1024", bs);
+    for (int i = 0; i < bs; i++) { ids[i] = i ? c->mask_token_id : bonus; pos[i] = p0 + i; }
+    kd_status st;
+#define T(expr, what) do { st = (expr); if (st != KD_OK) return kd_fail_context(st, "kd_draft: %s", what); } while (0)
+    T(op->upload(be, ds->ids, ids, (size_t)bs * sizeof(int32_t)), "upload ids");
+    T(op->upload(be, ds->pos, pos, (size_t)bs * sizeof(int32_t)), "upload positions");
+    T(op->embed(be, &m->embed, ds->ids, ds->x), "embed (target table)");
+    kd_act qh = {.data = ds->q.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = ds->q.dtype};
+    kd_act kt = kd_act_rows(ds->kt, 0, bs);
+    kd_act kt_h = {.data = kt.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = kt.dtype};
+    float scale = 1.0f / sqrtf((float)hd);
+    for (int l = 0; l < c->n_layers; l++) {
+        kd_dlayer *L = &d->layers[l];
+        kd_act kc = kd_act_rows(ds->k[l], p0, bs), vc = kd_act_rows(ds->v[l], p0, bs);
+        kd_act kc_h = {.data = kc.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = kc.dtype};
+        T(op->rmsnorm(be, ds->x, &L->attn_norm, c->eps, ds->h), "input_layernorm");
+        /* q: per-head q_norm then RoPE (att is free scratch of the same shape until attention) */
+        T(op->linear(be, ds->h, &L->q_proj, ds->att), "q_proj");
+        kd_act att_h = {.data = ds->att.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = ds->att.dtype};
+        T(op->rmsnorm(be, att_h, &L->q_norm, c->eps, qh), "q_norm");
+        T(op->rope(be, ds->q, nh, hd, 0, ds->pos, &d->rope), "rope q");
+        /* the block's K/V go to rows [p0, p0+bs) of the cache, after the committed context */
+        T(op->linear(be, ds->h, &L->k_proj, kt), "k_proj");
+        T(op->rmsnorm(be, kt_h, &L->k_norm, c->eps, kc_h), "k_norm");
+        T(op->rope(be, kc, kvh, hd, 0, ds->pos, &d->rope), "rope k");
+        T(op->linear(be, ds->h, &L->v_proj, vc), "v_proj");
+        kd_act keys = kd_act_rows(ds->k[l], 0, p0 + bs), vals = kd_act_rows(ds->v[l], 0, p0 + bs);
+        T(op->attention(be, ds->q, nh, hd, keys, vals, kvh, p0, false, NULL, c->window[l], scale, ds->att),
+          "attention");
+        T(op->linear(be, ds->att, &L->o_proj, ds->o), "o_proj");
+        T(op->add(be, ds->x, ds->o), "residual");
+        T(op->rmsnorm(be, ds->x, &L->ffn_norm, c->eps, ds->h), "post_attention_layernorm");
+        T(op->linear(be, ds->h, &L->gate, ds->g), "gate_proj");
+        T(op->linear(be, ds->h, &L->up, ds->u), "up_proj");
+        T(op->swiglu(be, ds->g, ds->u, ds->m), "swiglu");
+        T(op->linear(be, ds->m, &L->down, ds->o), "down_proj");
+        T(op->add(be, ds->x, ds->o), "residual");
+    }
+    /* rows 1..bs-1 (the MASK positions) -> norm -> target lm_head -> log_softmax */
+    kd_act y = kd_act_rows(ds->h, 0, bs - 1);
+    T(op->rmsnorm(be, kd_act_rows(ds->x, 1, bs - 1), &d->norm, c->eps, y), "norm");
+    T(op->linear(be, y, &m->lm_head, ds->logprobs), "lm_head (target)");
+    T(op->log_softmax(be, ds->logprobs), "log_softmax");
+    if (logprobs_dst)
+        T(op->download(be, logprobs_dst, ds->logprobs.data, (size_t)(bs - 1) * V * sizeof(float)), "download");
+#undef T
+    ds->have_logprobs = true;
+    return KD_OK;
+}
+
+kd_status kd_draft_logprobs(kd_seq *s, kd_act *out) {
+    if (!s || !out) return kd_fail(KD_ERR_ARG, "kd_draft_logprobs: argument '%s' is NULL", s ? "out" : "s");
+    if (!s->draft) return kd_fail(KD_ERR_STATE, "kd_draft_logprobs: no drafter attached to this sequence");
+    if (!s->draft->have_logprobs)
+        return kd_fail(KD_ERR_STATE, "kd_draft_logprobs: no draft since the context last changed (call kd_draft)");
+    *out = s->draft->logprobs;
+    return KD_OK;
+}
