@@ -197,6 +197,9 @@ class Weights:
         return torch.from_numpy(q.astype(np.float64)) * s.to(torch.float64).repeat_interleave(group, dim=1)
 
 
+LATENT_GAIN = 0.1
+
+
 def make_weights(text, seed, int4_experts, group=32, lm_head_gain=2.0):
     rng = np.random.default_rng(seed)
     W = Weights()
@@ -230,13 +233,19 @@ def make_weights(text, seed, int4_experts, group=32, lm_head_gain=2.0):
         norm(p + "input_layernorm", H)
         norm(p + "post_attention_layernorm", H)
         a = p + "self_attn."
+        # The q_a / c_kv latents are drawn small (rms ~ LATENT_GAIN) so that the eps of q_a_layernorm and
+        # kv_a_layernorm matters: HF uses 1e-6 there, not rms_norm_eps (1e-5 for K2.6), and an engine that uses
+        # rms_norm_eps moves the logits by ~1e-2 instead of ~1e-4. The norms rescale the latents, so the rest of
+        # the model is unaffected. k_pe rows (not normalized) keep the ordinary scale.
         if rq is None:
             lin(a + "q_proj", nh * (dn + dr), H)
         else:
-            lin(a + "q_a_proj", rq, H)
+            lin(a + "q_a_proj", rq, H, gain=LATENT_GAIN)
             norm(a + "q_a_layernorm", rq)
             lin(a + "q_b_proj", nh * (dn + dr), rq)
-        lin(a + "kv_a_proj_with_mqa", rkv + dr, H)
+        kva = rng.standard_normal((rkv + dr, H)) / math.sqrt(H)
+        kva[:rkv] *= LATENT_GAIN
+        W.dense(a + "kv_a_proj_with_mqa.weight", kva)
         norm(a + "kv_a_layernorm", rkv)
         lin(a + "kv_b_proj", nh * (dn + dv), rkv)
         lin(a + "o_proj", H, nh * dv)
