@@ -211,6 +211,62 @@ describe("DDTree verify/accept/commit on tiny-k2.6", function()
   end
 end)
 
+describe("kd_tree_build_drafted (tiny drafter)", function()
+  local have = io.open("models/tiny-k2.6-dflash/config.json") ~= nil
+  local it_d = have and it or pending
+  it_d("builds from the drafter's log-probs on the backend the same tree the host builder makes from them; "
+    .. "a drafted round reproduces greedy decoding", function()
+    local m = kd.open_model(MODEL)
+    local d = kd.open_drafter("models/tiny-k2.6-dflash", m)
+    local s = m:new_seq(256)
+    s:attach_drafter(d)
+    s:forward(PROMPT)
+    local am = s:argmax()
+    local bonus = am[#am]
+    local lp = s:draft(bonus)
+    for _, B in ipairs({ 0, 1, 8, 64, 256 }) do
+      local host = kd.tree.build(lp, B, { logprobs = true })
+      local dev = kd.tree.new()
+      dev:set_root(bonus)
+      dev:build_drafted(s, B)
+      assert.are.equal(host.n, dev.n)
+      assert.are.same(host.tokens, dev.tokens)
+      assert.are.same(host.parents, dev.parents)
+      assert.are.same(host.depths, dev.depths)
+      assert.are.equal(bonus, dev.root)
+      host:close(); dev:close()
+    end
+    -- a round with the drafted tree: greedy tokens equal autoregressive ones, the commit
+    -- feeds the drafter context (the next draft runs)
+    local ar, ars = ar_run(m, 12)
+    ars:close()
+    local t = kd.tree.new()
+    local out = { bonus }
+    while #out < 12 do
+      s:draft(out[#out], false)
+      t:set_root(out[#out])
+      t:build_drafted(s, 32)
+      s:verify(t)
+      local r = s:accept(t)
+      s:commit(t)
+      for i = 2, r.tau do out[#out + 1] = r.tokens[i] end
+      out[#out + 1] = r.bonus
+    end
+    for i = 1, 12 do assert.are.equal(ar[i], out[i]) end
+    t:close(); s:close(); d:close(); m:close()
+  end)
+
+  it("without a drafter it is a state error", function()
+    local m = kd.open_model(MODEL)
+    local s = m:new_seq(16)
+    local t = kd.tree.new()
+    local ok, e = pcall(t.build_drafted, t, s, 4)
+    assert.is_false(ok)
+    assert.matches("no drafter attached", tostring(e))
+    t:close(); s:close(); m:close()
+  end)
+end)
+
 describe("DDTree round: state machine and bad input", function()
   local m
   setup(function() m = kd.open_model(MODEL) end)
