@@ -1,0 +1,404 @@
+-- cuda_ops_spec.lua: every CUDA op against its CPU twin (core/cpu/) on random inputs, through
+-- the op test surface (core/kdtree_testing.h), at small, odd and real Kimi K2.6 shapes
+-- (7168 hidden, 64 heads, 512 + 64 latent, 2048 expert width, 384 experts top-8).
+--
+-- Inputs are rounded to bf16 first, so both backends see the same numbers; the CPU computes
+-- in fp32, CUDA stores activations in bf16 and accumulates in fp32. Error = max |cuda - cpu|
+-- / max |cpu| over the output (NaN or inf anywhere fails). Tolerances:
+--   exact ops (copy, embed, gather, argmax, top-k)                bit-identical
+--   fp32 outputs (linear to f32, log_softmax)                     1e-4 (1e-5 for log_softmax)
+--   bf16 outputs (one rounding, 2^-9 relative per element)        5e-3
+--   MoE (bf16 gate/up/SwiGLU intermediates, then down)            1e-2
+-- Batch invariance of the ops (a row's bits independent of the batch) is checked on CUDA.
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
+local O = require("helpers.ops")
+local ffi, C = O.ffi, O.C
+
+local TOL_F32, TOL_LSM, TOL_BF16, TOL_MOE = 1e-4, 1e-5, 5e-3, 1e-2
+
+describe("CUDA ops against the CPU twins #gpu", function()
+  local cpu, gpu
+  local lines = {}
+  local function note(fmt, ...)
+    local s = string.format(fmt, ...)
+    lines[#lines + 1] = s
+  end
+
+  setup(function()
+    cpu = O.backend("cpu")
+    gpu = O.backend(O.other_kind())
+  end)
+  teardown(function()
+    io.stderr:write("\n[cuda_ops] measured errors (cuda vs cpu):\n")
+    for _, s in ipairs(lines) do io.stderr:write("  ", s, "\n") end
+  end)
+
+  -- run f(tb, out) on both backends; returns (cpu out, gpu out)
+  local function both(n, f, ctype)
+    local a = ffi.new((ctype or "float") .. "[?]", math.max(n, 1))
+    local b = ffi.new((ctype or "float") .. "[?]", math.max(n, 1))
+    O.check(f(cpu, a), "cpu")
+    O.check(f(gpu, b), "cuda")
+    return a, b
+  end
+  local function close(name, n, f, tol)
+    local a, b = both(n, f)
+    local err = O.rel_err(b, a, n)
+    note("%-58s err %.2e (tol %.0e)", name, err, tol)
+    assert.is_false(O.has_nan(b, n), name .. ": NaN in the CUDA output")
+    assert.is_true(err <= tol, string.format("%s: relative error %.3e > %.0e", name, err, tol))
+    return a, b
+  end
+  local function exact(name, n, f, ctype)
+    local a, b = both(n, f, ctype)
+    for i = 0, n - 1 do
+      if a[i] ~= b[i] then
+        error(string.format("%s: entry %d differs: cpu %s, cuda %s", name, i, tostring(a[i]), tostring(b[i])))
+      end
+    end
+    note("%-58s identical", name)
+  end
+
+  it("copy converts f32 <-> bf16 / f16 exactly as the CPU does", function()
+    O.seed(1)
+    for _, dt in ipairs({ 2, 1 }) do
+      local rows, cols = 3, 1001
+      local x = ffi.new("float[?]", rows * cols)
+      for i = 0, rows * cols - 1 do x[i] = O.randn() * 3 end    -- not pre-rounded: the rounding is tested
+      exact("copy f32 -> " .. (dt == 2 and "bf16" or "f16") .. " -> f32 3x1001", rows * cols,
+        function(tb, out) return C.kd_test_copy(tb, x, rows, cols, dt, out) end)
+    end
+  end)
+
+  it("embed gathers table rows exactly", function()
+    O.seed(2)
+    local V, H, n = 1000, 7168, 6
+    local w = O.bf16_weight(V, H)
+    local ids = O.ints(n, function(i) return ({ 0, 999, 5, 5, 512, 77 })[i + 1] end)
+    exact("embed 1000x7168, 6 ids", n * H, function(tb, out) return C.kd_test_embed(tb, w, ids, n, out) end)
+  end)
+
+  it("add, scale_add and swiglu", function()
+    O.seed(3)
+    for _, s in ipairs({ { 1, 7168 }, { 5, 7168 }, { 3, 129 } }) do
+      local r, c = s[1], s[2]
+      local x, y = O.rand_floats(r * c), O.rand_floats(r * c)
+      close(string.format("add %dx%d", r, c), r * c, function(tb, out) return C.kd_test_add(tb, x, y, r, c, 0, 0, out) end, TOL_BF16)
+      close(string.format("scale_add %dx%d (s=0.37)", r, c), r * c,
+        function(tb, out) return C.kd_test_add(tb, x, y, r, c, 0.37, 1, out) end, TOL_BF16)
+      close(string.format("swiglu %dx%d", r, c), r * c, function(tb, out) return C.kd_test_swiglu(tb, x, y, r, c, out) end, TOL_BF16)
+    end
+  end)
+
+  it("rmsnorm over rows and over heads", function()
+    O.seed(4)
+    for _, s in ipairs({ { 3, 7168, 7168, 1e-5 }, { 5, 512, 512, 1e-6 }, { 2, 1536, 1536, 1e-6 }, { 3, 128, 32, 1e-6 },
+                          { 7, 100, 100, 1e-5 }, { 1, 64 * 128, 128, 1e-6 } }) do
+      local r, c, d, eps = s[1], s[2], s[3], s[4]
+      local x = O.rand_floats(r * c, 2)
+      local w = O.bf16_weight(d, 1)
+      close(string.format("rmsnorm %dx%d (width %d, eps %g)", r, c, d, eps), r * c,
+        function(tb, out) return C.kd_test_rmsnorm(tb, x, r, c, w, eps, out) end, TOL_BF16)
+    end
+  end)
+
+  it("rope: interleaved (MLA q and k_pe, tiny) and rotate-half (drafter)", function()
+    O.seed(5)
+    local cases = {
+      { "q_pe K2.6", 3, 64 * 192, 64, 192, 128, 64, 1, 1.0 },
+      { "k_pe K2.6", 5, 576, 1, 576, 512, 64, 1, 1.0 },
+      { "tiny q_pe", 3, 4 * 24, 4, 24, 16, 8, 1, 1.0 },
+      { "rotate-half drafter", 4, 4 * 32, 4, 32, 0, 32, 0, 1.2 },
+    }
+    for _, cs in ipairs(cases) do
+      local name, rows, cols, nh, stride, off, dim, inter, amp = unpack(cs)
+      local x = O.rand_floats(rows * cols)
+      local pos = O.ints(rows, function(i) return ({ 0, 17, 262000, 4095, 1 })[i + 1] end)
+      local inv = ffi.new("float[?]", dim / 2)
+      for i = 0, dim / 2 - 1 do inv[i] = 50000 ^ (-2 * i / dim) end
+      close(string.format("rope %s %dx%d", name, rows, cols), rows * cols,
+        function(tb, out) return C.kd_test_rope(tb, x, rows, cols, nh, stride, off, pos, dim, inter, amp, inv, out) end,
+        TOL_BF16)
+    end
+  end)
+
+  it("gather_rows, also in place (KV compaction)", function()
+    O.seed(6)
+    local S, c = 30, 576
+    local src = O.rand_floats(S * c)
+    local idx = O.ints(5, function(i) return ({ 29, 3, 3, 0, 17 })[i + 1] end)
+    exact("gather_rows 5 of 30x576", 5 * c, function(tb, out) return C.kd_test_gather_rows(tb, src, S, c, idx, 5, 0, 0, out) end)
+    local keep = O.ints(5, function(i) return ({ 10, 12, 13, 17, 25 })[i + 1] end)
+    exact("gather_rows in place (rows 10..14 <- 10,12,13,17,25)", S * c,
+      function(tb, out) return C.kd_test_gather_rows(tb, src, S, c, keep, 5, 1, 10, out) end)
+  end)
+
+  describe("linear", function()
+    local shapes = {
+      { 1, 1536, 7168 }, { 3, 1536, 7168 }, { 2, 576, 7168 }, { 4, 7168, 2048 }, { 2, 2048, 7168 },
+      { 1, 12288, 1536 }, { 37, 256, 128 }, { 5, 33, 40 }, { 130, 384, 7168 }, { 3, 7, 1000 },
+    }
+    it("bf16 weights, bf16 and f32 outputs", function()
+      O.seed(7)
+      for _, s in ipairs(shapes) do
+        local M, N, K = s[1], s[2], s[3]
+        local x = O.rand_floats(M * K)
+        local w = O.bf16_weight(N, K, 1 / math.sqrt(K))
+        for _, f32 in ipairs({ 1, 0 }) do
+          close(string.format("linear bf16 M=%d N=%d K=%d -> %s", M, N, K, f32 == 1 and "f32" or "bf16"), M * N,
+            function(tb, out) return C.kd_test_linear(tb, x, M, w, f32, out) end, f32 == 1 and TOL_F32 or TOL_BF16)
+        end
+      end
+    end)
+    it("f32 weights", function()
+      O.seed(8)
+      local M, N, K = 3, 64, 200
+      local x, w = O.rand_floats(M * K), O.f32_weight(N, K)
+      close("linear f32-weight M=3 N=64 K=200 -> f32", M * N,
+        function(tb, out) return C.kd_test_linear(tb, x, M, w, 1, out) end, TOL_F32)
+    end)
+    it("a row's bits do not depend on M (CUDA)", function()
+      O.seed(9)
+      local g = gpu
+      for _, s in ipairs({ { 1536, 7168 }, { 576, 7168 }, { 4096, 512 }, { 7168, 2048 }, { 2560, 7168 } }) do
+        local N, K = s[1], s[2]
+        local Mmax = 130
+        local x = O.rand_floats(Mmax * K)
+        local w = O.bf16_weight(N, K, 1 / math.sqrt(K))
+        for _, f32 in ipairs({ 1, 0 }) do
+          local full = ffi.new("float[?]", Mmax * N)
+          O.check(C.kd_test_linear(g, x, Mmax, w, f32, full), "linear M=130")
+          for _, M in ipairs({ 1, 37, 64, 65 }) do
+            local part = ffi.new("float[?]", M * N)
+            O.check(C.kd_test_linear(g, x, M, w, f32, part), "linear M=" .. M)
+            local same, at = O.same_bits(part, full, M * N)
+            assert.is_true(same, string.format("linear N=%d K=%d: M=%d differs from M=130 at %s", N, K, M, tostring(at)))
+          end
+        end
+        note("%-58s bit-identical for M = 1, 37, 64, 65, 130", string.format("linear batch invariance N=%d K=%d", N, K))
+      end
+    end)
+  end)
+
+  it("head_matmul (MLA absorption), K2.6 and tiny dims", function()
+    O.seed(10)
+    -- K2.6: q_lat = q_nope W_UK (plain) and o = o_lat W_UV^T (transposed), kv_b [64*256, 512]
+    local H, dn, dr, r, dv, T = 64, 128, 64, 512, 128, 3
+    local kvb = O.bf16_weight(H * (dn + dv), r, 1 / math.sqrt(r))
+    local q = O.rand_floats(T * H * (dn + dr))
+    close("head_matmul K2.6 q_nope W_UK (64 heads, 128 -> 512)", T * H * r,
+      function(tb, out) return C.kd_test_head_matmul(tb, q, T, H * (dn + dr), H, dn + dr, dn, kvb, dn + dv, 0, 0, r, H * r, out) end,
+      TOL_BF16)
+    local lat = O.rand_floats(T * H * r)
+    close("head_matmul K2.6 o_lat W_UV^T (64 heads, 512 -> 128)", T * H * dv,
+      function(tb, out) return C.kd_test_head_matmul(tb, lat, T, H * r, H, r, r, kvb, dn + dv, dn, 1, dv, H * dv, out) end,
+      TOL_BF16)
+    -- tiny: H 4, dn 16, dr 8, r 32, dv 16, odd T
+    local h2, dn2, dr2, r2, dv2, T2 = 4, 16, 8, 32, 16, 7
+    local kvb2 = O.bf16_weight(h2 * (dn2 + dv2), r2, 0.3)
+    local q2 = O.rand_floats(T2 * h2 * (dn2 + dr2))
+    close("head_matmul tiny plain (4 heads, 16 -> 32), T=7", T2 * h2 * r2,
+      function(tb, out) return C.kd_test_head_matmul(tb, q2, T2, h2 * (dn2 + dr2), h2, dn2 + dr2, dn2, kvb2, dn2 + dv2, 0, 0, r2, h2 * r2, out) end,
+      TOL_BF16)
+    local lat2 = O.rand_floats(T2 * h2 * r2)
+    close("head_matmul tiny transposed (4 heads, 32 -> 16), T=7", T2 * h2 * dv2,
+      function(tb, out) return C.kd_test_head_matmul(tb, lat2, T2, h2 * r2, h2, r2, r2, kvb2, dn2 + dv2, dn2, 1, dv2, h2 * dv2, out) end,
+      TOL_BF16)
+  end)
+
+  describe("attention", function()
+    -- visibility bits of a tree given parents (node 0 = root, parents[i] < i)
+    local function tree_mask(parents)
+      local n = #parents
+      local words = math.ceil(n / 64)
+      local vis = ffi.new("uint64_t[?]", n * words)
+      local anc = {}
+      for i = 0, n - 1 do
+        local a = { [i] = true }
+        local p = parents[i + 1]
+        if p >= 0 then for k in pairs(anc[p]) do a[k] = true end end
+        anc[i] = a
+        for j in pairs(a) do
+          local wi = i * words + math.floor(j / 64)
+          vis[wi] = bit.bor(vis[wi], bit.lshift(1ULL, j % 64))
+        end
+      end
+      return vis, anc
+    end
+
+    local function mla(name, T, past, causal, vis, H, hd, dv, scale)
+      local S = past + T
+      local q = O.rand_floats(T * H * hd)
+      local kv = O.rand_floats(S * hd)
+      close(string.format("attention %s (H=%d, dk=%d, dv=%d, T=%d, past=%d)", name, H, hd, dv, T, past), T * H * dv,
+        function(tb, out)
+          return C.kd_test_attention(tb, q, T, H * hd, H, hd, kv, S, hd, nil, dv, 1, 1, past, causal, vis, 0, scale, H * dv, out)
+        end, TOL_BF16)
+    end
+
+    it("MLA at K2.6 dims: decode, prefill, chunks, tree", function()
+      O.seed(11)
+      mla("MLA decode", 1, 300, 1, nil, 64, 576, 512, 0.1447)
+      mla("MLA decode over 4 chunks", 1, 1000, 1, nil, 64, 576, 512, 0.1447)
+      mla("MLA causal", 4, 300, 1, nil, 64, 576, 512, 0.1447)
+      mla("MLA prefill", 37, 0, 1, nil, 64, 576, 512, 0.1447)
+      local vis = tree_mask({ -1, 0, 0, 1, 1, 2, 3, 6, 0 })
+      mla("MLA tree mask (9 nodes)", 9, 50, 0, vis, 64, 576, 512, 0.1447)
+      mla("tiny MLA causal", 5, 3, 1, nil, 4, 40, 32, 0.25)
+    end)
+
+    it("GQA (drafter): full, causal, sliding window; separate values", function()
+      O.seed(12)
+      local function gqa(name, Hq, Hkv, hd, T, past, causal, window)
+        local S = past + T
+        local q = O.rand_floats(T * Hq * hd)
+        local k = O.rand_floats(S * Hkv * hd)
+        local v = O.rand_floats(S * Hkv * hd)
+        close(string.format("attention %s (Hq=%d, Hkv=%d, d=%d, T=%d, past=%d, window=%d)", name, Hq, Hkv, hd, T, past, window),
+          T * Hq * hd, function(tb, out)
+            return C.kd_test_attention(tb, q, T, Hq * hd, Hq, hd, k, S, Hkv * hd, v, Hkv * hd, 0, Hkv, past, causal, nil,
+              window, 1 / math.sqrt(hd), Hq * hd, out)
+          end, TOL_BF16)
+      end
+      gqa("GQA full", 4, 2, 32, 8, 20, 0, 0)
+      gqa("GQA causal", 4, 2, 32, 6, 10, 1, 0)
+      gqa("GQA window", 4, 2, 32, 6, 10, 1, 5)
+      gqa("GQA K2.6 drafter dims full", 64, 8, 128, 8, 300, 0, 0)
+    end)
+
+    it("a tree node's output is bit-identical to decoding it alone and to a prefill (CUDA)", function()
+      O.seed(13)
+      local H, hd, dv, P = 64, 576, 512, 300
+      local parents = { -1, 0, 0, 1, 1, 2, 3, 6, 0, 7 }
+      local n = #parents
+      local vis, anc = tree_mask(parents)
+      local past = O.rand_floats(P * hd)
+      local noderows = O.rand_floats(n * hd)
+      local q = O.rand_floats(n * H * hd)
+      -- tree: cache = past rows then node rows in node order
+      local S = P + n
+      local kv = ffi.new("float[?]", S * hd)
+      ffi.copy(kv, past, P * hd * 4)
+      ffi.copy(kv + P * hd, noderows, n * hd * 4)
+      local tree_out = ffi.new("float[?]", n * H * dv)
+      O.check(C.kd_test_attention(gpu, q, n, H * hd, H, hd, kv, S, hd, nil, dv, 1, 1, P, 0, vis, 0, 0.1447, H * dv, tree_out), "tree")
+      for i = 0, n - 1 do
+        local path = {}
+        for j in pairs(anc[i]) do path[#path + 1] = j end
+        table.sort(path)                       -- ancestors in node order = depth order, then i
+        local d = #path
+        local S2 = P + d
+        local kv2 = ffi.new("float[?]", S2 * hd)
+        ffi.copy(kv2, past, P * hd * 4)
+        for m, j in ipairs(path) do ffi.copy(kv2 + (P + m - 1) * hd, noderows + j * hd, hd * 4) end
+        -- alone: one query after P + d - 1 past rows
+        local alone = ffi.new("float[?]", H * dv)
+        O.check(C.kd_test_attention(gpu, q + i * H * hd, 1, H * hd, H, hd, kv2, S2, hd, nil, dv, 1, 1, S2 - 1, 1, nil, 0,
+          0.1447, H * dv, alone), "alone")
+        local same, at = O.same_bits(alone, tree_out + i * H * dv, H * dv)
+        assert.is_true(same, string.format("node %d: tree output differs from decoding alone at %s", i, tostring(at)))
+        -- prefill: the path's queries (other rows random) causal from P; the last row is node i
+        local qp = O.rand_floats(d * H * hd)
+        ffi.copy(qp + (d - 1) * H * hd, q + i * H * hd, H * hd * 4)
+        local pre = ffi.new("float[?]", d * H * dv)
+        O.check(C.kd_test_attention(gpu, qp, d, H * hd, H, hd, kv2, S2, hd, nil, dv, 1, 1, P, 1, nil, 0, 0.1447, H * dv, pre), "prefill")
+        same, at = O.same_bits(pre + (d - 1) * H * dv, tree_out + i * H * dv, H * dv)
+        assert.is_true(same, string.format("node %d: tree output differs from the prefill row at %s", i, tostring(at)))
+      end
+      note("%-58s bit-identical (10 nodes, K2.6 dims)", "attention tree node == alone == prefill row")
+    end)
+  end)
+
+  describe("moe", function()
+    local function moe_case(name, T, H, n, top_k, I, ng, tg, fmt, group, tol)
+      local x = O.rand_floats(T * H)
+      local router = O.bf16_weight(n, H, 1 / math.sqrt(H))
+      local bias = ffi.new("float[?]", n)
+      for i = 0, n - 1 do bias[i] = O.randn() * 0.05 end
+      local mk = function(r, c)
+        if fmt == 2 then return O.int4_weight(r, c, group, 1 / math.sqrt(c)) end
+        return O.bf16_weight(r, c, 1 / math.sqrt(c))
+      end
+      local gate = O.weights(n, function() return mk(I, H) end)
+      local up = O.weights(n, function() return mk(I, H) end)
+      local down = O.weights(n, function() return mk(H, I) end)
+      close(string.format("moe %s (T=%d, H=%d, %d experts top-%d, I=%d, groups %d/%d)", name, T, H, n, top_k, I, ng, tg),
+        T * H, function(tb, out)
+          return C.kd_test_moe(tb, x, T, H, n, top_k, ng, tg, 1, 2.827, router, bias, gate, up, down, out)
+        end, tol)
+      return x, router, bias, gate, up, down
+    end
+
+    it("bf16 experts with group-limited routing (tiny-dsv3 shape)", function()
+      O.seed(14)
+      moe_case("bf16", 5, 128, 16, 4, 64, 4, 2, 0, 0, TOL_MOE)
+    end)
+    it("bf16 experts, 384 experts top-8 (K2.6 router)", function()
+      O.seed(15)
+      moe_case("bf16 K2.6 router", 3, 256, 384, 8, 64, 1, 1, 0, 0, TOL_MOE)
+    end)
+    it("a token's MoE output does not depend on the batch (CUDA)", function()
+      O.seed(16)
+      local T, H, n, k, I = 9, 128, 16, 4, 64
+      local x, router, bias, gate, up, down = moe_case("bf16 batch", T, H, n, k, I, 4, 2, 0, 0, TOL_MOE)
+      local full = ffi.new("float[?]", T * H)
+      O.check(C.kd_test_moe(gpu, x, T, H, n, k, 4, 2, 1, 2.827, router, bias, gate, up, down, full), "moe T=9")
+      for _, t in ipairs({ 0, 4, 8 }) do
+        local one = ffi.new("float[?]", H)
+        O.check(C.kd_test_moe(gpu, x + t * H, 1, H, n, k, 4, 2, 1, 2.827, router, bias, gate, up, down, one), "moe T=1")
+        local same, at = O.same_bits(one, full + t * H, H)
+        assert.is_true(same, string.format("moe: token %d alone differs from the batch at %s", t, tostring(at)))
+      end
+      note("%-58s bit-identical", "moe batch invariance (token alone == in T=9)")
+    end)
+    it("INT4 experts at K2.6 expert shape (W4A16 kernels)", function()
+      O.seed(17)
+      moe_case("int4 g32 K2.6 expert", 3, 7168, 8, 2, 2048, 1, 1, 2, 32, TOL_MOE)
+      moe_case("int4 g32 small", 6, 256, 16, 4, 64, 1, 1, 2, 32, TOL_MOE)
+    end)
+  end)
+
+  describe("vocabulary reductions", function()
+    it("log_softmax over 163840 and odd widths", function()
+      O.seed(18)
+      for _, s in ipairs({ { 3, 163840 }, { 2, 1000 }, { 4, 33 } }) do
+        local r, c = s[1], s[2]
+        local x = O.rand_floats(r * c, 4)
+        close(string.format("log_softmax %dx%d", r, c), r * c,
+          function(tb, out) return C.kd_test_log_softmax(tb, x, r, c, out) end, TOL_LSM)
+      end
+    end)
+    it("argmax with planted ties (lower id wins)", function()
+      O.seed(19)
+      local r, c = 4, 163840
+      local x = O.rand_floats(r * c)
+      x[0 * c + 70000] = 50; x[0 * c + 9000] = 50      -- tie: 9000 wins
+      x[1 * c + c - 1] = 60                             -- last column
+      for i = 0, c - 1 do x[2 * c + i] = 1.5 end         -- all equal: 0
+      x[3 * c + 5] = 0 / 0                               -- NaN never wins
+      exact("argmax 4x163840 (ties, NaN)", r, function(tb, out) return C.kd_test_argmax(tb, x, r, c, out) end, "int32_t")
+    end)
+    it("topk with planted ties: values desc, equal values lower id first", function()
+      O.seed(20)
+      for _, s in ipairs({ { 3, 163840, 1 }, { 3, 163840, 8 }, { 2, 163840, 256 }, { 2, 163840, 1024 }, { 2, 32, 32 },
+                            { 3, 1000, 512 }, { 7, 163840, 64 } }) do
+        local r, c, k = s[1], s[2], s[3]
+        local x = O.rand_floats(r * c)
+        -- ties: copy some values around (bf16-rounded floats repeat often anyway)
+        for i = 0, r - 1 do
+          for j = 0, 20 do x[i * c + math.random(0, c - 1)] = x[i * c + math.random(0, c - 1)] end
+          x[i * c + (c - 1)] = x[i * c]
+        end
+        local v1, v2 = ffi.new("float[?]", r * k), ffi.new("float[?]", r * k)
+        local i1, i2 = ffi.new("int32_t[?]", r * k), ffi.new("int32_t[?]", r * k)
+        O.check(C.kd_test_topk(cpu, x, r, c, k, v1, i1), "cpu topk")
+        O.check(C.kd_test_topk(gpu, x, r, c, k, v2, i2), "cuda topk")
+        for i = 0, r * k - 1 do
+          assert.are.equal(i1[i], i2[i], string.format("topk %dx%d k=%d: id %d differs", r, c, k, i))
+          assert.are.equal(v1[i], v2[i])
+        end
+        note("%-58s identical", string.format("topk %dx%d k=%d", r, c, k))
+      end
+    end)
+  end)
+end)
