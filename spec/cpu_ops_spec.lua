@@ -111,6 +111,20 @@ describe("cpu backend ops", function()
     assert.is_true(e < TOL, "relative error " .. e)
   end)
 
+  it("linear is batch-invariant: each row of a 5-row call is bit-identical to a 1-row call", function()
+    for _, fmt in ipairs({ "bf16", "int4" }) do
+      local T, k, n = 5, 128, 9
+      local x = rand_act(T, k)
+      local W = fmt == "bf16" and B.bf16_weight("w", n, k, function() return randn() end) or int4_weight("w", n, k, 32)
+      local all, one = ffi.new("float[?]", T * n), ffi.new("float[?]", n)
+      ok(be, be.ops.linear(be, B.act(x, T, k), W.w, B.act(all, T, n)))
+      for t = 0, T - 1 do
+        ok(be, be.ops.linear(be, B.act(x + t * k, 1, k), W.w, B.act(one, 1, n)))
+        for o = 0, n - 1 do assert.are.equal(all[t * n + o], one[o]) end
+      end
+    end
+  end)
+
   it("INT4 pack-quantized weights: a Lua packer round-trips through the engine's dequant", function()
     for _, case in ipairs({ { 24, 64, 32 }, { 9, 128, 32 }, { 7, 128, 64 }, { 5, 256, 128 } }) do
       local n, k, group = case[1], case[2], case[3]

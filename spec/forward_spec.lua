@@ -2,14 +2,16 @@
 -- K2.6-layout model: prefill + decode == one prefill, chunking invariance (by the caller
 -- and inside the engine), the masked (tree) form == per-path causal runs, truncate and
 -- re-decode, compaction == the cache built autoregressively, and bad input.
--- "Equal" means max |diff| <= 1e-5 (the CPU backend is batch-invariant, so the observed
--- difference is 0; the bound leaves room for backends that are not).
+-- "Equal" means bit-identical: a token's logits and cache row must not depend on how many
+-- tokens share the forward or whether it is a tree node (backends are batch-invariant;
+-- issue: DDTree greedy == AR greedy bit for bit). KDTREE_FORWARD_TOL loosens this while a
+-- backend is being brought up.
 package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
 local kd = require("kdtree")
 local ffi = require("ffi")
 
 local MODEL = "models/tiny-k2.6"
-local TOL = 1e-5
+local TOL = tonumber(os.getenv("KDTREE_FORWARD_TOL") or "0")
 local BACKEND = os.getenv("KDTREE_BACKEND") or "cpu"
 
 local function maxdiff(a, b)

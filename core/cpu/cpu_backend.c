@@ -105,7 +105,10 @@ void kd_cpu_weight_row(const kd_weight *w, int64_t r, int64_t c0, int64_t n, flo
     switch (w->format) {
     case KD_W_BF16: {
         const uint16_t *p = (const uint16_t *)w->src + r * w->cols + c0;
-        for (int64_t i = 0; i < n; i++) dst[i] = kd_bf16_to_f32(p[i]);
+        for (int64_t i = 0; i < n; i++) {           /* bf16 -> f32: the 16 bits on top */
+            uint32_t u = (uint32_t)p[i] << 16;
+            memcpy(&dst[i], &u, sizeof u);
+        }
         break;
     }
     case KD_W_F32:
@@ -116,18 +119,74 @@ void kd_cpu_weight_row(const kd_weight *w, int64_t r, int64_t c0, int64_t n, flo
          * W[r, c] = ((word >> 4*(c%8)) & 15) - 8) * scale[r, c / group] */
         const uint32_t *words = (const uint32_t *)w->src + r * (w->cols / 8);
         const uint16_t *scales = (const uint16_t *)w->src_scale + r * (w->cols / w->group);
+        int64_t g = w->group;
+        if (c0 % g == 0 && n % g == 0) {            /* whole groups: one scale per run of g/8 words */
+            for (int64_t c = c0; c < c0 + n; c += g) {
+                float sc = kd_bf16_to_f32(scales[c / g]);
+                for (int64_t j = c / 8; j < (c + g) / 8; j++) {
+                    uint32_t word = words[j];
+                    float *d = dst + (j * 8 - c0);
+                    for (int i = 0; i < 8; i++) d[i] = (float)((int)((word >> (4 * i)) & 15u) - 8) * sc;
+                }
+            }
+            break;
+        }
         for (int64_t i = 0; i < n; i++) {
             int64_t c = c0 + i;
             uint32_t u = (words[c >> 3] >> (4 * (c & 7))) & 15u;
-            dst[i] = (float)((int)u - 8) * kd_bf16_to_f32(scales[c / w->group]);
+            dst[i] = (float)((int)u - 8) * kd_bf16_to_f32(scales[c / g]);
         }
         break;
     }
     }
 }
 
+/* Dot products straight from the stored weight row, for calls with one or two rows of x
+ * (decode), where decoding the row into a buffer first would cost as much as the product.
+ * Same partial sums in the same order as kd_dot over the decoded row, so the result is
+ * bit-identical to the batched path: a token's output does not depend on T. */
+static float dot_bf16(const float *x, const uint16_t *p, int n) {
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) s[j] += x[i + j] * kd_bf16_to_f32(p[i + j]);
+    float t = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (; i < n; i++) t += x[i] * kd_bf16_to_f32(p[i]);
+    return t;
+}
+
+/* a whole INT4 row (cols = n, a multiple of 8 and of the group) */
+static float dot_int4(const float *x, const uint32_t *words, const uint16_t *scales, int group, int n) {
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int c = 0; c < n; c += group) {
+        float sc = kd_bf16_to_f32(scales[c / group]);
+        for (int i = c; i < c + group; i += 8) {
+            uint32_t word = words[i / 8];
+            for (int j = 0; j < 8; j++) s[j] += x[i + j] * ((float)((int)((word >> (4 * j)) & 15u) - 8) * sc);
+        }
+    }
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
 kd_status kd_cpu_matmul_wt(kd_backend *be, const float *x, int T, int ldx, int k, const kd_weight *w,
                            int64_t wrow0, int64_t wcol0, int nout, float *out, int ldo) {
+    if (T <= 2 && w->format == KD_W_BF16) {
+        for (int o = 0; o < nout; o++) {
+            const uint16_t *p = (const uint16_t *)w->src + (wrow0 + o) * w->cols + wcol0;
+            for (int t = 0; t < T; t++) out[(size_t)t * ldo + o] = dot_bf16(x + (size_t)t * ldx, p, k);
+        }
+        return KD_OK;
+    }
+    if (T <= 2 && w->format == KD_W_INT4 && wcol0 == 0 && k == w->cols && w->group % 8 == 0) {
+        int64_t wpr = w->cols / 8, spr = w->cols / w->group;
+        for (int o = 0; o < nout; o++) {
+            const uint32_t *words = (const uint32_t *)w->src + (wrow0 + o) * wpr;
+            const uint16_t *scales = (const uint16_t *)w->src_scale + (wrow0 + o) * spr;
+            for (int t = 0; t < T; t++)
+                out[(size_t)t * ldo + o] = dot_int4(x + (size_t)t * ldx, words, scales, w->group, k);
+        }
+        return KD_OK;
+    }
     enum { BLOCK = 8 };          /* weight rows decoded at once: x rows stay in cache across them */
     float *wr;
     KD_TRY(wrow_buf(be, (size_t)BLOCK * k, &wr));
