@@ -242,10 +242,45 @@ def search(which, weight_seeds, prompt_seeds):
     print(f"{which}: best weight_seed={best[1]} prompt_seed={best[2]} {best[0]}")
 
 
+def _max_diff(a, b):
+    if isinstance(a, list):
+        if not isinstance(b, list) or len(a) != len(b):
+            return float("inf")
+        return max([_max_diff(x, y) for x, y in zip(a, b)] or [0.0])
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            return float("inf")
+        return max([_max_diff(a[k], b[k]) for k in a] or [0.0])
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(a - b) if a is not None and b is not None else float("inf")
+    return 0.0 if a == b else float("inf")
+
+
+def check(whiches):
+    bad = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for which in whiches:
+            generate(which, tmp, CHOICES[which])
+            model_dir, golden_path = OUT[which]
+            for f in sorted(os.listdir(os.path.join(tmp, model_dir))):
+                same = open(os.path.join(tmp, model_dir, f), "rb").read() == \
+                    open(os.path.join(ROOT, model_dir, f), "rb").read()
+                print(f"  {model_dir}/{f}: {'identical' if same else 'DIFFERS'}")
+                bad += not same
+            d = _max_diff(json.load(open(os.path.join(tmp, golden_path))),
+                          json.load(open(os.path.join(ROOT, golden_path))))
+            print(f"  {golden_path}: max difference {d:.3g}")
+            bad += not d <= 1e-9
+    print("check:", "OK" if bad == 0 else f"{bad} differences")
+    return 1 if bad else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--which", choices=["tiny-k2.6", "tiny-dsv3", "all"], default="all")
     ap.add_argument("--search", action="store_true")
+    ap.add_argument("--check", action="store_true",
+                    help="regenerate into a temp dir; checkpoints must be byte-identical, goldens equal to 1e-9")
     ap.add_argument("--weight-seeds", default="0-9")
     ap.add_argument("--prompt-seeds", default="0-4")
     ap.add_argument("--root", default=ROOT, help="repository root to write into")
@@ -257,6 +292,8 @@ def main():
         a, _, b = s.partition("-")
         return range(int(a), int(b or a) + 1)
 
+    if args.check:
+        sys.exit(check(whiches))
     for which in whiches:
         if args.search:
             search(which, rng(args.weight_seeds), rng(args.prompt_seeds))
