@@ -88,6 +88,21 @@ local function compare(lp, case)
   return worst
 end
 
+-- zlib's adler32 of a file's bytes
+local function adler32(path)
+  local data = read_file(path)
+  local a, b = 1, 0
+  for i = 1, #data, 4096 do
+    local chunk = { data:byte(i, math.min(i + 4095, #data)) }
+    for j = 1, #chunk do
+      a = a + chunk[j]
+      b = b + a
+    end
+    a, b = a % 65521, b % 65521
+  end
+  return b * 65536 + a
+end
+
 -- the error message of a failing call
 local function err_of(f, ...)
   local ok, e = pcall(f, ...)
@@ -104,6 +119,14 @@ describe("DFlash drafter", function()
   teardown(function()
     if d then d:close() end
     if m then m:close() end
+  end)
+
+  it("has a golden computed for the shipped target checkpoint", function()
+    for fn, sum in pairs(golden.target_adler32) do
+      assert.are.equal(sum, adler32(TARGET .. "/" .. fn),
+        TARGET .. "/" .. fn .. " changed since spec/fixtures/golden-dflash.json was written: rerun "
+        .. "python3 scripts/golden/make_tiny_drafter.py --no-weights")
+    end
   end)
 
   it("reports the tiny drafter's shape", function()

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import zlib
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -265,6 +266,9 @@ def main():
         "block_size": bs, "vocab": int(lm_head.shape[0]), "taps": taps,
         "mask_token_id": cfg["dflash_config"]["mask_token_id"],
         "target_greedy": {"prompt": PROMPT, "continuation": seq[len(PROMPT):]},
+        # which target checkpoint these numbers belong to (the spec refuses a stale golden)
+        "target_adler32": {fn: zlib.adler32(open(os.path.join(a.target, fn), "rb").read())
+                           for fn in sorted(os.listdir(a.target)) if fn.endswith(".safetensors")},
         "cases": cases,
     }
     os.makedirs(os.path.dirname(a.golden), exist_ok=True)
