@@ -219,7 +219,7 @@ kd_status kd_model_forward(kd_seq *s, const int32_t *tokens, int n, const int32_
         if (n > cap)
             return kd_fail(KD_ERR_CAPACITY, "forward: a masked forward of %d tokens exceeds the %d rows per forward "
                            "of this sequence", n, cap);
-        memcpy(s->out_positions, positions, sizeof(int32_t) * (size_t)n);
+        for (int i = 0; i < n; i++) s->out_positions[i] = positions ? positions[i] : s->len + i;
         st = forward_chunk(s, tokens, n, s->out_positions, visible, true);
         if (st != KD_OK) return st;
         s->out_rows = n;

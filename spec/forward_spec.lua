@@ -153,6 +153,10 @@ describe("target forward (" .. BACKEND .. ")", function()
     for l = 0, m.info.n_layers - 1 do
       assert.is_true(maxdiff(a:read_cache(l, 6, 8), b:read_cache(l, 6, 8)) <= TOL)
     end
+    -- positions default to len, len+1, ... in the masked form too
+    b:truncate(6)
+    b:forward(chain, { visible = tree_mask(parent) })
+    assert.is_true(maxdiff(a:logits(#chain), b:logits(#chain)) <= TOL)
     a:close(); b:close()
   end)
 
