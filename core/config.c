@@ -179,7 +179,8 @@ bool kd_regex_translate(const char *py, char *out, size_t cap) {
 #undef PUT
 }
 
-static kd_status parse_quant(const cfgctx *c0, const cJSON *q, kd_config *cfg) {
+/* gs_field: receives the full name of the group_size field, for later errors */
+static kd_status parse_quant(const cfgctx *c0, const cJSON *q, kd_config *cfg, char *gs_field, size_t gs_cap) {
     cfgctx c = *c0;
     char where[64];
     snprintf(where, sizeof where, "%squantization_config.", c0->where);
@@ -241,6 +242,7 @@ static kd_status parse_quant(const cfgctx *c0, const cJSON *q, kd_config *cfg) {
                            "(%d/%d and %d/%d) are not supported", c.path, where, bits, gsize, nb, gs);
         bits = nb;
         gsize = gs;
+        snprintf(gs_field, gs_cap, "%sgroup_size", ww);
     }
     cfg->experts_int4 = true;
     cfg->quant_bits = bits;
@@ -520,19 +522,20 @@ static kd_status parse_text(const cfgctx *c, const cJSON *root, const cJSON *t, 
         if (!cJSON_IsObject(q))
             return kd_fail(KD_ERR_CONFIG, "%s: field '%squantization_config': expected an object, got %s", path, cq.where,
                            json_type_name(q));
-        KD_TRY(parse_quant(&cq, q, cfg));
+        char gsf[256];
+        KD_TRY(parse_quant(&cq, q, cfg, gsf, sizeof gsf));
         int g = cfg->quant_group;
         if (cfg->first_k_dense < cfg->n_layers) {
             if (cfg->hidden % g || cfg->hidden % 8)
                 return kd_fail(KD_ERR_CONFIG,
-                               "%s: field '%squantization_config...group_size' is %d: it must divide hidden_size (%d), the "
+                               "%s: field '%s' is %d: it must divide hidden_size (%d), the "
                                "input dim of the INT4 gate/up experts (and that dim must be a multiple of 8)",
-                               path, cq.where, g, cfg->hidden);
+                               path, gsf, g, cfg->hidden);
             if (cfg->moe_intermediate % g || cfg->moe_intermediate % 8)
                 return kd_fail(KD_ERR_CONFIG,
-                               "%s: field '%squantization_config...group_size' is %d: it must divide moe_intermediate_size "
+                               "%s: field '%s' is %d: it must divide moe_intermediate_size "
                                "(%d), the input dim of the INT4 down experts (and that dim must be a multiple of 8)",
-                               path, cq.where, g, cfg->moe_intermediate);
+                               path, gsf, g, cfg->moe_intermediate);
         }
     }
 

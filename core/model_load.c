@@ -26,6 +26,8 @@
 
 bool kd_regex_translate(const char *py, char *out, size_t cap);   /* config.c */
 
+/* byte classes of kd_inspect. attention: everything under self_attn (with the q_a/kv_a latent
+ * norms, as kimi_k2.md counts it); norms: the per-layer input/post-attention norms and the final norm */
 enum kind { K_ATTN, K_DENSE, K_SHARED, K_ROUTED, K_ROUTER, K_EMBED, K_LMHEAD, K_NORM, K_N };
 
 typedef struct loader {
@@ -312,13 +314,13 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
     KD_TRY(bind_dense(L, &ly->ffn_norm, K_NORM, NAME("post_attention_layernorm.weight"), c->hidden, 0));
     if (c->q_lora_rank > 0) {
         KD_TRY(bind_linear(L, &ly->q_a, K_ATTN, NAME("self_attn.q_a_proj"), c->q_lora_rank, c->hidden));
-        KD_TRY(bind_dense(L, &ly->q_a_norm, K_NORM, NAME("self_attn.q_a_layernorm.weight"), c->q_lora_rank, 0));
+        KD_TRY(bind_dense(L, &ly->q_a_norm, K_ATTN, NAME("self_attn.q_a_layernorm.weight"), c->q_lora_rank, 0));
         KD_TRY(bind_linear(L, &ly->q_b, K_ATTN, NAME("self_attn.q_b_proj"), H * qk, c->q_lora_rank));
     } else {
         KD_TRY(bind_linear(L, &ly->q_proj, K_ATTN, NAME("self_attn.q_proj"), H * qk, c->hidden));
     }
     KD_TRY(bind_linear(L, &ly->kv_a, K_ATTN, NAME("self_attn.kv_a_proj_with_mqa"), c->kv_lora_rank + c->qk_rope_dim, c->hidden));
-    KD_TRY(bind_dense(L, &ly->kv_a_norm, K_NORM, NAME("self_attn.kv_a_layernorm.weight"), c->kv_lora_rank, 0));
+    KD_TRY(bind_dense(L, &ly->kv_a_norm, K_ATTN, NAME("self_attn.kv_a_layernorm.weight"), c->kv_lora_rank, 0));
     KD_TRY(bind_linear(L, &ly->kv_b, K_ATTN, NAME("self_attn.kv_b_proj"), H * (c->qk_nope_dim + c->v_head_dim), c->kv_lora_rank));
     KD_TRY(bind_linear(L, &ly->o_proj, K_ATTN, NAME("self_attn.o_proj"), c->hidden, H * c->v_head_dim));
     ly->is_moe = l >= c->first_k_dense;   /* HF: layer_idx >= first_k_dense_replace (moe_layer_freq unused) */
