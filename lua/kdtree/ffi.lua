@@ -33,7 +33,12 @@ local lib_path = first_existing({
   here .. "/../build/libkdtree.so",
   here .. "/../../../lib/libkdtree.so",
 })
-local C = ffi.load(lib_path or "kdtree")
+local ok, C = pcall(ffi.load, lib_path or "kdtree")
+if not ok then
+  error(string.format("kdtree: cannot load the engine library (%s): %s\n" ..
+    "build it with `make` or point KDTREE_LIB at libkdtree.so", lib_path or "libkdtree.so on the loader path",
+    tostring(C)), 0)
+end
 
 -- check(st, what): turn a failing kd_status into a Lua error carrying kd_last_error()
 local function check(st, what)
