@@ -1,0 +1,909 @@
+/* w4a16.cu: the W4A16 GEMM (INT4 compressed-tensors weights x bf16 activations) and the
+ * MoE grouped form built on it. The contract and the batch-invariance argument are in
+ * w4a16.cuh; this file has no backend state (w4a16_backend.cu adapts it to kd_backend).
+ *
+ * The kernel (Marlin-class, "weights as the A operand"):
+ *   mma.sync m16n8k16 with A = 16 weight rows x 16 k (dequantised in registers),
+ *   B = 16 k x 8 tokens (bf16 activations from shared memory through ldmatrix),
+ *   C = 16 weight rows x 8 tokens in fp32. A block is WN warps; each warp owns NT tile
+ *   slots of 16 weight rows (DUAL: slot 0 = gate rows, slot 1 = the same up rows) and all
+ *   BM = 8*MT8 tokens of the block. A cp.async pipeline of STAGES chunks of 64 k keeps the
+ *   weight stream (512 bytes per slot per chunk, each lane's 16 bytes its own fragments),
+ *   the scales and the activation tile in flight.
+ * Dequantisation: u | 0x4300 is the bf16 128+u; one bf16x2 fma subtracts 136, giving the
+ *   exact integer q = u-8. The q*x products are exact; each scale group's sum is kept in
+ *   fp32 (tmp) and folded in as acc = fma(tmp, scale, acc) when the group ends.
+ * Split-K: K is cut into `parts` fixed by the weight's shape; partials go to an fp32
+ *   workspace, the last block of a tile (a counter per tile) adds them in part order.
+ * Work items (token tile, part, n-block) are walked by a grid-stride loop, so the MoE can
+ *   launch a fixed grid while the number of tiles is known only on the device.
+ */
+#include "w4a16.cuh"
+#include <cuda_bf16.h>
+#include <string.h>
+
+typedef __nv_bfloat16 bf16;
+
+namespace {
+
+constexpr int CHUNK_K = 64;       /* k per pipeline chunk */
+constexpr int XS = 72;            /* bf16 per activation row in shared memory: 64 + 8 pad (conflict-free ldmatrix) */
+constexpr int MAX_PARTS = 16;
+
+kd_status w4_fail(cudaError_t e, const char *call, int line) {
+    if (e == cudaErrorMemoryAllocation) {
+        cudaGetLastError();
+        return kd_fail(KD_ERR_NOMEM, "cuda: %s at w4a16.cu:%d: %s", call, line, cudaGetErrorString(e));
+    }
+    cudaGetLastError();
+    return kd_fail(KD_ERR_BACKEND, "cuda: %s at w4a16.cu:%d: %s", call, line, cudaGetErrorString(e));
+}
+#define W4_CUDA(call) do { cudaError_t w4_e_ = (call); if (w4_e_ != cudaSuccess) return w4_fail(w4_e_, #call, __LINE__); } while (0)
+#define W4_LAUNCH(what) do { cudaError_t w4_e_ = cudaGetLastError(); if (w4_e_ != cudaSuccess) return w4_fail(w4_e_, what, __LINE__); } while (0)
+
+/* ---------------------------------------------------------------- PTX helpers */
+__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* 16-byte async copy; valid = false writes 16 zero bytes and reads nothing */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t &r0, uint32_t &r1, const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1) : "r"(smem_addr(p)) : "memory");
+}
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+/* (a & b) | c in one LOP3 */
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+}
+
+/* One packed word -> the four A registers of one m16n8k16 step (see repack_codes_kernel):
+ * nibble pairs (0,4) (1,5) (2,6) (3,7) -> a0 a1 a2 a3, each the exact bf16x2 (u-8, u'-8). */
+__device__ __forceinline__ void dequant4(uint32_t w, uint32_t a[4]) {
+    const uint32_t MASK = 0x000F000Fu, EX = 0x43004300u, ONE = 0x3F803F80u, M136 = 0xC308C308u;
+    a[0] = bf16x2_fma(and_or(w, MASK, EX), ONE, M136);
+    a[1] = bf16x2_fma(and_or(w >> 4, MASK, EX), ONE, M136);
+    a[2] = bf16x2_fma(and_or(w >> 8, MASK, EX), ONE, M136);
+    a[3] = bf16x2_fma(and_or(w >> 12, MASK, EX), ONE, M136);
+}
+
+__device__ __forceinline__ void store_out(void *y, int f32, size_t i, float v) {
+    if (f32) ((float *)y)[i] = v;
+    else ((bf16 *)y)[i] = __float2bfloat16_rn(v);
+}
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+/* ---------------------------------------------------------------- repack */
+/* codes: one thread per (16-row tile t, 64-k chunk c, lane L). Lane L = 4*gr + cc holds,
+ * for k16 step kk, word kk with nibbles
+ *   0:(r0,k0) 1:(r1,k0) 2:(r0,k0+8) 3:(r1,k0+8) 4:(r0,k0+1) 5:(r1,k0+1) 6:(r0,k0+9) 7:(r1,k0+9)
+ * where r0 = 16t+gr, r1 = r0+8, k0 = 64c + 16kk + 2cc: exactly the A fragment of
+ * mma.m16n8k16 (a0 = row gr cols 2cc..+1, a1 = row gr+8, a2 = row gr cols +8, a3 = row gr+8 cols +8). */
+__host__ __device__ inline uint32_t repack_word(const uint32_t *raw, int n, int k, int t, int c, int lane, int kk) {
+    int gr = lane >> 2, cc = lane & 3, kw = k / 8;
+    int r0 = t * 16 + gr, r1 = r0 + 8, k0 = c * CHUNK_K + kk * 16 + 2 * cc;
+    auto nib = [&](int r, int col) -> uint32_t {
+        if (r >= n || col >= k) return 8u;   /* q = 0 */
+        return (raw[(size_t)r * kw + col / 8] >> (4 * (col & 7))) & 15u;
+    };
+    return nib(r0, k0) | nib(r1, k0) << 4 | nib(r0, k0 + 8) << 8 | nib(r1, k0 + 8) << 12 | nib(r0, k0 + 1) << 16 |
+           nib(r1, k0 + 1) << 20 | nib(r0, k0 + 9) << 24 | nib(r1, k0 + 9) << 28;
+}
+
+__global__ void repack_codes_kernel(const uint32_t *__restrict__ raw, int n, int k, int kc, int n_tiles,
+                                    uint4 *__restrict__ out) {
+    size_t total = (size_t)n_tiles * kc * 32;
+    for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
+        int lane = (int)(idx & 31);
+        size_t tc = idx >> 5;
+        int c = (int)(tc % kc), t = (int)(tc / kc);
+        out[idx] = make_uint4(repack_word(raw, n, k, t, c, lane, 0), repack_word(raw, n, k, t, c, lane, 1),
+                              repack_word(raw, n, k, t, c, lane, 2), repack_word(raw, n, k, t, c, lane, 3));
+    }
+}
+
+/* scales: word (t, g, j) = s[16t+j, g] | s[16t+j+8, g] << 16 (zero past N or K) */
+__host__ __device__ inline uint32_t repack_scale_word(const uint16_t *raw, int n, int n_groups, int t, int g, int j) {
+    int r0 = t * 16 + j, r1 = r0 + 8;
+    uint32_t s0 = (r0 < n && g < n_groups) ? raw[(size_t)r0 * n_groups + g] : 0u;
+    uint32_t s1 = (r1 < n && g < n_groups) ? raw[(size_t)r1 * n_groups + g] : 0u;
+    return s0 | s1 << 16;
+}
+
+__global__ void repack_scales_kernel(const uint16_t *__restrict__ raw, int n, int n_groups, int groups_pad, int n_tiles,
+                                     uint32_t *__restrict__ out) {
+    size_t total = (size_t)n_tiles * groups_pad * 8;
+    for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
+        size_t tg = idx >> 3;
+        out[idx] = repack_scale_word(raw, n, n_groups, (int)(tg / groups_pad), (int)(tg % groups_pad), (int)(idx & 7));
+    }
+}
+
+/* ---------------------------------------------------------------- the GEMM kernel */
+struct W4Mat {
+    const uint4 *q;
+    const uint32_t *s;
+};
+
+struct W4Args {
+    const bf16 *x;
+    long long ldx;
+    const int *row_map;               /* tile row (slot) -> x row; NULL: identity */
+    W4Mat mat;                        /* plain GEMM weights (table == NULL) */
+    const kd_w4a16_expert *table;     /* MoE: per-expert pointers */
+    int n, k, kc, groups, gshift, parts, cpp, n_tiles, nb;   /* group = 1 << gshift */
+    const int4 *tiles;                /* MoE: (expert, row0, rows) per token tile; NULL: plain */
+    const int *n_tiles_dev;
+    int m;                            /* plain: rows of x / y */
+    void *y;
+    long long ldy;
+    int y_f32;
+    float *ws;                        /* split-K partials [parts][ws_rows][ws_cols] */
+    long long ws_rows;
+    int ws_cols;
+    int *counters;                    /* one per (token tile, n-block), zero between launches */
+};
+
+template <int MT8, int NT, int WN, int STAGES>
+struct W4Shape {
+    static constexpr int BM = MT8 * 8;
+    static constexpr int THREADS = WN * 32;
+    static constexpr int SLOTS = WN * NT;
+    static constexpr int X_BYTES = BM * XS * 2;
+    static constexpr int W_BYTES = SLOTS * 512;
+    static constexpr int S_BYTES = SLOTS * 64;   /* up to two scale groups (64 k of group 32) per slot */
+    static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + S_BYTES;
+    static constexpr int SMEM = STAGES * STAGE_BYTES;
+};
+
+template <int MT8, int NT, int WN, int STAGES, bool DUAL>
+__global__ void __launch_bounds__(WN * 32) w4a16_gemm_kernel(const W4Args a) {
+    typedef W4Shape<MT8, NT, WN, STAGES> S;
+    constexpr int BM = S::BM, THREADS = S::THREADS, SLOTS = S::SLOTS;
+    static_assert(!DUAL || NT == 2, "DUAL pairs a gate slot with an up slot");
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ long long row_off[BM];
+    __shared__ int last_flag;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool moe = a.tiles != nullptr;
+    griddep_launch_dependents();
+    int tiles_m;
+    if (moe) {
+        griddep_wait();
+        tiles_m = *a.n_tiles_dev;
+    } else {
+        tiles_m = (a.m + BM - 1) / BM;
+    }
+    bool waited = moe;
+    const long long total = (long long)tiles_m * a.parts * a.nb;
+
+    for (long long item = blockIdx.x; item < total; item += gridDim.x) {
+        const int nbi = (int)(item % a.nb);
+        const long long rest = item / a.nb;
+        const int part = (int)(rest % a.parts);
+        const int tile = (int)(rest / a.parts);
+        int row0, rows;
+        W4Mat m0 = a.mat, m1 = a.mat;
+        if (moe) {
+            int4 t = a.tiles[tile];
+            row0 = t.y;
+            rows = t.z;
+            const kd_w4a16_expert &ex = a.table[t.x];
+            if (DUAL) {
+                m0.q = (const uint4 *)ex.gate_codes; m0.s = (const uint32_t *)ex.gate_scales;
+                m1.q = (const uint4 *)ex.up_codes;   m1.s = (const uint32_t *)ex.up_scales;
+            } else {
+                m0.q = (const uint4 *)ex.down_codes; m0.s = (const uint32_t *)ex.down_scales;
+            }
+        } else {
+            row0 = tile * BM;
+            rows = min(BM, a.m - row0);
+        }
+        const int c0 = part * a.cpp, c1 = min(a.kc, c0 + a.cpp), nchunks = c1 - c0;
+
+        int slot_tile[NT];
+        bool slot_ok[NT];
+        const uint4 *slot_q[NT];
+        const uint32_t *slot_s[NT];
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            int t = DUAL ? nbi * WN + warp : nbi * SLOTS + warp * NT + i;
+            const W4Mat &mm = (DUAL && i == 1) ? m1 : m0;
+            slot_tile[i] = t;
+            slot_ok[i] = t < a.n_tiles;
+            int tc = slot_ok[i] ? t : 0;
+            slot_q[i] = mm.q + (size_t)tc * a.kc * 32 + lane;
+            slot_s[i] = mm.s + (size_t)tc * a.groups * 8;
+        }
+        for (int r = tid; r < BM; r += THREADS) {
+            long long off = -1;
+            if (r < rows) off = (long long)(a.row_map ? a.row_map[row0 + r] : row0 + r) * a.ldx;
+            row_off[r] = off;
+        }
+        __syncthreads();
+
+        auto load_w = [&](int c, int stage) {
+            unsigned char *sb = smem + stage * S::STAGE_BYTES;
+            uint4 *sw = (uint4 *)(sb + S::X_BYTES) + warp * NT * 32;
+            uint4 *ss = (uint4 *)(sb + S::X_BYTES + S::W_BYTES) + warp * NT * 4;
+            const int g0 = (c * CHUNK_K) >> a.gshift;
+            const int pieces = a.gshift < 6 ? 2 << (6 - a.gshift) : 2;   /* 16-byte scale pieces per slot */
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                if (!slot_ok[i]) continue;
+                cp_async16(sw + i * 32 + lane, slot_q[i] + (size_t)c * 32, true);
+                if (lane < pieces) cp_async16(ss + i * 4 + lane, (const uint4 *)(slot_s[i] + (size_t)g0 * 8) + lane, true);
+            }
+        };
+        auto load_x = [&](int c, int stage) {
+            bf16 *sx = (bf16 *)(smem + stage * S::STAGE_BYTES);
+#pragma unroll
+            for (int p0 = 0; p0 < BM * 8; p0 += THREADS) {
+                int p = p0 + tid;
+                if (BM * 8 % THREADS == 0 || p < BM * 8) {
+                    int rr = p >> 3, kp = p & 7, kk = c * CHUNK_K + kp * 8;
+                    long long off = row_off[rr];
+                    bool v = off >= 0 && kk < a.k;
+                    cp_async16(sx + rr * XS + kp * 8, v ? (const void *)(a.x + off + kk) : (const void *)a.x, v);
+                }
+            }
+        };
+
+        /* prologue: the weights first (they never depend on an earlier kernel), then wait
+         * for the previous grid (programmatic dependent launch), then the activations */
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; s++)
+            if (s < nchunks) load_w(c0 + s, s);
+        if (!waited) {
+            griddep_wait();
+            waited = true;
+        }
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; s++) {
+            if (s < nchunks) load_x(c0 + s, s);
+            cp_async_commit();
+        }
+
+        float acc[NT][MT8][4], tmp[NT][MT8][4];
+#pragma unroll
+        for (int i = 0; i < NT; i++)
+#pragma unroll
+            for (int j = 0; j < MT8; j++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) acc[i][j][r] = tmp[i][j][r] = 0.0f;
+
+        for (int ci = 0; ci < nchunks; ci++) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();
+            {
+                int cn = ci + STAGES - 1;
+                if (cn < nchunks) {
+                    int st = cn % STAGES;
+                    load_w(c0 + cn, st);
+                    load_x(c0 + cn, st);
+                }
+                cp_async_commit();
+            }
+            const int c = c0 + ci;
+            const unsigned char *sb = smem + (ci % STAGES) * S::STAGE_BYTES;
+            const bf16 *sx = (const bf16 *)sb;
+            const uint4 *sw = (const uint4 *)(sb + S::X_BYTES) + warp * NT * 32;
+            const uint32_t *ss = (const uint32_t *)(sb + S::X_BYTES + S::W_BYTES) + warp * NT * 16;
+            uint4 wq[NT];
+#pragma unroll
+            for (int i = 0; i < NT; i++) wq[i] = sw[i * 32 + lane];
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                uint32_t b[MT8][2];
+#pragma unroll
+                for (int j = 0; j < MT8; j++)
+                    ldmatrix_x2(b[j][0], b[j][1], sx + (j * 8 + (lane & 7)) * XS + kk * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                for (int i = 0; i < NT; i++) {
+                    uint32_t w = kk == 0 ? wq[i].x : kk == 1 ? wq[i].y : kk == 2 ? wq[i].z : wq[i].w;
+                    uint32_t av[4];
+                    dequant4(w, av);
+#pragma unroll
+                    for (int j = 0; j < MT8; j++) mma_bf16(tmp[i][j], av, b[j][0], b[j][1]);
+                }
+                /* the scale group ends after this k16 step: fold it in */
+                if (((c * CHUNK_K + kk * 16 + 16) & ((1 << a.gshift) - 1)) == 0) {
+                    const int gl = (kk * 16) >> a.gshift;   /* group within the chunk (group 32: 0 or 1) */
+#pragma unroll
+                    for (int i = 0; i < NT; i++) {
+                        uint32_t sw2 = ss[i * 16 + gl * 8 + (lane >> 2)];
+                        float slo = __uint_as_float(sw2 << 16), shi = __uint_as_float(sw2 & 0xFFFF0000u);
+#pragma unroll
+                        for (int j = 0; j < MT8; j++) {
+                            acc[i][j][0] = fmaf(tmp[i][j][0], slo, acc[i][j][0]);
+                            acc[i][j][1] = fmaf(tmp[i][j][1], slo, acc[i][j][1]);
+                            acc[i][j][2] = fmaf(tmp[i][j][2], shi, acc[i][j][2]);
+                            acc[i][j][3] = fmaf(tmp[i][j][3], shi, acc[i][j][3]);
+#pragma unroll
+                            for (int r = 0; r < 4; r++) tmp[i][j][r] = 0.0f;
+                        }
+                    }
+                }
+            }
+        }
+        cp_async_wait<0>();
+
+        /* ---- epilogue: fragment (i, j, r) is weight row n = 16*tile + lane/4 (+8 for r >= 2),
+         * token t = 8j + 2*(lane%4) (+1 for odd r) */
+        const int gr = lane >> 2, tq = (lane & 3) * 2;
+        if (a.parts == 1) {
+#pragma unroll
+            for (int i = 0; i < (DUAL ? 1 : NT); i++) {
+                if (!slot_ok[i]) continue;
+#pragma unroll
+                for (int j = 0; j < MT8; j++)
+#pragma unroll
+                    for (int r = 0; r < 4; r++) {
+                        int n = slot_tile[i] * 16 + gr + (r >= 2 ? 8 : 0), t = j * 8 + tq + (r & 1);
+                        if (n >= a.n || t >= rows) continue;
+                        float v = DUAL ? silu_mul(acc[0][j][r], acc[1][j][r]) : acc[i][j][r];
+                        store_out(a.y, a.y_f32, (size_t)(row0 + t) * a.ldy + n, v);
+                    }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                if (!slot_ok[i]) continue;
+#pragma unroll
+                for (int j = 0; j < MT8; j++)
+#pragma unroll
+                    for (int r = 0; r < 4; r++) {
+                        int n = slot_tile[i] * 16 + gr + (r >= 2 ? 8 : 0), t = j * 8 + tq + (r & 1);
+                        if (n >= a.n || t >= rows) continue;
+                        int col = DUAL ? i * a.n + n : n;
+                        a.ws[((size_t)part * a.ws_rows + row0 + t) * a.ws_cols + col] = acc[i][j][r];
+                    }
+            }
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) {
+                int *cnt = a.counters + (size_t)tile * a.nb + nbi;
+                int old = atomicAdd(cnt, 1);
+                last_flag = old == a.parts - 1;
+                if (last_flag) *cnt = 0;   /* every part has arrived: ready for the next launch */
+            }
+            __syncthreads();
+            if (last_flag) {
+                __threadfence();
+#pragma unroll
+                for (int j = 0; j < MT8; j++)
+#pragma unroll
+                    for (int r = 0; r < 4; r++) {
+                        int t = j * 8 + tq + (r & 1);
+                        if (t >= rows) continue;
+#pragma unroll
+                        for (int i = 0; i < (DUAL ? 1 : NT); i++) {
+                            if (!slot_ok[i]) continue;
+                            int n = slot_tile[i] * 16 + gr + (r >= 2 ? 8 : 0);
+                            if (n >= a.n) continue;
+                            const float *p0 = a.ws + (size_t)(row0 + t) * a.ws_cols + n;
+                            size_t pstride = (size_t)a.ws_rows * a.ws_cols;
+                            float v = __ldcg(p0), u = 0.0f;
+                            if (DUAL) u = __ldcg(p0 + a.n);
+                            for (int p = 1; p < a.parts; p++) {
+                                v += __ldcg(p0 + p * pstride);
+                                if (DUAL) u += __ldcg(p0 + p * pstride + a.n);
+                            }
+                            store_out(a.y, a.y_f32, (size_t)(row0 + t) * a.ldy + n, DUAL ? silu_mul(v, u) : v);
+                        }
+                    }
+            }
+        }
+        __syncthreads();   /* row_off, last_flag and the stages are reused by the next item */
+    }
+}
+
+/* ---------------------------------------------------------------- MoE helpers */
+constexpr int PLAN_THREADS = 512;
+constexpr int PLAN_WARPS = PLAN_THREADS / 32;
+
+/* One block. Entries i = t*top_k + j. Per expert: count, exclusive offsets, and a
+ * deterministic slot for each entry (entry order within an expert), the token row of each
+ * slot, and the list of token tiles (expert, first slot, rows) of at most bm rows.
+ * Also zeroes the split-K tile counters. Ids outside [0, E) get slot -1. */
+__global__ void __launch_bounds__(PLAN_THREADS) moe_plan_kernel(const int32_t *__restrict__ ids, int n_entries, int top_k,
+                                                                int E, int bm, int *__restrict__ slot_of,
+                                                                int *__restrict__ row_token, int4 *__restrict__ tiles,
+                                                                int *__restrict__ n_tiles, int *__restrict__ counters,
+                                                                int n_counters) {
+    extern __shared__ int cnt[];          /* [PLAN_WARPS][E] then base[E], tbase[E] */
+    int *base = cnt + PLAN_WARPS * E, *tbase = base + E;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int i = tid; i < PLAN_WARPS * E; i += PLAN_THREADS) cnt[i] = 0;
+    for (int i = tid; i < n_counters; i += PLAN_THREADS) counters[i] = 0;
+    __syncthreads();
+    const int per = (n_entries + PLAN_WARPS - 1) / PLAN_WARPS;
+    const int beg = warp * per, end = min(n_entries, beg + per);
+    for (int i0 = beg; i0 < end; i0 += 32) {
+        int i = i0 + lane;
+        int e = i < end ? ids[i] : -1;
+        if (e < 0 || e >= E) e = -1;
+        unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
+        if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += __popc(peers);
+    }
+    __syncthreads();
+    /* totals, tile counts and their exclusive scans over experts (warp 0, fixed order) */
+    if (warp == 0) {
+        const int seg = (E + 31) / 32, e0 = lane * seg, e1 = min(E, e0 + seg);
+        int s = 0, st = 0;
+        for (int e = e0; e < e1; e++) {
+            int tot = 0;
+            for (int w = 0; w < PLAN_WARPS; w++) tot += cnt[w * E + e];
+            base[e] = tot;
+            tbase[e] = (tot + bm - 1) / bm;
+            s += tot;
+            st += tbase[e];
+        }
+        int xs = s, xt = st;   /* inclusive warp scans */
+        for (int o = 1; o < 32; o <<= 1) {
+            int a = __shfl_up_sync(0xFFFFFFFFu, xs, o), b = __shfl_up_sync(0xFFFFFFFFu, xt, o);
+            if (lane >= o) { xs += a; xt += b; }
+        }
+        int rs = xs - s, rt = xt - st;
+        for (int e = e0; e < e1; e++) {
+            int tot = base[e], nt = tbase[e];
+            base[e] = rs;
+            tbase[e] = rt;
+            rs += tot;
+            rt += nt;
+        }
+        if (lane == 31) *n_tiles = xt;
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += PLAN_THREADS) {
+        int run = base[e], tot = 0;
+        for (int w = 0; w < PLAN_WARPS; w++) {
+            int c = cnt[w * E + e];
+            cnt[w * E + e] = run;
+            run += c;
+            tot += c;
+        }
+        for (int r = 0, tt = tbase[e]; r * bm < tot; r++, tt++)
+            tiles[tt] = make_int4(e, base[e] + r * bm, min(bm, tot - r * bm), 0);
+    }
+    __syncthreads();
+    for (int i0 = beg; i0 < end; i0 += 32) {
+        int i = i0 + lane;
+        int e = i < end ? ids[i] : -1;
+        if (e < 0 || e >= E) e = -1;
+        unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
+        int slot = -1;
+        if (e >= 0) {
+            slot = cnt[warp * E + e] + __popc(peers & ((1u << lane) - 1u));
+            row_token[slot] = i / top_k;
+        }
+        if (i < end) slot_of[i] = slot;
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += __popc(peers);
+        __syncwarp();
+    }
+}
+
+/* out[t, h] = sum_j w[t, j] * y[slot(t, j), h], j in order, fp32 */
+__global__ void moe_combine_kernel(const float *__restrict__ y, const int *__restrict__ slot_of,
+                                   const float *__restrict__ w, int top_k, int H, int T, void *out, long long ldo,
+                                   int out_f32) {
+    size_t n = (size_t)T * H;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        int t = (int)(i / H), h = (int)(i % H);
+        float s = 0.0f;
+        for (int j = 0; j < top_k; j++) {
+            int e = t * top_k + j, sl = slot_of[e];
+            if (sl >= 0) s = fmaf(w[e], y[(size_t)sl * H + h], s);
+        }
+        store_out(out, out_f32, (size_t)t * ldo + h, s);
+    }
+}
+
+/* ---------------------------------------------------------------- configurations */
+struct W4Config {
+    const char *name;
+    int mt8, nt, wn, stages;
+};
+/* index = config id; dual (MoE gate+up) kernels use the same MT8 with NT = 2, WN = 4 */
+const W4Config CONFIGS[] = {
+    {"m8_nt2_w4", 1, 2, 4, 8},   {"m8_nt1_w8", 1, 1, 8, 8},  {"m16_nt2_w4", 2, 2, 4, 8},
+    {"m16_nt1_w8", 2, 1, 8, 8},  {"m32_nt2_w4", 4, 2, 4, 6}, {"m64_nt2_w4", 8, 2, 4, 4},
+};
+constexpr int N_CONFIGS = sizeof(CONFIGS) / sizeof(CONFIGS[0]);
+int g_force_config = -1;
+
+int config_for_m(int m) {
+    if (g_force_config >= 0 && g_force_config < N_CONFIGS) return g_force_config;
+    if (m <= 8) return 0;
+    if (m <= 16) return 2;
+    if (m <= 32) return 4;
+    return 5;
+}
+
+typedef void (*KernelFn)(const W4Args);
+
+template <int MT8, int NT, int WN, int STAGES, bool DUAL>
+KernelFn pick_kernel(int group) {
+    (void)group;
+    return w4a16_gemm_kernel<MT8, NT, WN, STAGES, DUAL>;
+}
+
+struct Launch {
+    KernelFn fn;
+    int threads, smem, bm, slots_per_block;
+};
+
+Launch get_launch(int cfg, int group, bool dual) {
+    Launch l = {};
+    if (dual) {
+        switch (CONFIGS[cfg].mt8) {
+        case 1: l.fn = pick_kernel<1, 2, 4, 8, true>(group); l.smem = W4Shape<1, 2, 4, 8>::SMEM; break;
+        case 2: l.fn = pick_kernel<2, 2, 4, 8, true>(group); l.smem = W4Shape<2, 2, 4, 8>::SMEM; break;
+        case 4: l.fn = pick_kernel<4, 2, 4, 6, true>(group); l.smem = W4Shape<4, 2, 4, 6>::SMEM; break;
+        default: l.fn = pick_kernel<8, 2, 4, 4, true>(group); l.smem = W4Shape<8, 2, 4, 4>::SMEM; break;
+        }
+        l.threads = 128;
+        l.bm = CONFIGS[cfg].mt8 * 8;
+        l.slots_per_block = 4;   /* output tiles per block: one (gate, up) pair per warp */
+        return l;
+    }
+    switch (cfg) {
+    case 0: l.fn = pick_kernel<1, 2, 4, 8, false>(group); l.smem = W4Shape<1, 2, 4, 8>::SMEM; break;
+    case 1: l.fn = pick_kernel<1, 1, 8, 8, false>(group); l.smem = W4Shape<1, 1, 8, 8>::SMEM; break;
+    case 2: l.fn = pick_kernel<2, 2, 4, 8, false>(group); l.smem = W4Shape<2, 2, 4, 8>::SMEM; break;
+    case 3: l.fn = pick_kernel<2, 1, 8, 8, false>(group); l.smem = W4Shape<2, 1, 8, 8>::SMEM; break;
+    case 4: l.fn = pick_kernel<4, 2, 4, 6, false>(group); l.smem = W4Shape<4, 2, 4, 6>::SMEM; break;
+    default: l.fn = pick_kernel<8, 2, 4, 4, false>(group); l.smem = W4Shape<8, 2, 4, 4>::SMEM; break;
+    }
+    l.threads = CONFIGS[cfg].wn * 32;
+    l.bm = CONFIGS[cfg].mt8 * 8;
+    l.slots_per_block = CONFIGS[cfg].wn * CONFIGS[cfg].nt;
+    return l;
+}
+
+/* cudaFuncSetAttribute once per (kernel, device) */
+kd_status prepare_kernel(KernelFn fn, int smem) {
+    static const int MAXK = 256;
+    static KernelFn done_fn[MAXK];
+    static int done_dev[MAXK];
+    static int n_done = 0;
+    int dev = 0;
+    W4_CUDA(cudaGetDevice(&dev));
+    for (int i = 0; i < n_done; i++)
+        if (done_fn[i] == fn && done_dev[i] == dev) return KD_OK;
+    W4_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (n_done < MAXK) {
+        done_fn[n_done] = fn;
+        done_dev[n_done] = dev;
+        n_done++;
+    }
+    return KD_OK;
+}
+
+kd_status launch(const Launch &l, int blocks, const W4Args &args, bool pdl, cudaStream_t st) {
+    KD_TRY(prepare_kernel(l.fn, l.smem));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)blocks);
+    cfg.blockDim = dim3((unsigned)l.threads);
+    cfg.dynamicSmemBytes = (size_t)l.smem;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    W4_CUDA(cudaLaunchKernelEx(&cfg, l.fn, args));
+    return KD_OK;
+}
+
+int log2_of(int g) { int s = 0; while ((1 << s) < g) s++; return s; }
+int kc_of(int k) { return (k + CHUNK_K - 1) / CHUNK_K; }
+int tiles_of(int n) { return (n + 15) / 16; }
+int groups_pad_of(int k, int group) { return (kc_of(k) * CHUNK_K + group - 1) / group; }
+
+/* the fixed split of K: parts (P) and chunks per part (cpp); a function of the shape only.
+ * blocks64 = the number of 64-row blocks one launch has besides the split (n/64, or
+ * n/64 * top_k for the MoE); the split brings it to about 256 work items. */
+void split_of(int k, int group, long long blocks64, int *parts, int *cpp) {
+    int kc = kc_of(k), unit = group > CHUNK_K ? group / CHUNK_K : 1, units = kc / unit;
+    int p = 1;
+    while (p < MAX_PARTS && blocks64 * p < 256) p *= 2;
+    if (p > units) p = units;
+    if (p < 1) p = 1;
+    int upp = (units + p - 1) / p;
+    *cpp = upp * unit;
+    *parts = (kc + *cpp - 1) / *cpp;
+}
+
+int sm_count() {
+    static int dev_cached = -1, count = 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+    if (dev != dev_cached) {
+        if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) count = 132;
+        dev_cached = dev;
+    }
+    return count;
+}
+
+size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
+
+}  // namespace
+
+/* ================================================================ raw layer */
+extern "C" int kd_w4a16_group_supported(int group) { return group == 32 || group == 64 || group == 128; }
+
+extern "C" kd_status kd_w4a16_check(int n, int k, int group, const char *name) {
+    if (!name) name = "(unnamed)";
+    if (n <= 0 || k <= 0)
+        return kd_fail(KD_ERR_ARG, "w4a16: weight '%s': shape [%d, %d] must be positive", name, n, k);
+    if (!kd_w4a16_group_supported(group))
+        return kd_fail(KD_ERR_UNSUPPORTED, "w4a16: weight '%s': group size %d; the W4A16 kernels take 32, 64 or 128",
+                       name, group);
+    if (k % group || k % 8)
+        return kd_fail(KD_ERR_ARG, "w4a16: weight '%s': group %d and 8 must divide the input dim %d", name, group, k);
+    return KD_OK;
+}
+
+extern "C" size_t kd_w4a16_codes_bytes(int n, int k) { return (size_t)tiles_of(n) * kc_of(k) * 512; }
+extern "C" size_t kd_w4a16_scales_bytes(int n, int k, int group) {
+    return (size_t)tiles_of(n) * groups_pad_of(k, group) * 32;
+}
+extern "C" int kd_w4a16_parts(int n, int k, int group) {
+    int p, cpp;
+    split_of(k, group, (n + 63) / 64, &p, &cpp);
+    return p;
+}
+
+extern "C" kd_status kd_w4a16_repack(const int32_t *raw_codes, const uint16_t *raw_scales, int n, int k, int group,
+                                     void *codes, void *scales, cudaStream_t st) {
+    KD_TRY(kd_w4a16_check(n, k, group, "repack"));
+    int kc = kc_of(k), nt = tiles_of(n), gp = groups_pad_of(k, group);
+    size_t total = (size_t)nt * kc * 32;
+    int blocks = (int)((total + 255) / 256);
+    if (blocks > 65535 * 16) blocks = 65535 * 16;
+    repack_codes_kernel<<<blocks, 256, 0, st>>>((const uint32_t *)raw_codes, n, k, kc, nt, (uint4 *)codes);
+    W4_LAUNCH("repack_codes_kernel");
+    size_t stotal = (size_t)nt * gp * 8;
+    int sblocks = (int)((stotal + 255) / 256);
+    if (sblocks > 65535 * 16) sblocks = 65535 * 16;
+    repack_scales_kernel<<<sblocks, 256, 0, st>>>(raw_scales, n, k / group, gp, nt, (uint32_t *)scales);
+    W4_LAUNCH("repack_scales_kernel");
+    return KD_OK;
+}
+
+static size_t gemm_counters(int n, int k, int group, int m) {
+    int p, cpp;
+    split_of(k, group, (n + 63) / 64, &p, &cpp);
+    if (p == 1) return 0;
+    /* the most tiles x n-blocks over the configurations: BM 8, 64 rows per block (8 warps x 1 slot
+     * or 4 x 2 ... the smallest block is 64 rows) */
+    size_t tiles = (size_t)(m + 7) / 8, nb = (size_t)(tiles_of(n) + 3) / 4;
+    return align256(tiles * nb * sizeof(int));
+}
+
+extern "C" size_t kd_w4a16_gemm_counter_bytes(int n, int k, int group, int m) { return gemm_counters(n, k, group, m); }
+
+extern "C" size_t kd_w4a16_gemm_ws_bytes(int n, int k, int group, int m) {
+    int p, cpp;
+    split_of(k, group, (n + 63) / 64, &p, &cpp);
+    if (p == 1) return 0;
+    return gemm_counters(n, k, group, m) + (size_t)p * m * n * sizeof(float);
+}
+
+extern "C" void kd_w4a16_force_config(int cfg) { g_force_config = cfg; }
+extern "C" int kd_w4a16_n_configs(void) { return N_CONFIGS; }
+extern "C" const char *kd_w4a16_config_name(int cfg) {
+    return cfg >= 0 && cfg < N_CONFIGS ? CONFIGS[cfg].name : "auto";
+}
+
+extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n, int k, int group, const void *x,
+                                   long long ldx, int m, void *y, long long ldy, int y_f32, void *ws, size_t ws_bytes,
+                                   int flags, cudaStream_t st) {
+    KD_TRY(kd_w4a16_check(n, k, group, "gemm"));
+    if (m < 0 || ldx < k || ldy < n)
+        return kd_fail(KD_ERR_ARG, "w4a16 gemm: m %d, ldx %lld (k %d), ldy %lld (n %d)", m, ldx, k, ldy, n);
+    if (m == 0) return KD_OK;
+    if (!codes || !scales || !x || !y)
+        return kd_fail(KD_ERR_ARG, "w4a16 gemm: a NULL pointer (codes %p, scales %p, x %p, y %p)", codes, scales, x, y);
+    if (((uintptr_t)x & 15) || (ldx & 7))
+        return kd_fail(KD_ERR_ARG, "w4a16 gemm: x rows must be 16-byte aligned (x %p, ldx %lld elements)", x, ldx);
+    if (((uintptr_t)codes & 15) || ((uintptr_t)scales & 15))
+        return kd_fail(KD_ERR_ARG, "w4a16 gemm: codes/scales must be 16-byte aligned");
+    int parts, cpp;
+    split_of(k, group, (n + 63) / 64, &parts, &cpp);
+    size_t need = kd_w4a16_gemm_ws_bytes(n, k, group, m);
+    if (ws_bytes < need)
+        return kd_fail(KD_ERR_ARG, "w4a16 gemm: workspace of %zu bytes, need %zu (n %d, k %d, m %d, %d parts)", ws_bytes,
+                       need, n, k, m, parts);
+    int cfg = config_for_m(m);
+    Launch l = get_launch(cfg, group, false);
+    W4Args a = {};
+    a.x = (const bf16 *)x;
+    a.ldx = ldx;
+    a.mat.q = (const uint4 *)codes;
+    a.mat.s = (const uint32_t *)scales;
+    a.n = n; a.k = k; a.kc = kc_of(k); a.groups = groups_pad_of(k, group); a.gshift = log2_of(group);
+    a.parts = parts; a.cpp = cpp; a.n_tiles = tiles_of(n);
+    a.nb = (a.n_tiles + l.slots_per_block - 1) / l.slots_per_block;
+    a.m = m;
+    a.y = y; a.ldy = ldy; a.y_f32 = y_f32;
+    if (parts > 1) {
+        size_t cb = gemm_counters(n, k, group, m);
+        a.counters = (int *)ws;
+        a.ws = (float *)((char *)ws + cb);
+        a.ws_rows = m;
+        a.ws_cols = n;
+    }
+    long long total = (long long)((m + l.bm - 1) / l.bm) * parts * a.nb;
+    return launch(l, (int)total, a, (flags & KD_W4A16_PDL) != 0, st);
+}
+
+/* ---------------------------------------------------------------- MoE */
+namespace {
+struct MoeLayout {
+    int bm_cfg, tk, tiles_max, parts_gu, cpp_gu, parts_d, cpp_d, nb_gu, nb_d, n_counters;
+    size_t o_slot, o_rowtok, o_tiles, o_ntiles, o_counters, o_act, o_y, o_part, total;
+};
+
+int moe_config(const kd_w4a16_moe_shape *s, int T) {
+    if (g_force_config >= 0 && g_force_config < N_CONFIGS) return g_force_config;
+    long long tk = (long long)T * s->top_k, active = tk < s->n_experts ? tk : s->n_experts;
+    long long avg = (tk + active - 1) / (active > 0 ? active : 1);
+    if (avg <= 8) return 0;
+    if (avg <= 16) return 2;
+    if (avg <= 32) return 4;
+    return 5;
+}
+
+MoeLayout moe_layout(const kd_w4a16_moe_shape *s, int T) {
+    MoeLayout L = {};
+    int cfg = moe_config(s, T);
+    Launch gu = get_launch(cfg, s->group, true), dn = get_launch(cfg, s->group, false);
+    L.bm_cfg = cfg;
+    L.tk = T * s->top_k;
+    int bm = gu.bm;
+    L.tiles_max = (L.tk + bm - 1) / bm + (L.tk < s->n_experts ? L.tk : s->n_experts);
+    split_of(s->hidden, s->group, (long long)(s->inter + 63) / 64 * s->top_k, &L.parts_gu, &L.cpp_gu);
+    split_of(s->inter, s->group, (long long)(s->hidden + 63) / 64 * s->top_k, &L.parts_d, &L.cpp_d);
+    L.nb_gu = (tiles_of(s->inter) + gu.slots_per_block - 1) / gu.slots_per_block;
+    L.nb_d = (tiles_of(s->hidden) + dn.slots_per_block - 1) / dn.slots_per_block;
+    L.n_counters = L.tiles_max * (L.nb_gu > L.nb_d ? L.nb_gu : L.nb_d);
+    size_t o = 0;
+    L.o_slot = o; o = align256(o + (size_t)L.tk * 4);
+    L.o_rowtok = o; o = align256(o + (size_t)L.tk * 4);
+    L.o_tiles = o; o = align256(o + (size_t)L.tiles_max * 16);
+    L.o_ntiles = o; o = align256(o + 16);
+    L.o_counters = o; o = align256(o + (size_t)L.n_counters * 4);
+    L.o_act = o; o = align256(o + (size_t)L.tk * s->inter * 2);
+    L.o_y = o; o = align256(o + (size_t)L.tk * s->hidden * 4);
+    L.o_part = o;
+    size_t pg = L.parts_gu > 1 ? (size_t)L.parts_gu * L.tk * 2 * s->inter * 4 : 0;
+    size_t pd = L.parts_d > 1 ? (size_t)L.parts_d * L.tk * s->hidden * 4 : 0;
+    o = align256(o + (pg > pd ? pg : pd));
+    L.total = o;
+    return L;
+}
+
+int occupancy_blocks(const Launch &l) {
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l.fn, l.threads, (size_t)l.smem) != cudaSuccess ||
+        per_sm < 1) {
+        cudaGetLastError();
+        per_sm = 1;
+    }
+    return per_sm * sm_count();
+}
+}  // namespace
+
+extern "C" size_t kd_w4a16_moe_ws_bytes(const kd_w4a16_moe_shape *s, int T) {
+    if (!s || T <= 0) return 0;
+    return moe_layout(s, T).total;
+}
+
+extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_expert *table, const void *x,
+                                  long long ldx, int T, const int32_t *ids, const float *weights, void *out,
+                                  long long ldo, int out_f32, void *ws, size_t ws_bytes, cudaStream_t st) {
+    if (!s) return kd_fail(KD_ERR_ARG, "w4a16 moe: no shape");
+    if (s->n_experts <= 0 || s->top_k <= 0 || s->top_k > s->n_experts)
+        return kd_fail(KD_ERR_ARG, "w4a16 moe: %d experts, top_k %d", s->n_experts, s->top_k);
+    KD_TRY(kd_w4a16_check(s->inter, s->hidden, s->group, "moe gate/up"));
+    KD_TRY(kd_w4a16_check(s->hidden, s->inter, s->group, "moe down"));
+    if (T < 0 || ldx < s->hidden || ldo < s->hidden)
+        return kd_fail(KD_ERR_ARG, "w4a16 moe: T %d, ldx %lld, ldo %lld (hidden %d)", T, ldx, ldo, s->hidden);
+    if (T == 0) return KD_OK;
+    if (!table || !x || !ids || !weights || !out || !ws)
+        return kd_fail(KD_ERR_ARG, "w4a16 moe: a NULL pointer (table, x, ids, weights, out or workspace)");
+    if (((uintptr_t)x & 15) || (ldx & 7))
+        return kd_fail(KD_ERR_ARG, "w4a16 moe: x rows must be 16-byte aligned (x %p, ldx %lld elements)", x, ldx);
+    size_t plan_smem = (size_t)(PLAN_WARPS + 2) * s->n_experts * sizeof(int);
+    if (plan_smem > 200 * 1024)
+        return kd_fail(KD_ERR_UNSUPPORTED, "w4a16 moe: %d experts is more than the grouping kernel holds", s->n_experts);
+    MoeLayout L = moe_layout(s, T);
+    if (ws_bytes < L.total)
+        return kd_fail(KD_ERR_ARG, "w4a16 moe: workspace of %zu bytes, need %zu (T %d)", ws_bytes, L.total, T);
+    char *b = (char *)ws;
+    int *slot_of = (int *)(b + L.o_slot), *row_tok = (int *)(b + L.o_rowtok), *n_tiles = (int *)(b + L.o_ntiles);
+    int *counters = (int *)(b + L.o_counters);
+    int4 *tiles = (int4 *)(b + L.o_tiles);
+    bf16 *act = (bf16 *)(b + L.o_act);
+    float *yv = (float *)(b + L.o_y), *part = (float *)(b + L.o_part);
+
+    Launch gu = get_launch(L.bm_cfg, s->group, true), dn = get_launch(L.bm_cfg, s->group, false);
+    if (plan_smem > 48 * 1024)
+        W4_CUDA(cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan_smem));
+    moe_plan_kernel<<<1, PLAN_THREADS, plan_smem, st>>>(ids, L.tk, s->top_k, s->n_experts, gu.bm, slot_of, row_tok,
+                                                         tiles, n_tiles, counters, L.n_counters);
+    W4_LAUNCH("moe_plan_kernel");
+
+    /* gate + up, fused SwiGLU: act[slot] = silu(x W_gate^T) * (x W_up^T), bf16 */
+    W4Args a = {};
+    a.x = (const bf16 *)x;
+    a.ldx = ldx;
+    a.row_map = row_tok;
+    a.table = table;
+    a.n = s->inter; a.k = s->hidden; a.kc = kc_of(s->hidden); a.groups = groups_pad_of(s->hidden, s->group);
+    a.gshift = log2_of(s->group);
+    a.parts = L.parts_gu; a.cpp = L.cpp_gu; a.n_tiles = tiles_of(s->inter); a.nb = L.nb_gu;
+    a.tiles = tiles; a.n_tiles_dev = n_tiles;
+    a.y = act; a.ldy = s->inter; a.y_f32 = 0;
+    a.ws = part; a.ws_rows = L.tk; a.ws_cols = 2 * s->inter; a.counters = counters;
+    long long items = (long long)L.tiles_max * a.parts * a.nb;
+    int grid = occupancy_blocks(gu);
+    if (items < grid) grid = (int)items;
+    KD_TRY(launch(gu, grid, a, false, st));
+
+    /* down: y[slot] = act[slot] W_down^T, f32 */
+    W4Args d = {};
+    d.x = act;
+    d.ldx = s->inter;
+    d.row_map = nullptr;
+    d.table = table;
+    d.n = s->hidden; d.k = s->inter; d.kc = kc_of(s->inter); d.groups = groups_pad_of(s->inter, s->group);
+    d.gshift = log2_of(s->group);
+    d.parts = L.parts_d; d.cpp = L.cpp_d; d.n_tiles = tiles_of(s->hidden); d.nb = L.nb_d;
+    d.tiles = tiles; d.n_tiles_dev = n_tiles;
+    d.y = yv; d.ldy = s->hidden; d.y_f32 = 1;
+    d.ws = part; d.ws_rows = L.tk; d.ws_cols = s->hidden; d.counters = counters;
+    items = (long long)L.tiles_max * d.parts * d.nb;
+    grid = occupancy_blocks(dn);
+    if (items < grid) grid = (int)items;
+    KD_TRY(launch(dn, grid, d, false, st));
+
+    size_t n = (size_t)T * s->hidden;
+    int cblocks = (int)((n + 255) / 256);
+    if (cblocks > sm_count() * 16) cblocks = sm_count() * 16;
+    moe_combine_kernel<<<cblocks, 256, 0, st>>>(yv, slot_of, weights, s->top_k, s->hidden, T, out, ldo, out_f32);
+    W4_LAUNCH("moe_combine_kernel");
+    return KD_OK;
+}
