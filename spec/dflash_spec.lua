@@ -5,8 +5,9 @@
 -- Tolerance: max |log-prob - golden| over all (bs-1) x vocab entries of a case < 1e-4 on the CPU
 -- backend (fp32 math from bf16 weights; the target's tap features come from the engine's own
 -- target forward), and the argmax per depth equal to the golden's wherever the golden's top-2
--- margin exceeds 1e-3. On CUDA (bf16 activations) the bound is 0.25 and argmax is checked where
--- the margin exceeds 0.5.
+-- margin exceeds 1e-3. On CUDA (bf16 activations) the bound is 0.15 and argmax is checked where
+-- the margin exceeds 0.5 (measured on an H200: the drafter alone, case "empty", is off by at most
+-- 0.044; the cases with a context add the error of the bf16 target forward that made the taps).
 package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
 local kd = require("kdtree")
 local json = require("dkjson")
@@ -15,7 +16,7 @@ local ffi = kd.ffi
 local TARGET = "models/tiny-k2.6"
 local DRAFTER = "models/tiny-k2.6-dflash"
 local backend = os.getenv("KDTREE_BACKEND") or "cpu"
-local TOL = backend == "cpu" and 1e-4 or 0.25
+local TOL = backend == "cpu" and 1e-4 or 0.15
 local MARGIN = backend == "cpu" and 1e-3 or 0.5
 
 local function read_file(p)
