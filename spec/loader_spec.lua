@@ -284,7 +284,15 @@ describe("loader", function()
       assert.are.equal(4, m.info.expert_bits)   -- the other experts are still INT4
       m:close()
       local a, b = logits_of(K26, PROMPT), logits_of(d, PROMPT)
-      assert.are.equal(0, max_abs_diff(a, b))
+      if (os.getenv("KDTREE_BACKEND") or "cpu") == "cpu" then
+        -- fp32 decode of (u - 8) * bf16 scale is exact, so the dense F32 copy gives the same bits
+        assert.are.equal(0, max_abs_diff(a, b))
+      else
+        -- other backends may take a different kernel for a dense expert (bf16 activations)
+        local amax = 0
+        for r = 1, #a do for j = 1, #a[r] do amax = math.max(amax, math.abs(a[r][j])) end end
+        assert.is_true(max_abs_diff(a, b) <= 2e-2 * amax)
+      end
     end)
 
     it("without the ignore entries the dense expert is an error that says why", function()
