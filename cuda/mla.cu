@@ -28,13 +28,12 @@ constexpr int KT = 32;         /* keys per shared-memory tile */
 constexpr int HT_MAX = 8;      /* query heads per block */
 constexpr int THREADS = 256;
 constexpr int DV_MAX = 512;
-constexpr int DPT = DV_MAX / THREADS;   /* value dims per thread */
 
 struct AttnArgs {
     const void *q; long long ldq;
     const void *k; long long ldk; int kstride;
     const void *v; long long ldv; int vstride;
-    int T, S, past, Hq, Hkv, G, hd, dv, HT, n_tiles;
+    int T, S, past, Hq, Hkv, G, hd, dv, HT, n_tiles, kld;
     bool causal; int window; float scale;
     const int32_t *vis_list; const int32_t *vis_cnt;   /* bitmask mode: per query, visible new rows */
     int t0;                    /* first query of this batch */
@@ -52,12 +51,36 @@ __device__ __forceinline__ int ordinal_row(const AttnArgs &a, int t, int o) {
     return o;
 }
 
-template <typename T> __device__ __forceinline__ float tof(T v);
-template <> __device__ __forceinline__ float tof<float>(float v) { return v; }
-template <> __device__ __forceinline__ float tof<bf16>(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool pred) {
+    unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+/* Load rows row_s[j0 .. j0+KT) (ncols bf16 each, from base + row*ld) into a [KT][kld] tile,
+ * zero-filling missing rows and the columns past ncols (up to kld). ASYNC: 16-byte cp.async
+ * (needs 16-byte aligned rows and ncols % 8 == 0), else plain loads; same tile either way. */
+template <bool ASYNC>
+__device__ __forceinline__ void load_tile(bf16 *dst, int kld, const bf16 *base, long long ld, int ncols,
+                                          const int *row_s, int j0, int n_in) {
+    const int chunks = kld / 8;
+    for (int i = threadIdx.x; i < KT * chunks; i += THREADS) {
+        int j = i / chunks, cc = (i % chunks) * 8;
+        int r = j0 + j < n_in ? row_s[j0 + j] : -1;
+        bf16 *d = dst + j * kld + cc;
+        if (ASYNC) {
+            bool ok = r >= 0 && cc < ncols;
+            cp_async16(d, ok ? (const void *)(base + (size_t)r * ld + cc) : (const void *)base, ok);
+        } else {
+            for (int e = 0; e < 8; e++)
+                d[e] = (r >= 0 && cc + e < ncols) ? base[(size_t)r * ld + cc + e] : __float2bfloat16(0.0f);
+        }
+    }
+}
 
 /* grid: x = chunk, y = query within the batch, z = kv head * n_tiles + head tile */
-template <typename T>
+template <bool ASYNC>
 __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int c = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
@@ -68,49 +91,72 @@ __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
     if (o0 >= nvis) return;
     const int n_in = min(CHUNK, nvis - o0);
     const int tid = threadIdx.x;
-    const int kld = (a.hd > a.dv ? a.hd : a.dv) + 2;          /* padded smem row (elements) */
+    const int hd8 = (a.hd + 7) & ~7;
+    const int kld = a.kld;                                     /* bf16 per smem row: 8 * odd */
 
-    float *q_s = (float *)smem;                                /* [HT][hd] */
-    float *s_s = q_s + HT_MAX * a.hd;                          /* [HT][CHUNK] */
+    float *q_s = (float *)smem;                                /* [HT][hd8], zero padded */
+    float *s_s = q_s + HT_MAX * hd8;                           /* [HT][CHUNK] */
     int *row_s = (int *)(s_s + HT_MAX * CHUNK);                /* [CHUNK] */
-    T *kv_s = (T *)(row_s + CHUNK);                            /* [KT][kld] */
+    bf16 *kv_s = (bf16 *)(row_s + CHUNK);                      /* [2][KT][kld] */
+    __shared__ float m_s[HT_MAX], l_s[HT_MAX];
 
-    for (int i = tid; i < nh * a.hd; i += THREADS) {
-        int h = i / a.hd, d = i % a.hd;
-        q_s[i] = tof<T>(((const T *)a.q)[(size_t)t * a.ldq + (size_t)(h0 + h) * a.hd + d]);
+    const bf16 *kbase = (const bf16 *)a.k + (size_t)g * a.kstride;
+    const bf16 *vbase = (const bf16 *)a.v + (size_t)g * a.vstride;
+    for (int i = tid; i < HT_MAX * hd8; i += THREADS) {
+        int h = i / hd8, d = i % hd8;
+        q_s[i] = (h < nh && d < a.hd)
+                     ? __bfloat162float(((const bf16 *)a.q)[(size_t)t * a.ldq + (size_t)(h0 + h) * a.hd + d]) : 0.0f;
     }
     for (int i = tid; i < CHUNK; i += THREADS) row_s[i] = i < n_in ? ordinal_row(a, t, o0 + i) : -1;
     __syncthreads();
 
     const int qrow = a.past + t;
-    /* scores: thread = (head hh, key jj) of each KT-key tile */
-    for (int j0 = 0; j0 < n_in; j0 += KT) {
-        for (int i = tid; i < KT * a.hd; i += THREADS) {
-            int j = i / a.hd, d = i % a.hd;
-            int r = j0 + j < n_in ? row_s[j0 + j] : -1;
-            kv_s[j * kld + d] = r >= 0 ? ((const T *)a.k)[(size_t)r * a.ldk + (size_t)g * a.kstride + d] : T(0.0f);
+    const int ntiles = (n_in + KT - 1) / KT;
+    const int stage = KT * kld;
+    /* pass 1: scores, thread = (head hh, key jj); K tiles double-buffered */
+    load_tile<ASYNC>(kv_s, kld, kbase, a.ldk, a.hd, row_s, 0, n_in);
+    if (ASYNC) cp_async_commit();
+    for (int ti = 0; ti < ntiles; ti++) {
+        if (ti + 1 < ntiles) {
+            load_tile<ASYNC>(kv_s + ((ti + 1) & 1) * stage, kld, kbase, a.ldk, a.hd, row_s, (ti + 1) * KT, n_in);
+            if (ASYNC) { cp_async_commit(); cp_async_wait<1>(); }
+        } else if (ASYNC) {
+            cp_async_wait<0>();
         }
         __syncthreads();
+        const bf16 *ks = kv_s + (ti & 1) * stage;
         for (int i = tid; i < HT_MAX * KT; i += THREADS) {
-            int hh = i / KT, jj = i % KT;
-            if (hh >= nh) continue;
-            int j = j0 + jj;
+            int hh = i / KT, jj = i % KT, j = ti * KT + jj;
+            if (hh >= nh || j >= n_in) continue;
+            int r = row_s[j];
             float s = -INFINITY;
-            int r = j < n_in ? row_s[j] : -1;
-            if (r >= 0 && !(a.window > 0 && qrow - r >= a.window)) {
-                const float *qh = q_s + hh * a.hd;
-                const T *kr = kv_s + jj * kld;
-                float acc = 0.0f;
-                for (int d = 0; d < a.hd; d++) acc = fmaf(qh[d], tof<T>(kr[d]), acc);
-                s = acc * a.scale;
+            if (!(a.window > 0 && qrow - r >= a.window)) {
+                const float4 *qh = (const float4 *)(q_s + hh * hd8);
+                const uint4 *kr = (const uint4 *)(ks + jj * kld);
+                float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
+                for (int cc = 0; cc < hd8 / 8; cc++) {
+                    uint4 kw = kr[cc];
+                    float4 qa = qh[2 * cc], qb = qh[2 * cc + 1];
+                    float2 k01 = __bfloat1622float2(*(const __nv_bfloat162 *)&kw.x);
+                    float2 k23 = __bfloat1622float2(*(const __nv_bfloat162 *)&kw.y);
+                    float2 k45 = __bfloat1622float2(*(const __nv_bfloat162 *)&kw.z);
+                    float2 k67 = __bfloat1622float2(*(const __nv_bfloat162 *)&kw.w);
+                    p0 = fmaf(qa.x, k01.x, p0); p1 = fmaf(qa.y, k01.y, p1);
+                    p2 = fmaf(qa.z, k23.x, p2); p3 = fmaf(qa.w, k23.y, p3);
+                    p0 = fmaf(qb.x, k45.x, p0); p1 = fmaf(qb.y, k45.y, p1);
+                    p2 = fmaf(qb.z, k67.x, p2); p3 = fmaf(qb.w, k67.y, p3);
+                }
+                s = ((p0 + p1) + (p2 + p3)) * a.scale;
             }
-            if (j < CHUNK) s_s[hh * CHUNK + j] = s;
+            s_s[hh * CHUNK + j] = s;
         }
         __syncthreads();
     }
+    /* prefetch the first V tile while the softmax runs */
+    load_tile<ASYNC>(kv_s, kld, vbase, a.ldv, a.dv, row_s, 0, n_in);
+    if (ASYNC) cp_async_commit();
     /* per head: chunk max, p = exp(s - m), l = sum p (warp hh owns head hh; fixed order) */
     const int warp = tid >> 5, lane = tid & 31;
-    __shared__ float m_s[HT_MAX], l_s[HT_MAX];
     if (warp < nh) {
         float *sh = s_s + warp * CHUNK;
         float m = -INFINITY;
@@ -125,43 +171,43 @@ __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
         l = kd_warp_sum(l);
         if (lane == 0) { m_s[warp] = m; l_s[warp] = l; }
     }
-    __syncthreads();
-    /* o[h][d] = sum_j p[h][j] v[j][d], j ascending */
-    float acc[HT_MAX][DPT];
+    /* pass 2: o[h][d] = sum_j p[h][j] v[j][d], j ascending; thread owns dims 2*tid, 2*tid+1 */
+    float acc[HT_MAX][2];
 #pragma unroll
-    for (int h = 0; h < HT_MAX; h++)
-#pragma unroll
-        for (int e = 0; e < DPT; e++) acc[h][e] = 0.0f;
-    for (int j0 = 0; j0 < n_in; j0 += KT) {
-        __syncthreads();
-        for (int i = tid; i < KT * a.dv; i += THREADS) {
-            int j = i / a.dv, d = i % a.dv;
-            int r = j0 + j < n_in ? row_s[j0 + j] : -1;
-            kv_s[j * kld + d] = r >= 0 ? ((const T *)a.v)[(size_t)r * a.ldv + (size_t)g * a.vstride + d] : T(0.0f);
+    for (int h = 0; h < HT_MAX; h++) acc[h][0] = acc[h][1] = 0.0f;
+    const int d0 = 2 * tid;
+    for (int ti = 0; ti < ntiles; ti++) {
+        if (ti + 1 < ntiles) {
+            __syncthreads();   /* the buffer being refilled was read two tiles ago */
+            load_tile<ASYNC>(kv_s + ((ti + 1) & 1) * stage, kld, vbase, a.ldv, a.dv, row_s, (ti + 1) * KT, n_in);
+            if (ASYNC) { cp_async_commit(); cp_async_wait<1>(); }
+        } else if (ASYNC) {
+            cp_async_wait<0>();
         }
         __syncthreads();
-        int jn = min(KT, n_in - j0);
-        for (int jj = 0; jj < jn; jj++) {
+        const bf16 *vs = kv_s + (ti & 1) * stage;
+        int jn = min(KT, n_in - ti * KT);
+        if (d0 < a.dv) {
+            for (int jj = 0; jj < jn; jj++) {
+                float2 vv = __bfloat1622float2(*(const __nv_bfloat162 *)(vs + jj * kld + d0));
+                const float *pj = s_s + ti * KT + jj;
 #pragma unroll
-            for (int e = 0; e < DPT; e++) {
-                int d = tid + e * THREADS;
-                if (d >= a.dv) continue;
-                float vv = tof<T>(kv_s[jj * kld + d]);
-#pragma unroll
-                for (int h = 0; h < HT_MAX; h++)
-                    if (h < nh) acc[h][e] = fmaf(s_s[h * CHUNK + j0 + jj], vv, acc[h][e]);
+                for (int h = 0; h < HT_MAX; h++) {
+                    float p = pj[h * CHUNK];
+                    acc[h][0] = fmaf(p, vv.x, acc[h][0]);
+                    acc[h][1] = fmaf(p, vv.y, acc[h][1]);
+                }
             }
         }
     }
     /* partials */
-    for (int h = 0; h < nh; h++) {
+#pragma unroll
+    for (int h = 0; h < HT_MAX; h++) {
+        if (h >= nh) continue;
         size_t slot = ((size_t)tb * a.Hq + h0 + h) * a.nc_max + c;
         if (tid == 0) { a.pm[slot] = m_s[h]; a.pl[slot] = l_s[h]; }
-#pragma unroll
-        for (int e = 0; e < DPT; e++) {
-            int d = tid + e * THREADS;
-            if (d < a.dv) a.po[slot * a.dv + d] = acc[h][e];
-        }
+        if (d0 < a.dv) a.po[slot * a.dv + d0] = acc[h][0];
+        if (d0 + 1 < a.dv) a.po[slot * a.dv + d0 + 1] = acc[h][1];
     }
 }
 
@@ -226,8 +272,8 @@ extern "C" kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, in
         return kd_fail(KD_ERR_ARG, "cuda attention: k %d x %d, v %d x %d, out %d x %d, %d queries after %d past rows: "
                        "expected k cols >= %d*%d, v cols >= %d*(out cols / %d), past + T <= rows", k.rows, k.cols, v.rows,
                        v.cols, out.rows, out.cols, T, past, n_kv_heads, head_dim, n_kv_heads, n_heads);
-    if (q.dtype != k.dtype || q.dtype != v.dtype || (q.dtype != KD_BF16 && q.dtype != KD_F32))
-        return kd_fail(KD_ERR_ARG, "cuda attention: q, k, v must share one dtype (bf16 or f32), got %s, %s, %s",
+    if (q.dtype != KD_BF16 || k.dtype != KD_BF16 || v.dtype != KD_BF16)
+        return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: q, k, v must be bf16 (the backend's activations), got %s, %s, %s",
                        kd_dtype_name(q.dtype), kd_dtype_name(k.dtype), kd_dtype_name(v.dtype));
     if (dv > DV_MAX || head_dim > 1024)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: value dim %d (max %d) / key dim %d (max 1024)", dv, DV_MAX,
@@ -269,15 +315,21 @@ extern "C" kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, in
     a.pl = a.pm + (size_t)tbatch * n_heads * a.nc_max;
     a.po = a.pl + (size_t)tbatch * n_heads * a.nc_max;
 
-    size_t esz = q.dtype == KD_BF16 ? 2 : 4;
-    int kld = (head_dim > dv ? head_dim : dv) + 2;
-    size_t smem = (size_t)HT_MAX * head_dim * 4 + (size_t)HT_MAX * CHUNK * 4 + CHUNK * 4 + (size_t)KT * kld * esz;
-    smem = (smem + 15) & ~(size_t)15;
+    /* smem rows of kld bf16: a multiple of 8 with an odd count of 16-byte units, so the
+     * 16-byte fragment reads of 8 consecutive rows hit 8 different bank groups */
+    int units = ((head_dim > dv ? head_dim : dv) + 7) / 8;
+    if (units % 2 == 0) units++;
+    a.kld = units * 8;
+    int hd8 = (head_dim + 7) & ~7;
+    size_t smem = (size_t)HT_MAX * hd8 * 4 + (size_t)HT_MAX * CHUNK * 4 + CHUNK * 4 + (size_t)2 * KT * a.kld * 2;
     if (smem > c->smem_optin)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: key dim %d needs %zu bytes of shared memory (device has %zu)",
                        head_dim, smem, c->smem_optin);
-    if (q.dtype == KD_BF16) KD_CUDA(cudaFuncSetAttribute(attn_chunk_kernel<bf16>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    else KD_CUDA(cudaFuncSetAttribute(attn_chunk_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    auto al16 = [](const void *p) { return ((uintptr_t)p & 15) == 0; };
+    bool async = head_dim % 8 == 0 && dv % 8 == 0 && k.ld % 8 == 0 && v.ld % 8 == 0 && kstride % 8 == 0 &&
+                 vstride % 8 == 0 && al16(k.data) && al16(v.data);
+    if (async) KD_CUDA(cudaFuncSetAttribute(attn_chunk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    else KD_CUDA(cudaFuncSetAttribute(attn_chunk_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
 
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         int tb = T - t0 < tbatch ? T - t0 : tbatch;
@@ -288,8 +340,8 @@ extern "C" kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, in
         int nc = (max_vis + CHUNK - 1) / CHUNK;
         if (nc < 1) nc = 1;
         dim3 grid(nc, tb, n_kv_heads * a.n_tiles);
-        if (q.dtype == KD_BF16) attn_chunk_kernel<bf16><<<grid, THREADS, smem, c->stream>>>(a);
-        else attn_chunk_kernel<float><<<grid, THREADS, smem, c->stream>>>(a);
+        if (async) attn_chunk_kernel<true><<<grid, THREADS, smem, c->stream>>>(a);
+        else attn_chunk_kernel<false><<<grid, THREADS, smem, c->stream>>>(a);
         KD_CUDA_LAUNCH("attn_chunk_kernel");
         int mt = dv < 256 ? ((dv + 31) / 32) * 32 : 256;
         attn_merge_kernel<<<dim3(n_heads, tb), mt, 0, c->stream>>>(a, out.data, out.dtype, out.ld);

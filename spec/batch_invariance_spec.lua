@@ -8,6 +8,8 @@ local gen = require("kdtree.generate")
 local ffi = require("ffi")
 
 local MODEL = "models/tiny-k2.6"
+-- the K2.6 layout (INT4 experts, W4A16 kernels) and the plain DeepSeek-V3 layout (bf16 experts)
+local TARGETS = { "models/tiny-k2.6", "spec/fixtures/tiny-dsv3" }
 local DRAFT = "models/tiny-k2.6-dflash"
 local BACKEND = os.getenv("KDTREE_BI_BACKEND") or "cuda"
 
@@ -22,13 +24,15 @@ local function row_bits_equal(a, ai, b, bi, V)
 end
 
 describe("batch invariance on the GPU #gpu", function()
+ for _, TARGET in ipairs(TARGETS) do
+ describe(TARGET, function()
   local m, V
   local prompt = {}
   setup(function()
-    m = kd.open_model(MODEL, { backend = BACKEND })
+    m = kd.open_model(TARGET, { backend = BACKEND })
     V = m.info.vocab
     math.randomseed(42)
-    for i = 1, 40 do prompt[i] = math.random(3, 990) end
+    for i = 1, 40 do prompt[i] = math.random(3, math.min(990, V - 1)) end
   end)
   teardown(function() m:close() end)
 
@@ -99,6 +103,15 @@ describe("batch invariance on the GPU #gpu", function()
     s:close()
     t:close()
   end)
+
+  end)
+ end
+ end)
+
+describe("lossless speculative decoding on the GPU #gpu", function()
+  local m
+  setup(function() m = kd.open_model(MODEL, { backend = BACKEND }) end)
+  teardown(function() m:close() end)
 
   it("greedy DDTree and DFlash reproduce greedy AR token for token", function()
     local d = kd.open_drafter(DRAFT, m)

@@ -6,7 +6,9 @@
 -- in fp32, CUDA stores activations in bf16 and accumulates in fp32. Error = max |cuda - cpu|
 -- / max |cpu| over the output (NaN or inf anywhere fails). Tolerances:
 --   exact ops (copy, embed, gather, argmax, top-k)                bit-identical
---   fp32 outputs (linear to f32, log_softmax)                     1e-4 (1e-5 for log_softmax)
+--   fp32 outputs (linear to f32)                                  1e-4 (seen: < 1e-6)
+--   log_softmax (fp32; the CPU sums 163840 exps in one sequential
+--   fp32 chain, which alone drifts ~1e-5 of the row's range)      3e-5
 --   bf16 outputs (one rounding, 2^-9 relative per element)        5e-3
 --   MoE (bf16 gate/up/SwiGLU intermediates, then down)            1e-2
 -- Batch invariance of the ops (a row's bits independent of the batch) is checked on CUDA.
@@ -14,7 +16,7 @@ package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local O = require("helpers.ops")
 local ffi, C = O.ffi, O.C
 
-local TOL_F32, TOL_LSM, TOL_BF16, TOL_MOE = 1e-4, 1e-5, 5e-3, 1e-2
+local TOL_F32, TOL_LSM, TOL_BF16, TOL_MOE = 1e-4, 3e-5, 5e-3, 1e-2
 -- KDTREE_OPS_SMALL=1: skip the K2.6-sized cases (for compute-sanitizer runs)
 local SMALL = os.getenv("KDTREE_OPS_SMALL") == "1"
 local function big(f) if not SMALL then f() end end
@@ -269,6 +271,7 @@ describe("CUDA ops against the CPU twins #gpu", function()
       gqa("GQA full", 4, 2, 32, 8, 20, 0, 0)
       gqa("GQA causal", 4, 2, 32, 6, 10, 1, 0)
       gqa("GQA window", 4, 2, 32, 6, 10, 1, 5)
+      gqa("GQA odd dims (unaligned, scalar tile loads)", 3, 1, 36, 5, 7, 1, 0)
       big(function() gqa("GQA K2.6 drafter dims full", 64, 8, 128, 8, 300, 0, 0) end)
     end)
 
