@@ -45,12 +45,12 @@ run() {   # run NAME SECONDS CMD...: output to $OUT/NAME.log, a line in the summ
   local rc=$?
   echo "$name: rc=$rc ($(( $(date +%s) - t0 )) s): $(grep -E '[0-9]+ success' "$OUT/$name.log" | tail -1)" >> "$OUT/summary.log"
 }
-has ops && run ops 150 $B spec/cuda_ops_spec.lua
+has ops && run ops 100 $B spec/cuda_ops_spec.lua
 has bi && run bi 60 $B spec/batch_invariance_spec.lua
-has suite && run suite 150 env KDTREE_BACKEND=cuda $B spec
-has memcheck && run memcheck 120 env KDTREE_OPS_SMALL=1 compute-sanitizer --tool memcheck --print-limit 20 \
+has bench && run bench 60 build/cuda_ops_bench
+has memcheck && run memcheck 60 env KDTREE_OPS_SMALL=1 compute-sanitizer --tool memcheck --print-limit 20 \
   $B spec/cuda_ops_spec.lua
-has racecheck && run racecheck 120 env KDTREE_OPS_SMALL=1 compute-sanitizer --tool racecheck --print-limit 20 \
+has racecheck && run racecheck 60 env KDTREE_OPS_SMALL=1 compute-sanitizer --tool racecheck --print-limit 20 \
   $B spec/cuda_ops_spec.lua --filter="attention|moe|topk|argmax|log_softmax"
-has bench && run bench 120 build/cuda_ops_bench
+has suite && run suite 70 env KDTREE_BACKEND=cuda $B spec
 cat "$OUT/summary.log"
