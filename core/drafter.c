@@ -391,11 +391,18 @@ static kd_status check_target(const char *dir, const kd_dcfg *c, const kd_model 
     if (c->num_target_layers >= 0 && c->num_target_layers != t->n_layers)
         return kd_fail(KD_ERR_CONFIG, "%s: field 'num_target_layers': drafter %d != target num_hidden_layers %d",
                        file, c->num_target_layers, t->n_layers);
-    for (int i = 0; i < c->n_taps; i++)
+    for (int i = 0; i < c->n_taps; i++) {
         if (c->taps[i] >= t->n_layers)
             return kd_fail(KD_ERR_CONFIG, "%s: field 'dflash_config.target_layer_ids[%d]': layer %d is out of "
                            "range for a target with %d layers (expected 0..%d)", file, i, c->taps[i],
-                           t->n_layers, t->n_layers - 1);
+                           t->n_layers, t->n_layers - 2);
+        /* HF's hidden_states[n_layers] is the output AFTER the final norm, unlike every other tap
+         * (a raw residual); no published drafter taps the last layer, so it is refused, not guessed */
+        if (c->taps[i] == t->n_layers - 1)
+            return kd_fail(KD_ERR_UNSUPPORTED, "%s: field 'dflash_config.target_layer_ids[%d]': layer %d is the "
+                           "target's last layer, whose HF hidden state is taken after the final norm; taps on "
+                           "it are not supported (expected 0..%d)", file, i, c->taps[i], t->n_layers - 2);
+    }
     return KD_OK;
 }
 

@@ -307,6 +307,8 @@ describe("DFlash drafter config", function()
     { "vocab", { vocab_size = 2048 }, { "vocab_size", "2048", "1024" } },
     { "tap layer out of range", { dflash_config = { mask_token_id = 1020, target_layer_ids = { 1, 4 } } },
       { "target_layer_ids%[1%]", "layer 4", "4 layers" } },
+    { "tap on the last layer", { dflash_config = { mask_token_id = 1020, target_layer_ids = { 1, 3 } } },
+      { "target_layer_ids%[1%]", "layer 3", "final norm" } },
     { "mask id outside the vocabulary", { dflash_config = { mask_token_id = 1024, target_layer_ids = { 1, 2 } } },
       { "mask_token_id", "1024", "%[0, 1024%)" } },
     { "hidden size", { hidden_size = 64, head_dim = 16 }, { "hidden_size", "drafter 64", "target hidden_size 128" } },
