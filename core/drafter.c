@@ -69,6 +69,7 @@ struct kd_draft_state {
     kd_act f, fn;               /* context fusion, KD_DRAFT_CHUNK rows */
     int32_t *ids, *pos;         /* backend memory: bs (>= chunk) ints each */
     kd_act logprobs;            /* [bs-1, vocab] f32 */
+    int32_t bonus;              /* the root token of the last draft */
     bool have_logprobs;
 };
 
@@ -835,15 +836,17 @@ kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst) {
     if (logprobs_dst)
         T(op->download(be, logprobs_dst, ds->logprobs.data, (size_t)(bs - 1) * V * sizeof(float)), "download");
 #undef T
+    ds->bonus = bonus;
     ds->have_logprobs = true;
     return KD_OK;
 }
 
-kd_status kd_draft_logprobs(kd_seq *s, kd_act *out) {
-    if (!s || !out) return kd_fail(KD_ERR_ARG, "kd_draft_logprobs: argument '%s' is NULL", s ? "out" : "s");
+kd_status kd_draft_logprobs(kd_seq *s, kd_act *out, int32_t *bonus) {
+    if (!s || !out || !bonus) return kd_fail(KD_ERR_ARG, "kd_draft_logprobs: a pointer argument is NULL");
     if (!s->draft) return kd_fail(KD_ERR_STATE, "kd_draft_logprobs: no drafter attached to this sequence");
     if (!s->draft->have_logprobs)
         return kd_fail(KD_ERR_STATE, "kd_draft_logprobs: no draft since the context last changed (call kd_draft)");
     *out = s->draft->logprobs;
+    *bonus = s->draft->bonus;
     return KD_OK;
 }

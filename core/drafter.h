@@ -15,6 +15,6 @@ kd_status kd_draft_context_append(kd_seq *s, const int32_t *rows, int n);
 /* drop context entries at positions >= len (the sequence was truncated) */
 kd_status kd_draft_context_truncate(kd_seq *s, int len);
 void kd_draft_state_free(kd_seq *s);
-/* the last kd_draft's log-probs, (block_size-1) x vocab fp32 on the backend */
-kd_status kd_draft_logprobs(kd_seq *s, kd_act *out);
+/* the last kd_draft's log-probs, (block_size-1) x vocab fp32 on the backend, and its bonus token */
+kd_status kd_draft_logprobs(kd_seq *s, kd_act *out, int32_t *bonus);
 #endif

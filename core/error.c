@@ -24,7 +24,9 @@ kd_status kd_fail_context(kd_status st, const char *fmt, ...) {
     vsnprintf(prefix, sizeof prefix, fmt, ap);
     va_end(ap);
     memcpy(old, last_error, sizeof old);
-    snprintf(last_error, sizeof last_error, "%s: %s", prefix, old);
+    /* a message too long for the buffer is cut, never overflowed */
+    int n = snprintf(last_error, sizeof last_error, "%s: ", prefix);
+    if (n > 0 && (size_t)n < sizeof last_error) snprintf(last_error + n, sizeof last_error - (size_t)n, "%s", old);
     return st;
 }
 

@@ -371,13 +371,18 @@ kd_status kd_tree_build_drafted(kd_tree *t, kd_seq *s, int budget) {
     if (!s->drafter)
         return kd_fail(KD_ERR_STATE, "kd_tree_build_drafted: no drafter attached to the sequence (kd_seq_attach_drafter)");
     kd_act lp;
-    KD_TRY(kd_draft_logprobs(s, &lp));
+    int32_t bonus;
+    KD_TRY(kd_draft_logprobs(s, &lp, &bonus));
     int L = lp.rows, V = lp.cols;
     KD_TRY(check_shape("kd_tree_build_drafted", L, V, budget));
     if (lp.dtype != KD_F32)
         return kd_fail(KD_ERR_STATE, "kd_tree_build_drafted: draft log-probs: expected f32, got %s", kd_dtype_name(lp.dtype));
     int K = budget < V ? budget : V;
-    if (K == 0) return kd_tree_build_topk(t, NULL, NULL, L, 0, 0);
+    /* the tree is rooted at the draft's bonus token */
+    if (K == 0) {
+        KD_TRY(kd_tree_build_topk(t, NULL, NULL, L, 0, 0));
+        return kd_tree_set_root(t, bonus);
+    }
 
     kd_backend *be = s->model->be;
     size_t n = (size_t)L * K;
@@ -400,6 +405,7 @@ kd_status kd_tree_build_drafted(kd_tree *t, kd_seq *s, int budget) {
         }
     }
     if (st == KD_OK) st = kd_tree_build_topk(t, vals, ids, L, K, budget);
+    if (st == KD_OK) st = kd_tree_set_root(t, bonus);
     if (dvals) be->ops->free(be, dvals);
     if (dids) be->ops->free(be, dids);
     free(vals);

@@ -186,13 +186,11 @@ function Seq:draft(bonus, copy)
   if self.drafter == nil then error("kdtree: draft: no drafter attached (use s:attach_drafter(d))", 2) end
   if copy == false then
     check(C.kd_draft(h, bonus, nil), "kd_draft")
-    self._draft_bonus = bonus             -- kd.tree.build_drafted roots its tree here
     return nil
   end
   local L, V = self.drafter.info.block_size - 1, self.vocab
   local buf = ffi.new("float[?]", math.max(L * V, 1))
   check(C.kd_draft(h, bonus, buf), "kd_draft")
-  self._draft_bonus = bonus
   return setmetatable({ data = buf, L = L, V = V }, {
     __index = { row = function(r, i) return U.list_from(r.data, r.V, (i - 1) * r.V) end } })
 end

@@ -104,12 +104,8 @@ function Tree:set_root(tok)
 end
 
 -- from the last s:draft of sequence s, on the backend; the root is that draft's bonus token
--- (or `root` when given)
-function Tree:build_drafted(s, budget, root)
-  local h = H.get(self, "tree")
-  check(C.kd_tree_build_drafted(h, H.get(s, "seq"), budget), "kd_tree_build_drafted")
-  root = root or rawget(s, "_draft_bonus")
-  if root ~= nil then check(C.kd_tree_set_root(h, root), "kd_tree_set_root") end
+function Tree:build_drafted(s, budget)
+  check(C.kd_tree_build_drafted(H.get(self, "tree"), H.get(s, "seq"), budget), "kd_tree_build_drafted")
   return self:_sync()
 end
 
