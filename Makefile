@@ -63,8 +63,20 @@ run: deps all
 	KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/kdtree generate --model models/tiny-k2.6 \
 	  --draft models/tiny-k2.6-dflash --policy ddtree --budget 16 --prompt-ids 5,77,300 -n 32 --stats
 
-bench: all
-	KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/bench/run.lua
+# bench (GPU machine, one run): the W4A16 program first (ceilings measured in the same run:
+# D2D copy, a read-only kernel, cuBLAS bf16 8192^3; fp64 checks; GEMM and MoE timings; it
+# needs only cuda/w4a16.cu, core/error.c and cuBLAS), then the backend's op timings
+# (dense linear, MLA attention, tree top-k) when the whole library builds.
+# Tables: $(BUILD)/bench/w4a16.md (copied into docs/performance.md by hand, with the date).
+BENCH_W4 := $(BUILD)/bench/w4a16_bench
+$(BENCH_W4): scripts/bench/w4a16_bench.cu cuda/w4a16.cuh $(BUILD)/cuda/w4a16.o $(BUILD)/core/error.o
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -Xcompiler -fopenmp -o $@ $< $(BUILD)/cuda/w4a16.o $(BUILD)/core/error.o -lcublas -lgomp
+
+bench: $(BENCH_W4)
+	$(BENCH_W4) --md $(BUILD)/bench/w4a16.md
+	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c -L$(BUILD) -lkdtree \
+	  -Wl,-rpath,$(CURDIR)/$(BUILD) -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin \

@@ -634,10 +634,12 @@ int groups_pad_of(int k, int group) { return (kc_of(k) * CHUNK_K + group - 1) / 
 /* the fixed split of K: parts (P) and chunks per part (cpp); a function of the shape only.
  * blocks64 = the number of 64-row blocks one launch has besides the split (n/64, or
  * n/64 * top_k for the MoE); the split brings it to about 256 work items. */
+int g_force_parts = 0;
 void split_of(int k, int group, long long blocks64, int *parts, int *cpp) {
     int kc = kc_of(k), unit = group > CHUNK_K ? group / CHUNK_K : 1, units = kc / unit;
     int p = 1;
     while (p < MAX_PARTS && blocks64 * p < 256) p *= 2;
+    if (g_force_parts > 0) p = g_force_parts;
     if (p > units) p = units;
     if (p < 1) p = 1;
     int upp = (units + p - 1) / p;
@@ -722,6 +724,7 @@ extern "C" size_t kd_w4a16_gemm_ws_bytes(int n, int k, int group, int m) {
 }
 
 extern "C" void kd_w4a16_force_config(int cfg) { g_force_config = cfg; }
+extern "C" void kd_w4a16_force_parts(int parts) { g_force_parts = parts > MAX_PARTS ? MAX_PARTS : parts; }
 extern "C" int kd_w4a16_n_configs(void) { return N_CONFIGS; }
 extern "C" const char *kd_w4a16_config_name(int cfg) {
     return cfg >= 0 && cfg < N_CONFIGS ? CONFIGS[cfg].name : "auto";
@@ -817,6 +820,7 @@ MoeLayout moe_layout(const kd_w4a16_moe_shape *s, int T) {
 
 int occupancy_blocks(const Launch &l) {
     int per_sm = 0;
+    if (prepare_kernel(l.fn, l.smem) != KD_OK) return sm_count();
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l.fn, l.threads, (size_t)l.smem) != cudaSuccess ||
         per_sm < 1) {
         cudaGetLastError();

@@ -58,8 +58,8 @@ kd_status kd_w4a16_repack(const int32_t *raw_codes, const uint16_t *raw_scales, 
 /* y[m, n] = x[m, :] . W[n, :]   x bf16 rows (ldx elements, 16-byte aligned rows),
  * y bf16 (y_f32 = 0) or f32 (y_f32 = 1) with row stride ldy.
  * ws: workspace of kd_w4a16_gemm_ws_bytes(n, k, group, m) bytes; its first
- * kd_w4a16_gemm_counter_bytes(...) bytes are tile counters that must be zero before the
- * first call; every call leaves them zero again.
+ * kd_w4a16_gemm_counter_bytes(...) bytes are tile counters that must be zero at the call;
+ * every call leaves them zero again (their extent depends on m: zero them when m grows).
  * flags: KD_W4A16_PDL launches with programmatic dependent launch (the weights of the first
  * stages are fetched before the previous kernel on the stream has finished). */
 enum { KD_W4A16_PDL = 1 };
@@ -70,6 +70,8 @@ kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n, int k, int
                         cudaStream_t st);
 /* for tests and the bench: force a kernel configuration (-1 = choose from M) */
 void kd_w4a16_force_config(int cfg);
+/* for the bench only: override the split of K (0 = the shape's own); changes the bits */
+void kd_w4a16_force_parts(int parts);
 int kd_w4a16_n_configs(void);
 const char *kd_w4a16_config_name(int cfg);
 

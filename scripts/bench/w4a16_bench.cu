@@ -1,0 +1,653 @@
+/* w4a16_bench.cu: validation and benchmark of the W4A16 kernels (cuda/w4a16.cu), standalone
+ * (links cuda/w4a16.cu and core/error.c only, plus cuBLAS for the GEMM ceiling).
+ *
+ *   w4a16_bench [--quick] [--small] [--no-bench] [--no-check] [--md FILE]
+ *   --small: small shapes only, no ceilings or timings (for compute-sanitizer)
+ *
+ * 1. ceilings measured in this run: cudaMemcpy device-to-device (2 GiB, bytes read + written),
+ *    a read-only kernel (2 GiB of 16-byte loads), cuBLAS bf16 GEMM 8192^3 (fp32 accumulate);
+ * 2. checks: the W4A16 GEMM against an fp64 host reference of the dequantised weights on
+ *    random data (every row, a sample of columns), all kernel configurations, f32 and bf16
+ *    outputs, outputs poisoned with NaN first; configurations, M = 1 vs inside M = 37 and the
+ *    PDL launch must agree bit for bit (batch invariance); the MoE grouped form against an
+ *    fp64 reference, and a token alone vs inside a batch, bit for bit;
+ * 3. timings: CUDA events around 32 launches rotating over 32 distinct weights (264 MB, far
+ *    past the 50 MB L2), warm-up first, median of 15; the MoE layer at K2.6 dims (384 experts,
+ *    top-8), as GB/s of the expert bytes it must read.
+ * A markdown table goes to --md FILE (default build/bench/w4a16.md); a summary ends stdout. */
+#include "../../cuda/w4a16.cuh"
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define CK(call) do { cudaError_t e_ = (call); if (e_ != cudaSuccess) { \
+    fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); exit(2); } } while (0)
+#define KT(call) do { kd_status s_ = (call); if (s_ != KD_OK) { \
+    fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call, kd_last_error()); exit(2); } } while (0)
+
+static int g_fail = 0;
+static std::string g_md;
+static char g_line[1024];
+#define MD(...) do { snprintf(g_line, sizeof g_line, __VA_ARGS__); g_md += g_line; fputs(g_line, stdout); } while (0)
+#define CHECK(cond, ...) do { if (!(cond)) { g_fail++; printf("FAIL: "); printf(__VA_ARGS__); printf("\n"); } } while (0)
+
+/* ---------------------------------------------------------------- host helpers */
+static float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static uint16_t f2bf(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static uint64_t rnd() { g_rng ^= g_rng << 13; g_rng ^= g_rng >> 7; g_rng ^= g_rng << 17; return g_rng; }
+static double urand() { return (rnd() >> 11) * (1.0 / 9007199254740992.0); }
+static double nrand() { double u = urand() + 1e-300, v = urand(); return sqrt(-2 * log(u)) * cos(6.283185307179586 * v); }
+
+struct HostW {   /* a checkpoint-form INT4 weight on the host */
+    int n, k, g;
+    std::vector<uint32_t> codes;
+    std::vector<uint16_t> scales;
+    double w(int r, int c) const {
+        int u = (codes[(size_t)r * (k / 8) + c / 8] >> (4 * (c & 7))) & 15;
+        return (double)(u - 8) * bf2f(scales[(size_t)r * (k / g) + c / g]);
+    }
+};
+static HostW make_host_w(int n, int k, int g, double scale) {
+    HostW h{n, k, g, {}, {}};
+    h.codes.resize((size_t)n * k / 8);
+    for (auto &c : h.codes) c = (uint32_t)rnd();                      /* all 16 codes, -8 included */
+    h.scales.resize((size_t)n * k / g);
+    for (auto &s : h.scales) s = f2bf((float)(scale / 7 * (0.5 + urand()) * (urand() < 0.05 ? -1 : 1)));
+    return h;
+}
+
+struct DevW { void *codes = nullptr, *scales = nullptr; int n = 0, k = 0, g = 0; };
+static DevW upload_w(const HostW &h) {
+    DevW d; d.n = h.n; d.k = h.k; d.g = h.g;
+    void *raw_c, *raw_s;
+    CK(cudaMalloc(&raw_c, h.codes.size() * 4));
+    CK(cudaMalloc(&raw_s, h.scales.size() * 2));
+    CK(cudaMemcpy(raw_c, h.codes.data(), h.codes.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(raw_s, h.scales.data(), h.scales.size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&d.codes, kd_w4a16_codes_bytes(h.n, h.k)));
+    CK(cudaMalloc(&d.scales, kd_w4a16_scales_bytes(h.n, h.k, h.g)));
+    KT(kd_w4a16_repack((const int32_t *)raw_c, (const uint16_t *)raw_s, h.n, h.k, h.g, d.codes, d.scales, 0));
+    CK(cudaDeviceSynchronize());
+    cudaFree(raw_c); cudaFree(raw_s);
+    return d;
+}
+static void free_w(DevW &d) { cudaFree(d.codes); cudaFree(d.scales); d.codes = d.scales = nullptr; }
+
+/* ---------------------------------------------------------------- device fill kernels */
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull; z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull; z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+__global__ void fill_u32(uint32_t *p, size_t n, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = (uint32_t)mix64(seed * 0x100000001ull + i);
+}
+/* bf16 values uniform in [lo, hi) */
+__global__ void fill_bf16(__nv_bfloat16 *p, size_t n, uint64_t seed, float lo, float hi) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float u = (mix64(seed * 0x100000001ull + i) >> 40) * (1.0f / 16777216.0f);
+        p[i] = __float2bfloat16(lo + (hi - lo) * u);
+    }
+}
+__global__ void read_kernel(const uint4 *p, size_t n, unsigned *out) {
+    unsigned acc = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint4 v = __ldcs(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) out[0] = acc;   /* keeps the loads; practically never stores */
+}
+static void dev_fill_u32(void *p, size_t n, uint64_t seed) { fill_u32<<<2048, 256>>>((uint32_t *)p, n, seed); CK(cudaGetLastError()); }
+static void dev_fill_bf16(void *p, size_t n, uint64_t seed, float lo, float hi) {
+    fill_bf16<<<2048, 256>>>((__nv_bfloat16 *)p, n, seed, lo, hi); CK(cudaGetLastError());
+}
+
+/* ---------------------------------------------------------------- timing */
+struct Timer {
+    cudaEvent_t a, b;
+    Timer() { CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b)); }
+    ~Timer() { cudaEventDestroy(a); cudaEventDestroy(b); }
+};
+static double median(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
+template <class F> static double time_ms(F f, int warm, int reps, cudaStream_t st = 0) {
+    Timer t;
+    for (int i = 0; i < warm; i++) f();
+    CK(cudaStreamSynchronize(st));
+    std::vector<double> v;
+    for (int i = 0; i < reps; i++) {
+        CK(cudaEventRecord(t.a, st));
+        f();
+        CK(cudaEventRecord(t.b, st));
+        CK(cudaEventSynchronize(t.b));
+        float ms; CK(cudaEventElapsedTime(&ms, t.a, t.b));
+        v.push_back(ms);
+    }
+    return median(v);
+}
+
+static double g_copy_gbs = 0, g_read_gbs = 0, g_gemm_tflops = 0;
+
+static void ceilings(bool quick) {
+    size_t bytes = (size_t)(quick ? 1 : 2) << 30;
+    void *a, *b; unsigned *o;
+    CK(cudaMalloc(&a, bytes)); CK(cudaMalloc(&b, bytes)); CK(cudaMalloc(&o, 4));
+    dev_fill_u32(a, bytes / 4, 1); dev_fill_u32(b, bytes / 4, 2);
+    double ms = time_ms([&] { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0)); }, 2, 10);
+    g_copy_gbs = 2.0 * bytes / (ms * 1e-3) / 1e9;
+    int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    ms = time_ms([&] { read_kernel<<<sms * 8, 512>>>((const uint4 *)a, bytes / 16, o); }, 2, 10);
+    CK(cudaGetLastError());
+    g_read_gbs = bytes / (ms * 1e-3) / 1e9;
+    cudaFree(a); cudaFree(b); cudaFree(o);
+
+    int n = 8192;
+    void *A, *B, *C;
+    CK(cudaMalloc(&A, (size_t)n * n * 2)); CK(cudaMalloc(&B, (size_t)n * n * 2)); CK(cudaMalloc(&C, (size_t)n * n * 2));
+    dev_fill_bf16(A, (size_t)n * n, 3, -1, 1); dev_fill_bf16(B, (size_t)n * n, 4, -1, 1);
+    cublasHandle_t h;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) { printf("cublasCreate failed\n"); return; }
+    float one = 1, zero = 0;
+    auto gemm = [&] {
+        cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, A, CUDA_R_16BF, n, B, CUDA_R_16BF, n,
+                                        &zero, C, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        if (s != CUBLAS_STATUS_SUCCESS) { printf("cublasGemmEx failed %d\n", (int)s); exit(2); }
+    };
+    ms = time_ms(gemm, 3, 10);
+    g_gemm_tflops = 2.0 * n * (double)n * n / (ms * 1e-3) / 1e12;
+    cublasDestroy(h);
+    cudaFree(A); cudaFree(B); cudaFree(C);
+}
+
+/* ---------------------------------------------------------------- GEMM checks */
+static void poison(void *p, size_t bytes) { CK(cudaMemset(p, 0xFF, bytes)); }   /* NaN in f32 and bf16 */
+
+static std::vector<float> download_y(const void *y, int m, int n, int f32) {
+    std::vector<float> out((size_t)m * n);
+    if (f32) CK(cudaMemcpy(out.data(), y, out.size() * 4, cudaMemcpyDeviceToHost));
+    else {
+        std::vector<uint16_t> b(out.size());
+        CK(cudaMemcpy(b.data(), y, b.size() * 2, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < b.size(); i++) out[i] = bf2f(b[i]);
+    }
+    return out;
+}
+
+static void run_gemm(const DevW &w, const void *x, int m, void *y, int f32, void *ws, size_t wsb, int flags) {
+    /* the tile counters' place depends on m: zero them (every call leaves them zero again) */
+    CK(cudaMemset(ws, 0, kd_w4a16_gemm_counter_bytes(w.n, w.k, w.g, m)));
+    KT(kd_w4a16_gemm(w.codes, w.scales, w.n, w.k, w.g, x, w.k, m, y, w.n, f32, ws, wsb, flags, 0));
+}
+
+static void check_gemm_shape(int n, int k, int g, const std::vector<int> &ms) {
+    HostW h = make_host_w(n, k, g, 1.0 / sqrt((double)k));
+    DevW w = upload_w(h);
+    int mmax = *std::max_element(ms.begin(), ms.end());
+    std::vector<uint16_t> xh((size_t)mmax * k);
+    for (auto &v : xh) v = f2bf((float)nrand());
+    void *x, *y, *y2, *ws;
+    CK(cudaMalloc(&x, xh.size() * 2));
+    CK(cudaMemcpy(x, xh.data(), xh.size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&y, (size_t)mmax * n * 4)); CK(cudaMalloc(&y2, (size_t)mmax * n * 4));
+    size_t wsb = kd_w4a16_gemm_ws_bytes(n, k, g, mmax);
+    CK(cudaMalloc(&ws, wsb + 256));
+    CK(cudaMemset(ws, 0, wsb + 256));
+    /* reference: all rows, sampled columns */
+    std::vector<int> cols;
+    if (n <= 96) for (int c = 0; c < n; c++) cols.push_back(c);
+    else {
+        cols = {0, 1, 7, 8, 15, 16, n - 1, n - 2, n - 9, n / 2};
+        while ((int)cols.size() < 40) cols.push_back((int)(rnd() % n));
+    }
+    std::vector<double> ref((size_t)mmax * cols.size());
+#pragma omp parallel for schedule(dynamic)
+    for (int ci = 0; ci < (int)cols.size(); ci++) {
+        std::vector<double> wr(k);
+        for (int c = 0; c < k; c++) wr[c] = h.w(cols[ci], c);
+        for (int r = 0; r < mmax; r++) {
+            double s = 0;
+            const uint16_t *xr = &xh[(size_t)r * k];
+            for (int c = 0; c < k; c++) s += wr[c] * bf2f(xr[c]);
+            ref[(size_t)r * cols.size() + ci] = s;
+        }
+    }
+    int parts = kd_w4a16_parts(n, k, g);
+    double worst_f32 = 0, worst_bf16 = 0;
+    int ncfg = kd_w4a16_n_configs();
+    for (int m : ms) {
+        std::vector<float> base;
+        for (int cfg = -1; cfg < ncfg; cfg++) {
+            kd_w4a16_force_config(cfg);
+            for (int f32 = 1; f32 >= 0; f32--) {
+                if (cfg >= 0 && !f32) continue;
+                poison(y, (size_t)mmax * n * 4);
+                run_gemm(w, x, m, y, f32, ws, wsb, 0);
+                CK(cudaDeviceSynchronize());
+                std::vector<float> out = download_y(y, m, n, f32);
+                size_t nan = 0;
+                for (float v : out) nan += !(v == v) || std::isinf(v);
+                CHECK(nan == 0, "gemm N%d K%d g%d M%d cfg %s f32 %d: %zu outputs NaN/inf (unwritten?)", n, k, g, m,
+                      kd_w4a16_config_name(cfg), f32, nan);
+                double md = 0, mr = 0;
+                for (int r = 0; r < m; r++)
+                    for (size_t ci = 0; ci < cols.size(); ci++) {
+                        double rv = ref[(size_t)r * cols.size() + ci], d = fabs(out[(size_t)r * n + cols[ci]] - rv);
+                        if (!(d == d)) d = INFINITY;
+                        md = std::max(md, d); mr = std::max(mr, fabs(rv));
+                    }
+                double rel = md / std::max(mr, 1e-30);
+                if (f32) worst_f32 = std::max(worst_f32, rel); else worst_bf16 = std::max(worst_bf16, rel);
+                CHECK(rel < (f32 ? 2e-5 : 5e-3), "gemm N%d K%d g%d M%d cfg %s f32 %d: max rel err %.3g", n, k, g, m,
+                      kd_w4a16_config_name(cfg), f32, rel);
+                if (f32) {
+                    if (cfg == -1) base = out;
+                    else if (memcmp(base.data(), out.data(), out.size() * 4)) {
+                        size_t i = 0; while (i < out.size() && !memcmp(&base[i], &out[i], 4)) i++;
+                        CHECK(false, "gemm N%d K%d g%d M%d: config %s differs from auto at row %zu col %zu", n, k, g,
+                              m, kd_w4a16_config_name(cfg), i / n, i % n);
+                    }
+                }
+            }
+        }
+        kd_w4a16_force_config(-1);
+        /* PDL launch: same bits */
+        poison(y2, (size_t)mmax * n * 4);
+        run_gemm(w, x, m, y2, 1, ws, wsb, KD_W4A16_PDL);
+        CK(cudaDeviceSynchronize());
+        std::vector<float> pd = download_y(y2, m, n, 1);
+        CHECK(!memcmp(pd.data(), base.data(), pd.size() * 4), "gemm N%d K%d g%d M%d: PDL launch differs", n, k, g, m);
+        /* batch invariance: each of a few rows alone (M = 1) vs inside M */
+        int rows_to_try[3] = {0, m / 2, m - 1};
+        for (int ri = 0; ri < 3; ri++) {
+            int r = rows_to_try[ri];
+            poison(y2, (size_t)n * 4);
+            run_gemm(w, (const char *)x + (size_t)r * k * 2, 1, y2, 1, ws, wsb, 0);
+            CK(cudaDeviceSynchronize());
+            std::vector<float> one = download_y(y2, 1, n, 1);
+            CHECK(!memcmp(one.data(), &base[(size_t)r * n], (size_t)n * 4),
+                  "gemm N%d K%d g%d: row %d alone differs from the same row inside M=%d", n, k, g, r, m);
+        }
+    }
+    printf("check gemm N %5d K %5d g %3d parts %2d: M {", n, k, g, parts);
+    for (int m : ms) printf(" %d", m);
+    printf(" } x %d configs: max rel err f32 %.2e, bf16 %.2e\n", ncfg + 1, worst_f32, worst_bf16);
+    MD("| %d | %d | %d | %d | %.2e | %.2e |\n", n, k, g, parts, worst_f32, worst_bf16);
+    cudaFree(x); cudaFree(y); cudaFree(y2); cudaFree(ws);
+    free_w(w);
+}
+
+/* ---------------------------------------------------------------- MoE checks */
+struct HostMoe {
+    kd_w4a16_moe_shape s;
+    std::vector<HostW> gate, up, down;
+    std::vector<DevW> dg, du, dd;
+    kd_w4a16_expert *table = nullptr;
+};
+static void make_moe(HostMoe &M, int E, int topk, int H, int I, int g, bool host_copy) {
+    M.s = {E, topk, H, I, g};
+    std::vector<kd_w4a16_expert> t(E);
+    for (int e = 0; e < E; e++) {
+        HostW hg = make_host_w(I, H, g, 1.0 / sqrt((double)H)), hu = make_host_w(I, H, g, 1.0 / sqrt((double)H));
+        HostW hd = make_host_w(H, I, g, 1.0 / sqrt((double)I));
+        M.dg.push_back(upload_w(hg)); M.du.push_back(upload_w(hu)); M.dd.push_back(upload_w(hd));
+        t[e] = {M.dg[e].codes, M.dg[e].scales, M.du[e].codes, M.du[e].scales, M.dd[e].codes, M.dd[e].scales};
+        if (host_copy) { M.gate.push_back(std::move(hg)); M.up.push_back(std::move(hu)); M.down.push_back(std::move(hd)); }
+    }
+    CK(cudaMalloc(&M.table, E * sizeof(kd_w4a16_expert)));
+    CK(cudaMemcpy(M.table, t.data(), E * sizeof(kd_w4a16_expert), cudaMemcpyHostToDevice));
+}
+static void free_moe(HostMoe &M) {
+    for (auto &d : M.dg) free_w(d);
+    for (auto &d : M.du) free_w(d);
+    for (auto &d : M.dd) free_w(d);
+    cudaFree(M.table);
+}
+/* top_k distinct experts per token, ascending; weights in (0.1, 1.1) */
+static void make_routes(int T, int E, int topk, std::vector<int> &ids, std::vector<float> &wt) {
+    ids.resize((size_t)T * topk); wt.resize(ids.size());
+    for (int t = 0; t < T; t++) {
+        std::vector<int> pick;
+        while ((int)pick.size() < topk) {
+            int e = (int)(rnd() % E);
+            if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+        }
+        std::sort(pick.begin(), pick.end());
+        for (int j = 0; j < topk; j++) { ids[(size_t)t * topk + j] = pick[j]; wt[(size_t)t * topk + j] = (float)(0.1 + urand()); }
+    }
+}
+
+static void moe_run(const HostMoe &M, const void *x, int T, const int *ids_d, const float *w_d, void *out, int f32,
+                    void *ws, size_t wsb) {
+    KT(kd_w4a16_moe(&M.s, M.table, x, M.s.hidden, T, ids_d, w_d, out, M.s.hidden, f32, ws, wsb, 0));
+}
+
+static void check_moe(int E, int topk, int H, int I, int g, const std::vector<int> &Ts, int n_ref_tokens) {
+    HostMoe M;
+    make_moe(M, E, topk, H, I, g, true);
+    int Tmax = *std::max_element(Ts.begin(), Ts.end());
+    std::vector<uint16_t> xh((size_t)Tmax * H);
+    for (auto &v : xh) v = f2bf((float)nrand());
+    std::vector<int> ids; std::vector<float> wt;
+    make_routes(Tmax, E, topk, ids, wt);
+    if (Tmax > 2) ids[(size_t)1 * topk + topk - 1] = -1;   /* an invalid id contributes nothing */
+    void *x, *out, *out1, *ws, *ids_d, *w_d;
+    CK(cudaMalloc(&x, xh.size() * 2));
+    CK(cudaMemcpy(x, xh.data(), xh.size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&ids_d, ids.size() * 4)); CK(cudaMalloc(&w_d, wt.size() * 4));
+    CK(cudaMemcpy(ids_d, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(w_d, wt.data(), wt.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&out, (size_t)Tmax * H * 4)); CK(cudaMalloc(&out1, (size_t)H * 4));
+    size_t wsb = 0;
+    for (int T : Ts) wsb = std::max(wsb, kd_w4a16_moe_ws_bytes(&M.s, T));
+    wsb = std::max(wsb, kd_w4a16_moe_ws_bytes(&M.s, 1));
+    CK(cudaMalloc(&ws, wsb));
+    /* reference for the first n_ref_tokens tokens */
+    int nref = std::min(n_ref_tokens, Tmax);
+    std::vector<double> ref((size_t)nref * H, 0.0);
+#pragma omp parallel for schedule(dynamic)
+    for (int tj = 0; tj < nref * topk; tj++) {
+        int t = tj / topk, j = tj % topk, e = ids[(size_t)t * topk + j];
+        if (e < 0) continue;
+        std::vector<double> act(I);
+        for (int i = 0; i < I; i++) {
+            double gs = 0, us = 0;
+            for (int c = 0; c < H; c++) {
+                double xv = bf2f(xh[(size_t)t * H + c]);
+                gs += M.gate[e].w(i, c) * xv; us += M.up[e].w(i, c) * xv;
+            }
+            act[i] = bf2f(f2bf((float)(gs / (1 + exp(-gs)) * us)));
+        }
+        std::vector<double> yv(H);
+        for (int hh = 0; hh < H; hh++) {
+            double s = 0;
+            for (int i = 0; i < I; i++) s += M.down[e].w(hh, i) * act[i];
+            yv[hh] = s * wt[(size_t)t * topk + j];
+        }
+#pragma omp critical
+        for (int hh = 0; hh < H; hh++) ref[(size_t)t * H + hh] += yv[hh];
+    }
+    double worst = 0;
+    for (int T : Ts) {
+        for (int f32 = 1; f32 >= 0; f32--) {
+            poison(out, (size_t)Tmax * H * 4);
+            moe_run(M, x, T, (const int *)ids_d, (const float *)w_d, out, f32, ws, wsb);
+            CK(cudaDeviceSynchronize());
+            std::vector<float> o = download_y(out, T, H, f32);
+            size_t nan = 0;
+            for (float v : o) nan += !(v == v) || std::isinf(v);
+            CHECK(nan == 0, "moe E%d k%d H%d I%d g%d T%d f32 %d: %zu NaN/inf outputs", E, topk, H, I, g, T, f32, nan);
+            double md = 0, mr = 0;
+            for (int t = 0; t < std::min(T, nref); t++)
+                for (int hh = 0; hh < H; hh++) {
+                    double d = fabs(o[(size_t)t * H + hh] - ref[(size_t)t * H + hh]);
+                    if (!(d == d)) d = INFINITY;
+                    md = std::max(md, d); mr = std::max(mr, fabs(ref[(size_t)t * H + hh]));
+                }
+            double rel = md / std::max(mr, 1e-30);
+            worst = std::max(worst, rel);
+            CHECK(rel < (f32 ? 2e-3 : 6e-3), "moe E%d k%d H%d I%d g%d T%d f32 %d: max rel err %.3g", E, topk, H, I, g, T,
+                  f32, rel);
+            if (f32) {
+                /* batch invariance: tokens alone vs inside this batch */
+                int toks[3] = {0, T / 2, T - 1};
+                for (int q = 0; q < 3; q++) {
+                    int t = toks[q];
+                    poison(out1, (size_t)H * 4);
+                    KT(kd_w4a16_moe(&M.s, M.table, (const char *)x + (size_t)t * H * 2, H, 1,
+                                    (const int *)ids_d + (size_t)t * topk, (const float *)w_d + (size_t)t * topk, out1,
+                                    H, 1, ws, wsb, 0));
+                    CK(cudaDeviceSynchronize());
+                    std::vector<float> a = download_y(out1, 1, H, 1);
+                    CHECK(!memcmp(a.data(), &o[(size_t)t * H], (size_t)H * 4),
+                          "moe E%d H%d I%d: token %d alone differs from inside T=%d", E, H, I, t, T);
+                }
+            }
+        }
+    }
+    printf("check moe E %3d top %d H %5d I %5d g %3d: T {", E, topk, H, I, g);
+    for (int T : Ts) printf(" %d", T);
+    printf(" }: max rel err %.2e (vs fp64, %d tokens)\n", worst, nref);
+    MD("| %d | %d | %d | %d | %d | %.2e |\n", E, topk, H, I, g, worst);
+    cudaFree(x); cudaFree(out); cudaFree(out1); cudaFree(ws); cudaFree(ids_d); cudaFree(w_d);
+    free_moe(M);
+}
+
+/* ---------------------------------------------------------------- benchmarks */
+struct BenchRow { int n, k, m; std::string variant; double us, gbs, ratio, tflops; };
+static std::vector<BenchRow> g_rows;
+
+static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool quick) {
+    const int COPIES = 32;
+    std::vector<DevW> w(COPIES);
+    for (int i = 0; i < COPIES; i++) {
+        void *rc, *rs;
+        size_t nc = (size_t)n * k / 8, ns = (size_t)n * k / g;
+        CK(cudaMalloc(&rc, nc * 4)); CK(cudaMalloc(&rs, ns * 2));
+        dev_fill_u32(rc, nc, 100 + i);
+        dev_fill_bf16(rs, ns, 200 + i, 0.002f, 0.02f);
+        w[i].n = n; w[i].k = k; w[i].g = g;
+        CK(cudaMalloc(&w[i].codes, kd_w4a16_codes_bytes(n, k)));
+        CK(cudaMalloc(&w[i].scales, kd_w4a16_scales_bytes(n, k, g)));
+        KT(kd_w4a16_repack((const int32_t *)rc, (const uint16_t *)rs, n, k, g, w[i].codes, w[i].scales, 0));
+        CK(cudaDeviceSynchronize());
+        cudaFree(rc); cudaFree(rs);
+    }
+    int mmax = *std::max_element(ms.begin(), ms.end());
+    void *x, *y, *ws;
+    CK(cudaMalloc(&x, (size_t)mmax * k * 2)); CK(cudaMalloc(&y, (size_t)mmax * n * 4));
+    dev_fill_bf16(x, (size_t)mmax * k, 7, -2, 2);
+    size_t wsb = kd_w4a16_gemm_ws_bytes(n, k, g, mmax);
+    CK(cudaMalloc(&ws, wsb + 256)); CK(cudaMemset(ws, 0, wsb + 256));
+    cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (int m : ms) {
+        double bytes = (double)n * k / 2 + (double)n * (k / g) * 2 + (double)m * k * 2 + (double)m * n * 2;
+        double flops = 2.0 * m * n * (double)k;
+        struct V { std::string name; int cfg; int flags; bool graph; int parts; };
+        std::vector<V> vs = {{"auto", -1, 0, false, 0}, {"auto+pdl", -1, KD_W4A16_PDL, false, 0},
+                             {"graph+pdl", -1, KD_W4A16_PDL, true, 0}};
+        if (!quick && (m == 1 || m == 16))
+            for (int p : {2, 4, 8, 16}) vs.push_back({"pdl P=" + std::to_string(p), -1, KD_W4A16_PDL, false, p});
+        if (!quick) {
+            if (m <= 16) for (int c = 0; c < 4; c++) vs.push_back({kd_w4a16_config_name(c), c, KD_W4A16_PDL, false, 0});
+            else for (int c = 4; c < 6; c++) vs.push_back({kd_w4a16_config_name(c), c, KD_W4A16_PDL, false, 0});
+        }
+        for (auto &v : vs) {
+            kd_w4a16_force_config(v.cfg);
+            kd_w4a16_force_parts(v.parts);
+            if (kd_w4a16_gemm_ws_bytes(n, k, g, m) > wsb) { kd_w4a16_force_parts(0); continue; }
+            CK(cudaMemset(ws, 0, kd_w4a16_gemm_counter_bytes(n, k, g, m)));
+            auto round = [&] {
+                for (int i = 0; i < COPIES; i++)
+                    KT(kd_w4a16_gemm(w[i].codes, w[i].scales, n, k, g, x, k, m, y, n, 0, ws, wsb, v.flags, st));
+            };
+            double ms_;
+            if (v.graph) {
+                cudaGraph_t gr; cudaGraphExec_t ge;
+                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                round();
+                CK(cudaStreamEndCapture(st, &gr));
+                CK(cudaGraphInstantiate(&ge, gr, 0));
+                ms_ = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 3, quick ? 5 : 15, st);
+                cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
+            } else {
+                ms_ = time_ms(round, 3, quick ? 5 : 15, st);
+            }
+            double t = ms_ * 1e-3 / COPIES;
+            BenchRow r{n, k, m, v.name, t * 1e6, bytes / t / 1e9, bytes / t / 1e9 / g_copy_gbs, flops / t / 1e12};
+            kd_w4a16_force_parts(0);
+            g_rows.push_back(r);
+            printf("bench N %5d K %5d M %3d %-12s %8.2f us %8.1f GB/s %5.1f%% of copy %7.2f TFLOP/s\n", n, k, m,
+                   v.name.c_str(), r.us, r.gbs, 100 * r.ratio, r.tflops);
+            fflush(stdout);
+        }
+        kd_w4a16_force_config(-1);
+    }
+    cudaStreamDestroy(st);
+    cudaFree(x); cudaFree(y); cudaFree(ws);
+    for (auto &d : w) free_w(d);
+}
+
+static void bench_moe(const std::vector<int> &Ts, bool quick) {
+    const int E = 384, TOPK = 8, H = 7168, I = 2048, G = 32;
+    HostMoe M;
+    M.s = {E, TOPK, H, I, G};
+    std::vector<kd_w4a16_expert> t(E);
+    void *rc, *rs;
+    size_t nc = (size_t)I * H / 8, ns = (size_t)I * H / G;
+    CK(cudaMalloc(&rc, nc * 4)); CK(cudaMalloc(&rs, ns * 2));
+    for (int e = 0; e < E; e++) {
+        DevW d[3];
+        for (int j = 0; j < 3; j++) {
+            int n = j < 2 ? I : H, k = j < 2 ? H : I;
+            dev_fill_u32(rc, nc, 1000 + 3 * e + j);
+            dev_fill_bf16(rs, ns, 5000 + 3 * e + j, 0.002f, 0.02f);
+            d[j].n = n; d[j].k = k; d[j].g = G;
+            CK(cudaMalloc(&d[j].codes, kd_w4a16_codes_bytes(n, k)));
+            CK(cudaMalloc(&d[j].scales, kd_w4a16_scales_bytes(n, k, G)));
+            KT(kd_w4a16_repack((const int32_t *)rc, (const uint16_t *)rs, n, k, G, d[j].codes, d[j].scales, 0));
+        }
+        M.dg.push_back(d[0]); M.du.push_back(d[1]); M.dd.push_back(d[2]);
+        t[e] = {d[0].codes, d[0].scales, d[1].codes, d[1].scales, d[2].codes, d[2].scales};
+    }
+    CK(cudaDeviceSynchronize());
+    cudaFree(rc); cudaFree(rs);
+    CK(cudaMalloc(&M.table, E * sizeof(kd_w4a16_expert)));
+    CK(cudaMemcpy(M.table, t.data(), E * sizeof(kd_w4a16_expert), cudaMemcpyHostToDevice));
+    int Tmax = *std::max_element(Ts.begin(), Ts.end());
+    void *x, *out, *ws, *ids_d, *w_d;
+    CK(cudaMalloc(&x, (size_t)Tmax * H * 2)); CK(cudaMalloc(&out, (size_t)Tmax * H * 2));
+    dev_fill_bf16(x, (size_t)Tmax * H, 9, -2, 2);
+    size_t wsb = kd_w4a16_moe_ws_bytes(&M.s, Tmax);
+    for (int T : Ts) wsb = std::max(wsb, kd_w4a16_moe_ws_bytes(&M.s, T));
+    CK(cudaMalloc(&ws, wsb));
+    CK(cudaMalloc(&ids_d, (size_t)Tmax * TOPK * 4)); CK(cudaMalloc(&w_d, (size_t)Tmax * TOPK * 4));
+    cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    double per_expert = 3.0 * ((double)I * H / 2 + (double)I * (H / G) * 2);
+    for (int T : Ts) {
+        /* a few routing draws: several rounds rotate over them so the 50 MB L2 holds no expert */
+        const int DRAWS = 8;
+        std::vector<std::vector<int>> idsv(DRAWS);
+        std::vector<float> wt;
+        double touched = 0;
+        std::vector<void *> idd(DRAWS);
+        for (int dr = 0; dr < DRAWS; dr++) {
+            make_routes(T, E, TOPK, idsv[dr], wt);
+            std::vector<int> u = idsv[dr];
+            std::sort(u.begin(), u.end());
+            touched += std::unique(u.begin(), u.end()) - u.begin();
+            CK(cudaMalloc(&idd[dr], idsv[dr].size() * 4));
+            CK(cudaMemcpy(idd[dr], idsv[dr].data(), idsv[dr].size() * 4, cudaMemcpyHostToDevice));
+        }
+        CK(cudaMemcpy(w_d, wt.data(), wt.size() * 4, cudaMemcpyHostToDevice));
+        touched /= DRAWS;
+        auto round = [&] {
+            for (int dr = 0; dr < DRAWS; dr++)
+                KT(kd_w4a16_moe(&M.s, M.table, x, H, T, (const int *)idd[dr], (const float *)w_d, out, H, 0, ws, wsb, st));
+        };
+        for (int graph = 0; graph < 2; graph++) {
+            double ms_;
+            if (graph) {
+                cudaGraph_t gr; cudaGraphExec_t ge;
+                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                round();
+                CK(cudaStreamEndCapture(st, &gr));
+                CK(cudaGraphInstantiate(&ge, gr, 0));
+                ms_ = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 3, quick ? 5 : 15, st);
+                cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
+            } else ms_ = time_ms(round, 2, quick ? 5 : 15, st);
+            double tt = ms_ * 1e-3 / DRAWS;
+            double bytes = touched * per_expert + (double)T * H * 2 * 2;
+            BenchRow r{H, I, T, graph ? "moe graph" : "moe", tt * 1e6, bytes / tt / 1e9, bytes / tt / 1e9 / g_copy_gbs,
+                       6.0 * T * TOPK * (double)H * I / tt / 1e12};
+            g_rows.push_back(r);
+            printf("bench moe E %d top %d T %3d (%.0f experts) %-10s %9.2f us %8.1f GB/s %5.1f%% of copy\n", E, TOPK, T,
+                   touched, r.variant.c_str(), r.us, r.gbs, 100 * r.ratio);
+            fflush(stdout);
+        }
+        for (auto p : idd) cudaFree(p);
+    }
+    cudaStreamDestroy(st);
+    cudaFree(x); cudaFree(out); cudaFree(ws); cudaFree(ids_d); cudaFree(w_d);
+    free_moe(M);
+}
+
+int main(int argc, char **argv) {
+    bool quick = false, bench = true, check = true, small = false;
+    std::string md_path = "build/bench/w4a16.md";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) quick = true;
+        else if (!strcmp(argv[i], "--no-bench")) bench = false;
+        else if (!strcmp(argv[i], "--small")) small = true, bench = false;
+        else if (!strcmp(argv[i], "--no-check")) check = false;
+        else if (!strcmp(argv[i], "--md") && i + 1 < argc) md_path = argv[++i];
+    }
+    cudaDeviceProp p;
+    CK(cudaGetDeviceProperties(&p, 0));
+    int drv = 0, rt = 0;
+    cudaDriverGetVersion(&drv);
+    cudaRuntimeGetVersion(&rt);
+    MD("GPU: %s, %d SMs, L2 %d MB, %.0f GB; CUDA driver %d.%d, runtime %d.%d\n\n", p.name, p.multiProcessorCount,
+       p.l2CacheSize >> 20, p.totalGlobalMem / 1e9, drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
+    if (!small) ceilings(quick);
+    if (!small) MD("Ceilings (this run): cudaMemcpy D2D %.0f GB/s (read + write), read-only kernel %.0f GB/s, "
+       "cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s\n\n", g_copy_gbs, g_read_gbs, g_gemm_tflops);
+    if (check) {
+        MD("Checks against fp64 (max |y - ref| / max |ref|; every configuration, M = 1..256):\n\n"
+           "| N | K | group | parts | f32 out | bf16 out |\n|---|---|---|---|---|---|\n");
+        std::vector<int> ms = {1, 2, 7, 8, 9, 16, 17, 37, 64, 100, 256};
+        std::vector<int> msq = {1, 8, 16, 37, 256};
+        if (!small) {
+            check_gemm_shape(2048, 7168, 32, quick ? msq : ms);
+            check_gemm_shape(7168, 2048, 32, quick ? msq : ms);
+            check_gemm_shape(2048, 7168, 128, msq);
+            check_gemm_shape(7168, 2048, 64, msq);
+        }
+        check_gemm_shape(300, 1024, 32, small ? msq : ms);
+        check_gemm_shape(64, 128, 32, small ? msq : ms);
+        check_gemm_shape(128, 64, 32, small ? msq : ms);
+        check_gemm_shape(24, 96, 32, small ? msq : ms);
+        if (!small) {
+            check_gemm_shape(256, 7168, 32, msq);
+            check_gemm_shape(7168, 256, 32, msq);
+            check_gemm_shape(1000, 4096, 64, msq);
+        }
+        check_gemm_shape(40, 384, 128, small ? msq : ms);
+        MD("\nMoE grouped form against fp64:\n\n| experts | top-k | hidden | inter | group | max rel err |\n"
+           "|---|---|---|---|---|---|\n");
+        check_moe(16, 4, 128, 64, 32, small ? std::vector<int>{1, 37} : std::vector<int>{1, 3, 37, 257}, 64);
+        if (!small) {
+            check_moe(32, 4, 512, 1024, 128, {1, 5, 37}, 12);
+            check_moe(64, 8, 7168, 256, 32, {1, 4, 37}, 6);
+        } else {
+            check_moe(8, 2, 256, 128, 64, {1, 9}, 9);   /* split-K in both GEMMs */
+        }
+        if (!small && !quick) check_moe(16, 8, 7168, 2048, 32, {1, 3, 16}, 3);
+        MD("\n");
+    }
+    if (bench) {
+        bench_gemm(2048, 7168, 32, {1, 4, 8, 16, 64, 256}, quick);
+        bench_gemm(7168, 2048, 32, {1, 4, 8, 16, 64, 256}, quick);
+        bench_moe({1, 4, 16, 64, 257}, quick);
+        MD("\n| N | K | M | variant | us | GB/s | of copy | TFLOP/s |\n|---|---|---|---|---|---|---|---|\n");
+        for (auto &r : g_rows)
+            MD("| %d | %d | %d | %s | %.2f | %.0f | %.0f%% | %.2f |\n", r.n, r.k, r.m, r.variant.c_str(), r.us, r.gbs,
+               100 * r.ratio, r.tflops);
+    }
+    FILE *f = fopen(md_path.c_str(), "w");
+    if (f) { fputs(g_md.c_str(), f); fclose(f); }
+    printf("\n%s: %d check failures\n", g_fail ? "FAILED" : "OK", g_fail);
+    return g_fail ? 1 : 0;
+}
