@@ -20,6 +20,7 @@
 typedef struct kd_cuda_experts {
     int n, inter, hidden;
     bool int4;
+    bool mixed;                               /* formats differ between experts (quantization ignore list) */
     const bf16 **d_gate, **d_up, **d_down;    /* device arrays of n weight pointers (bf16 experts) */
 } kd_cuda_experts;
 
@@ -162,35 +163,106 @@ __global__ void combine_kernel(const float *y, int H, const int32_t *slot_of, co
 
 }  // namespace
 
+namespace {
+/* acc[tok[i]] += w[i] * y[i] (rows of H); tokens are distinct within one expert */
+__global__ void scatter_add_kernel(float *acc, int H, const int32_t *tok, const float *w, const float *y, int m) {
+    size_t n = (size_t)m * H;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        int r = (int)(i / H), d = (int)(i % H);
+        float *a = acc + (size_t)tok[r] * H + d;
+        *a = fmaf(w[r], y[(size_t)r * H + d], *a);
+    }
+}
+}  // namespace
+
+/* Experts of different formats in one layer (modules the quantization ignore list keeps dense
+ * next to INT4 ones, or f32 experts): ids come back to the host and each used expert runs as
+ * plain linears over its gathered tokens, in ascending expert id, adding into an fp32
+ * accumulator, so every token sums its experts in the same order as the CPU twin. */
+static kd_status moe_mixed(kd_backend *be, kd_act x, const kd_experts *e, const int32_t *d_ids, const float *d_w,
+                           kd_act out) {
+    kd_cuda *c = kd_cuda_of(be);
+    int T = x.rows, H = x.cols, K = e->top_k, I = (int)e->gate[0].rows;
+    size_t P = (size_t)T * K;
+    int32_t *ids = (int32_t *)malloc(P * sizeof(int32_t) * 2);
+    float *w = (float *)malloc(P * sizeof(float) * 2);
+    if (!ids || !w) { free(ids); free(w); return kd_fail(KD_ERR_NOMEM, "cuda moe: out of host memory"); }
+    int32_t *tok = ids + P;
+    float *tw = w + P;
+    kd_status st = be->ops->download(be, ids, d_ids, P * sizeof(int32_t));
+    if (st == KD_OK) st = be->ops->download(be, w, d_w, P * sizeof(float));
+    /* device scratch: acc [T,H] f32 | xs [T,H] bf16 | g, u [T,I] bf16 | y [T,H] f32 | tok [T] | w [T] */
+    size_t o_acc = 0, o_xs = o_acc + (size_t)T * H * 4, o_g = o_xs + (((size_t)T * H * 2 + 255) & ~(size_t)255);
+    size_t o_u = o_g + (((size_t)T * I * 2 + 255) & ~(size_t)255), o_y = o_u + (((size_t)T * I * 2 + 255) & ~(size_t)255);
+    size_t o_tok = o_y + (size_t)T * H * 4, o_tw = o_tok + (((size_t)T * 4 + 255) & ~(size_t)255);
+    void *ws = NULL;
+    if (st == KD_OK) st = kd_cuda_ws(be, KD_WS_MOE2, o_tw + (size_t)T * 4, &ws);
+    char *b = (char *)ws;
+    if (st == KD_OK) {
+        cudaError_t err = cudaMemsetAsync(b + o_acc, 0, (size_t)T * H * 4, c->stream);
+        if (err != cudaSuccess) st = kd_cuda_fail(err, "cudaMemsetAsync (moe accumulator)", __FILE__, __LINE__);
+    }
+    for (int ex = 0; ex < e->n && st == KD_OK; ex++) {
+        int m = 0;
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < K; j++)
+                if (ids[(size_t)t * K + j] == ex) { tok[m] = t; tw[m] = w[(size_t)t * K + j]; m++; }
+        if (!m) continue;
+        int32_t *dtok = (int32_t *)(b + o_tok);
+        float *dtw = (float *)(b + o_tw);
+        st = be->ops->upload(be, dtok, tok, (size_t)m * 4);
+        if (st == KD_OK) st = be->ops->upload(be, dtw, tw, (size_t)m * 4);
+        kd_act xs = {b + o_xs, m, H, H, KD_BF16}, g = {b + o_g, m, I, I, KD_BF16}, u = {b + o_u, m, I, I, KD_BF16};
+        kd_act y = {b + o_y, m, H, H, KD_F32};
+        if (st == KD_OK) st = kd_cuda_gather_rows(be, xs, x, dtok, m);
+        if (st == KD_OK) st = kd_cuda_linear(be, xs, &e->gate[ex], g);
+        if (st == KD_OK) st = kd_cuda_linear(be, xs, &e->up[ex], u);
+        if (st == KD_OK) st = kd_cuda_swiglu(be, g, u, g);
+        if (st == KD_OK) st = kd_cuda_linear(be, g, &e->down[ex], y);
+        if (st == KD_OK) {
+            int blocks = (int)(((size_t)m * H + 255) / 256);
+            scatter_add_kernel<<<blocks, 256, 0, c->stream>>>((float *)(b + o_acc), H, dtok, dtw, (float *)y.data, m);
+            cudaError_t err = cudaGetLastError();
+            if (err != cudaSuccess) st = kd_cuda_fail(err, "scatter_add_kernel", __FILE__, __LINE__);
+        }
+    }
+    if (st == KD_OK) {
+        kd_act acc = {b + o_acc, T, H, H, KD_F32};
+        st = kd_cuda_copy(be, out, acc);
+    }
+    free(ids);
+    free(w);
+    return st;
+}
+
 extern "C" kd_status kd_cuda_experts_load(kd_backend *be, kd_experts *e) {
     if (!e || !e->router || !e->gate || !e->up || !e->down || e->n <= 0)
         return kd_fail(KD_ERR_ARG, "cuda experts_load: incomplete expert table");
     const kd_weight *g0 = &e->gate[0];
     int I = (int)g0->rows, H = (int)g0->cols;
+    bool mixed = false;
     for (int i = 0; i < e->n; i++) {
         const kd_weight *ws[3] = {&e->gate[i], &e->up[i], &e->down[i]};
         for (int j = 0; j < 3; j++) {
             const kd_weight *w = ws[j];
             long long er = j < 2 ? I : H, ec = j < 2 ? H : I;
-            if (!w->dev || w->format != g0->format || w->rows != er || w->cols != ec)
-                return kd_fail(KD_ERR_ARG, "cuda experts_load: expert %d weight '%s' is [%lld, %lld] format %d "
-                               "(loaded: %s); expected [%lld, %lld] format %d like '%s'", i, w->name ? w->name : "?",
-                               (long long)w->rows, (long long)w->cols, (int)w->format, w->dev ? "yes" : "no", er, ec,
-                               (int)g0->format, g0->name ? g0->name : "?");
-            if (((uintptr_t)w->dev & 15) != 0)
+            if (!w->dev || w->rows != er || w->cols != ec)
+                return kd_fail(KD_ERR_ARG, "cuda experts_load: expert %d weight '%s' is [%lld, %lld] (loaded: %s); "
+                               "expected [%lld, %lld] like '%s'", i, w->name ? w->name : "?", (long long)w->rows,
+                               (long long)w->cols, w->dev ? "yes" : "no", er, ec, g0->name ? g0->name : "?");
+            if (w->format != g0->format || w->format == KD_W_F32) mixed = true;
+            if (w->format == KD_W_BF16 && ((uintptr_t)w->dev & 15) != 0)
                 return kd_fail(KD_ERR_ARG, "cuda experts_load: weight '%s' is not 16-byte aligned", w->name ? w->name : "?");
         }
     }
-    if (g0->format == KD_W_F32)
-        return kd_fail(KD_ERR_UNSUPPORTED, "cuda experts_load: f32 expert weights ('%s') are not supported; bf16 or INT4",
-                       g0->name ? g0->name : "?");
     kd_cuda_experts *t = (kd_cuda_experts *)calloc(1, sizeof *t);
     if (!t) return kd_fail(KD_ERR_NOMEM, "cuda experts_load: out of host memory");
     t->n = e->n;
     t->inter = I;
     t->hidden = H;
-    t->int4 = g0->format == KD_W_INT4;
-    if (!t->int4) {
+    t->mixed = mixed;
+    t->int4 = !mixed && g0->format == KD_W_INT4;
+    if (!mixed && !t->int4) {
         size_t bytes = (size_t)e->n * sizeof(void *);
         const bf16 **host = (const bf16 **)malloc(3 * bytes);
         if (!host) { free(t); return kd_fail(KD_ERR_NOMEM, "cuda experts_load: out of host memory"); }
@@ -281,6 +353,7 @@ extern "C" kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, 
                                                         e->norm_topk_prob, e->routed_scaling_factor, ids, wsel);
     KD_CUDA_LAUNCH("route_kernel");
 
+    if (t->mixed) return moe_mixed(be, x, e, ids, wsel, out);
     if (t->int4) {
 #if KD_HAVE_W4A16
         return kd_cuda_w4a16_moe(be, x, e, ids, wsel, out);

@@ -324,13 +324,16 @@ describe("CUDA ops against the CPU twins #gpu", function()
       local router = O.bf16_weight(n, H, 1 / math.sqrt(H))
       local bias = ffi.new("float[?]", n)
       for i = 0, n - 1 do bias[i] = O.randn() * 0.05 end
-      local mk = function(r, c)
-        if fmt == 2 then return O.int4_weight(r, c, group, 1 / math.sqrt(c)) end
+      local mk = function(r, c, i)
+        local f = fmt
+        if fmt == "mixed" then f = ({ 2, 0, 2, 1 })[i % 4 + 1] end   -- INT4, bf16, INT4, f32
+        if f == 2 then return O.int4_weight(r, c, group, 1 / math.sqrt(c)) end
+        if f == 1 then return O.f32_weight(r, c, 1 / math.sqrt(c)) end
         return O.bf16_weight(r, c, 1 / math.sqrt(c))
       end
-      local gate = O.weights(n, function() return mk(I, H) end)
-      local up = O.weights(n, function() return mk(I, H) end)
-      local down = O.weights(n, function() return mk(H, I) end)
+      local gate = O.weights(n, function(i) return mk(I, H, i) end)
+      local up = O.weights(n, function(i) return mk(I, H, i) end)
+      local down = O.weights(n, function(i) return mk(H, I, i) end)
       close(string.format("moe %s (T=%d, H=%d, %d experts top-%d, I=%d, groups %d/%d)", name, T, H, n, top_k, I, ng, tg),
         T * H, function(tb, out)
           return C.kd_test_moe(tb, x, T, H, n, top_k, ng, tg, 1, 2.827, router, bias, gate, up, down, out)
@@ -359,6 +362,24 @@ describe("CUDA ops against the CPU twins #gpu", function()
         assert.is_true(same, string.format("moe: token %d alone differs from the batch at %s", t, tostring(at)))
       end
       note("%-58s bit-identical", "moe batch invariance (token alone == in T=9)")
+    end)
+    it("experts of mixed formats in one layer (quantization ignore list)", function()
+      O.seed(21)
+      moe_case("mixed int4/bf16/f32", 7, 128, 16, 4, 64, 1, 1, "mixed", 32, TOL_MOE)
+    end)
+    it("INT4 experts: many tokens per expert at tiny-k2.6 dims, and batch invariance (CUDA)", function()
+      O.seed(22)
+      local T, H, n, k, I = 40, 128, 16, 4, 64
+      local x, router, bias, gate, up, down = moe_case("int4 tiny-k2.6 dims", T, H, n, k, I, 1, 1, 2, 32, TOL_MOE)
+      local full = ffi.new("float[?]", T * H)
+      O.check(C.kd_test_moe(gpu, x, T, H, n, k, 1, 1, 1, 2.827, router, bias, gate, up, down, full), "moe T=40")
+      for _, t in ipairs({ 0, 17, 39 }) do
+        local one = ffi.new("float[?]", H)
+        O.check(C.kd_test_moe(gpu, x + t * H, 1, H, n, k, 1, 1, 1, 2.827, router, bias, gate, up, down, one), "moe T=1")
+        local same, at = O.same_bits(one, full + t * H, H)
+        assert.is_true(same, string.format("int4 moe: token %d alone differs from the batch at %s", t, tostring(at)))
+      end
+      note("%-58s bit-identical", "int4 moe batch invariance (token alone == in T=40)")
     end)
     it("INT4 experts at K2.6 expert shape (W4A16 kernels)", function()
       O.seed(17)
