@@ -86,15 +86,9 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
-        /* warp-aggregated: lanes with the same digit add once (log-probs share their top bits,
-         * so plain per-element atomics would all hit one bin) */
-        for (int c0 = 0; c0 < cols; c0 += blockDim.x) {
-            int c = c0 + tid;
-            uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
-            bool in = c < cols && (key & mask) == prefix;
-            unsigned bin = in ? (key >> shift) & 255u : 256u;
-            unsigned peers = __match_any_sync(0xffffffffu, bin);
-            if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned)__popc(peers));
+        for (int c = tid; c < cols; c += blockDim.x) {
+            uint32_t key = fkey(ld_row(x, dt, base + c));
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
         }
         __syncthreads();
         if (tid == 0) {
