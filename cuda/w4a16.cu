@@ -13,10 +13,12 @@
  * Dequantisation: u | 0x4300 is the bf16 128+u; one bf16x2 fma subtracts 136, giving the
  *   exact integer q = u-8. The q*x products are exact; each scale group's sum is kept in
  *   fp32 (tmp) and folded in as acc = fma(tmp, scale, acc) when the group ends.
- * Split-K: K is cut into `parts` fixed by the weight's shape; partials go to an fp32
- *   workspace, the last block of a tile (a counter per tile) adds them in part order.
- * Work items (token tile, part, n-block) are walked by a grid-stride loop, so the MoE can
- *   launch a fixed grid while the number of tiles is known only on the device.
+ * Split-K: K is cut into `parts` fixed by the weight's shape (enough warps in flight at
+ *   small M); the parts of a tile are the blocks of one thread-block cluster, which leave
+ *   their fp32 partials in shared memory and add them through distributed shared memory in
+ *   part order 0..parts-1 (no workspace, no atomics).
+ * Work items (token tile, n-block) are walked by a grid-stride loop over clusters, so the MoE
+ *   can launch a fixed grid while the number of tiles is known only on the device.
  */
 #include "w4a16.cuh"
 #include <cuda_bf16.h>
@@ -28,7 +30,6 @@ namespace {
 
 constexpr int CHUNK_K = 64;       /* k per pipeline chunk */
 constexpr int XS = 72;            /* bf16 per activation row in shared memory: 64 + 8 pad (conflict-free ldmatrix) */
-constexpr int MAX_PARTS = 16;
 
 kd_status w4_fail(cudaError_t e, const char *call, int line) {
     if (e == cudaErrorMemoryAllocation) {
@@ -166,10 +167,6 @@ struct W4Args {
     void *y;
     long long ldy;
     int y_f32;
-    float *ws;                        /* split-K partials [parts][ws_rows][ws_cols] */
-    long long ws_rows;
-    int ws_cols;
-    int *counters;                    /* one per (token tile, n-block), zero between launches */
 };
 
 template <int MT8, int NT, int WN, int STAGES>
@@ -181,20 +178,49 @@ struct W4Shape {
     static constexpr int W_BYTES = SLOTS * 512;
     static constexpr int S_BYTES = SLOTS * 64;   /* up to two scale groups (64 k of group 32) per slot */
     static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + S_BYTES;
-    static constexpr int SMEM = STAGES * STAGE_BYTES;
+    static constexpr int PART_BYTES = SLOTS * 16 * BM * 4;   /* the block's fp32 partial tile (split-K) */
+    static constexpr int SMEM = STAGES * STAGE_BYTES > PART_BYTES ? STAGES * STAGE_BYTES : PART_BYTES;
 };
 
+__device__ __forceinline__ float ld_cluster(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint32_t cluster_addr(const float *p, unsigned rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+    return remote;
+}
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+
+/* Grid: clusters of `parts` blocks (one block per part of K, rank = part); a cluster walks
+ * work items (token tile, n-block) with a grid-stride loop over clusters. */
+/* small-M configurations ask for ~24 resident warps per SM (at most 85 registers): latency
+ * hiding is what limits them */
+template <int MT8, int NT, int WN>
+struct W4MinBlocks { static constexpr int value = MT8 <= 2 ? 768 / (WN * 32) : 1; };
+
 template <int MT8, int NT, int WN, int STAGES, bool DUAL>
-__global__ void __launch_bounds__(WN * 32) w4a16_gemm_kernel(const W4Args a) {
+__global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4a16_gemm_kernel(const W4Args a) {
     typedef W4Shape<MT8, NT, WN, STAGES> S;
     constexpr int BM = S::BM, THREADS = S::THREADS, SLOTS = S::SLOTS;
+    constexpr int OUT_SLOTS = DUAL ? WN : SLOTS;    /* 16-row output tiles per block */
     static_assert(!DUAL || NT == 2, "DUAL pairs a gate slot with an up slot");
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ long long row_off[BM];
-    __shared__ int last_flag;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool moe = a.tiles != nullptr;
+    const int part = a.parts > 1 ? (int)cluster_rank() : 0;
+    const int cluster = blockIdx.x / a.parts, n_clusters = gridDim.x / a.parts;
     griddep_launch_dependents();
     int tiles_m;
     if (moe) {
@@ -204,13 +230,13 @@ __global__ void __launch_bounds__(WN * 32) w4a16_gemm_kernel(const W4Args a) {
         tiles_m = (a.m + BM - 1) / BM;
     }
     bool waited = moe;
-    const long long total = (long long)tiles_m * a.parts * a.nb;
+    const long long total = (long long)tiles_m * a.nb;
+    const int gmask = (1 << a.gshift) - 1;
+    const int spieces = a.gshift < 6 ? 2 << (6 - a.gshift) : 2;   /* 16-byte scale pieces per slot per chunk */
 
-    for (long long item = blockIdx.x; item < total; item += gridDim.x) {
+    for (long long item = cluster; item < total; item += n_clusters) {
         const int nbi = (int)(item % a.nb);
-        const long long rest = item / a.nb;
-        const int part = (int)(rest % a.parts);
-        const int tile = (int)(rest / a.parts);
+        const int tile = (int)(item / a.nb);
         int row0, rows;
         W4Mat m0 = a.mat, m1 = a.mat;
         if (moe) {
@@ -230,19 +256,18 @@ __global__ void __launch_bounds__(WN * 32) w4a16_gemm_kernel(const W4Args a) {
         }
         const int c0 = part * a.cpp, c1 = min(a.kc, c0 + a.cpp), nchunks = c1 - c0;
 
+        /* this warp's slots: weight stream pointers (a slot past N streams tile 0; never stored) */
         int slot_tile[NT];
-        bool slot_ok[NT];
-        const uint4 *slot_q[NT];
-        const uint32_t *slot_s[NT];
+        const uint4 *qn[NT];
+        const uint4 *sbase[NT];
 #pragma unroll
         for (int i = 0; i < NT; i++) {
             int t = DUAL ? nbi * WN + warp : nbi * SLOTS + warp * NT + i;
             const W4Mat &mm = (DUAL && i == 1) ? m1 : m0;
             slot_tile[i] = t;
-            slot_ok[i] = t < a.n_tiles;
-            int tc = slot_ok[i] ? t : 0;
-            slot_q[i] = mm.q + (size_t)tc * a.kc * 32 + lane;
-            slot_s[i] = mm.s + (size_t)tc * a.groups * 8;
+            int tc = t < a.n_tiles ? t : 0;
+            qn[i] = mm.q + ((size_t)tc * a.kc + c0) * 32 + lane;
+            sbase[i] = (const uint4 *)(mm.s + (size_t)tc * a.groups * 8) + lane;
         }
         for (int r = tid; r < BM; r += THREADS) {
             long long off = -1;
@@ -251,19 +276,21 @@ __global__ void __launch_bounds__(WN * 32) w4a16_gemm_kernel(const W4Args a) {
         }
         __syncthreads();
 
+        /* loads of chunk c into a stage; load_w is called for consecutive chunks */
         auto load_w = [&](int c, int stage) {
             unsigned char *sb = smem + stage * S::STAGE_BYTES;
-            uint4 *sw = (uint4 *)(sb + S::X_BYTES) + warp * NT * 32;
-            uint4 *ss = (uint4 *)(sb + S::X_BYTES + S::W_BYTES) + warp * NT * 4;
-            const int g0 = (c * CHUNK_K) >> a.gshift;
-            const int pieces = a.gshift < 6 ? 2 << (6 - a.gshift) : 2;   /* 16-byte scale pieces per slot */
+            uint4 *sw = (uint4 *)(sb + S::X_BYTES) + warp * NT * 32 + lane;
+            uint4 *ss = (uint4 *)(sb + S::X_BYTES + S::W_BYTES) + warp * NT * 4 + lane;
+            const int soff = ((c * CHUNK_K) >> a.gshift) * 2;   /* uint4 offset of the chunk's first group */
 #pragma unroll
             for (int i = 0; i < NT; i++) {
-                if (!slot_ok[i]) continue;
-                cp_async16(sw + i * 32 + lane, slot_q[i] + (size_t)c * 32, true);
-                if (lane < pieces) cp_async16(ss + i * 4 + lane, (const uint4 *)(slot_s[i] + (size_t)g0 * 8) + lane, true);
+                cp_async16(sw + i * 32, qn[i], true);
+                qn[i] += 32;
+                if (lane < spieces) cp_async16(ss + i * 4, sbase[i] + soff, true);
             }
         };
+        /* activation rows past `rows` are not loaded: their columns of C are never stored, and a
+         * column of an mma result depends on its own column of B alone */
         auto load_x = [&](int c, int stage) {
             bf16 *sx = (bf16 *)(smem + stage * S::STAGE_BYTES);
 #pragma unroll
@@ -272,8 +299,10 @@ __global__ void __launch_bounds__(WN * 32) w4a16_gemm_kernel(const W4Args a) {
                 if (BM * 8 % THREADS == 0 || p < BM * 8) {
                     int rr = p >> 3, kp = p & 7, kk = c * CHUNK_K + kp * 8;
                     long long off = row_off[rr];
-                    bool v = off >= 0 && kk < a.k;
-                    cp_async16(sx + rr * XS + kp * 8, v ? (const void *)(a.x + off + kk) : (const void *)a.x, v);
+                    if (off >= 0) {
+                        bool v = kk < a.k;
+                        cp_async16(sx + rr * XS + kp * 8, v ? (const void *)(a.x + off + kk) : (const void *)a.x, v);
+                    }
                 }
             }
         };
@@ -318,6 +347,8 @@ __global__ void __launch_bounds__(WN * 32) w4a16_gemm_kernel(const W4Args a) {
             const bf16 *sx = (const bf16 *)sb;
             const uint4 *sw = (const uint4 *)(sb + S::X_BYTES) + warp * NT * 32;
             const uint32_t *ss = (const uint32_t *)(sb + S::X_BYTES + S::W_BYTES) + warp * NT * 16;
+            /* scale groups end after k16 step 1 (group 32) and after step 3 (group 32, 64; 128 on odd chunks) */
+            const bool end1 = a.gshift == 5, end3 = (((c + 1) * CHUNK_K) & gmask) == 0;
             uint4 wq[NT];
 #pragma unroll
             for (int i = 0; i < NT; i++) wq[i] = sw[i * 32 + lane];
@@ -335,8 +366,7 @@ __global__ void __launch_bounds__(WN * 32) w4a16_gemm_kernel(const W4Args a) {
 #pragma unroll
                     for (int j = 0; j < MT8; j++) mma_bf16(tmp[i][j], av, b[j][0], b[j][1]);
                 }
-                /* the scale group ends after this k16 step: fold it in */
-                if (((c * CHUNK_K + kk * 16 + 16) & ((1 << a.gshift) - 1)) == 0) {
+                if ((kk == 1 && end1) || (kk == 3 && end3)) {
                     const int gl = (kk * 16) >> a.gshift;   /* group within the chunk (group 32: 0 or 1) */
 #pragma unroll
                     for (int i = 0; i < NT; i++) {
@@ -357,13 +387,12 @@ __global__ void __launch_bounds__(WN * 32) w4a16_gemm_kernel(const W4Args a) {
         }
         cp_async_wait<0>();
 
-        /* ---- epilogue: fragment (i, j, r) is weight row n = 16*tile + lane/4 (+8 for r >= 2),
-         * token t = 8j + 2*(lane%4) (+1 for odd r) */
+        /* ---- epilogue: fragment (i, j, r) is weight row 16*tile + lane/4 (+8 for r >= 2),
+         * token 8j + 2*(lane%4) (+1 for odd r) */
         const int gr = lane >> 2, tq = (lane & 3) * 2;
         if (a.parts == 1) {
 #pragma unroll
-            for (int i = 0; i < (DUAL ? 1 : NT); i++) {
-                if (!slot_ok[i]) continue;
+            for (int i = 0; i < (DUAL ? 1 : NT); i++)
 #pragma unroll
                 for (int j = 0; j < MT8; j++)
 #pragma unroll
@@ -373,57 +402,45 @@ __global__ void __launch_bounds__(WN * 32) w4a16_gemm_kernel(const W4Args a) {
                         float v = DUAL ? silu_mul(acc[0][j][r], acc[1][j][r]) : acc[i][j][r];
                         store_out(a.y, a.y_f32, (size_t)(row0 + t) * a.ldy + n, v);
                     }
-            }
+            __syncthreads();   /* row_off and the stages are reused by the next item */
         } else {
+            /* split-K inside the cluster: every block leaves its partial tile in its own shared
+             * memory [slot*16 + row][token]; after a cluster barrier, block `rank` adds the parts
+             * for its share of the tile in part order 0..parts-1 and stores it */
+            float *pbuf = (float *)smem;
+            __syncthreads();   /* the last stage has been read by every warp */
 #pragma unroll
-            for (int i = 0; i < NT; i++) {
-                if (!slot_ok[i]) continue;
-#pragma unroll
-                for (int j = 0; j < MT8; j++)
-#pragma unroll
-                    for (int r = 0; r < 4; r++) {
-                        int n = slot_tile[i] * 16 + gr + (r >= 2 ? 8 : 0), t = j * 8 + tq + (r & 1);
-                        if (n >= a.n || t >= rows) continue;
-                        int col = DUAL ? i * a.n + n : n;
-                        a.ws[((size_t)part * a.ws_rows + row0 + t) * a.ws_cols + col] = acc[i][j][r];
-                    }
-            }
-            __threadfence();
-            __syncthreads();
-            if (tid == 0) {
-                int *cnt = a.counters + (size_t)tile * a.nb + nbi;
-                int old = atomicAdd(cnt, 1);
-                last_flag = old == a.parts - 1;
-                if (last_flag) *cnt = 0;   /* every part has arrived: ready for the next launch */
-            }
-            __syncthreads();
-            if (last_flag) {
-                __threadfence();
+            for (int i = 0; i < NT; i++)
 #pragma unroll
                 for (int j = 0; j < MT8; j++)
 #pragma unroll
                     for (int r = 0; r < 4; r++) {
-                        int t = j * 8 + tq + (r & 1);
-                        if (t >= rows) continue;
-#pragma unroll
-                        for (int i = 0; i < (DUAL ? 1 : NT); i++) {
-                            if (!slot_ok[i]) continue;
-                            int n = slot_tile[i] * 16 + gr + (r >= 2 ? 8 : 0);
-                            if (n >= a.n) continue;
-                            const float *p0 = a.ws + (size_t)(row0 + t) * a.ws_cols + n;
-                            size_t pstride = (size_t)a.ws_rows * a.ws_cols;
-                            float v = __ldcg(p0), u = 0.0f;
-                            if (DUAL) u = __ldcg(p0 + a.n);
-                            for (int p = 1; p < a.parts; p++) {
-                                v += __ldcg(p0 + p * pstride);
-                                if (DUAL) u += __ldcg(p0 + p * pstride + a.n);
-                            }
-                            store_out(a.y, a.y_f32, (size_t)(row0 + t) * a.ldy + n, DUAL ? silu_mul(v, u) : v);
-                        }
+                        int row = (warp * NT + i) * 16 + gr + (r >= 2 ? 8 : 0), t = j * 8 + tq + (r & 1);
+                        pbuf[row * BM + t] = acc[i][j][r];
                     }
+            cluster_sync_all();
+            const int width = OUT_SLOTS * 16, n0 = (DUAL ? nbi * WN : nbi * SLOTS) * 16;
+            const int e_total = rows * width;
+            const int e_beg = (int)((long long)e_total * part / a.parts);
+            const int e_end = (int)((long long)e_total * (part + 1) / a.parts);
+            for (int e = e_beg + tid; e < e_end; e += THREADS) {
+                int t = e / width, nl = e - t * width, n = n0 + nl;
+                if (n >= a.n) continue;
+                int rg = DUAL ? (nl >> 4) * 32 + (nl & 15) : nl;   /* gate (or plain) row in pbuf */
+                const float *pg = pbuf + rg * BM + t;
+                float v = 0.0f, u = 0.0f;
+                for (int p = 0; p < a.parts; p++) {
+                    float gv = ld_cluster(cluster_addr(pg, (unsigned)p));
+                    v = p == 0 ? gv : v + gv;
+                    if (DUAL) {
+                        float uv = ld_cluster(cluster_addr(pg + 16 * BM, (unsigned)p));
+                        u = p == 0 ? uv : u + uv;
+                    }
+                }
+                store_out(a.y, a.y_f32, (size_t)(row0 + t) * a.ldy + n, DUAL ? silu_mul(v, u) : v);
             }
+            cluster_sync_all();   /* peers are done reading this block's partials */
         }
-        __syncthreads();   /* row_off, last_flag and the stages are reused by the next item */
     }
 }
 
@@ -434,17 +451,15 @@ constexpr int PLAN_WARPS = PLAN_THREADS / 32;
 /* One block. Entries i = t*top_k + j. Per expert: count, exclusive offsets, and a
  * deterministic slot for each entry (entry order within an expert), the token row of each
  * slot, and the list of token tiles (expert, first slot, rows) of at most bm rows.
- * Also zeroes the split-K tile counters. Ids outside [0, E) get slot -1. */
+ * Ids outside [0, E) get slot -1. */
 __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_kernel(const int32_t *__restrict__ ids, int n_entries, int top_k,
                                                                 int E, int bm, int *__restrict__ slot_of,
                                                                 int *__restrict__ row_token, int4 *__restrict__ tiles,
-                                                                int *__restrict__ n_tiles, int *__restrict__ counters,
-                                                                int n_counters) {
+                                                                int *__restrict__ n_tiles) {
     extern __shared__ int cnt[];          /* [PLAN_WARPS][E] then base[E], tbase[E] */
     int *base = cnt + PLAN_WARPS * E, *tbase = base + E;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     for (int i = tid; i < PLAN_WARPS * E; i += PLAN_THREADS) cnt[i] = 0;
-    for (int i = tid; i < n_counters; i += PLAN_THREADS) counters[i] = 0;
     __syncthreads();
     const int per = (n_entries + PLAN_WARPS - 1) / PLAN_WARPS;
     const int beg = warp * per, end = min(n_entries, beg + per);
@@ -538,60 +553,74 @@ struct W4Config {
 const W4Config CONFIGS[] = {
     {"m8_nt2_w4", 1, 2, 4, 8},   {"m8_nt1_w8", 1, 1, 8, 8},  {"m16_nt2_w4", 2, 2, 4, 8},
     {"m16_nt1_w8", 2, 1, 8, 8},  {"m32_nt2_w4", 4, 2, 4, 6}, {"m64_nt2_w4", 8, 2, 4, 4},
+    {"m8_nt1_w4", 1, 1, 4, 8},   {"m16_nt1_w4", 2, 1, 4, 8},
 };
 constexpr int N_CONFIGS = sizeof(CONFIGS) / sizeof(CONFIGS[0]);
 int g_force_config = -1;
 
 int config_for_m(int m) {
     if (g_force_config >= 0 && g_force_config < N_CONFIGS) return g_force_config;
-    if (m <= 8) return 0;
-    if (m <= 16) return 2;
+    if (m <= 8) return 1;
+    if (m <= 16) return 3;
     if (m <= 32) return 4;
     return 5;
 }
 
 typedef void (*KernelFn)(const W4Args);
 
-template <int MT8, int NT, int WN, int STAGES, bool DUAL>
-KernelFn pick_kernel(int group) {
-    (void)group;
-    return w4a16_gemm_kernel<MT8, NT, WN, STAGES, DUAL>;
-}
-
 struct Launch {
     KernelFn fn;
     int threads, smem, bm, slots_per_block;
 };
 
-Launch get_launch(int cfg, int group, bool dual) {
-    Launch l = {};
-    if (dual) {
-        switch (CONFIGS[cfg].mt8) {
-        case 1: l.fn = pick_kernel<1, 2, 4, 8, true>(group); l.smem = W4Shape<1, 2, 4, 8>::SMEM; break;
-        case 2: l.fn = pick_kernel<2, 2, 4, 8, true>(group); l.smem = W4Shape<2, 2, 4, 8>::SMEM; break;
-        case 4: l.fn = pick_kernel<4, 2, 4, 6, true>(group); l.smem = W4Shape<4, 2, 4, 6>::SMEM; break;
-        default: l.fn = pick_kernel<8, 2, 4, 4, true>(group); l.smem = W4Shape<8, 2, 4, 4>::SMEM; break;
-        }
-        l.threads = 128;
-        l.bm = CONFIGS[cfg].mt8 * 8;
-        l.slots_per_block = 4;   /* output tiles per block: one (gate, up) pair per warp */
-        return l;
-    }
-    switch (cfg) {
-    case 0: l.fn = pick_kernel<1, 2, 4, 8, false>(group); l.smem = W4Shape<1, 2, 4, 8>::SMEM; break;
-    case 1: l.fn = pick_kernel<1, 1, 8, 8, false>(group); l.smem = W4Shape<1, 1, 8, 8>::SMEM; break;
-    case 2: l.fn = pick_kernel<2, 2, 4, 8, false>(group); l.smem = W4Shape<2, 2, 4, 8>::SMEM; break;
-    case 3: l.fn = pick_kernel<2, 1, 8, 8, false>(group); l.smem = W4Shape<2, 1, 8, 8>::SMEM; break;
-    case 4: l.fn = pick_kernel<4, 2, 4, 6, false>(group); l.smem = W4Shape<4, 2, 4, 6>::SMEM; break;
-    default: l.fn = pick_kernel<8, 2, 4, 4, false>(group); l.smem = W4Shape<8, 2, 4, 4>::SMEM; break;
-    }
-    l.threads = CONFIGS[cfg].wn * 32;
-    l.bm = CONFIGS[cfg].mt8 * 8;
-    l.slots_per_block = CONFIGS[cfg].wn * CONFIGS[cfg].nt;
+template <int MT8, int NT, int WN, int STAGES, bool DUAL>
+Launch make_launch() {
+    Launch l;
+    l.fn = w4a16_gemm_kernel<MT8, NT, WN, STAGES, DUAL>;
+    l.threads = WN * 32;
+    l.smem = W4Shape<MT8, NT, WN, STAGES>::SMEM;
+    l.bm = MT8 * 8;
+    l.slots_per_block = DUAL ? WN : WN * NT;   /* output tiles of 16 rows per block */
     return l;
 }
 
-/* cudaFuncSetAttribute once per (kernel, device) */
+Launch get_launch(int cfg, bool dual) {
+    if (dual) {
+        switch (CONFIGS[cfg].mt8) {
+        case 1: return make_launch<1, 2, 4, 8, true>();
+        case 2: return make_launch<2, 2, 4, 8, true>();
+        case 4: return make_launch<4, 2, 4, 6, true>();
+        default: return make_launch<8, 2, 4, 4, true>();
+        }
+    }
+    switch (cfg) {
+    case 0: return make_launch<1, 2, 4, 8, false>();
+    case 1: return make_launch<1, 1, 8, 8, false>();
+    case 2: return make_launch<2, 2, 4, 8, false>();
+    case 3: return make_launch<2, 1, 8, 8, false>();
+    case 4: return make_launch<4, 2, 4, 6, false>();
+    case 6: return make_launch<1, 1, 4, 8, false>();
+    case 7: return make_launch<2, 1, 4, 8, false>();
+    default: return make_launch<8, 2, 4, 4, false>();
+    }
+}
+
+/* the most blocks one cluster may have on this device: 16 on Hopper (non-portable size), 8 elsewhere */
+int max_parts() {
+    static int dev_cached = -1, value = 8;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 8;
+    if (dev != dev_cached) {
+        int major = 0;
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        value = major == 9 ? 16 : 8;
+        dev_cached = dev;
+    }
+    return value;
+}
+
+/* per (kernel, device): the dynamic shared memory limit, the carveout (all shared memory,
+ * so several blocks fit per SM) and clusters of 16 */
 kd_status prepare_kernel(KernelFn fn, int smem) {
     static const int MAXK = 256;
     static KernelFn done_fn[MAXK];
@@ -602,6 +631,8 @@ kd_status prepare_kernel(KernelFn fn, int smem) {
     for (int i = 0; i < n_done; i++)
         if (done_fn[i] == fn && done_dev[i] == dev) return KD_OK;
     W4_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    W4_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    if (max_parts() > 8) W4_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     if (n_done < MAXK) {
         done_fn[n_done] = fn;
         done_dev[n_done] = dev;
@@ -610,18 +641,35 @@ kd_status prepare_kernel(KernelFn fn, int smem) {
     return KD_OK;
 }
 
-kd_status launch(const Launch &l, int blocks, const W4Args &args, bool pdl, cudaStream_t st) {
+void fill_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attr, const Launch &l, int blocks, int parts, bool pdl,
+                 cudaStream_t st) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->gridDim = dim3((unsigned)blocks);
+    cfg->blockDim = dim3((unsigned)l.threads);
+    cfg->dynamicSmemBytes = (size_t)l.smem;
+    cfg->stream = st;
+    int na = 0;
+    if (parts > 1) {
+        attr[na].id = cudaLaunchAttributeClusterDimension;
+        attr[na].val.clusterDim.x = (unsigned)parts;
+        attr[na].val.clusterDim.y = 1;
+        attr[na].val.clusterDim.z = 1;
+        na++;
+    }
+    if (pdl) {
+        attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[na].val.programmaticStreamSerializationAllowed = 1;
+        na++;
+    }
+    cfg->attrs = attr;
+    cfg->numAttrs = na;
+}
+
+kd_status launch(const Launch &l, int clusters, const W4Args &args, bool pdl, cudaStream_t st) {
     KD_TRY(prepare_kernel(l.fn, l.smem));
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)blocks);
-    cfg.blockDim = dim3((unsigned)l.threads);
-    cfg.dynamicSmemBytes = (size_t)l.smem;
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr[2];
+    fill_config(&cfg, attr, l, clusters * args.parts, args.parts, pdl, st);
     W4_CUDA(cudaLaunchKernelEx(&cfg, l.fn, args));
     return KD_OK;
 }
@@ -631,17 +679,18 @@ int kc_of(int k) { return (k + CHUNK_K - 1) / CHUNK_K; }
 int tiles_of(int n) { return (n + 15) / 16; }
 int groups_pad_of(int k, int group) { return (kc_of(k) * CHUNK_K + group - 1) / group; }
 
-/* the fixed split of K: parts (P) and chunks per part (cpp); a function of the shape only.
- * blocks64 = the number of 64-row blocks one launch has besides the split (n/64, or
- * n/64 * top_k for the MoE); the split brings it to about 256 work items. */
+/* The fixed split of K: parts (P) and chunks per part (cpp), a function of the shape only
+ * (and of the device kind: at most max_parts()). warp_tiles = the 16-row weight tiles one
+ * launch streams besides the split (n/16, times top_k for the MoE); P brings the launch to
+ * about 2048 warps of one tile each (16 per SM: latency hiding at small M), keeping at
+ * least two chunks per part. */
 int g_force_parts = 0;
-void split_of(int k, int group, long long blocks64, int *parts, int *cpp) {
+void split_of(int k, int group, long long warp_tiles, int *parts, int *cpp) {
     int kc = kc_of(k), unit = group > CHUNK_K ? group / CHUNK_K : 1, units = kc / unit;
-    int p = 1;
-    while (p < MAX_PARTS && blocks64 * p < 256) p *= 2;
-    if (g_force_parts > 0) p = g_force_parts;
-    if (p > units) p = units;
-    if (p < 1) p = 1;
+    int p = 1, pmax = max_parts();
+    while (p < pmax && warp_tiles * p < 2048) p *= 2;
+    if (g_force_parts > 0) p = g_force_parts < pmax ? g_force_parts : pmax;
+    while (p > 1 && units < 2 * p) p /= 2;
     int upp = (units + p - 1) / p;
     *cpp = upp * unit;
     *parts = (kc + *cpp - 1) / *cpp;
@@ -659,6 +708,26 @@ int sm_count() {
 }
 
 size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
+
+/* how many clusters of `parts` blocks fit on the device at once (for the grid-stride MoE grid) */
+int resident_clusters(const Launch &l, int parts) {
+    if (prepare_kernel(l.fn, l.smem) != KD_OK) return sm_count() / parts + 1;
+    int n = 0;
+    if (parts > 1) {
+        cudaLaunchConfig_t cfg;
+        cudaLaunchAttribute attr[2];
+        fill_config(&cfg, attr, l, parts * 64, parts, false, 0);
+        if (cudaOccupancyMaxActiveClusters(&n, l.fn, &cfg) != cudaSuccess) { cudaGetLastError(); n = 0; }
+    } else {
+        int per_sm = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l.fn, l.threads, (size_t)l.smem) != cudaSuccess) {
+            cudaGetLastError();
+            per_sm = 0;
+        }
+        n = per_sm * sm_count();
+    }
+    return n > 0 ? n : sm_count() / parts + 1;
+}
 
 }  // namespace
 
@@ -683,7 +752,7 @@ extern "C" size_t kd_w4a16_scales_bytes(int n, int k, int group) {
 }
 extern "C" int kd_w4a16_parts(int n, int k, int group) {
     int p, cpp;
-    split_of(k, group, (n + 63) / 64, &p, &cpp);
+    split_of(k, group, tiles_of(n), &p, &cpp);
     return p;
 }
 
@@ -704,27 +773,12 @@ extern "C" kd_status kd_w4a16_repack(const int32_t *raw_codes, const uint16_t *r
     return KD_OK;
 }
 
-static size_t gemm_counters(int n, int k, int group, int m) {
-    int p, cpp;
-    split_of(k, group, (n + 63) / 64, &p, &cpp);
-    if (p == 1) return 0;
-    /* the most tiles x n-blocks over the configurations: BM 8, 64 rows per block (8 warps x 1 slot
-     * or 4 x 2 ... the smallest block is 64 rows) */
-    size_t tiles = (size_t)(m + 7) / 8, nb = (size_t)(tiles_of(n) + 3) / 4;
-    return align256(tiles * nb * sizeof(int));
-}
-
-extern "C" size_t kd_w4a16_gemm_counter_bytes(int n, int k, int group, int m) { return gemm_counters(n, k, group, m); }
-
-extern "C" size_t kd_w4a16_gemm_ws_bytes(int n, int k, int group, int m) {
-    int p, cpp;
-    split_of(k, group, (n + 63) / 64, &p, &cpp);
-    if (p == 1) return 0;
-    return gemm_counters(n, k, group, m) + (size_t)p * m * n * sizeof(float);
-}
+/* the split-K partials live in the clusters' shared memory: no workspace */
+extern "C" size_t kd_w4a16_gemm_counter_bytes(int n, int k, int group, int m) { return 0; }
+extern "C" size_t kd_w4a16_gemm_ws_bytes(int n, int k, int group, int m) { return 0; }
 
 extern "C" void kd_w4a16_force_config(int cfg) { g_force_config = cfg; }
-extern "C" void kd_w4a16_force_parts(int parts) { g_force_parts = parts > MAX_PARTS ? MAX_PARTS : parts; }
+extern "C" void kd_w4a16_force_parts(int parts) { g_force_parts = parts; }
 extern "C" int kd_w4a16_n_configs(void) { return N_CONFIGS; }
 extern "C" const char *kd_w4a16_config_name(int cfg) {
     return cfg >= 0 && cfg < N_CONFIGS ? CONFIGS[cfg].name : "auto";
@@ -733,6 +787,7 @@ extern "C" const char *kd_w4a16_config_name(int cfg) {
 extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n, int k, int group, const void *x,
                                    long long ldx, int m, void *y, long long ldy, int y_f32, void *ws, size_t ws_bytes,
                                    int flags, cudaStream_t st) {
+    (void)ws; (void)ws_bytes;
     KD_TRY(kd_w4a16_check(n, k, group, "gemm"));
     if (m < 0 || ldx < k || ldy < n)
         return kd_fail(KD_ERR_ARG, "w4a16 gemm: m %d, ldx %lld (k %d), ldy %lld (n %d)", m, ldx, k, ldy, n);
@@ -744,13 +799,8 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
     if (((uintptr_t)codes & 15) || ((uintptr_t)scales & 15))
         return kd_fail(KD_ERR_ARG, "w4a16 gemm: codes/scales must be 16-byte aligned");
     int parts, cpp;
-    split_of(k, group, (n + 63) / 64, &parts, &cpp);
-    size_t need = kd_w4a16_gemm_ws_bytes(n, k, group, m);
-    if (ws_bytes < need)
-        return kd_fail(KD_ERR_ARG, "w4a16 gemm: workspace of %zu bytes, need %zu (n %d, k %d, m %d, %d parts)", ws_bytes,
-                       need, n, k, m, parts);
-    int cfg = config_for_m(m);
-    Launch l = get_launch(cfg, group, false);
+    split_of(k, group, tiles_of(n), &parts, &cpp);
+    Launch l = get_launch(config_for_m(m), false);
     W4Args a = {};
     a.x = (const bf16 *)x;
     a.ldx = ldx;
@@ -761,72 +811,47 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
     a.nb = (a.n_tiles + l.slots_per_block - 1) / l.slots_per_block;
     a.m = m;
     a.y = y; a.ldy = ldy; a.y_f32 = y_f32;
-    if (parts > 1) {
-        size_t cb = gemm_counters(n, k, group, m);
-        a.counters = (int *)ws;
-        a.ws = (float *)((char *)ws + cb);
-        a.ws_rows = m;
-        a.ws_cols = n;
-    }
-    long long total = (long long)((m + l.bm - 1) / l.bm) * parts * a.nb;
-    return launch(l, (int)total, a, (flags & KD_W4A16_PDL) != 0, st);
+    long long items = (long long)((m + l.bm - 1) / l.bm) * a.nb;
+    if (items * parts > 0x7fffffffLL) return kd_fail(KD_ERR_ARG, "w4a16 gemm: m %d is too large for one launch", m);
+    return launch(l, (int)items, a, (flags & KD_W4A16_PDL) != 0, st);
 }
 
 /* ---------------------------------------------------------------- MoE */
 namespace {
 struct MoeLayout {
-    int bm_cfg, tk, tiles_max, parts_gu, cpp_gu, parts_d, cpp_d, nb_gu, nb_d, n_counters;
-    size_t o_slot, o_rowtok, o_tiles, o_ntiles, o_counters, o_act, o_y, o_part, total;
+    int cfg, tk, tiles_max, parts_gu, cpp_gu, parts_d, cpp_d, nb_gu, nb_d;
+    size_t o_slot, o_rowtok, o_tiles, o_ntiles, o_act, o_y, total;
 };
 
 int moe_config(const kd_w4a16_moe_shape *s, int T) {
     if (g_force_config >= 0 && g_force_config < N_CONFIGS) return g_force_config;
     long long tk = (long long)T * s->top_k, active = tk < s->n_experts ? tk : s->n_experts;
     long long avg = (tk + active - 1) / (active > 0 ? active : 1);
-    if (avg <= 8) return 0;
-    if (avg <= 16) return 2;
+    if (avg <= 8) return 1;
+    if (avg <= 16) return 3;
     if (avg <= 32) return 4;
     return 5;
 }
 
 MoeLayout moe_layout(const kd_w4a16_moe_shape *s, int T) {
     MoeLayout L = {};
-    int cfg = moe_config(s, T);
-    Launch gu = get_launch(cfg, s->group, true), dn = get_launch(cfg, s->group, false);
-    L.bm_cfg = cfg;
+    L.cfg = moe_config(s, T);
+    Launch gu = get_launch(L.cfg, true), dn = get_launch(L.cfg, false);
     L.tk = T * s->top_k;
-    int bm = gu.bm;
-    L.tiles_max = (L.tk + bm - 1) / bm + (L.tk < s->n_experts ? L.tk : s->n_experts);
-    split_of(s->hidden, s->group, (long long)(s->inter + 63) / 64 * s->top_k, &L.parts_gu, &L.cpp_gu);
-    split_of(s->inter, s->group, (long long)(s->hidden + 63) / 64 * s->top_k, &L.parts_d, &L.cpp_d);
+    L.tiles_max = (L.tk + gu.bm - 1) / gu.bm + (L.tk < s->n_experts ? L.tk : s->n_experts);
+    split_of(s->hidden, s->group, (long long)tiles_of(s->inter) * s->top_k, &L.parts_gu, &L.cpp_gu);
+    split_of(s->inter, s->group, (long long)tiles_of(s->hidden) * s->top_k, &L.parts_d, &L.cpp_d);
     L.nb_gu = (tiles_of(s->inter) + gu.slots_per_block - 1) / gu.slots_per_block;
     L.nb_d = (tiles_of(s->hidden) + dn.slots_per_block - 1) / dn.slots_per_block;
-    L.n_counters = L.tiles_max * (L.nb_gu > L.nb_d ? L.nb_gu : L.nb_d);
     size_t o = 0;
     L.o_slot = o; o = align256(o + (size_t)L.tk * 4);
     L.o_rowtok = o; o = align256(o + (size_t)L.tk * 4);
     L.o_tiles = o; o = align256(o + (size_t)L.tiles_max * 16);
     L.o_ntiles = o; o = align256(o + 16);
-    L.o_counters = o; o = align256(o + (size_t)L.n_counters * 4);
     L.o_act = o; o = align256(o + (size_t)L.tk * s->inter * 2);
     L.o_y = o; o = align256(o + (size_t)L.tk * s->hidden * 4);
-    L.o_part = o;
-    size_t pg = L.parts_gu > 1 ? (size_t)L.parts_gu * L.tk * 2 * s->inter * 4 : 0;
-    size_t pd = L.parts_d > 1 ? (size_t)L.parts_d * L.tk * s->hidden * 4 : 0;
-    o = align256(o + (pg > pd ? pg : pd));
     L.total = o;
     return L;
-}
-
-int occupancy_blocks(const Launch &l) {
-    int per_sm = 0;
-    if (prepare_kernel(l.fn, l.smem) != KD_OK) return sm_count();
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l.fn, l.threads, (size_t)l.smem) != cudaSuccess ||
-        per_sm < 1) {
-        cudaGetLastError();
-        per_sm = 1;
-    }
-    return per_sm * sm_count();
 }
 }  // namespace
 
@@ -858,16 +883,15 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
         return kd_fail(KD_ERR_ARG, "w4a16 moe: workspace of %zu bytes, need %zu (T %d)", ws_bytes, L.total, T);
     char *b = (char *)ws;
     int *slot_of = (int *)(b + L.o_slot), *row_tok = (int *)(b + L.o_rowtok), *n_tiles = (int *)(b + L.o_ntiles);
-    int *counters = (int *)(b + L.o_counters);
     int4 *tiles = (int4 *)(b + L.o_tiles);
     bf16 *act = (bf16 *)(b + L.o_act);
-    float *yv = (float *)(b + L.o_y), *part = (float *)(b + L.o_part);
+    float *yv = (float *)(b + L.o_y);
 
-    Launch gu = get_launch(L.bm_cfg, s->group, true), dn = get_launch(L.bm_cfg, s->group, false);
+    Launch gu = get_launch(L.cfg, true), dn = get_launch(L.cfg, false);
     if (plan_smem > 48 * 1024)
         W4_CUDA(cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan_smem));
     moe_plan_kernel<<<1, PLAN_THREADS, plan_smem, st>>>(ids, L.tk, s->top_k, s->n_experts, gu.bm, slot_of, row_tok,
-                                                         tiles, n_tiles, counters, L.n_counters);
+                                                         tiles, n_tiles);
     W4_LAUNCH("moe_plan_kernel");
 
     /* gate + up, fused SwiGLU: act[slot] = silu(x W_gate^T) * (x W_up^T), bf16 */
@@ -881,9 +905,8 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     a.parts = L.parts_gu; a.cpp = L.cpp_gu; a.n_tiles = tiles_of(s->inter); a.nb = L.nb_gu;
     a.tiles = tiles; a.n_tiles_dev = n_tiles;
     a.y = act; a.ldy = s->inter; a.y_f32 = 0;
-    a.ws = part; a.ws_rows = L.tk; a.ws_cols = 2 * s->inter; a.counters = counters;
-    long long items = (long long)L.tiles_max * a.parts * a.nb;
-    int grid = occupancy_blocks(gu);
+    long long items = (long long)L.tiles_max * a.nb;
+    int grid = resident_clusters(gu, a.parts);
     if (items < grid) grid = (int)items;
     KD_TRY(launch(gu, grid, a, false, st));
 
@@ -898,9 +921,8 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     d.parts = L.parts_d; d.cpp = L.cpp_d; d.n_tiles = tiles_of(s->hidden); d.nb = L.nb_d;
     d.tiles = tiles; d.n_tiles_dev = n_tiles;
     d.y = yv; d.ldy = s->hidden; d.y_f32 = 1;
-    d.ws = part; d.ws_rows = L.tk; d.ws_cols = s->hidden; d.counters = counters;
-    items = (long long)L.tiles_max * d.parts * d.nb;
-    grid = occupancy_blocks(dn);
+    items = (long long)L.tiles_max * d.nb;
+    grid = resident_clusters(dn, d.parts);
     if (items < grid) grid = (int)items;
     KD_TRY(launch(dn, grid, d, false, st));
 

@@ -35,6 +35,7 @@
     fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call, kd_last_error()); exit(2); } } while (0)
 
 static int g_fail = 0;
+static bool g_check_parts = true;
 static std::string g_md;
 static char g_line[1024];
 #define MD(...) do { snprintf(g_line, sizeof g_line, __VA_ARGS__); g_md += g_line; fputs(g_line, stdout); } while (0)
@@ -87,6 +88,8 @@ static DevW upload_w(const HostW &h) {
 }
 static void free_w(DevW &d) { cudaFree(d.codes); cudaFree(d.scales); d.codes = d.scales = nullptr; }
 
+static double median(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
+
 /* ---------------------------------------------------------------- device fill kernels */
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
     z += 0x9E3779B97F4A7C15ull; z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull; z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -111,6 +114,26 @@ __global__ void read_kernel(const uint4 *p, size_t n, unsigned *out) {
     }
     if (acc == 0x12345678u) out[0] = acc;   /* keeps the loads; practically never stores */
 }
+/* SM clock probe: clock64 cycles over globaltimer nanoseconds on one block per SM */
+__global__ void clock_probe(unsigned long long spin, double *mhz) {
+    unsigned long long t0, t1;
+    long long c0 = clock64();
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    while ((unsigned long long)(clock64() - c0) < spin) {}
+    long long c1 = clock64();
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+    if (threadIdx.x == 0) mhz[blockIdx.x] = (double)(c1 - c0) / (double)(t1 - t0) * 1e3;
+}
+static double sm_mhz() {
+    int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    double *d; CK(cudaMalloc(&d, sms * sizeof(double)));
+    clock_probe<<<sms, 32>>>(2000000ull, d);
+    CK(cudaGetLastError());
+    std::vector<double> h(sms);
+    CK(cudaMemcpy(h.data(), d, sms * sizeof(double), cudaMemcpyDeviceToHost));
+    cudaFree(d);
+    return median(h);
+}
 static void dev_fill_u32(void *p, size_t n, uint64_t seed) { fill_u32<<<2048, 256>>>((uint32_t *)p, n, seed); CK(cudaGetLastError()); }
 static void dev_fill_bf16(void *p, size_t n, uint64_t seed, float lo, float hi) {
     fill_bf16<<<2048, 256>>>((__nv_bfloat16 *)p, n, seed, lo, hi); CK(cudaGetLastError());
@@ -122,7 +145,6 @@ struct Timer {
     Timer() { CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b)); }
     ~Timer() { cudaEventDestroy(a); cudaEventDestroy(b); }
 };
-static double median(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 template <class F> static double time_ms(F f, int warm, int reps, cudaStream_t st = 0) {
     Timer t;
     for (int i = 0; i < warm; i++) f();
@@ -188,7 +210,8 @@ static std::vector<float> download_y(const void *y, int m, int n, int f32) {
 
 static void run_gemm(const DevW &w, const void *x, int m, void *y, int f32, void *ws, size_t wsb, int flags) {
     /* the tile counters' place depends on m: zero them (every call leaves them zero again) */
-    CK(cudaMemset(ws, 0, kd_w4a16_gemm_counter_bytes(w.n, w.k, w.g, m)));
+    size_t cb = kd_w4a16_gemm_counter_bytes(w.n, w.k, w.g, m);
+    if (cb) CK(cudaMemset(ws, 0, cb));
     KT(kd_w4a16_gemm(w.codes, w.scales, w.n, w.k, w.g, x, w.k, m, y, w.n, f32, ws, wsb, flags, 0));
 }
 
@@ -269,6 +292,26 @@ static void check_gemm_shape(int n, int k, int g, const std::vector<int> &ms) {
         CK(cudaDeviceSynchronize());
         std::vector<float> pd = download_y(y2, m, n, 1);
         CHECK(!memcmp(pd.data(), base.data(), pd.size() * 4), "gemm N%d K%d g%d M%d: PDL launch differs", n, k, g, m);
+        /* other splits of K (bench variants): still right against fp64 */
+        if (g_check_parts && (m == 1 || m == 16)) {
+            for (int p : {2, 4, 8, 16}) {
+                kd_w4a16_force_parts(p);
+                poison(y2, (size_t)mmax * n * 4);
+                run_gemm(w, x, m, y2, 1, ws, wsb, 0);
+                CK(cudaDeviceSynchronize());
+                kd_w4a16_force_parts(0);
+                std::vector<float> o = download_y(y2, m, n, 1);
+                double md = 0, mr = 0;
+                for (int r = 0; r < m; r++)
+                    for (size_t ci = 0; ci < cols.size(); ci++) {
+                        double rv = ref[(size_t)r * cols.size() + ci], d = fabs(o[(size_t)r * n + cols[ci]] - rv);
+                        if (!(d == d)) d = INFINITY;
+                        md = std::max(md, d); mr = std::max(mr, fabs(rv));
+                    }
+                CHECK(md / std::max(mr, 1e-30) < 2e-5, "gemm N%d K%d g%d M%d forced parts %d: max rel err %.3g", n, k,
+                      g, m, p, md / std::max(mr, 1e-30));
+            }
+        }
         /* batch invariance: each of a few rows alone (M = 1) vs inside M */
         int rows_to_try[3] = {0, m / 2, m - 1};
         for (int ri = 0; ri < 3; ri++) {
@@ -458,17 +501,20 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
         struct V { std::string name; int cfg; int flags; bool graph; int parts; };
         std::vector<V> vs = {{"auto", -1, 0, false, 0}, {"auto+pdl", -1, KD_W4A16_PDL, false, 0},
                              {"graph+pdl", -1, KD_W4A16_PDL, true, 0}};
-        if (!quick && (m == 1 || m == 16))
-            for (int p : {2, 4, 8, 16}) vs.push_back({"pdl P=" + std::to_string(p), -1, KD_W4A16_PDL, false, p});
         if (!quick) {
-            if (m <= 16) for (int c = 0; c < 4; c++) vs.push_back({kd_w4a16_config_name(c), c, KD_W4A16_PDL, false, 0});
-            else for (int c = 4; c < 6; c++) vs.push_back({kd_w4a16_config_name(c), c, KD_W4A16_PDL, false, 0});
+            std::vector<int> cfgs = m <= 8 ? std::vector<int>{0, 1, 6} : m <= 16 ? std::vector<int>{2, 3, 7}
+                                                                               : std::vector<int>{4, 5};
+            std::vector<int> ps = m <= 16 ? std::vector<int>{4, 8, 16} : std::vector<int>{0};
+            for (int c : cfgs)
+                for (int p : ps)
+                    vs.push_back({std::string(kd_w4a16_config_name(c)) + (p ? "/P" + std::to_string(p) : ""), c,
+                                  KD_W4A16_PDL, m == 1 || m == 16, p});
         }
         for (auto &v : vs) {
             kd_w4a16_force_config(v.cfg);
             kd_w4a16_force_parts(v.parts);
             if (kd_w4a16_gemm_ws_bytes(n, k, g, m) > wsb) { kd_w4a16_force_parts(0); continue; }
-            CK(cudaMemset(ws, 0, kd_w4a16_gemm_counter_bytes(n, k, g, m)));
+            if (kd_w4a16_gemm_counter_bytes(n, k, g, m)) CK(cudaMemset(ws, 0, kd_w4a16_gemm_counter_bytes(n, k, g, m)));
             auto round = [&] {
                 for (int i = 0; i < COPIES; i++)
                     KT(kd_w4a16_gemm(w[i].codes, w[i].scales, n, k, g, x, k, m, y, n, 0, ws, wsb, v.flags, st));
@@ -557,7 +603,9 @@ static void bench_moe(const std::vector<int> &Ts, bool quick) {
             for (int dr = 0; dr < DRAWS; dr++)
                 KT(kd_w4a16_moe(&M.s, M.table, x, H, T, (const int *)idd[dr], (const float *)w_d, out, H, 0, ws, wsb, st));
         };
-        for (int graph = 0; graph < 2; graph++) {
+        for (int var = 0; var < (quick || T > 16 ? 2 : 5); var++) {
+            int graph = var == 1 || var >= 2, fp = var >= 2 ? 1 << (var - 2) : 0;   /* graph with P = 1, 2, 4 */
+            kd_w4a16_force_parts(fp);
             double ms_;
             if (graph) {
                 cudaGraph_t gr; cudaGraphExec_t ge;
@@ -570,7 +618,10 @@ static void bench_moe(const std::vector<int> &Ts, bool quick) {
             } else ms_ = time_ms(round, 2, quick ? 5 : 15, st);
             double tt = ms_ * 1e-3 / DRAWS;
             double bytes = touched * per_expert + (double)T * H * 2 * 2;
-            BenchRow r{H, I, T, graph ? "moe graph" : "moe", tt * 1e6, bytes / tt / 1e9, bytes / tt / 1e9 / g_copy_gbs,
+            kd_w4a16_force_parts(0);
+            std::string vn = graph ? "moe_graph" : "moe";
+            if (fp) vn += "/P" + std::to_string(fp);
+            BenchRow r{H, I, T, vn, tt * 1e6, bytes / tt / 1e9, bytes / tt / 1e9 / g_copy_gbs,
                        6.0 * T * TOPK * (double)H * I / tt / 1e12};
             g_rows.push_back(r);
             printf("bench moe E %d top %d T %3d (%.0f experts) %-10s %9.2f us %8.1f GB/s %5.1f%% of copy\n", E, TOPK, T,
@@ -584,13 +635,59 @@ static void bench_moe(const std::vector<int> &Ts, bool quick) {
     free_moe(M);
 }
 
+/* ~200 ms of streaming reads so the SM clock has ramped before the timings */
+static void warm_clocks() {
+    size_t bytes = (size_t)1 << 30;
+    void *a; unsigned *o;
+    CK(cudaMalloc(&a, bytes)); CK(cudaMalloc(&o, 4));
+    int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    for (int i = 0; i < 800; i++) read_kernel<<<sms * 8, 512>>>((const uint4 *)a, bytes / 16, o);
+    CK(cudaDeviceSynchronize());
+    cudaFree(a); cudaFree(o);
+}
+
+/* --profile: a few launches for ncu (-k regex:w4a16_gemm): GEMM M = 1, 16 at both K2.6 shapes,
+ * then one MoE call (16 experts, T = 4) */
+static int run_profile() {
+    warm_clocks();
+    for (int shape = 0; shape < 2; shape++) {
+        int n = shape ? 7168 : 2048, k = shape ? 2048 : 7168, g = 32;
+        HostW h = make_host_w(n, k, g, 0.01);
+        DevW w = upload_w(h);
+        void *x, *y;
+        CK(cudaMalloc(&x, (size_t)16 * k * 2)); CK(cudaMalloc(&y, (size_t)16 * n * 4));
+        dev_fill_bf16(x, (size_t)16 * k, 5, -1, 1);
+        for (int m : {1, 16})
+            for (int rep = 0; rep < 2; rep++) run_gemm(w, x, m, y, 0, nullptr, 0, 0);
+        CK(cudaDeviceSynchronize());
+        cudaFree(x); cudaFree(y); free_w(w);
+    }
+    HostMoe M;
+    make_moe(M, 16, 8, 7168, 2048, 32, false);
+    std::vector<int> ids; std::vector<float> wt;
+    make_routes(4, 16, 8, ids, wt);
+    void *x, *out, *ws, *ids_d, *w_d;
+    CK(cudaMalloc(&x, (size_t)4 * 7168 * 2)); CK(cudaMalloc(&out, (size_t)4 * 7168 * 4));
+    dev_fill_bf16(x, (size_t)4 * 7168, 6, -1, 1);
+    CK(cudaMalloc(&ids_d, ids.size() * 4)); CK(cudaMalloc(&w_d, wt.size() * 4));
+    CK(cudaMemcpy(ids_d, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(w_d, wt.data(), wt.size() * 4, cudaMemcpyHostToDevice));
+    size_t wsb = kd_w4a16_moe_ws_bytes(&M.s, 4);
+    CK(cudaMalloc(&ws, wsb));
+    moe_run(M, x, 4, (const int *)ids_d, (const float *)w_d, out, 1, ws, wsb);
+    CK(cudaDeviceSynchronize());
+    printf("profile done\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    bool quick = false, bench = true, check = true, small = false;
+    bool quick = false, bench = true, check = true, small = false, profile = false;
     std::string md_path = "build/bench/w4a16.md";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--no-bench")) bench = false;
-        else if (!strcmp(argv[i], "--small")) small = true, bench = false;
+        else if (!strcmp(argv[i], "--small")) small = true, bench = false, g_check_parts = false;
+        else if (!strcmp(argv[i], "--profile")) profile = true;
         else if (!strcmp(argv[i], "--no-check")) check = false;
         else if (!strcmp(argv[i], "--md") && i + 1 < argc) md_path = argv[++i];
     }
@@ -601,7 +698,10 @@ int main(int argc, char **argv) {
     cudaRuntimeGetVersion(&rt);
     MD("GPU: %s, %d SMs, L2 %d MB, %.0f GB; CUDA driver %d.%d, runtime %d.%d\n\n", p.name, p.multiProcessorCount,
        p.l2CacheSize >> 20, p.totalGlobalMem / 1e9, drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
+    if (profile) return run_profile();
+    double mhz_idle = sm_mhz();
     if (!small) ceilings(quick);
+    double mhz_ceil = sm_mhz();
     if (!small) MD("Ceilings (this run): cudaMemcpy D2D %.0f GB/s (read + write), read-only kernel %.0f GB/s, "
        "cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s\n\n", g_copy_gbs, g_read_gbs, g_gemm_tflops);
     if (check) {
@@ -638,7 +738,12 @@ int main(int argc, char **argv) {
         MD("\n");
     }
     if (bench) {
+        warm_clocks();
+        double mhz0 = sm_mhz();
         bench_gemm(2048, 7168, 32, {1, 4, 8, 16, 64, 256}, quick);
+        double mhz1 = sm_mhz();
+        MD("SM clock (clock64 / globaltimer): %.0f MHz idle at start, %.0f after the ceilings, %.0f before and %.0f after "
+           "the GEMM timings\n\n", mhz_idle, mhz_ceil, mhz0, mhz1);
         bench_gemm(7168, 2048, 32, {1, 4, 8, 16, 64, 256}, quick);
         bench_moe({1, 4, 16, 64, 257}, quick);
         MD("\n| N | K | M | variant | us | GB/s | of copy | TFLOP/s |\n|---|---|---|---|---|---|---|---|\n");
