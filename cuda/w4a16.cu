@@ -169,16 +169,20 @@ struct W4Args {
     int y_f32;
 };
 
-template <int MT8, int NT, int WN, int STAGES>
+template <int MT8, int NT, int WN, int SC, int STAGES>
 struct W4Shape {
     static constexpr int BM = MT8 * 8;
     static constexpr int THREADS = WN * 32;
     static constexpr int SLOTS = WN * NT;
-    static constexpr int X_BYTES = BM * XS * 2;
-    static constexpr int W_BYTES = SLOTS * 512;
-    static constexpr int S_BYTES = SLOTS * 64;   /* up to two scale groups (64 k of group 32) per slot */
+    static constexpr int KS = SC * CHUNK_K;                   /* k per pipeline stage */
+    static constexpr int XR = KS + 8;                         /* bf16 per activation row: +16 bytes, conflict-free ldmatrix */
+    static constexpr int X_BYTES = BM * XR * 2;
+    static constexpr int W_BYTES = SLOTS * SC * 512;
+    static constexpr int S_BYTES = SLOTS * SC * 64;           /* up to two scale groups (group 32) per chunk per slot */
     static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + S_BYTES;
-    static constexpr int PART_BYTES = SLOTS * 16 * BM * 4;   /* the block's fp32 partial tile (split-K) */
+    static constexpr int XP = BM * SC * 8;                    /* 16-byte activation pieces per stage */
+    static constexpr int XPT = (XP + THREADS - 1) / THREADS;  /* ... per thread */
+    static constexpr int PART_BYTES = SLOTS * 16 * BM * 4;    /* the block's fp32 partial tile (split-K) */
     static constexpr int SMEM = STAGES * STAGE_BYTES > PART_BYTES ? STAGES * STAGE_BYTES : PART_BYTES;
 };
 
@@ -187,6 +191,7 @@ __device__ __forceinline__ float ld_cluster(uint32_t addr) {
     asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
     return v;
 }
+/* mapa: the shared::cluster address of the same variable in block `rank` of the cluster */
 __device__ __forceinline__ uint32_t cluster_addr(const float *p, unsigned rank) {
     uint32_t remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
@@ -201,17 +206,20 @@ __device__ __forceinline__ unsigned cluster_rank() {
     return r;
 }
 
-/* Grid: clusters of `parts` blocks (one block per part of K, rank = part); a cluster walks
- * work items (token tile, n-block) with a grid-stride loop over clusters. */
-/* small-M configurations ask for ~24 resident warps per SM (at most 85 registers): latency
- * hiding is what limits them */
+/* small-M configurations ask for 16 resident warps per SM at least (at most 128 registers):
+ * latency hiding is what limits them; shared memory allows ~5 blocks */
 template <int MT8, int NT, int WN>
-struct W4MinBlocks { static constexpr int value = MT8 <= 2 ? 768 / (WN * 32) : 1; };
+struct W4MinBlocks { static constexpr int value = MT8 <= 2 ? 512 / (WN * 32) : 1; };
 
-template <int MT8, int NT, int WN, int STAGES, bool DUAL>
+/* Grid: clusters of `parts` blocks (one block per part of K, rank = part); a cluster walks
+ * work items (token tile, n-block) with a grid-stride loop over clusters.
+ * Per element the arithmetic is the same in every configuration: for each scale group in k
+ * order, tmp = the chain of mma k16 steps from zero, acc = fma(tmp, scale, acc); then the
+ * parts' acc added in part order. SC (chunks per stage) only changes how loads are batched. */
+template <int MT8, int NT, int WN, int SC, int STAGES, bool DUAL>
 __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4a16_gemm_kernel(const W4Args a) {
-    typedef W4Shape<MT8, NT, WN, STAGES> S;
-    constexpr int BM = S::BM, THREADS = S::THREADS, SLOTS = S::SLOTS;
+    typedef W4Shape<MT8, NT, WN, SC, STAGES> S;
+    constexpr int BM = S::BM, THREADS = S::THREADS, SLOTS = S::SLOTS, XR = S::XR, XPT = S::XPT;
     constexpr int OUT_SLOTS = DUAL ? WN : SLOTS;    /* 16-row output tiles per block */
     static_assert(!DUAL || NT == 2, "DUAL pairs a gate slot with an up slot");
     extern __shared__ __align__(16) unsigned char smem[];
@@ -231,8 +239,7 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
     }
     bool waited = moe;
     const long long total = (long long)tiles_m * a.nb;
-    const int gmask = (1 << a.gshift) - 1;
-    const int spieces = a.gshift < 6 ? 2 << (6 - a.gshift) : 2;   /* 16-byte scale pieces per slot per chunk */
+    const int gshift = a.gshift, gmask = (1 << gshift) - 1;
 
     for (long long item = cluster; item < total; item += n_clusters) {
         const int nbi = (int)(item % a.nb);
@@ -255,11 +262,13 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
             rows = min(BM, a.m - row0);
         }
         const int c0 = part * a.cpp, c1 = min(a.kc, c0 + a.cpp), nchunks = c1 - c0;
+        const int nstages = (nchunks + SC - 1) / SC;
 
-        /* this warp's slots: weight stream pointers (a slot past N streams tile 0; never stored) */
+        /* this warp's slots: weight and scale stream pointers (a slot past N streams tile 0;
+         * its rows are never stored) */
         int slot_tile[NT];
         const uint4 *qn[NT];
-        const uint4 *sbase[NT];
+        const uint4 *sq[NT];
 #pragma unroll
         for (int i = 0; i < NT; i++) {
             int t = DUAL ? nbi * WN + warp : nbi * SLOTS + warp * NT + i;
@@ -267,7 +276,7 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
             slot_tile[i] = t;
             int tc = t < a.n_tiles ? t : 0;
             qn[i] = mm.q + ((size_t)tc * a.kc + c0) * 32 + lane;
-            sbase[i] = (const uint4 *)(mm.s + (size_t)tc * a.groups * 8) + lane;
+            sq[i] = (const uint4 *)(mm.s + (size_t)tc * a.groups * 8) + lane;
         }
         for (int r = tid; r < BM; r += THREADS) {
             long long off = -1;
@@ -275,35 +284,52 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
             row_off[r] = off;
         }
         __syncthreads();
+        /* this thread's activation pieces: source pointer, k, place in the stage. Rows past
+         * `rows` are not loaded: their columns of C are never stored, and a column of an mma
+         * result depends on its own column of B alone. */
+        const bf16 *xsrc[XPT];
+        int xk[XPT], xdst[XPT], xchunk[XPT];
+        bool xok[XPT];
+#pragma unroll
+        for (int j = 0; j < XPT; j++) {
+            int p = tid + j * THREADS;
+            int rr = p / (SC * 8), kp = p % (SC * 8);
+            long long off = p < S::XP ? row_off[rr] : -1;
+            xok[j] = off >= 0;
+            xk[j] = c0 * CHUNK_K + kp * 8;
+            xsrc[j] = a.x + (xok[j] ? off : 0) + xk[j];
+            xdst[j] = rr * XR + kp * 8;
+            xchunk[j] = kp >> 3;
+        }
 
-        /* loads of chunk c into a stage; load_w is called for consecutive chunks */
-        auto load_w = [&](int c, int stage) {
+        /* stage loads; called for consecutive stages (the pointers advance) */
+        auto load_w = [&](int s, int stage) {
+            const int c = c0 + s * SC, nc = min(SC, c1 - c);
             unsigned char *sb = smem + stage * S::STAGE_BYTES;
-            uint4 *sw = (uint4 *)(sb + S::X_BYTES) + warp * NT * 32 + lane;
-            uint4 *ss = (uint4 *)(sb + S::X_BYTES + S::W_BYTES) + warp * NT * 4 + lane;
-            const int soff = ((c * CHUNK_K) >> a.gshift) * 2;   /* uint4 offset of the chunk's first group */
+            uint4 *sw = (uint4 *)(sb + S::X_BYTES) + warp * NT * SC * 32 + lane;
+            uint4 *ss = (uint4 *)(sb + S::X_BYTES + S::W_BYTES) + warp * NT * SC * 4 + lane;
+            const int g0 = (c * CHUNK_K) >> gshift;
+            const int ng = (nc * CHUNK_K) >> gshift, pieces = ng > 1 ? 2 * ng : 2;
 #pragma unroll
             for (int i = 0; i < NT; i++) {
-                cp_async16(sw + i * 32, qn[i], true);
-                qn[i] += 32;
-                if (lane < spieces) cp_async16(ss + i * 4, sbase[i] + soff, true);
+#pragma unroll
+                for (int cc = 0; cc < SC; cc++)
+                    if (cc < nc) cp_async16(sw + (i * SC + cc) * 32, qn[i] + cc * 32, true);
+                qn[i] += SC * 32;
+                if (lane < pieces) cp_async16(ss + i * SC * 4, sq[i] + g0 * 2, true);
             }
         };
-        /* activation rows past `rows` are not loaded: their columns of C are never stored, and a
-         * column of an mma result depends on its own column of B alone */
-        auto load_x = [&](int c, int stage) {
+        auto load_x = [&](int s, int stage) {
+            const int nc = min(SC, c1 - (c0 + s * SC));
             bf16 *sx = (bf16 *)(smem + stage * S::STAGE_BYTES);
 #pragma unroll
-            for (int p0 = 0; p0 < BM * 8; p0 += THREADS) {
-                int p = p0 + tid;
-                if (BM * 8 % THREADS == 0 || p < BM * 8) {
-                    int rr = p >> 3, kp = p & 7, kk = c * CHUNK_K + kp * 8;
-                    long long off = row_off[rr];
-                    if (off >= 0) {
-                        bool v = kk < a.k;
-                        cp_async16(sx + rr * XS + kp * 8, v ? (const void *)(a.x + off + kk) : (const void *)a.x, v);
-                    }
+            for (int j = 0; j < XPT; j++) {
+                if (xok[j] && xchunk[j] < nc) {
+                    bool v = xk[j] < a.k;
+                    cp_async16(sx + xdst[j], v ? (const void *)xsrc[j] : (const void *)a.x, v);
                 }
+                xsrc[j] += S::KS;
+                xk[j] += S::KS;
             }
         };
 
@@ -311,14 +337,14 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
          * for the previous grid (programmatic dependent launch), then the activations */
 #pragma unroll
         for (int s = 0; s < STAGES - 1; s++)
-            if (s < nchunks) load_w(c0 + s, s);
+            if (s < nstages) load_w(s, s);
         if (!waited) {
             griddep_wait();
             waited = true;
         }
 #pragma unroll
         for (int s = 0; s < STAGES - 1; s++) {
-            if (s < nchunks) load_x(c0 + s, s);
+            if (s < nstages) load_x(s, s);
             cp_async_commit();
         }
 
@@ -330,56 +356,62 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
 #pragma unroll
                 for (int r = 0; r < 4; r++) acc[i][j][r] = tmp[i][j][r] = 0.0f;
 
-        for (int ci = 0; ci < nchunks; ci++) {
+        const int x_lane = (lane & 7) * XR + ((lane >> 3) & 1) * 8;   /* ldmatrix row address of this lane */
+        const int s_lane = lane >> 2;                                  /* scale word of this lane's rows */
+        for (int s = 0; s < nstages; s++) {
             cp_async_wait<STAGES - 2>();
             __syncthreads();
             {
-                int cn = ci + STAGES - 1;
-                if (cn < nchunks) {
-                    int st = cn % STAGES;
-                    load_w(c0 + cn, st);
-                    load_x(c0 + cn, st);
+                int sn = s + STAGES - 1;
+                if (sn < nstages) {
+                    int st = sn % STAGES;
+                    load_w(sn, st);
+                    load_x(sn, st);
                 }
                 cp_async_commit();
             }
-            const int c = c0 + ci;
-            const unsigned char *sb = smem + (ci % STAGES) * S::STAGE_BYTES;
-            const bf16 *sx = (const bf16 *)sb;
-            const uint4 *sw = (const uint4 *)(sb + S::X_BYTES) + warp * NT * 32;
-            const uint32_t *ss = (const uint32_t *)(sb + S::X_BYTES + S::W_BYTES) + warp * NT * 16;
-            /* scale groups end after k16 step 1 (group 32) and after step 3 (group 32, 64; 128 on odd chunks) */
-            const bool end1 = a.gshift == 5, end3 = (((c + 1) * CHUNK_K) & gmask) == 0;
-            uint4 wq[NT];
+            const int c = c0 + s * SC, nc = min(SC, c1 - c);
+            const unsigned char *sb = smem + (s % STAGES) * S::STAGE_BYTES;
+            const bf16 *sx = (const bf16 *)sb + x_lane;
+            const uint4 *sw = (const uint4 *)(sb + S::X_BYTES) + warp * NT * SC * 32 + lane;
+            const uint32_t *ss = (const uint32_t *)(sb + S::X_BYTES + S::W_BYTES) + warp * NT * SC * 16 + s_lane;
 #pragma unroll
-            for (int i = 0; i < NT; i++) wq[i] = sw[i * 32 + lane];
+            for (int cc = 0; cc < SC; cc++) {
+                if (cc >= nc) break;
+                /* scale groups end after k16 step 1 (group 32) and after step 3 (group 32, 64;
+                 * 128 on odd chunks) */
+                const bool end1 = gshift == 5, end3 = (((c + cc + 1) * CHUNK_K) & gmask) == 0;
+                uint4 wq[NT];
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                uint32_t b[MT8][2];
+                for (int i = 0; i < NT; i++) wq[i] = sw[(i * SC + cc) * 32];
 #pragma unroll
-                for (int j = 0; j < MT8; j++)
-                    ldmatrix_x2(b[j][0], b[j][1], sx + (j * 8 + (lane & 7)) * XS + kk * 16 + ((lane >> 3) & 1) * 8);
+                for (int kk = 0; kk < 4; kk++) {
+                    uint32_t b[MT8][2];
 #pragma unroll
-                for (int i = 0; i < NT; i++) {
-                    uint32_t w = kk == 0 ? wq[i].x : kk == 1 ? wq[i].y : kk == 2 ? wq[i].z : wq[i].w;
-                    uint32_t av[4];
-                    dequant4(w, av);
-#pragma unroll
-                    for (int j = 0; j < MT8; j++) mma_bf16(tmp[i][j], av, b[j][0], b[j][1]);
-                }
-                if ((kk == 1 && end1) || (kk == 3 && end3)) {
-                    const int gl = (kk * 16) >> a.gshift;   /* group within the chunk (group 32: 0 or 1) */
+                    for (int j = 0; j < MT8; j++) ldmatrix_x2(b[j][0], b[j][1], sx + j * 8 * XR + cc * CHUNK_K + kk * 16);
 #pragma unroll
                     for (int i = 0; i < NT; i++) {
-                        uint32_t sw2 = ss[i * 16 + gl * 8 + (lane >> 2)];
-                        float slo = __uint_as_float(sw2 << 16), shi = __uint_as_float(sw2 & 0xFFFF0000u);
+                        uint32_t w = kk == 0 ? wq[i].x : kk == 1 ? wq[i].y : kk == 2 ? wq[i].z : wq[i].w;
+                        uint32_t av[4];
+                        dequant4(w, av);
 #pragma unroll
-                        for (int j = 0; j < MT8; j++) {
-                            acc[i][j][0] = fmaf(tmp[i][j][0], slo, acc[i][j][0]);
-                            acc[i][j][1] = fmaf(tmp[i][j][1], slo, acc[i][j][1]);
-                            acc[i][j][2] = fmaf(tmp[i][j][2], shi, acc[i][j][2]);
-                            acc[i][j][3] = fmaf(tmp[i][j][3], shi, acc[i][j][3]);
+                        for (int j = 0; j < MT8; j++) mma_bf16(tmp[i][j], av, b[j][0], b[j][1]);
+                    }
+                    if ((kk == 1 && end1) || (kk == 3 && end3)) {
+                        const int gl = (cc * CHUNK_K + kk * 16) >> gshift;   /* group within the stage */
 #pragma unroll
-                            for (int r = 0; r < 4; r++) tmp[i][j][r] = 0.0f;
+                        for (int i = 0; i < NT; i++) {
+                            uint32_t sw2 = ss[i * SC * 16 + gl * 8];
+                            float slo = __uint_as_float(sw2 << 16), shi = __uint_as_float(sw2 & 0xFFFF0000u);
+#pragma unroll
+                            for (int j = 0; j < MT8; j++) {
+                                acc[i][j][0] = fmaf(tmp[i][j][0], slo, acc[i][j][0]);
+                                acc[i][j][1] = fmaf(tmp[i][j][1], slo, acc[i][j][1]);
+                                acc[i][j][2] = fmaf(tmp[i][j][2], shi, acc[i][j][2]);
+                                acc[i][j][3] = fmaf(tmp[i][j][3], shi, acc[i][j][3]);
+#pragma unroll
+                                for (int r = 0; r < 4; r++) tmp[i][j][r] = 0.0f;
+                            }
                         }
                     }
                 }
@@ -547,21 +579,20 @@ __global__ void moe_combine_kernel(const float *__restrict__ y, const int *__res
 /* ---------------------------------------------------------------- configurations */
 struct W4Config {
     const char *name;
-    int mt8, nt, wn, stages;
+    int mt8, nt, wn, sc, stages;
 };
 /* index = config id; dual (MoE gate+up) kernels use the same MT8 with NT = 2, WN = 4 */
 const W4Config CONFIGS[] = {
-    {"m8_nt2_w4", 1, 2, 4, 8},   {"m8_nt1_w8", 1, 1, 8, 8},  {"m16_nt2_w4", 2, 2, 4, 8},
-    {"m16_nt1_w8", 2, 1, 8, 8},  {"m32_nt2_w4", 4, 2, 4, 6}, {"m64_nt2_w4", 8, 2, 4, 4},
-    {"m8_nt1_w4", 1, 1, 4, 8},   {"m16_nt1_w4", 2, 1, 4, 8},
+    {"m8_nt2_w4", 1, 2, 4, 2, 3},  {"m8_nt1_w8", 1, 1, 8, 2, 3},  {"m16_nt2_w4", 2, 2, 4, 2, 3},
+    {"m16_nt1_w8", 2, 1, 8, 2, 3}, {"m32_nt2_w4", 4, 2, 4, 1, 6}, {"m64_nt2_w4", 8, 2, 4, 1, 4},
 };
 constexpr int N_CONFIGS = sizeof(CONFIGS) / sizeof(CONFIGS[0]);
 int g_force_config = -1;
 
 int config_for_m(int m) {
     if (g_force_config >= 0 && g_force_config < N_CONFIGS) return g_force_config;
-    if (m <= 8) return 1;
-    if (m <= 16) return 3;
+    if (m <= 8) return 0;
+    if (m <= 16) return 2;
     if (m <= 32) return 4;
     return 5;
 }
@@ -573,12 +604,12 @@ struct Launch {
     int threads, smem, bm, slots_per_block;
 };
 
-template <int MT8, int NT, int WN, int STAGES, bool DUAL>
+template <int MT8, int NT, int WN, int SC, int STAGES, bool DUAL>
 Launch make_launch() {
     Launch l;
-    l.fn = w4a16_gemm_kernel<MT8, NT, WN, STAGES, DUAL>;
+    l.fn = w4a16_gemm_kernel<MT8, NT, WN, SC, STAGES, DUAL>;
     l.threads = WN * 32;
-    l.smem = W4Shape<MT8, NT, WN, STAGES>::SMEM;
+    l.smem = W4Shape<MT8, NT, WN, SC, STAGES>::SMEM;
     l.bm = MT8 * 8;
     l.slots_per_block = DUAL ? WN : WN * NT;   /* output tiles of 16 rows per block */
     return l;
@@ -587,37 +618,24 @@ Launch make_launch() {
 Launch get_launch(int cfg, bool dual) {
     if (dual) {
         switch (CONFIGS[cfg].mt8) {
-        case 1: return make_launch<1, 2, 4, 8, true>();
-        case 2: return make_launch<2, 2, 4, 8, true>();
-        case 4: return make_launch<4, 2, 4, 6, true>();
-        default: return make_launch<8, 2, 4, 4, true>();
+        case 1: return make_launch<1, 2, 4, 2, 3, true>();
+        case 2: return make_launch<2, 2, 4, 2, 3, true>();
+        case 4: return make_launch<4, 2, 4, 1, 6, true>();
+        default: return make_launch<8, 2, 4, 1, 4, true>();
         }
     }
     switch (cfg) {
-    case 0: return make_launch<1, 2, 4, 8, false>();
-    case 1: return make_launch<1, 1, 8, 8, false>();
-    case 2: return make_launch<2, 2, 4, 8, false>();
-    case 3: return make_launch<2, 1, 8, 8, false>();
-    case 4: return make_launch<4, 2, 4, 6, false>();
-    case 6: return make_launch<1, 1, 4, 8, false>();
-    case 7: return make_launch<2, 1, 4, 8, false>();
-    default: return make_launch<8, 2, 4, 4, false>();
+    case 0: return make_launch<1, 2, 4, 2, 3, false>();
+    case 1: return make_launch<1, 1, 8, 2, 3, false>();
+    case 2: return make_launch<2, 2, 4, 2, 3, false>();
+    case 3: return make_launch<2, 1, 8, 2, 3, false>();
+    case 4: return make_launch<4, 2, 4, 1, 6, false>();
+    default: return make_launch<8, 2, 4, 1, 4, false>();
     }
 }
 
-/* the most blocks one cluster may have on this device: 16 on Hopper (non-portable size), 8 elsewhere */
-int max_parts() {
-    static int dev_cached = -1, value = 8;
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 8;
-    if (dev != dev_cached) {
-        int major = 0;
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-        value = major == 9 ? 16 : 8;
-        dev_cached = dev;
-    }
-    return value;
-}
+/* the most blocks of one cluster: 8, the portable size (16-block clusters scheduled poorly) */
+int max_parts() { return 8; }
 
 /* per (kernel, device): the dynamic shared memory limit, the carveout (all shared memory,
  * so several blocks fit per SM) and clusters of 16 */
@@ -632,7 +650,6 @@ kd_status prepare_kernel(KernelFn fn, int smem) {
         if (done_fn[i] == fn && done_dev[i] == dev) return KD_OK;
     W4_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     W4_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    if (max_parts() > 8) W4_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     if (n_done < MAXK) {
         done_fn[n_done] = fn;
         done_dev[n_done] = dev;
@@ -679,22 +696,24 @@ int kc_of(int k) { return (k + CHUNK_K - 1) / CHUNK_K; }
 int tiles_of(int n) { return (n + 15) / 16; }
 int groups_pad_of(int k, int group) { return (kc_of(k) * CHUNK_K + group - 1) / group; }
 
-/* The fixed split of K: parts (P) and chunks per part (cpp), a function of the shape only
- * (and of the device kind: at most max_parts()). warp_tiles = the 16-row weight tiles one
- * launch streams besides the split (n/16, times top_k for the MoE); P brings the launch to
- * about 2048 warps of one tile each (16 per SM: latency hiding at small M), keeping at
- * least two chunks per part. */
+/* The fixed split of K: parts (P) and chunks per part (cpp), a function of the shape only.
+ * warp_tiles = the 16-row weight tiles one launch streams besides the split (n/16, times
+ * top_k for the MoE); P (a power of two, at most 8) brings the launch to `target` warp-tiles
+ * (latency hiding at small M), keeping at least two chunks per part. The plain GEMM aims at
+ * 1536 (K2.6: 2048 x 7168 -> 8 parts, 7168 x 2048 -> 4), the MoE at 1024 (its expert
+ * tiles are many: K2.6 experts take no split; tensor-parallel slices do). */
 int g_force_parts = 0;
-void split_of(int k, int group, long long warp_tiles, int *parts, int *cpp) {
+void split_of(int k, int group, long long warp_tiles, long long target, int *parts, int *cpp) {
     int kc = kc_of(k), unit = group > CHUNK_K ? group / CHUNK_K : 1, units = kc / unit;
     int p = 1, pmax = max_parts();
-    while (p < pmax && warp_tiles * p < 2048) p *= 2;
+    while (p < pmax && warp_tiles * p < target) p *= 2;
     if (g_force_parts > 0) p = g_force_parts < pmax ? g_force_parts : pmax;
     while (p > 1 && units < 2 * p) p /= 2;
     int upp = (units + p - 1) / p;
     *cpp = upp * unit;
     *parts = (kc + *cpp - 1) / *cpp;
 }
+const long long TARGET_GEMM = 1536, TARGET_MOE = 1024;
 
 int sm_count() {
     static int dev_cached = -1, count = 0;
@@ -752,7 +771,7 @@ extern "C" size_t kd_w4a16_scales_bytes(int n, int k, int group) {
 }
 extern "C" int kd_w4a16_parts(int n, int k, int group) {
     int p, cpp;
-    split_of(k, group, tiles_of(n), &p, &cpp);
+    split_of(k, group, tiles_of(n), TARGET_GEMM, &p, &cpp);
     return p;
 }
 
@@ -799,7 +818,7 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
     if (((uintptr_t)codes & 15) || ((uintptr_t)scales & 15))
         return kd_fail(KD_ERR_ARG, "w4a16 gemm: codes/scales must be 16-byte aligned");
     int parts, cpp;
-    split_of(k, group, tiles_of(n), &parts, &cpp);
+    split_of(k, group, tiles_of(n), TARGET_GEMM, &parts, &cpp);
     Launch l = get_launch(config_for_m(m), false);
     W4Args a = {};
     a.x = (const bf16 *)x;
@@ -827,8 +846,8 @@ int moe_config(const kd_w4a16_moe_shape *s, int T) {
     if (g_force_config >= 0 && g_force_config < N_CONFIGS) return g_force_config;
     long long tk = (long long)T * s->top_k, active = tk < s->n_experts ? tk : s->n_experts;
     long long avg = (tk + active - 1) / (active > 0 ? active : 1);
-    if (avg <= 8) return 1;
-    if (avg <= 16) return 3;
+    if (avg <= 8) return 0;
+    if (avg <= 16) return 2;
     if (avg <= 32) return 4;
     return 5;
 }
@@ -839,8 +858,8 @@ MoeLayout moe_layout(const kd_w4a16_moe_shape *s, int T) {
     Launch gu = get_launch(L.cfg, true), dn = get_launch(L.cfg, false);
     L.tk = T * s->top_k;
     L.tiles_max = (L.tk + gu.bm - 1) / gu.bm + (L.tk < s->n_experts ? L.tk : s->n_experts);
-    split_of(s->hidden, s->group, (long long)tiles_of(s->inter) * s->top_k, &L.parts_gu, &L.cpp_gu);
-    split_of(s->inter, s->group, (long long)tiles_of(s->hidden) * s->top_k, &L.parts_d, &L.cpp_d);
+    split_of(s->hidden, s->group, (long long)tiles_of(s->inter) * s->top_k, TARGET_MOE, &L.parts_gu, &L.cpp_gu);
+    split_of(s->inter, s->group, (long long)tiles_of(s->hidden) * s->top_k, TARGET_MOE, &L.parts_d, &L.cpp_d);
     L.nb_gu = (tiles_of(s->inter) + gu.slots_per_block - 1) / gu.slots_per_block;
     L.nb_d = (tiles_of(s->hidden) + dn.slots_per_block - 1) / dn.slots_per_block;
     size_t o = 0;
