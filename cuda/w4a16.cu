@@ -589,10 +589,12 @@ const W4Config CONFIGS[] = {
 constexpr int N_CONFIGS = sizeof(CONFIGS) / sizeof(CONFIGS[0]);
 int g_force_config = -1;
 
+/* chosen from the H200 timings of 2026-11-30 (docs/performance.md); every configuration gives
+ * the same bits, so this choice is free to change */
 int config_for_m(int m) {
     if (g_force_config >= 0 && g_force_config < N_CONFIGS) return g_force_config;
     if (m <= 8) return 0;
-    if (m <= 16) return 2;
+    if (m <= 16) return 3;
     if (m <= 32) return 4;
     return 5;
 }
