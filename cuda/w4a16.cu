@@ -29,7 +29,6 @@ typedef __nv_bfloat16 bf16;
 namespace {
 
 constexpr int CHUNK_K = 64;       /* k per pipeline chunk */
-constexpr int XS = 72;            /* bf16 per activation row in shared memory: 64 + 8 pad (conflict-free ldmatrix) */
 
 kd_status w4_fail(cudaError_t e, const char *call, int line) {
     if (e == cudaErrorMemoryAllocation) {
