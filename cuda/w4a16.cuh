@@ -14,13 +14,15 @@
  * fp32 per scale group, then scaled in fp32: acc = fma(group_sum, scale, acc).
  *
  * Batch invariance: each output element (row m, column n) is reduced in an order fixed by
- * the weight alone: K is cut into `parts` contiguous ranges (parts = kd_w4a16_parts(N, K,
- * group), never a function of M); inside a part the groups are summed in k order; the
- * parts are added in order 0..parts-1 (split-K partials go to a workspace and the last
- * block of a tile adds them in that order: no atomics on values). The tile shapes chosen
- * for different M change only which rows share a launch, never that order, and the tensor
- * core result of one output element depends only on its own row of A and column of B.
- * So row r of y is bit-identical whether it is computed with M = 1 or inside M = 37.
+ * the weight alone: K is cut into `parts` contiguous ranges (kd_w4a16_parts(N, K, group):
+ * a function of the shape, never of M); inside a part the scale groups are summed in k
+ * order (each group: the mma k16 steps chained from zero, then acc = fma(sum, scale, acc));
+ * the parts are the blocks of one thread-block cluster and are added in order 0..parts-1
+ * through distributed shared memory (no atomics, no workspace). The tile shapes chosen for
+ * different M change only which rows share a launch, never that order, and the tensor core
+ * result of one output element depends only on its own row of A and column of B. So row r
+ * of y is bit-identical whether it is computed with M = 1 or inside M = 37 (checked by
+ * scripts/bench/w4a16_bench.cu on every configuration, and by spec/w4a16_spec.lua).
  * The MoE form keeps the same rule per expert, and adds the top-k expert outputs of a
  * token in j order (the router lists ascending expert ids), in one thread, in fp32.
  */
@@ -57,9 +59,8 @@ kd_status kd_w4a16_repack(const int32_t *raw_codes, const uint16_t *raw_scales, 
 
 /* y[m, n] = x[m, :] . W[n, :]   x bf16 rows (ldx elements, 16-byte aligned rows),
  * y bf16 (y_f32 = 0) or f32 (y_f32 = 1) with row stride ldy.
- * ws: workspace of kd_w4a16_gemm_ws_bytes(n, k, group, m) bytes; its first
- * kd_w4a16_gemm_counter_bytes(...) bytes are tile counters that must be zero at the call;
- * every call leaves them zero again (their extent depends on m: zero them when m grows).
+ * ws: kd_w4a16_gemm_ws_bytes(...) bytes (now 0: the split-K partials stay in the clusters'
+ * shared memory; the argument and kd_w4a16_gemm_counter_bytes remain for callers).
  * flags: KD_W4A16_PDL launches with programmatic dependent launch (the weights of the first
  * stages are fetched before the previous kernel on the stream has finished). */
 enum { KD_W4A16_PDL = 1 };
