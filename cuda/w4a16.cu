@@ -22,6 +22,7 @@
  */
 #include "w4a16.cuh"
 #include <cuda_bf16.h>
+#include <pthread.h>
 #include <string.h>
 
 typedef __nv_bfloat16 bf16;
@@ -640,6 +641,7 @@ int max_parts() { return 8; }
 
 /* per (kernel, device): the dynamic shared memory limit, the carveout (all shared memory,
  * so several blocks fit per SM) and clusters of 16 */
+pthread_mutex_t g_prep_lock = PTHREAD_MUTEX_INITIALIZER;
 kd_status prepare_kernel(KernelFn fn, int smem) {
     static const int MAXK = 256;
     static KernelFn done_fn[MAXK];
@@ -647,15 +649,22 @@ kd_status prepare_kernel(KernelFn fn, int smem) {
     static int n_done = 0;
     int dev = 0;
     W4_CUDA(cudaGetDevice(&dev));
+    pthread_mutex_lock(&g_prep_lock);
     for (int i = 0; i < n_done; i++)
-        if (done_fn[i] == fn && done_dev[i] == dev) return KD_OK;
-    W4_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    W4_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    if (n_done < MAXK) {
+        if (done_fn[i] == fn && done_dev[i] == dev) {
+            pthread_mutex_unlock(&g_prep_lock);
+            return KD_OK;
+        }
+    cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    if (e == cudaSuccess && n_done < MAXK) {
         done_fn[n_done] = fn;
         done_dev[n_done] = dev;
         n_done++;
     }
+    pthread_mutex_unlock(&g_prep_lock);
+    if (e != cudaSuccess) return w4_fail(e, "cudaFuncSetAttribute (W4A16 kernel shared memory)", __LINE__);
     return KD_OK;
 }
 
