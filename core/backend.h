@@ -58,6 +58,14 @@ typedef struct kd_experts {
     void *table;                   /* the backend's own per-layer form (CUDA: pointer tables), or NULL */
 } kd_experts;
 
+/* what a backend holds now (mem_usage) */
+typedef struct kd_mem_usage {
+    uint64_t weights;        /* weight_load'ed weights */
+    uint64_t buffers;        /* alloc() buffers not yet freed */
+    uint64_t workspace;      /* the backend's own scratch */
+    uint64_t device_free, device_total;
+} kd_mem_usage;
+
 typedef struct kd_backend kd_backend;
 typedef struct kd_backend_ops {
     const char *name;
@@ -115,6 +123,30 @@ typedef struct kd_backend_ops {
     kd_status (*argmax)(kd_backend *be, kd_act x, int32_t *out);       /* one id per row */
     /* per row the k largest values, descending; equal values: lower id first */
     kd_status (*topk)(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids);
+
+    /* ---- optional: NULL on the CPU backend (docs/architecture.md "Step graphs") ----
+     * Capturable steps read the sequence length from backend memory (*d_len, one int32)
+     * instead of a host int, so one captured step serves every length.
+     * store_rows_at: src rows i -> dst rows *d_len + i (same dtype; dst spans the whole cache).
+     * attention_at: attention with past = *d_len and S = past + q.rows; k and v span the
+     * whole cache (their rows are the bound); bit-identical to attention at that past. */
+    kd_status (*store_rows_at)(kd_backend *be, kd_act dst, const int32_t *d_len, kd_act src);
+    kd_status (*attention_at)(kd_backend *be, kd_act q, int n_heads, int head_dim,
+                              kd_act k, kd_act v, int n_kv_heads, const int32_t *d_len, bool causal,
+                              const uint64_t *visible, int window, float scale, kd_act out);
+    /* graphs: begin captures the work the following ops enqueue (nothing runs); end stops
+     * and returns an executable graph in *graph, or NULL with a failing status when the
+     * capture failed (then none of the captured work ran); launch replays it. epoch changes
+     * whenever memory a captured graph may point at (the shared workspaces) is reallocated. */
+    kd_status (*graph_begin)(kd_backend *be);
+    kd_status (*graph_end)(kd_backend *be, void **graph);
+    kd_status (*graph_launch)(kd_backend *be, void *graph);
+    void (*graph_free)(kd_backend *be, void *graph);
+    uint64_t (*graph_epoch)(kd_backend *be);
+    /* memory accounting: bytes held for one loaded weight; totals of the backend */
+    uint64_t (*weight_bytes)(kd_backend *be, const kd_weight *w);
+    void (*mem_usage)(kd_backend *be, kd_mem_usage *out);
+
 } kd_backend_ops;
 
 struct kd_backend {

@@ -14,7 +14,9 @@ enum { KD_SEQ_MAX_ROWS = 1024 };
 typedef struct kd_fwd_plan {
     int rows;                 /* tokens per forward chunk (the sequence's out_cap) */
     int words;                /* uint64 words per visibility row: ceil(rows / 64) */
-    /* byte offsets into s->scratch */
+    /* byte offsets into s->scratch; dlen, ids, pos, vis come first and in this order: a
+     * graph step uploads them as one span (model.c) */
+    size_t dlen;                          /* int32: the sequence length a step starts at (graph steps) */
     size_t ids, pos, vis, idx;            /* int32 [rows], int32 [rows], uint64 [rows*words], int32 [rows] */
     size_t x, h, t1, t2;                  /* [rows, hidden]: residual, normed input, two block outputs */
     size_t qa;                            /* [rows, q_lora_rank] (q_lora only) */
@@ -31,4 +33,18 @@ typedef struct kd_fwd_plan {
 void kd_fwd_plan_make(const kd_model *m, int rows, kd_fwd_plan *p);
 /* the scratch region at byte offset off as an activation view [rows, cols] (ld = cols) */
 kd_act kd_fwd_act(const kd_seq *s, size_t off, int rows, int cols, kd_dtype dt);
+
+/* Step graphs (model.c). Mode from env KDTREE_CUDA_GRAPHS, read by kd_seq_new:
+ * 0 / off: every step as before; 1 / on: decode (causal T = 1) and verify (masked) steps
+ * read the length on the device and are captured as graphs (first use of a shape runs
+ * eagerly, the second captures, later ones replay); eager: the device-length path without
+ * capture (a diagnostic: it isolates the kernels from the capture). Needs the backend's
+ * optional graph ops (CUDA); elsewhere the mode is 0. */
+enum { KD_GRAPHS_OFF = 0, KD_GRAPHS_ON = 1, KD_GRAPHS_EAGER = 2 };
+/* the mode when KDTREE_CUDA_GRAPHS is unset: off until the H200 run of spec/graphs_spec.lua
+ * has proven the graph path bit-identical (docs/architecture.md "Step graphs") */
+enum { KD_GRAPHS_DEFAULT = KD_GRAPHS_OFF };
+int kd_graphs_mode_from_env(const kd_backend *be);
+kd_status kd_seq_graphs_new(kd_seq *s, int mode);
+void kd_seq_graphs_free(kd_seq *s);
 #endif

@@ -167,6 +167,32 @@ kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst);
 /* build the DDTree from the last draft's log-probs, on the backend */
 kd_status kd_tree_build_drafted(kd_tree *t, kd_seq *s, int budget);
 
+/* ---- memory by component ----
+ * Bytes the model holds on its backend now: device memory on CUDA; on the CPU the
+ * weights are the bytes its kernels read (mostly the mapped checkpoint itself), the rest
+ * host allocations. total = the sum of every weights_* category, drafter_weights,
+ * kv_cache, activations, drafter_cache, workspace and other. docs/architecture.md. */
+typedef struct kd_memory_report {
+    uint64_t backend;                     /* kd_backend_kind */
+    uint64_t weights_attention, weights_dense_mlp, weights_shared_experts, weights_routed_experts,
+             weights_router, weights_embed, weights_lm_head, weights_norms;
+    uint64_t weights_total;               /* the eight above */
+    uint64_t weights_allocated;           /* of weights_total: held outside the mapping (device, host copies) */
+    uint64_t drafter_weights;             /* drafters opened on this model (CUDA; 0 on the CPU) */
+    uint64_t kv_cache;                    /* latent KV caches of the open sequences */
+    uint64_t activations;                 /* per-sequence logits and forward scratch */
+    uint64_t drafter_cache;               /* drafters' per-sequence state (CUDA; 0 on the CPU) */
+    uint64_t workspace;                   /* the backend's shared scratch (CUDA) */
+    uint64_t other;                       /* small model buffers: RoPE table, router bias copies */
+    uint64_t total;
+    uint64_t mapped;                      /* bytes of the mapped checkpoint files (not in total) */
+    uint64_t device_free, device_total;   /* the device as the driver reports it (0 on the CPU) */
+    uint64_t n_seqs;                      /* open sequences and drafters of the model */
+    uint64_t graphs;                      /* step graphs held by the open sequences */
+    uint64_t graph_captures, graph_launches, graph_fallbacks;   /* since the model was opened */
+} kd_memory_report;
+kd_status kd_model_memory(const kd_model *m, kd_memory_report *out);
+
 #ifdef __cplusplus
 }
 #endif

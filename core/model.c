@@ -42,6 +42,7 @@ void kd_fwd_plan_make(const kd_model *m, int rows, kd_fwd_plan *p) {
     p->rows = rows;
     p->words = (rows + 63) / 64;
 #define REGION(field, nbytes) do { p->field = off; off = ALIGN_UP(off + (nbytes)); } while (0)
+    REGION(dlen, 4);
     REGION(ids, R * 4);
     REGION(pos, R * 4);
     REGION(vis, R * (size_t)p->words * 8);
@@ -89,9 +90,12 @@ static kd_status mlp(kd_seq *s, const kd_fwd_plan *p, kd_act x, const kd_weight 
     return be->ops->linear(be, g, down, out);
 }
 
-/* MLA attention of layer l: writes the layer's cache rows [len, len+T) and x += attn(h) */
+/* MLA attention of layer l: writes the layer's cache rows [len, len+T) and x += attn(h).
+ * d_len NULL: len is the host's s->len; else the device int32 holding it (graph steps:
+ * the new latent rows are finished in kva and stored at rows *d_len.., and attention reads
+ * the length on the device; the same kernels on the same values, so the same bits). */
 static kd_status attention_block(kd_seq *s, const kd_fwd_plan *p, int l, kd_act h, kd_act x, const int32_t *pos,
-                                 const uint64_t *vis) {
+                                 const uint64_t *vis, const int32_t *d_len) {
     kd_model *m = s->model;
     kd_backend *be = m->be;
     const kd_config *c = &m->cfg;
@@ -115,10 +119,16 @@ static kd_status attention_block(kd_seq *s, const kd_fwd_plan *p, int l, kd_act 
     /* the latent of the new tokens goes straight into the cache: [c_kv | roped k_pe] */
     kd_act kva = kd_fwd_act(s, p->kva, T, r + dr, dt);
     KD_TRY(be->ops->linear(be, h, &L->kv_a, kva));
-    kd_act rows = kd_act_rows(s->cache[l], len, T);
-    KD_TRY(be->ops->rmsnorm(be, kd_act_cols(kva, 0, r), &L->kv_a_norm, c->kv_a_norm_eps, kd_act_cols(rows, 0, r)));
-    KD_TRY(be->ops->copy(be, kd_act_cols(rows, r, dr), kd_act_cols(kva, r, dr)));
-    KD_TRY(be->ops->rope(be, rows, 1, r + dr, r, pos, &m->rope));
+    if (d_len) {
+        KD_TRY(be->ops->rmsnorm(be, kd_act_cols(kva, 0, r), &L->kv_a_norm, c->kv_a_norm_eps, kd_act_cols(kva, 0, r)));
+        KD_TRY(be->ops->rope(be, kva, 1, r + dr, r, pos, &m->rope));
+        KD_TRY(be->ops->store_rows_at(be, s->cache[l], d_len, kva));
+    } else {
+        kd_act rows = kd_act_rows(s->cache[l], len, T);
+        KD_TRY(be->ops->rmsnorm(be, kd_act_cols(kva, 0, r), &L->kv_a_norm, c->kv_a_norm_eps, kd_act_cols(rows, 0, r)));
+        KD_TRY(be->ops->copy(be, kd_act_cols(rows, r, dr), kd_act_cols(kva, r, dr)));
+        KD_TRY(be->ops->rope(be, rows, 1, r + dr, r, pos, &m->rope));
+    }
 
     /* absorbed query per head: [q_nope W_UK | q_pe] */
     kd_act lat = kd_fwd_act(s, p->lat, T, H * r, dt);
@@ -129,9 +139,15 @@ static kd_status attention_block(kd_seq *s, const kd_fwd_plan *p, int l, kd_act 
     KD_TRY(be->ops->copy(be, kd_act_cols(qf_rows, r, dr), kd_act_cols(heads_as_rows(q, H), dn, dr)));
 
     /* one latent KV head (MQA) over the cache rows [0, len+T) */
-    kd_act kv = kd_act_rows(s->cache[l], 0, len + T);
-    KD_TRY(be->ops->attention(be, qfull, H, r + dr, kv, kd_act_cols(kv, 0, r), 1, len, vis == NULL, vis, 0,
-                              c->softmax_scale, lat));
+    if (d_len) {
+        kd_act kv = s->cache[l];      /* all rows: the bound; the kernels read len */
+        KD_TRY(be->ops->attention_at(be, qfull, H, r + dr, kv, kd_act_cols(kv, 0, r), 1, d_len, vis == NULL, vis, 0,
+                                     c->softmax_scale, lat));
+    } else {
+        kd_act kv = kd_act_rows(s->cache[l], 0, len + T);
+        KD_TRY(be->ops->attention(be, qfull, H, r + dr, kv, kd_act_cols(kv, 0, r), 1, len, vis == NULL, vis, 0,
+                                  c->softmax_scale, lat));
+    }
 
     /* back to per-head values, output projection, residual */
     kd_act o = kd_fwd_act(s, p->o, T, H * dv, dt);
@@ -174,31 +190,22 @@ static kd_status keep_taps(kd_seq *s, int l, kd_act x) {
     return KD_OK;
 }
 
-/* one chunk of T <= out_cap tokens at cache rows [len, len+T); pos: host positions */
-static kd_status forward_chunk(kd_seq *s, const int32_t *tokens, int T, const int32_t *pos,
-                               const uint64_t *visible, bool want_logits) {
+/* the layers and the head over T tokens whose ids, positions and visibility are already in
+ * the scratch (d_ids, d_pos, d_vis); d_len: see attention_block */
+static kd_status forward_body(kd_seq *s, const kd_fwd_plan *p, int T, const int32_t *d_ids, const int32_t *d_pos,
+                              const uint64_t *d_vis, const int32_t *d_len, bool want_logits) {
     kd_model *m = s->model;
     kd_backend *be = m->be;
     const kd_config *c = &m->cfg;
-    kd_fwd_plan p;
-    kd_fwd_plan_make(m, s->out_cap, &p);
-    int32_t *d_ids = (int32_t *)((char *)s->scratch + p.ids), *d_pos = (int32_t *)((char *)s->scratch + p.pos);
-    uint64_t *d_vis = NULL;
-    KD_TRY(be->ops->upload(be, d_ids, tokens, sizeof(int32_t) * (size_t)T));
-    KD_TRY(be->ops->upload(be, d_pos, pos, sizeof(int32_t) * (size_t)T));
-    if (visible) {
-        d_vis = (uint64_t *)((char *)s->scratch + p.vis);
-        KD_TRY(be->ops->upload(be, d_vis, visible, sizeof(uint64_t) * (size_t)T * (size_t)((T + 63) / 64)));
-    }
-    kd_act x = kd_fwd_act(s, p.x, T, c->hidden, be->act_dtype);
-    kd_act h = kd_fwd_act(s, p.h, T, c->hidden, be->act_dtype);
+    kd_act x = kd_fwd_act(s, p->x, T, c->hidden, be->act_dtype);
+    kd_act h = kd_fwd_act(s, p->h, T, c->hidden, be->act_dtype);
     KD_TRY(be->ops->embed(be, &m->embed, d_ids, x));
     for (int l = 0; l < c->n_layers; l++) {
         const kd_layer *L = &m->layers[l];
         kd_status st = be->ops->rmsnorm(be, x, &L->attn_norm, c->rms_norm_eps, h);
-        if (st == KD_OK) st = attention_block(s, &p, l, h, x, d_pos, d_vis);
+        if (st == KD_OK) st = attention_block(s, p, l, h, x, d_pos, d_vis, d_len);
         if (st == KD_OK) st = be->ops->rmsnorm(be, x, &L->ffn_norm, c->rms_norm_eps, h);
-        if (st == KD_OK) st = ffn_block(s, &p, l, h, x);
+        if (st == KD_OK) st = ffn_block(s, p, l, h, x);
         if (st == KD_OK) st = keep_taps(s, l, x);
         if (st != KD_OK) return kd_fail_context(st, "forward: layer %d", l);
     }
@@ -206,6 +213,197 @@ static kd_status forward_chunk(kd_seq *s, const int32_t *tokens, int T, const in
     KD_TRY(be->ops->rmsnorm(be, x, &m->final_norm, c->rms_norm_eps, h));
     /* logits are fp32 on every backend: linear writes out.dtype */
     return be->ops->linear(be, h, &m->lm_head, kd_act_rows(s->logits, 0, T));
+}
+
+/* ---- step graphs ----
+ * A decode step (causal, T = 1) or a verify step (masked, T rows) of a sequence in graph
+ * mode runs on the device-length path: its inputs (len, ids, positions, visibility) sit at
+ * fixed scratch addresses and go up in one copy; every kernel argument is then the same at
+ * every length, so the step can be captured once per shape and replayed. The first use of
+ * a shape runs eagerly (it sizes the backend's workspaces, which must not grow inside a
+ * capture), the second captures and launches, later ones launch. A graph is dropped and
+ * recaptured when the backend reallocated a workspace (epoch) or the drafter's tap buffer
+ * changed; a shape whose capture fails twice stays eager (still on the device-length path). */
+enum { KD_GRAPH_SLOTS = 8 };
+
+typedef struct kd_graph_entry {
+    int T;
+    bool masked, used;
+    const void *taps, *drafter;   /* what the captured step writes taps to */
+    uint64_t epoch;               /* the backend's workspace epoch at capture */
+    void *exec;                   /* the captured step, or NULL */
+    int runs, failures;
+    uint64_t stamp;               /* last use (LRU) */
+} kd_graph_entry;
+
+typedef struct kd_seq_graphs {
+    int mode;
+    kd_graph_entry e[KD_GRAPH_SLOTS];
+    uint64_t clock;
+    char *host;                   /* host image of the input span [dlen, vis + rows*words*8) */
+    size_t host_bytes;
+    bool verbose;
+} kd_seq_graphs;
+
+int kd_graphs_mode_from_env(const kd_backend *be) {
+    const kd_backend_ops *o = be->ops;
+    if (!o->store_rows_at || !o->attention_at || !o->graph_begin || !o->graph_end || !o->graph_launch ||
+        !o->graph_free || !o->graph_epoch)
+        return KD_GRAPHS_OFF;
+    const char *v = getenv("KDTREE_CUDA_GRAPHS");
+    if (!v || !*v) return KD_GRAPHS_DEFAULT;
+    if (!strcmp(v, "1") || !strcmp(v, "on")) return KD_GRAPHS_ON;
+    if (!strcmp(v, "eager")) return KD_GRAPHS_EAGER;
+    return KD_GRAPHS_OFF;
+}
+
+kd_status kd_seq_graphs_new(kd_seq *s, int mode) {
+    s->graphs = NULL;
+    if (mode == KD_GRAPHS_OFF) return KD_OK;
+    kd_fwd_plan p;
+    kd_fwd_plan_make(s->model, s->out_cap, &p);
+    kd_seq_graphs *g = calloc(1, sizeof *g);
+    size_t bytes = p.vis - p.dlen + (size_t)p.rows * p.words * sizeof(uint64_t);
+    char *host = malloc(bytes);
+    if (!g || !host) {
+        free(g);
+        free(host);
+        return kd_fail(KD_ERR_NOMEM, "kd_seq_new: out of host memory for the step graph staging (%zu bytes)", bytes);
+    }
+    memset(host, 0, bytes);
+    g->mode = mode;
+    g->host = host;
+    g->host_bytes = bytes;
+    const char *v = getenv("KDTREE_CUDA_GRAPHS_VERBOSE");
+    g->verbose = v && *v && strcmp(v, "0");
+    s->graphs = g;
+    return KD_OK;
+}
+
+static void graph_drop(kd_seq *s, kd_graph_entry *e) {
+    if (e->exec) {
+        s->model->be->ops->graph_free(s->model->be, e->exec);
+        e->exec = NULL;
+        if (s->model->graphs_held) s->model->graphs_held--;
+    }
+}
+
+void kd_seq_graphs_free(kd_seq *s) {
+    kd_seq_graphs *g = s->graphs;
+    if (!g) return;
+    for (int i = 0; i < KD_GRAPH_SLOTS; i++) graph_drop(s, &g->e[i]);
+    free(g->host);
+    free(g);
+    s->graphs = NULL;
+}
+
+/* the entry of a step shape: found, or a fresh (or least recently used) slot */
+static kd_graph_entry *graph_entry(kd_seq *s, int T, bool masked) {
+    kd_seq_graphs *g = s->graphs;
+    const void *taps = s->taps.data, *drafter = s->drafter;
+    kd_graph_entry *victim = NULL;
+    for (int i = 0; i < KD_GRAPH_SLOTS; i++) {
+        kd_graph_entry *e = &g->e[i];
+        if (e->used && e->T == T && e->masked == masked && e->taps == taps && e->drafter == drafter) return e;
+        if (!victim || (!e->used && victim->used) || (e->used == victim->used && e->stamp < victim->stamp)) victim = e;
+    }
+    graph_drop(s, victim);
+    memset(victim, 0, sizeof *victim);
+    victim->used = true;
+    victim->T = T;
+    victim->masked = masked;
+    victim->taps = taps;
+    victim->drafter = drafter;
+    return victim;
+}
+
+static kd_status forward_step_graph(kd_seq *s, const kd_fwd_plan *p, const int32_t *tokens, int T, const int32_t *pos,
+                                    const uint64_t *visible) {
+    kd_model *m = s->model;
+    kd_backend *be = m->be;
+    kd_seq_graphs *g = s->graphs;
+    size_t words = (size_t)(T + 63) / 64;
+    /* the inputs, laid out as in the scratch, up in one copy; tokens NULL (kd_verify of a
+     * device tree): ids, pos and vis are already there, only the length goes up */
+    size_t span = !tokens ? sizeof(int32_t) : p->vis - p->dlen + (visible ? (size_t)T * words * sizeof(uint64_t) : 0);
+    if (span > g->host_bytes)
+        return kd_fail(KD_ERR_STATE, "forward: a step of %d rows needs %zu staging bytes, the sequence has %zu", T, span,
+                       g->host_bytes);
+    int32_t len = s->len;
+    memcpy(g->host, &len, sizeof len);
+    if (tokens) {
+        memcpy(g->host + (p->ids - p->dlen), tokens, sizeof(int32_t) * (size_t)T);
+        memcpy(g->host + (p->pos - p->dlen), pos, sizeof(int32_t) * (size_t)T);
+        if (visible) memcpy(g->host + (p->vis - p->dlen), visible, (size_t)T * words * sizeof(uint64_t));
+    }
+    char *base = (char *)s->scratch;
+    KD_TRY(be->ops->upload(be, base + p->dlen, g->host, span));
+    const int32_t *d_len = (const int32_t *)(base + p->dlen), *d_ids = (const int32_t *)(base + p->ids);
+    const int32_t *d_pos = (const int32_t *)(base + p->pos);
+    const uint64_t *d_vis = visible ? (const uint64_t *)(base + p->vis) : NULL;
+    if (g->mode != KD_GRAPHS_ON) return forward_body(s, p, T, d_ids, d_pos, d_vis, d_len, true);
+
+    kd_graph_entry *e = graph_entry(s, T, visible != NULL);
+    e->stamp = ++g->clock;
+    if (e->exec && e->epoch != be->ops->graph_epoch(be)) graph_drop(s, e);   /* a workspace moved */
+    if (e->exec) {
+        KD_TRY(be->ops->graph_launch(be, e->exec));
+        m->graph_launches++;
+        return KD_OK;
+    }
+    if (e->runs == 0 || e->failures >= 2) {      /* warm-up (sizes the workspaces), or not capturable */
+        e->runs++;
+        return forward_body(s, p, T, d_ids, d_pos, d_vis, d_len, true);
+    }
+    uint64_t epoch = be->ops->graph_epoch(be);
+    void *exec = NULL;
+    kd_status st = be->ops->graph_begin(be);
+    if (st == KD_OK) {
+        st = forward_body(s, p, T, d_ids, d_pos, d_vis, d_len, true);
+        kd_status st_end = be->ops->graph_end(be, &exec);     /* always ends the capture */
+        if (st == KD_OK) st = st_end;
+    }
+    if (st == KD_OK && exec && be->ops->graph_epoch(be) == epoch) {
+        e->exec = exec;
+        e->epoch = epoch;
+        e->runs++;
+        m->graphs_held++;
+        m->graph_captures++;
+        KD_TRY(be->ops->graph_launch(be, exec));
+        m->graph_launches++;
+        return KD_OK;
+    }
+    /* the capture failed: nothing of it ran; run the step eagerly */
+    if (g->verbose)
+        fprintf(stderr, "kdtree: step graph capture (%d rows, %s) failed, running eagerly: %s\n", T,
+                visible ? "masked" : "causal", st != KD_OK ? kd_last_error() : "workspace epoch changed");
+    if (exec) be->ops->graph_free(be, exec);
+    e->failures++;
+    e->runs++;
+    m->graph_fallbacks++;
+    return forward_body(s, p, T, d_ids, d_pos, d_vis, d_len, true);
+}
+
+/* one chunk of T <= out_cap tokens at cache rows [len, len+T); pos: host positions */
+static kd_status forward_chunk(kd_seq *s, const int32_t *tokens, int T, const int32_t *pos,
+                               const uint64_t *visible, bool want_logits) {
+    kd_model *m = s->model;
+    kd_backend *be = m->be;
+    kd_fwd_plan p;
+    kd_fwd_plan_make(m, s->out_cap, &p);
+    /* tokens NULL: the inputs are staged in the scratch (ids, pos, vis) by the caller (kd_verify
+     * of a tree on the backend); both paths below then upload nothing but (graphs) the length */
+    if (s->graphs && s->graphs->mode != KD_GRAPHS_OFF && want_logits && (visible || T == 1))
+        return forward_step_graph(s, &p, tokens, T, pos, visible);
+    int32_t *d_ids = (int32_t *)((char *)s->scratch + p.ids), *d_pos = (int32_t *)((char *)s->scratch + p.pos);
+    uint64_t *d_vis = visible ? (uint64_t *)((char *)s->scratch + p.vis) : NULL;
+    if (tokens) {       /* else (kd_verify of a device tree) the inputs are already in ids, pos, vis */
+        KD_TRY(be->ops->upload(be, d_ids, tokens, sizeof(int32_t) * (size_t)T));
+        KD_TRY(be->ops->upload(be, d_pos, pos, sizeof(int32_t) * (size_t)T));
+        if (visible)
+            KD_TRY(be->ops->upload(be, d_vis, visible, sizeof(uint64_t) * (size_t)T * (size_t)((T + 63) / 64)));
+    }
+    return forward_body(s, &p, T, d_ids, d_pos, d_vis, NULL, want_logits);
 }
 
 kd_status kd_model_forward(kd_seq *s, const int32_t *tokens, int n, const int32_t *positions,
@@ -219,7 +417,8 @@ kd_status kd_model_forward(kd_seq *s, const int32_t *tokens, int n, const int32_
         if (n > cap)
             return kd_fail(KD_ERR_CAPACITY, "forward: a masked forward of %d tokens exceeds the %d rows per forward "
                            "of this sequence", n, cap);
-        for (int i = 0; i < n; i++) s->out_positions[i] = positions ? positions[i] : s->len + i;
+        /* tokens NULL: staged on the backend (forward_chunk); the host then knows no positions (-1) */
+        for (int i = 0; i < n; i++) s->out_positions[i] = positions ? positions[i] : tokens ? s->len + i : -1;
         st = forward_chunk(s, tokens, n, s->out_positions, visible, true);
         if (st != KD_OK) return st;
         s->out_rows = n;
@@ -256,4 +455,112 @@ kd_status kd_model_forward(kd_seq *s, const int32_t *tokens, int n, const int32_
         }
     }
     return st;
+}
+
+/* ---- memory by component ---- */
+
+static bool in_files(const kd_st_set *set, const void *p) {
+    for (int i = 0; i < set->n_files; i++) {
+        const char *b = set->files[i].map;
+        if (b && (const char *)p >= b && (const char *)p < b + set->files[i].size) return true;
+    }
+    return false;
+}
+
+/* bytes of a weight in the form its backend holds it (CPU: the bytes it reads) */
+static uint64_t weight_held(const kd_model *m, const kd_weight *w) {
+    if (!w->dev && !w->src) return 0;
+    if (m->be->ops->weight_bytes) return m->be->ops->weight_bytes(m->be, w);
+    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
+    switch (w->format) {
+    case KD_W_BF16: return 2 * n;
+    case KD_W_F32: return 4 * n;
+    case KD_W_INT4: return n / 2 + (w->group > 0 ? n / (uint64_t)w->group * 2 : 0);
+    }
+    return 0;
+}
+
+/* of those, the bytes outside the mapped checkpoint (device copies, or CPU host copies) */
+static uint64_t weight_allocated(const kd_model *m, const kd_weight *w) {
+    uint64_t b = weight_held(m, w);
+    if (!b || m->be->kind != KD_BACKEND_CPU) return b;
+    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols, a = 0;
+    if (w->src && !in_files(&m->files, w->src))
+        a += w->format == KD_W_INT4 ? n / 2 : w->format == KD_W_F32 ? 4 * n : 2 * n;
+    if (w->format == KD_W_INT4 && w->src_scale && !in_files(&m->files, w->src_scale) && w->group > 0)
+        a += n / (uint64_t)w->group * 2;
+    return a;
+}
+
+static void count_weight(const kd_model *m, const kd_weight *w, uint64_t *cat, uint64_t *allocated) {
+    *cat += weight_held(m, w);
+    *allocated += weight_allocated(m, w);
+}
+
+kd_status kd_model_memory(const kd_model *m, kd_memory_report *out) {
+    if (!out) return kd_fail(KD_ERR_ARG, "kd_model_memory: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (!m) return kd_fail(KD_ERR_ARG, "kd_model_memory: model is NULL");
+    if (m->closing) return kd_fail(KD_ERR_STATE, "kd_model_memory: the model is closed");
+    const kd_config *c = &m->cfg;
+    kd_memory_report *r = out;
+    uint64_t alloc = 0, other = 0;
+    r->backend = (uint64_t)m->be->kind;
+    for (int l = 0; l < c->n_layers; l++) {
+        const kd_layer *L = &m->layers[l];
+        const kd_weight *attn[] = {&L->q_a, &L->q_a_norm, &L->q_b, &L->q_proj, &L->kv_a, &L->kv_a_norm, &L->kv_b,
+                                   &L->o_proj};
+        for (size_t i = 0; i < sizeof attn / sizeof attn[0]; i++) count_weight(m, attn[i], &r->weights_attention, &alloc);
+        count_weight(m, &L->attn_norm, &r->weights_norms, &alloc);
+        count_weight(m, &L->ffn_norm, &r->weights_norms, &alloc);
+        uint64_t *mlp = L->is_moe ? &r->weights_shared_experts : &r->weights_dense_mlp;
+        count_weight(m, &L->mlp_gate, mlp, &alloc);
+        count_weight(m, &L->mlp_up, mlp, &alloc);
+        count_weight(m, &L->mlp_down, mlp, &alloc);
+        if (!L->is_moe) continue;
+        count_weight(m, &L->router, &r->weights_router, &alloc);
+        count_weight(m, &L->router_bias, &r->weights_router, &alloc);
+        const kd_experts *e = &L->experts;
+        for (int j = 0; j < e->n; j++) {
+            if (e->gate) count_weight(m, &e->gate[j], &r->weights_routed_experts, &alloc);
+            if (e->up) count_weight(m, &e->up[j], &r->weights_routed_experts, &alloc);
+            if (e->down) count_weight(m, &e->down[j], &r->weights_routed_experts, &alloc);
+        }
+        if (e->bias) other += (uint64_t)e->n * sizeof(float);      /* the router's f32 bias buffer */
+    }
+    count_weight(m, &m->embed, &r->weights_embed, &alloc);
+    count_weight(m, &m->final_norm, &r->weights_norms, &alloc);
+    bool tied = m->lm_head.src == m->embed.src && m->lm_head.dev == m->embed.dev;   /* one form, counted once */
+    if (!tied) count_weight(m, &m->lm_head, &r->weights_lm_head, &alloc);
+    if (m->rope_inv_freq) other += (uint64_t)(c->qk_rope_dim / 2) * sizeof(float);
+    r->weights_total = r->weights_attention + r->weights_dense_mlp + r->weights_shared_experts +
+                       r->weights_routed_experts + r->weights_router + r->weights_embed + r->weights_lm_head +
+                       r->weights_norms;
+    r->weights_allocated = alloc;
+    r->kv_cache = m->mem_kv;
+    r->activations = m->mem_act;
+    r->other = other;
+    if (m->be->ops->mem_usage) {
+        /* the backend's totals: what this model's walk and its sequences do not account for
+         * belongs to the drafters bound to it (their weights; their per-sequence buffers) */
+        kd_mem_usage u;
+        memset(&u, 0, sizeof u);
+        m->be->ops->mem_usage(m->be, &u);
+        r->drafter_weights = u.weights > alloc ? u.weights - alloc : 0;
+        uint64_t mine = r->kv_cache + r->activations + other;
+        r->drafter_cache = u.buffers > mine ? u.buffers - mine : 0;
+        r->workspace = u.workspace;
+        r->device_free = u.device_free;
+        r->device_total = u.device_total;
+    }
+    r->total = r->weights_total + r->drafter_weights + r->kv_cache + r->activations + r->drafter_cache +
+               r->workspace + r->other;
+    for (int i = 0; i < m->files.n_files; i++)
+        if (m->files.files[i].map) r->mapped += m->files.files[i].size;
+    r->n_seqs = (uint64_t)m->n_seqs;
+    r->graphs = m->graphs_held;
+    r->graph_captures = m->graph_captures;
+    r->graph_launches = m->graph_launches;
+    r->graph_fallbacks = m->graph_fallbacks;
+    return KD_OK;
 }

@@ -60,6 +60,9 @@ struct kd_model {
     char dir[1024];
     int n_seqs;                               /* open sequences (a model outlives them) */
     bool closing;                             /* kd_model_close was called while n_seqs > 0 */
+    /* tallies of the open sequences for kd_model_memory (seq.c, model.c) */
+    uint64_t mem_kv, mem_act;                 /* backend bytes: KV caches; logits + forward scratch */
+    uint64_t graphs_held, graph_captures, graph_launches, graph_fallbacks;
 };
 
 /* Reference counting (model_load.c): kd_seq_new / kd_drafter_open take a reference with
@@ -97,6 +100,8 @@ struct kd_seq {
     /* the attached drafter */
     struct kd_drafter *drafter;
     kd_draft_state *draft;
+    /* step graphs (CUDA graphs of decode / verify steps; model.c), NULL when off */
+    struct kd_seq_graphs *graphs;
 };
 
 /* Model forward over n tokens (internal form of kd_forward; taps_rows: which layer outputs to keep). */

@@ -6,6 +6,7 @@
  *   logits        [out_cap, vocab] fp32
  *   scratch       the forward's plan for out_cap rows (forward.h)
  *   out_positions out_cap int32 on the host
+ *   graphs        step graphs and their host staging, in graph mode (model.c)
  * out_cap = min(capacity, 1024) rows per forward chunk (env KDTREE_SEQ_ROWS lowers it,
  * for tests of the chunked path). A longer causal forward runs in chunks; a masked
  * (tree) forward must fit in out_cap rows. */
@@ -18,9 +19,20 @@
 
 static int cache_cols(const kd_model *m) { return m->cfg.kv_lora_rank + m->cfg.qk_rope_dim; }
 
+/* the backend bytes a sequence holds, by kind (kd_model_memory) */
+static uint64_t seq_kv_bytes(const kd_seq *s) {
+    const kd_model *m = s->model;
+    return (uint64_t)m->cfg.n_layers * (uint64_t)s->capacity * (uint64_t)cache_cols(m) *
+           kd_dtype_size(m->be->act_dtype);
+}
+static uint64_t seq_act_bytes(const kd_seq *s) {
+    return (uint64_t)s->out_cap * (uint64_t)s->model->cfg.vocab * sizeof(float) + s->scratch_bytes;
+}
+
 static void seq_release(kd_seq *s) {
     kd_model *m = s->model;
     kd_backend *be = m->be;
+    kd_seq_graphs_free(s);     /* before the buffers its graphs point at */
     if (s->cache) {
         for (int l = 0; l < m->cfg.n_layers; l++)
             if (s->cache[l].data) be->ops->free(be, s->cache[l].data);
@@ -75,11 +87,14 @@ kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) {
         st = be->ops->alloc(be, p.bytes, &s->scratch);
         if (st != KD_OK) kd_fail_context(st, "kd_seq_new: forward scratch (%zu bytes)", p.bytes);
     }
+    if (st == KD_OK) st = kd_seq_graphs_new(s, kd_graphs_mode_from_env(be));
     if (st != KD_OK) {
         seq_release(s);
         return st;
     }
     m->n_seqs++;
+    m->mem_kv += seq_kv_bytes(s);
+    m->mem_act += seq_act_bytes(s);
     *out = s;
     return KD_OK;
 }
@@ -88,6 +103,9 @@ void kd_seq_free(kd_seq *s) {
     if (!s) return;
     kd_model *m = s->model;
     if (s->drafter || s->draft) kd_draft_state_free(s);
+    uint64_t kv = seq_kv_bytes(s), act = seq_act_bytes(s);
+    m->mem_kv = m->mem_kv > kv ? m->mem_kv - kv : 0;
+    m->mem_act = m->mem_act > act ? m->mem_act - act : 0;
     seq_release(s);
     kd_model_unref(m);
 }

@@ -45,10 +45,14 @@ kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr) {
         *ptr = c->ws[which];
         return KD_OK;
     }
+    if (c->capturing)   /* a captured graph cannot grow it (that waits and reallocates): the caller runs eagerly */
+        return kd_fail(KD_ERR_STATE, "cuda: the %s would grow to %zu bytes during a graph capture", ws_name(which),
+                       bytes);
     size_t want = bytes + bytes / 4;          /* headroom: fewer regrowths */
     if (want < ((size_t)1 << 20)) want = (size_t)1 << 20;
     if (c->ws[which]) {
         KD_CUDA(cudaStreamSynchronize(c->stream));   /* in-flight kernels may still read it */
+        c->ws_epoch++;                               /* graphs captured with the old one are stale */
         cudaFree(c->ws[which]);
         c->bytes_workspace -= c->ws_bytes[which];
         c->ws[which] = NULL;
@@ -81,6 +85,7 @@ static void cuda_destroy(kd_backend *be) {
         cudaSetDevice(be->device);
         if (c->stream) cudaStreamSynchronize(c->stream);
         for (int i = 0; i < KD_WS_COUNT; i++) if (c->ws[i]) cudaFree(c->ws[i]);
+        free(c->bufs);
         if (c->cublas) cublasDestroy(c->cublas);
         if (c->stream) cudaStreamDestroy(c->stream);
         free(c);
@@ -106,12 +111,33 @@ static kd_status cuda_alloc(kd_backend *be, size_t bytes, void **ptr) {
         *ptr = NULL;
         return kd_cuda_fail(e, "cudaMemsetAsync (zero-fill)", __FILE__, __LINE__);
     }
+    if (c->n_bufs == c->cap_bufs) {        /* remember the size, so free() can account for it */
+        int cap = c->cap_bufs ? 2 * c->cap_bufs : 64;
+        kd_cuda_buf *nb = (kd_cuda_buf *)realloc(c->bufs, (size_t)cap * sizeof *nb);
+        if (!nb) {
+            cudaFree(*ptr);
+            *ptr = NULL;
+            return kd_fail(KD_ERR_NOMEM, "cuda: out of host memory for the buffer table");
+        }
+        c->bufs = nb;
+        c->cap_bufs = cap;
+    }
+    c->bufs[c->n_bufs].ptr = *ptr;
+    c->bufs[c->n_bufs].bytes = bytes;
+    c->n_bufs++;
     c->bytes_alloc += bytes;
     return KD_OK;
 }
 
 static void cuda_free(kd_backend *be, void *ptr) {
     if (!ptr) return;
+    kd_cuda *c = kd_cuda_of(be);
+    for (int i = c->n_bufs - 1; i >= 0; i--)
+        if (c->bufs[i].ptr == ptr) {
+            c->bytes_alloc = c->bytes_alloc > c->bufs[i].bytes ? c->bytes_alloc - c->bufs[i].bytes : 0;
+            c->bufs[i] = c->bufs[--c->n_bufs];
+            break;
+        }
     cudaSetDevice(be->device);
     cudaFree(ptr);   /* waits for the device; frees are rare (sequence close) */
 }
@@ -250,6 +276,14 @@ KD_DEV_WRAP(kd_status, experts_load, (kd_backend *be, kd_experts *e), (be, e))
 KD_DEV_WRAP(kd_status, log_softmax, (kd_backend *be, kd_act x), (be, x))
 KD_DEV_WRAP(kd_status, argmax, (kd_backend *be, kd_act x, int32_t *o), (be, x, o))
 KD_DEV_WRAP(kd_status, topk, (kd_backend *be, kd_act x, int k, float *v, int32_t *ids), (be, x, k, v, ids))
+KD_DEV_WRAP(kd_status, store_rows_at, (kd_backend *be, kd_act d, const int32_t *len, kd_act s), (be, d, len, s))
+KD_DEV_WRAP(kd_status, attention_at,
+            (kd_backend *be, kd_act q, int nh, int hd, kd_act k, kd_act v, int nkv, const int32_t *len, bool causal,
+             const uint64_t *vis, int window, float scale, kd_act o),
+            (be, q, nh, hd, k, v, nkv, len, causal, vis, window, scale, o))
+KD_DEV_WRAP(kd_status, graph_begin, (kd_backend *be), (be))
+KD_DEV_WRAP(kd_status, graph_end, (kd_backend *be, void **g), (be, g))
+KD_DEV_WRAP(kd_status, graph_launch, (kd_backend *be, void *g), (be, g))
 
 static void experts_free_dev(kd_backend *be, kd_experts *e) {
     cudaSetDevice(be->device);
@@ -285,6 +319,15 @@ static kd_backend_ops make_ops() {
     o.log_softmax = log_softmax_dev;
     o.argmax = argmax_dev;
     o.topk = topk_dev;
+    o.store_rows_at = store_rows_at_dev;
+    o.attention_at = attention_at_dev;
+    o.graph_begin = graph_begin_dev;
+    o.graph_end = graph_end_dev;
+    o.graph_launch = graph_launch_dev;
+    o.graph_free = kd_cuda_graph_free;
+    o.graph_epoch = kd_cuda_graph_epoch;
+    o.weight_bytes = kd_cuda_weight_bytes;
+    o.mem_usage = kd_cuda_mem_usage;
     return o;
 }
 static const kd_backend_ops cuda_ops = make_ops();

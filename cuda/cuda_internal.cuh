@@ -58,7 +58,13 @@ typedef struct kd_cuda {
      * rank. ncclComm_t is kept as void* so this header needs no NCCL. */
     void *nccl_comm;
     int tp_rank, tp_world;
+    /* step graphs and buffer accounting (backend.cu, graph.cu) */
+    int capturing;                 /* a graph capture is open on `stream`: workspaces must not grow */
+    unsigned long long ws_epoch;   /* bumped whenever a workspace is reallocated (graphs point into them) */
+    struct kd_cuda_buf *bufs;      /* the alloc() buffers and their sizes, so free() can subtract */
+    int n_bufs, cap_bufs;
 } kd_cuda;
+typedef struct kd_cuda_buf { void *ptr; size_t bytes; } kd_cuda_buf;
 
 static inline kd_cuda *kd_cuda_of(kd_backend *be) { return (kd_cuda *)be->impl; }
 
@@ -154,6 +160,18 @@ void kd_cuda_experts_free(kd_backend *be, kd_experts *e);
 kd_status kd_cuda_log_softmax(kd_backend *be, kd_act x);
 kd_status kd_cuda_argmax(kd_backend *be, kd_act x, int32_t *out);
 kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids);
+/* step graphs (graph.cu, mla.cu): the device-length forms and the capture/replay calls */
+kd_status kd_cuda_store_rows_at(kd_backend *be, kd_act dst, const int32_t *d_len, kd_act src);
+kd_status kd_cuda_attention_at(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,
+                               int n_kv_heads, const int32_t *d_len, bool causal, const uint64_t *visible,
+                               int window, float scale, kd_act out);
+kd_status kd_cuda_graph_begin(kd_backend *be);
+kd_status kd_cuda_graph_end(kd_backend *be, void **graph);
+kd_status kd_cuda_graph_launch(kd_backend *be, void *graph);
+void kd_cuda_graph_free(kd_backend *be, void *graph);
+uint64_t kd_cuda_graph_epoch(kd_backend *be);
+uint64_t kd_cuda_weight_bytes(kd_backend *be, const kd_weight *w);
+void kd_cuda_mem_usage(kd_backend *be, kd_mem_usage *out);
 }
 
 /* ---- the GEMM core (linear.cu), shared by linear, head_matmul and the bf16 experts ----

@@ -37,17 +37,25 @@ struct AttnArgs {
     bool causal; int window; float scale;
     const int32_t *vis_list; const int32_t *vis_cnt;   /* bitmask mode: per query, visible new rows */
     int t0;                    /* first query of this batch */
+    const int32_t *d_past;     /* attention_at: past read on the device (S = past + T, S above is the bound) */
     int nc_max;                /* chunks per query slot in the partial buffers */
     float *pm, *pl, *po;       /* partials [tb][Hq][nc_max] (+ [dv] for po) */
 };
 
-__device__ __forceinline__ int n_visible(const AttnArgs &a, int t) {
-    if (a.vis_list) return a.past + a.vis_cnt[t];
-    if (a.causal) return min(a.S, a.past + t + 1);
-    return a.S;
+/* the past rows and the key rows of this call: host values, or (attention_at) the length
+ * read on the device, clamped to the bound a.S - a.T (the caller checks len + T <= capacity) */
+__device__ __forceinline__ int2 past_and_rows(const AttnArgs &a) {
+    if (!a.d_past) return make_int2(a.past, a.S);
+    int p = min(max(a.d_past[0], 0), a.S - a.T);
+    return make_int2(p, p + a.T);
 }
-__device__ __forceinline__ int ordinal_row(const AttnArgs &a, int t, int o) {
-    if (a.vis_list && o >= a.past) return a.past + a.vis_list[(size_t)t * a.T + (o - a.past)];
+__device__ __forceinline__ int n_visible(const AttnArgs &a, int past, int S, int t) {
+    if (a.vis_list) return past + a.vis_cnt[t];
+    if (a.causal) return min(S, past + t + 1);
+    return S;
+}
+__device__ __forceinline__ int ordinal_row(const AttnArgs &a, int past, int t, int o) {
+    if (a.vis_list && o >= past) return past + a.vis_list[(size_t)t * a.T + (o - past)];
     return o;
 }
 
@@ -86,7 +94,9 @@ __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
     const int c = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
     const int g = blockIdx.z / a.n_tiles, h0 = g * a.G + (blockIdx.z % a.n_tiles) * a.HT;
     const int nh = min(a.HT, g * a.G + a.G - h0);
-    const int nvis = n_visible(a, t);
+    const int2 ps = past_and_rows(a);
+    const int past = ps.x;
+    const int nvis = n_visible(a, past, ps.y, t);
     const int o0 = c * CHUNK;
     if (o0 >= nvis) return;
     const int n_in = min(CHUNK, nvis - o0);
@@ -107,10 +117,10 @@ __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
         q_s[i] = (h < nh && d < a.hd)
                      ? __bfloat162float(((const bf16 *)a.q)[(size_t)t * a.ldq + (size_t)(h0 + h) * a.hd + d]) : 0.0f;
     }
-    for (int i = tid; i < CHUNK; i += THREADS) row_s[i] = i < n_in ? ordinal_row(a, t, o0 + i) : -1;
+    for (int i = tid; i < CHUNK; i += THREADS) row_s[i] = i < n_in ? ordinal_row(a, past, t, o0 + i) : -1;
     __syncthreads();
 
-    const int qrow = a.past + t;
+    const int qrow = past + t;
     const int ntiles = (n_in + KT - 1) / KT;
     const int stage = KT * kld;
     /* pass 1: scores, thread = (head hh, key jj); K tiles double-buffered */
@@ -214,7 +224,8 @@ __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
 /* grid: x = query head, y = query within the batch; chunks merged in chunk order */
 __global__ void attn_merge_kernel(AttnArgs a, void *out, int odt, long long ldo) {
     const int h = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
-    int nvis = n_visible(a, t);
+    const int2 ps = past_and_rows(a);
+    int nvis = n_visible(a, ps.x, ps.y, t);
     int nc = (nvis + CHUNK - 1) / CHUNK;
     size_t base = ((size_t)tb * a.Hq + h) * a.nc_max;
     float M = -INFINITY;
@@ -254,10 +265,14 @@ static kd_status check_act(const char *arg, kd_act a) {
 
 }  // namespace
 
-extern "C" kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,
-                                       int n_kv_heads, int past, bool causal, const uint64_t *visible, int window,
-                                       float scale, kd_act out) {
+/* attention (d_past NULL: past is the host's) or attention_at (past = *d_past, read by the
+ * kernels; k and v rows are the bound, the grid and the partials are sized for it and the
+ * chunks past a query's visible keys exit at once, so the arithmetic is the same) */
+static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,
+                                int n_kv_heads, int past, const int32_t *d_past, bool causal, const uint64_t *visible,
+                                int window, float scale, kd_act out) {
     kd_cuda *c = kd_cuda_of(be);
+    if (d_past) past = 0;
     KD_TRY(check_act("q", q));
     KD_TRY(check_act("k", k));
     KD_TRY(check_act("v", v));
@@ -268,7 +283,7 @@ extern "C" kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, in
                        head_dim, n_kv_heads, q.cols);
     int kstride = k.cols / n_kv_heads, vstride = v.cols / n_kv_heads, dv = out.cols / n_heads;
     if (kstride < head_dim || dv <= 0 || vstride < dv || v.rows != S || out.rows != T || past < 0 ||
-        ((causal || visible) && past + T > S))
+        ((causal || visible || d_past) && past + T > S))
         return kd_fail(KD_ERR_ARG, "cuda attention: k %d x %d, v %d x %d, out %d x %d, %d queries after %d past rows: "
                        "expected k cols >= %d*%d, v cols >= %d*(out cols / %d), past + T <= rows", k.rows, k.cols, v.rows,
                        v.cols, out.rows, out.cols, T, past, n_kv_heads, head_dim, n_kv_heads, n_heads);
@@ -290,6 +305,7 @@ extern "C" kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, in
     a.HT = a.G < HT_MAX ? a.G : HT_MAX;
     a.n_tiles = (a.G + a.HT - 1) / a.HT;
     a.causal = causal; a.window = window; a.scale = scale;
+    a.d_past = d_past;
     a.nc_max = (S + CHUNK - 1) / CHUNK;
 
     /* workspace: [visible lists] + partials for a batch of queries, bounded */
@@ -335,7 +351,7 @@ extern "C" kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, in
         int tb = T - t0 < tbatch ? T - t0 : tbatch;
         a.t0 = t0;
         /* chunks: enough for the query that sees the most keys (<= S) */
-        int max_vis = visible ? past + T : causal ? past + t0 + tb : S;
+        int max_vis = d_past ? S : visible ? past + T : causal ? past + t0 + tb : S;
         if (max_vis > S) max_vis = S;
         int nc = (max_vis + CHUNK - 1) / CHUNK;
         if (nc < 1) nc = 1;
@@ -348,4 +364,17 @@ extern "C" kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, in
         KD_CUDA_LAUNCH("attn_merge_kernel");
     }
     return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,
+                                       int n_kv_heads, int past, bool causal, const uint64_t *visible, int window,
+                                       float scale, kd_act out) {
+    return attention_impl(be, q, n_heads, head_dim, k, v, n_kv_heads, past, NULL, causal, visible, window, scale, out);
+}
+
+extern "C" kd_status kd_cuda_attention_at(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,
+                                          int n_kv_heads, const int32_t *d_len, bool causal, const uint64_t *visible,
+                                          int window, float scale, kd_act out) {
+    if (!d_len) return kd_fail(KD_ERR_ARG, "cuda attention_at: the device length is NULL");
+    return attention_impl(be, q, n_heads, head_dim, k, v, n_kv_heads, 0, d_len, causal, visible, window, scale, out);
 }

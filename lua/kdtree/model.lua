@@ -57,6 +57,24 @@ function Model:get_info()
   return self.info
 end
 
+-- memory by component (kd_model_memory): a table of byte counts (Lua numbers, exact below
+-- 2^53), backend = "cpu" | "cuda", and the step-graph counters
+local MEMORY_FIELDS = { "weights_attention", "weights_dense_mlp", "weights_shared_experts",
+  "weights_routed_experts", "weights_router", "weights_embed", "weights_lm_head", "weights_norms",
+  "weights_total", "weights_allocated", "drafter_weights", "kv_cache", "activations", "drafter_cache",
+  "workspace", "other", "total", "mapped", "device_free", "device_total", "n_seqs", "graphs",
+  "graph_captures", "graph_launches", "graph_fallbacks" }
+Model.MEMORY_FIELDS = MEMORY_FIELDS
+
+function Model:memory()
+  local r = ffi.new("kd_memory_report")
+  check(C.kd_model_memory(H.get(self, "model"), r), "kd_model_memory")
+  local t = {}
+  for _, k in ipairs(MEMORY_FIELDS) do t[k] = tonumber(r[k]) end
+  t.backend = U.BACKEND_NAMES[tonumber(r.backend)] or tostring(tonumber(r.backend))
+  return t
+end
+
 -- closing marks the model closed for Lua; the weights are freed at once, or when
 -- the last sequence / drafter using them is closed
 function Model:close() H.close(self) end

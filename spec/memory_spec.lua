@@ -1,0 +1,173 @@
+-- memory_spec.lua: kd_model_memory / m:memory(), the model's memory by component.
+-- References: kd_inspect's bytes by kind (read from the safetensors headers by the loader,
+-- independently of the loaded weights), the file sizes of the checkpoint, and the KV cache
+-- formula capacity x layers x (kv_lora_rank + qk_rope_dim) x activation dtype size.
+-- Runs on the suite's backend (KDTREE_BACKEND, default cpu); the #gpu part checks what only
+-- the CUDA backend tallies (drafter weights and caches, workspaces, the device totals).
+package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+local kd = require("kdtree")
+local ffi = require("ffi")
+
+local BACKEND = os.getenv("KDTREE_BACKEND") or "cpu"
+local TARGETS = {
+  -- INT4 experts: each expert matrix also has a weight_shape tensor (I64 [2], 16 bytes) that
+  -- inspect counts and no backend holds
+  { dir = "models/tiny-k2.6", files = { "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors" },
+    int4 = true },
+  { dir = "spec/fixtures/tiny-dsv3", files = { "model.safetensors" } },
+}
+local WEIGHT_KINDS = {
+  { "weights_attention", "bytes_attention" }, { "weights_dense_mlp", "bytes_dense_mlp" },
+  { "weights_shared_experts", "bytes_shared_experts" }, { "weights_routed_experts", "bytes_routed_experts" },
+  { "weights_router", "bytes_router" }, { "weights_embed", "bytes_embed" },
+  { "weights_lm_head", "bytes_lm_head" }, { "weights_norms", "bytes_norms" },
+}
+
+local function file_size(path)
+  local f = assert(io.open(path, "rb"))
+  local n = f:seek("end")
+  f:close()
+  return n
+end
+
+local function parts(r)
+  return r.weights_total + r.drafter_weights + r.kv_cache + r.activations + r.drafter_cache + r.workspace + r.other
+end
+
+local function kv_bytes(info, capacity, act)
+  return capacity * info.n_layers * (info.kv_lora_rank + info.qk_rope_dim) * act
+end
+
+describe("memory by component (kd_model_memory)", function()
+  for _, T in ipairs(TARGETS) do
+    describe(T.dir .. " on " .. BACKEND, function()
+      local m, ins, act
+      setup(function()
+        m = kd.open_model(T.dir, { backend = BACKEND })
+        ins = kd.inspect(T.dir)
+        act = BACKEND == "cuda" and 2 or 4     -- bf16 / f32 activations
+      end)
+      teardown(function() if not m:is_closed() then m:close() end end)
+
+      it("weights by kind are the checkpoint's bytes by kind", function()
+        local r = m:memory()
+        local i = m.info
+        local n_moe = i.n_layers - i.first_k_dense
+        local sum = 0
+        for _, k in ipairs(WEIGHT_KINDS) do
+          local want = ins[k[2]]
+          if k[1] == "weights_routed_experts" and T.int4 then want = want - 16 * 3 * i.n_experts * n_moe end
+          assert.are.equal(want, r[k[1]], k[1])
+          assert.is_true(r[k[1]] > 0, k[1] .. " is not empty")
+          sum = sum + r[k[1]]
+        end
+        assert.are.equal(sum, r.weights_total)
+        assert.are.equal(r.backend, BACKEND)
+        if BACKEND == "cuda" then
+          assert.are.equal(r.weights_total, r.weights_allocated, "every weight is a device copy")
+        else
+          assert.is_true(r.weights_allocated <= r.weights_total)
+        end
+        -- the small model buffers: RoPE inverse frequencies and each MoE layer's f32 router bias
+        assert.are.equal(i.qk_rope_dim / 2 * 4 + n_moe * i.n_experts * 4, r.other)
+      end)
+
+      it("KV cache and activations follow the open sequences", function()
+        local i = m.info
+        local r0 = m:memory()
+        assert.are.equal(0, r0.kv_cache)
+        assert.are.equal(0, r0.activations)
+        assert.are.equal(0, r0.n_seqs)
+        local a = m:new_seq(100)
+        local r1 = m:memory()
+        assert.are.equal(kv_bytes(i, 100, act), r1.kv_cache)
+        assert.is_true(r1.activations >= 100 * i.vocab * 4, "at least the fp32 logits of 100 rows")
+        assert.are.equal(1, r1.n_seqs)
+        local b = m:new_seq(2000)                -- 1024 rows per forward at most
+        local r2 = m:memory()
+        assert.are.equal(kv_bytes(i, 2100, act), r2.kv_cache)
+        assert.is_true(r2.activations - r1.activations >= 1024 * i.vocab * 4)
+        a:forward({ 5, 77, 300 })                -- a forward allocates nothing
+        local r3 = m:memory()
+        assert.are.equal(r2.kv_cache, r3.kv_cache)
+        assert.are.equal(r2.activations, r3.activations)
+        a:close()
+        local r4 = m:memory()
+        assert.are.equal(kv_bytes(i, 2000, act), r4.kv_cache)
+        assert.are.equal(r2.activations - r1.activations, r4.activations)
+        b:close()
+        local r5 = m:memory()
+        assert.are.equal(0, r5.kv_cache)
+        assert.are.equal(0, r5.activations)
+        assert.are.equal(0, r5.n_seqs)
+      end)
+
+      it("total is the sum of its parts; mapped is the checkpoint's size", function()
+        local s = m:new_seq(64)
+        local r = m:memory()
+        assert.are.equal(parts(r), r.total)
+        local mapped = 0
+        for _, f in ipairs(T.files) do mapped = mapped + file_size(T.dir .. "/" .. f) end
+        assert.are.equal(mapped, r.mapped)
+        if BACKEND == "cpu" then
+          assert.are.equal(0, r.device_total)
+          assert.are.equal(0, r.workspace)
+          assert.are.equal(0, r.graphs)
+        end
+        s:close()
+      end)
+
+      it("bad arguments and a closed model are errors", function()
+        local C = kd.C
+        local r = ffi.new("kd_memory_report")
+        assert.are.equal(C.KD_ERR_ARG, C.kd_model_memory(nil, r))
+        assert.truthy(kd.last_error():find("model is NULL", 1, true))
+        assert.are.equal(C.KD_ERR_ARG, C.kd_model_memory(m:handle(), nil))
+        assert.truthy(kd.last_error():find("out is NULL", 1, true))
+        local m2 = kd.open_model(T.dir, { backend = BACKEND })
+        m2:close()
+        assert.has_error(function() m2:memory() end)
+      end)
+    end)
+  end
+end)
+
+describe("device memory by component on the GPU #gpu", function()
+  local T = TARGETS[1]
+  it("drafter weights and caches, workspaces and the device totals", function()
+    local m = kd.open_model(T.dir, { backend = "cuda" })
+    local i = m.info
+    local r0 = m:memory()
+    assert.are.equal("cuda", r0.backend)
+    assert.are.equal(0, r0.drafter_weights)
+    assert.are.equal(0, r0.drafter_cache)
+    assert.is_true(r0.device_total > 0 and r0.device_free > 0 and r0.device_free < r0.device_total)
+    assert.is_true(r0.total <= r0.device_total - r0.device_free, "what we hold fits in what the device has in use")
+    local d = kd.open_drafter("models/tiny-k2.6-dflash", m)
+    local r1 = m:memory()
+    assert.is_true(r1.drafter_cache < 4096, "before a sequence: only the drafter's RoPE table")
+    -- the drafter's bf16 weights as the checkpoint stores them (its lm_head / embedding may be the target's)
+    assert.is_true(r1.drafter_weights > 0)
+    assert.is_true(r1.drafter_weights <= file_size("models/tiny-k2.6-dflash/model.safetensors"))
+    local s = m:new_seq(300)
+    s:attach_drafter(d)
+    local r2 = m:memory()
+    assert.are.equal(kv_bytes(i, 300, 2), r2.kv_cache)
+    assert.is_true(r2.drafter_cache > 0, "the drafter's per-sequence K/V and taps")
+    s:forward({ 5, 77, 300, 12, 9 })
+    s:draft(s:argmax()[5], false)
+    local r3 = m:memory()
+    assert.is_true(r3.workspace > 0, "the forward's workspaces")
+    assert.are.equal(parts(r3), r3.total)
+    s:close()
+    local r4 = m:memory()
+    assert.are.equal(0, r4.kv_cache)
+    assert.are.equal(r1.drafter_cache, r4.drafter_cache, "closing the sequence frees the drafter's state")
+    assert.are.equal(r1.drafter_weights, r4.drafter_weights)
+    d:close()
+    local r5 = m:memory()
+    assert.are.equal(0, r5.drafter_weights)
+    assert.are.equal(0, r5.drafter_cache, "the drafter's own buffers (RoPE table) are freed with it")
+    m:close()
+  end)
+end)
