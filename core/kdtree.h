@@ -181,7 +181,8 @@ typedef struct kd_memory_report {
     uint64_t drafter_weights;             /* drafters opened on this model (CUDA; 0 on the CPU) */
     uint64_t kv_cache;                    /* latent KV caches of the open sequences */
     uint64_t activations;                 /* per-sequence logits and forward scratch */
-    uint64_t drafter_cache;               /* drafters' per-sequence state (CUDA; 0 on the CPU) */
+    uint64_t drafter_cache;               /* the rest of the backend's buffers: drafters' per-sequence
+                                             state and RoPE tables, trees held on the backend (CUDA; 0 on the CPU) */
     uint64_t workspace;                   /* the backend's shared scratch (CUDA) */
     uint64_t other;                       /* small model buffers: RoPE table, router bias copies */
     uint64_t total;

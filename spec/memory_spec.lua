@@ -132,6 +132,27 @@ describe("memory by component (kd_model_memory)", function()
   end
 end)
 
+describe("kdtree generate --stats", function()
+  it("prints the memory table while decoding", function()
+    local env = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB") .. "' ") or ""
+    local p = io.popen(env .. "luajit scripts/kdtree generate --prompt-ids 5,77,300 -n 4 --stats --backend " ..
+      BACKEND .. " 2>&1")
+    local out = p:read("*a")
+    p:close()
+    assert.truthy(out:find("memory by component", 1, true), out)
+    for _, row in ipairs({ "routed experts", "kv cache", "activations", "workspace", "total", "step graphs" }) do
+      assert.truthy(out:find("\n  " .. row, 1, true), row)
+    end
+    -- whatever capacity the policy gives its sequence, the exact kv bytes are
+    -- capacity x layers x (r + dr) x dtype size: a positive multiple of layers x (r + dr) x size
+    local kv = tonumber((out:match("\n  kv cache%s+[%d%.]+ %a+%s+[%d%.]+%%%s+([%d ]+)\n") or ""):gsub(" ", ""), 10)
+    local m = kd.open_model("models/tiny-k2.6", { backend = BACKEND })
+    local per = m.info.n_layers * (m.info.kv_lora_rank + m.info.qk_rope_dim) * (BACKEND == "cuda" and 2 or 4)
+    m:close()
+    assert.truthy(kv and kv > 0 and kv % per == 0, "kv cache exact bytes: " .. tostring(kv))
+  end)
+end)
+
 describe("device memory by component on the GPU #gpu", function()
   local T = TARGETS[1]
   it("drafter weights and caches, workspaces and the device totals", function()
