@@ -5,9 +5,13 @@
 -- Tolerance: max |log-prob - golden| over all (bs-1) x vocab entries of a case < 1e-4 on the CPU
 -- backend (fp32 math from bf16 weights; the target's tap features come from the engine's own
 -- target forward), and the argmax per depth equal to the golden's wherever the golden's top-2
--- margin exceeds 1e-3. On CUDA (bf16 activations) the bound is 0.15 and argmax is checked where
--- the margin exceeds 0.5 (measured on an H200: the drafter alone, case "empty", is off by at most
--- 0.044; the cases with a context add the error of the bf16 target forward that made the taps).
+-- margin exceeds 1e-3. On CUDA (bf16 activations) the max over the whole vocabulary is dominated
+-- by far-tail tokens (log-prob -20 and below, where bf16's relative error is large in absolute
+-- terms), so there the bound is on what a tree can use: |log-prob - golden| < 0.2 over entries
+-- whose golden log-prob exceeds -10, KL(golden || engine) < 0.02 nats per depth, and the argmax
+-- checked where the margin exceeds 0.5 (measured on an H200: the drafter alone, case "empty",
+-- is off by at most 0.044 over all entries; the cases with a context add the error of the bf16
+-- target forward that made the taps).
 package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
 local kd = require("kdtree")
 local json = require("dkjson")
@@ -16,7 +20,9 @@ local ffi = kd.ffi
 local TARGET = "models/tiny-k2.6"
 local DRAFTER = "models/tiny-k2.6-dflash"
 local backend = os.getenv("KDTREE_BACKEND") or "cpu"
-local TOL = backend == "cpu" and 1e-4 or 0.15
+local TOL = backend == "cpu" and 1e-4 or 0.2
+local LIKELY = backend == "cpu" and -math.huge or -10   -- entries compared (golden log-prob above)
+local KL_TOL = 0.02                                        -- bf16 backends only
 local MARGIN = backend == "cpu" and 1e-3 or 0.5
 
 local function read_file(p)
@@ -71,13 +77,18 @@ local function compare(lp, case)
   local worst = 0
   for i = 1, L do
     local g = case.logprobs[i]
-    local best, arg = -math.huge, -1
+    local best, arg, kl = -math.huge, -1, 0
     for j = 1, V do
       local x = lp.data[(i - 1) * V + j - 1]
       assert.is_true(x == x, "NaN at depth " .. i)
       local d = math.abs(x - g[j])
-      if d > worst then worst = d end
+      if d > worst and g[j] > LIKELY then worst = d end
       if x > best then best, arg = x, j - 1 end
+      kl = kl + math.exp(g[j]) * (g[j] - x)
+    end
+    if backend ~= "cpu" then
+      assert.is_true(kl < KL_TOL, string.format("%s: KL(golden || engine) at depth %d = %.3g (tolerance %g)",
+        case.name, i, kl, KL_TOL))
     end
     if case.top2_margin[i] > MARGIN then
       assert.are.equal(case.argmax[i], arg, string.format("%s: argmax at depth %d", case.name, i))
