@@ -73,10 +73,22 @@ $(BENCH_W4): scripts/bench/w4a16_bench.cu cuda/w4a16.cuh $(BUILD)/cuda/w4a16.o $
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -Xcompiler -fopenmp -o $@ $< $(BUILD)/cuda/w4a16.o $(BUILD)/core/error.o -lcublas -lgomp
 
+# Then the decode step of a K2.6-dims model slice (1 dense + 3 MoE layers, random weights built
+# in memory) against its weight-bytes roofline, and the MLA attention rows: $(BUILD)/bench/model_slice.md.
+BENCH_SLICE := $(BUILD)/bench/model_slice_bench
+$(BENCH_SLICE): scripts/bench/model_slice_bench.c scripts/bench/slice_cuda.cu scripts/bench/slice_cuda.h \
+                $(BUILD)/libkdtree.so
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -c -o $(BUILD)/bench/slice_cuda.o scripts/bench/slice_cuda.cu
+	$(CC) -O2 -g -std=c11 -D_GNU_SOURCE -DKD_SLICE_EVENTS -Icore -Iscripts/bench scripts/bench/model_slice_bench.c \
+	  $(BUILD)/bench/slice_cuda.o -L$(BUILD) -lkdtree -Wl,-rpath,$(abspath $(BUILD)) \
+	  -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ -ldl -lm -o $@
+
 bench: $(BENCH_W4)
 	$(BENCH_W4) --md $(BUILD)/bench/w4a16.md
 	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c -L$(BUILD) -lkdtree \
 	  -Wl,-rpath,$(CURDIR)/$(BUILD) -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench
+	-$(MAKE) $(BENCH_SLICE) && $(BENCH_SLICE) --md $(BUILD)/bench/model_slice.md
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin \

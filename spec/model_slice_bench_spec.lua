@@ -1,0 +1,104 @@
+-- model_slice_bench_spec.lua: the model-slice bench's construction path (scripts/bench/model_slice_bench.c)
+-- at the tiny model's dims: the program is compiled against the library under test, builds a random
+-- model in memory through the backend's weight_load (INT4 experts included), decodes 10 steps feeding
+-- back the argmax (every logit finite), verifies a 17-node tree and checks three of its rows against
+-- the same paths prefilled causally (bit-identical: the engine's batch invariance), counts the routed
+-- experts of each step (exactly top-k for one token, top-k..min(n, T*top-k) for T tokens), times decode
+-- and verify rows and writes the markdown tables `make bench` produces at K2.6 dims.
+-- The CPU case runs in CI; the #gpu case runs the same program on the CUDA backend.
+package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+
+local function sh(cmd)
+  local p = io.popen(cmd .. " 2>&1; echo \"__rc=$?\"")
+  local out = p:read("*a")
+  p:close()
+  local rc = tonumber(out:match("__rc=(%d+)%s*$"))
+  return rc, (out:gsub("__rc=%d+%s*$", ""))
+end
+
+local function abs_lib()
+  local lib = os.getenv("KDTREE_LIB") or "build/libkdtree.so"
+  local rc, out = sh("realpath '" .. lib .. "'")
+  assert(rc == 0, "cannot find the library " .. lib .. ": " .. out)
+  return (out:gsub("%s+$", ""))
+end
+
+-- compile the bench (plain C: host clock between syncs) against the library under test
+local function build()
+  local lib = abs_lib()
+  local dir, file = lib:match("^(.*)/([^/]+)$")
+  local exe = os.tmpname()
+  local rc, out = sh(string.format(
+    "cc -O2 -std=c11 -D_GNU_SOURCE -Wall -Icore scripts/bench/model_slice_bench.c -L'%s' -l:%s " ..
+    "-Wl,-rpath,'%s' -ldl -lm -o '%s'", dir, file, dir, exe))
+  assert(rc == 0, "compiling scripts/bench/model_slice_bench.c failed:\n" .. out)
+  return exe
+end
+
+local function run(exe, backend)
+  local md = os.tmpname()
+  local rc, out = sh(string.format("'%s' --tiny --backend %s --steps 3 --md '%s'", exe, backend, md))
+  local f = io.open(md)
+  local text = f and f:read("*a") or ""
+  if f then f:close() end
+  os.remove(md)
+  return rc, out, text
+end
+
+local function check_output(rc, out, md)
+  assert(rc == 0, "model_slice_bench failed (rc " .. tostring(rc) .. "):\n" .. out)
+  assert.is_truthy(md:find("## Decode step, K2.6-dims slice", 1, true), "markdown header missing")
+  assert.is_truthy(md:find("Checks failed: 0.", 1, true))
+  assert.is_nil(md:find("FAIL", 1, true))
+  -- 10 decode steps with finite logits
+  assert.is_truthy(md:find("10 decode steps after 40 random latent rows, argmax fed back: all 1024 logits finite", 1, true))
+  -- three tree rows bit-identical to their causal paths
+  local n_ok = 0
+  for _ in md:gmatch("%- ok: tree node %d+ %(depth %d+%) of a 17%-node verify vs its path prefilled causally " ..
+                     "at context 40: bit%-identical") do n_ok = n_ok + 1 end
+  assert.are.equal(3, n_ok)
+  -- the roofline table: 2 contexts x (decode + 3 budgets), every time positive, decode reads top-4 per layer
+  local rows = 0
+  for step, ctx, T, ex, roof, ms in md:gmatch(
+      "\n| ([%w =]+) | (%d+) | (%d+) | ([%d/]+) | [%d.]+ [MG]B | [%d.]+ [MG]B | ([%d.]+) | %*%*([%d.]+)%*%* |") do
+    rows = rows + 1
+    ctx, T, roof, ms = tonumber(ctx), tonumber(T), tonumber(roof), tonumber(ms)
+    assert.is_true(ctx == 64 or ctx == 300)
+    assert.is_true(roof > 0 and ms > 0, "row " .. step .. ": times must be positive")
+    local counts = {}
+    for n in ex:gmatch("%d+") do counts[#counts + 1] = tonumber(n) end
+    assert.are.equal(3, #counts)             -- three MoE layers
+    for _, n in ipairs(counts) do
+      if step == "decode" then
+        assert.are.equal(1, T)
+        assert.are.equal(4, n)
+      else
+        assert.is_true(n >= 4 and n <= math.min(16, 4 * T), "experts " .. n .. " for T = " .. T)
+      end
+    end
+  end
+  assert.are.equal(8, rows)
+  -- the profile table and the MLA rows (2 head counts x 2 query counts x 2 contexts)
+  assert.is_truthy(md:find("### Where a step's time goes", 1, true))
+  local mla = 0
+  for _ in md:gmatch("\n| %d+ | %d+ | %d+ | [%d.]+ | [%d.]+ | [%d.]+%% | [%d.]+ |") do mla = mla + 1 end
+  assert.are.equal(8, mla)
+end
+
+describe("model slice bench: random model in memory, tiny dims, CPU", function()
+  it("builds, decodes with finite logits, tree rows equal causal rows, writes the tables", function()
+    local exe = build()
+    local rc, out, md = run(exe, "cpu")
+    os.remove(exe)
+    check_output(rc, out, md)
+  end)
+end)
+
+describe("model slice bench: random model in memory, tiny dims, CUDA #gpu", function()
+  it("builds (INT4 experts through the W4A16 repack), decodes, tree rows bit-identical, writes the tables", function()
+    local exe = build()
+    local rc, out, md = run(exe, "cuda")
+    os.remove(exe)
+    check_output(rc, out, md)
+  end)
+end)
