@@ -29,7 +29,8 @@ else
 endif
 
 LUAJIT  := luajit
-BUSTED  := $(LUAJIT) /usr/bin/busted
+# Debian's busted script starts with `#!/usr/bin/env lua`: run it under LuaJIT
+BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/busted)
 DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libreadline8
 
 .PHONY: all test test-gpu run bench deps install clean
