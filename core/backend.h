@@ -66,6 +66,30 @@ typedef struct kd_mem_usage {
     uint64_t device_free, device_total;
 } kd_mem_usage;
 
+/* A DDTree in backend memory (core/tree.c lays it out in one buffer; docs/ddtree.md).
+ * Node 0 is the root, drafted nodes 1..n in pop order; arrays of 1+cap entries unless noted. */
+typedef struct kd_dtree {
+    int cap;                       /* drafted nodes it can hold (root excluded) */
+    int topk_cap;                  /* entries of vals / ids */
+    int32_t *token, *parent, *depth;
+    int32_t *pos;                  /* positions of the verify forward: pos0 + depth */
+    uint64_t *vis;                 /* (1+n) rows of ceil((1+n)/64) words: the ancestor-only mask */
+    int32_t *target;               /* accept: the target token of each node */
+    int32_t *row_status;           /* accept: 0, or the sampling error code of the node's row */
+    int32_t *status;               /* KD_DTREE_STATUS words: build error (0/1), its index, n built */
+    int32_t *result;               /* accept: KD_DTREE_HDR header words, nodes[1+cap], tokens[1+cap] */
+    float *vals;                   /* a build's per-depth top-K lists, topk_cap entries */
+    int32_t *ids;
+} kd_dtree;
+/* the accept result's header words */
+enum { KD_DTREE_HDR = 8, KD_DTREE_STATUS = 4 };
+enum { KD_DTREE_R_STATUS = 0,   /* 0, or the sampling error code of the failing node's row */
+       KD_DTREE_R_NODE = 1,     /* the failing node */
+       KD_DTREE_R_POS = 2,      /* its sampling position */
+       KD_DTREE_R_TAU = 3, KD_DTREE_R_BONUS = 4,
+       KD_DTREE_R_N = 5,        /* nodes the walk saw (a check) */
+       KD_DTREE_R_BUILD = 6 };  /* the build status word 0 (a NaN / +inf draft value) */
+
 typedef struct kd_backend kd_backend;
 typedef struct kd_backend_ops {
     const char *name;
@@ -147,6 +171,25 @@ typedef struct kd_backend_ops {
     uint64_t (*weight_bytes)(kd_backend *be, const kd_weight *w);
     void (*mem_usage)(kd_backend *be, kd_mem_usage *out);
 
+    /* ---- the DDTree round on the backend (docs/ddtree.md; CPU: cpu/cpu_ddtree.c, CUDA: cuda/ddtree.cu) ----
+     * tree_select: Algorithm 1 on the per-depth top-K lists t->vals/ids [L, K] (rows descending):
+     * nodes 1..n (token, parent, depth), node 0's parent -1 and depth 0, the ancestor mask of
+     * the 1+n rows, t->status = {0 or 1 (a NaN / +inf list value), its index, n}, where
+     * n = min(budget, K + K^2 + ... + K^L). KD_ERR_UNSUPPORTED: a budget the backend cannot
+     * hold (the caller builds on the host instead). */
+    kd_status (*tree_select)(kd_backend *be, const kd_dtree *t, int L, int K, int budget);
+    /* tree_stage: token[0] = root and pos[i] = pos0 + depth[i] for nodes 0..n; when ids is not
+     * NULL also the verify forward's inputs ids[i] = token[i], pos_out[i] = pos[i] and the
+     * (1+n) x ceil((1+n)/64) mask words into vis_out (the sequence's scratch regions) */
+    kd_status (*tree_stage)(kd_backend *be, const kd_dtree *t, int n, int32_t root, int32_t pos0,
+                            int32_t *ids, int32_t *pos_out, uint64_t *vis_out);
+    /* sample_rows: one keyed draw per row of fp32 logits (sample.c's rule; sp not greedy) at
+     * position pos[i] + pos_offset: out[i] the token, code[i] 0 or the row's error (sample_rule.h) */
+    kd_status (*sample_rows)(kd_backend *be, kd_act logits, const kd_sampler *sp, const int32_t *pos,
+                             int pos_offset, int32_t *out, int32_t *code);
+    /* tree_walk: the accept walk over nodes 0..n from the root along t->target (stopping at a
+     * node whose t->row_status is set when sampled): writes t->result */
+    kd_status (*tree_walk)(kd_backend *be, const kd_dtree *t, int n, int sampled);
 } kd_backend_ops;
 
 struct kd_backend {

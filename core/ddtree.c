@@ -7,17 +7,25 @@
  *              walk from the root along the child whose token equals the current
  *              node's target token; tau = accepted nodes incl. the root; bonus = the
  *              target token of the last accepted node (the next round's root).
- *   kd_commit  gather the accepted rows' KV into place (kd_seq_compact: len += tau) and
- *              hand their tap features to the drafter context.
+ *   kd_commit  gather the accepted rows' KV into place (len += tau) and hand their tap
+ *              features to the drafter context.
+ * Everything runs on the sequence's backend (backend.h: tree_stage, argmax / sample_rows,
+ * tree_walk, gather_rows) on the tree's backend copy (tree.h): a tree built there by
+ * kd_tree_build_drafted is staged straight into the verify forward's inputs, and accept
+ * downloads one small result (tau, bonus, the accepted nodes and tokens). A tree built on
+ * the host is uploaded once by kd_verify.
  * The round is a small state machine in s->phase (IDLE -> VERIFIED -> ACCEPTED -> IDLE);
  * the tree remembers which sequence verified it and its own version at that time,
  * so a tree changed after verify (or another tree) cannot be accepted or committed.
  */
 #include "tree.h"
 #include "sample.h"
+#include "sample_rule.h"
 #include "error.h"
 #include "model.h"
 #include "drafter.h"
+#include "forward.h"
+#include <string.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -43,6 +51,63 @@ static kd_status check_round_tree(const kd_seq *s, const kd_tree *t, const char 
     return KD_OK;
 }
 
+/* the host-side checks kd_forward makes, for a tree staged on the backend */
+static kd_status check_staged(const kd_seq *s, int T) {
+    if (s->pending > 0)
+        return kd_fail(KD_ERR_STATE, "kd_verify: %d rows of the last masked (tree) forward are still pending: "
+                       "commit them (kd_commit / kd_seq_compact) or drop them (kd_seq_truncate) first", s->pending);
+    if ((int64_t)s->len + T > s->capacity)
+        return kd_fail(KD_ERR_CAPACITY, "kd_verify: %d tree tokens after %d cached would exceed the sequence "
+                       "capacity of %d tokens", T, s->len, s->capacity);
+    if (T > s->out_cap)
+        return kd_fail(KD_ERR_CAPACITY, "kd_verify: a tree of %d tokens exceeds the %d rows per forward of this "
+                       "sequence", T, s->out_cap);
+    return KD_OK;
+}
+
+/* a tree built on the host: kd_forward with host arrays (it validates the tokens), and the
+ * tree uploaded for accept */
+static kd_status verify_host_tree(kd_seq *s, kd_tree *t, int T) {
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)T);
+    int words = (T + 63) / 64;
+    uint64_t *vis = malloc(sizeof(uint64_t) * (size_t)T * (size_t)words);
+    kd_status st = KD_OK;
+    if (!pos || !vis) st = kd_fail(KD_ERR_NOMEM, "kd_verify: cannot allocate the mask of %d tree tokens", T);
+    if (st == KD_OK) {
+        for (int i = 0; i < T; i++) pos[i] = s->len + t->depth[i];
+        kd_tree_mask(t->parent, t->n, vis);
+        st = kd_tree_to_backend(t, s->model, "kd_verify");
+    }
+    if (st == KD_OK) {
+        kd_backend *be = s->model->be;
+        st = be->ops->tree_stage(be, &t->dev, t->n, t->token[0], s->len, NULL, NULL, NULL);
+    }
+    if (st == KD_OK) {
+        st = kd_forward(s, t->token, T, pos, vis);
+        if (st != KD_OK) kd_fail_context(st, "kd_verify (%d tree tokens at position %d)", T, s->len);
+    }
+    free(pos);
+    free(vis);
+    return st;
+}
+
+/* a tree on the backend: staged into the forward's input regions, no host round trip */
+static kd_status verify_dev_tree(kd_seq *s, kd_tree *t, int T) {
+    KD_TRY(check_staged(s, T));
+    if (t->model != s->model) KD_TRY(kd_tree_to_backend(t, s->model, "kd_verify"));
+    kd_backend *be = s->model->be;
+    kd_fwd_plan p;
+    kd_fwd_plan_make(s->model, s->out_cap, &p);
+    char *sc = (char *)s->scratch;
+    uint64_t *d_vis = (uint64_t *)(sc + p.vis);
+    KD_TRY(be->ops->tree_stage(be, &t->dev, t->n, t->token[0], s->len, (int32_t *)(sc + p.ids),
+                               (int32_t *)(sc + p.pos), d_vis));
+    /* tokens NULL: the inputs are staged (model.c); the host keeps no positions */
+    kd_status st = kd_model_forward(s, NULL, T, NULL, d_vis);
+    if (st != KD_OK) kd_fail_context(st, "kd_verify (%d tree tokens at position %d)", T, s->len);
+    return st;
+}
+
 kd_status kd_verify(kd_seq *s, kd_tree *t) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_verify: sequence is NULL");
     if (!t) return kd_fail(KD_ERR_ARG, "kd_verify: tree is NULL");
@@ -51,50 +116,19 @@ kd_status kd_verify(kd_seq *s, kd_tree *t) {
                        phase_name(s->phase), s->phase == KD_PHASE_VERIFIED ? "accept and commit it" : "commit it");
     if (t->token[0] < 0)
         return kd_fail(KD_ERR_STATE, "kd_verify: the tree's root token is not set (kd_tree_set_root with the bonus token)");
-    if (t->max_depth + 1 > ACCEPT_MAX)
+    if (t->token[0] >= s->model->cfg.vocab)
+        return kd_fail(KD_ERR_ARG, "kd_verify: the tree's root token %d is outside the vocabulary [0, %d)",
+                       (int)t->token[0], s->model->cfg.vocab);
+    if (t->depth_bound + 1 > ACCEPT_MAX)
         return kd_fail(KD_ERR_ARG, "kd_verify: tree depth %d: expected at most %d (longest accepted path)",
-                       t->max_depth, ACCEPT_MAX - 1);
-    int T = t->n + 1, words = (T + 63) / 64;
-    int32_t *pos = malloc(sizeof(int32_t) * (size_t)T);
-    uint64_t *vis = malloc(sizeof(uint64_t) * (size_t)T * (size_t)words);
-    kd_status st = KD_OK;
-    if (!pos || !vis) st = kd_fail(KD_ERR_NOMEM, "kd_verify: cannot allocate the mask of %d tree tokens", T);
-    if (st == KD_OK) {
-        for (int i = 0; i < T; i++) pos[i] = s->len + t->depth[i];
-        st = kd_tree_visibility(t, vis);
-    }
-    if (st == KD_OK) {
-        st = kd_forward(s, t->token, T, pos, vis);
-        if (st != KD_OK) kd_fail_context(st, "kd_verify (%d tree tokens at position %d)", T, s->len);
-    }
-    free(pos);
-    free(vis);
+                       t->depth_bound, ACCEPT_MAX - 1);
+    int T = t->n + 1;
+    kd_status st = t->host_valid ? verify_host_tree(s, t, T) : verify_dev_tree(s, t, T);
     if (st != KD_OK) return st;
     s->phase = KD_PHASE_VERIFIED;
     s->n_accepted = 0;
     t->verified_by = s;
     t->verified_version = t->version;
-    return KD_OK;
-}
-
-/* target tokens, computed lazily along the walk (sampled) or all at once (greedy) */
-typedef struct targets {
-    kd_seq *s;
-    const kd_tree *t;
-    const kd_sampler *sp;
-    int32_t *greedy;          /* all rows' argmax, or NULL when sampling */
-    float *row;
-    double *w;
-    int32_t *a;
-} targets;
-
-static kd_status target_of(targets *g, int node, int32_t *tok) {
-    if (g->greedy) { *tok = g->greedy[node]; return KD_OK; }
-    int V = g->s->model->cfg.vocab;
-    int32_t pos = g->s->len + g->t->depth[node] + 1;
-    KD_TRY(kd_seq_logits(g->s, node, 1, g->row));
-    kd_status st = kd_sample_row(g->row, V, g->sp, pos, g->w, g->a, tok);
-    if (st != KD_OK) return kd_fail_context(st, "kd_accept: node %d (position %d)", node, (int)pos);
     return KD_OK;
 }
 
@@ -108,47 +142,77 @@ kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accept
     if (s->phase == KD_PHASE_ACCEPTED)
         return kd_fail(KD_ERR_STATE, "kd_accept: this round was already accepted: commit it first");
     KD_TRY(check_round_tree(s, t, "kd_accept"));
+    if (!t->dev_valid || t->model != s->model)
+        return kd_fail(KD_ERR_STATE, "kd_accept: the verified tree has no copy on the sequence's backend");
 
-    targets g = { s, t, sp, NULL, NULL, NULL, NULL };
-    int V = s->model->cfg.vocab, T = t->n + 1;
-    kd_status st = KD_OK;
-    if (kd_sampler_is_greedy(sp)) {
-        g.greedy = malloc(sizeof(int32_t) * (size_t)T);
-        if (!g.greedy) st = kd_fail(KD_ERR_NOMEM, "kd_accept: cannot allocate %d target tokens", T);
-        else st = kd_seq_argmax(s, g.greedy);
-    } else {
-        g.row = malloc(sizeof(float) * (size_t)V);
-        g.w = malloc(sizeof(double) * (size_t)V);
-        g.a = malloc(sizeof(int32_t) * 2 * (size_t)V);
-        if (!g.row || !g.w || !g.a) st = kd_fail(KD_ERR_NOMEM, "kd_accept: cannot allocate sampling scratch (vocab %d)", V);
+    kd_backend *be = s->model->be;
+    const kd_dtree *d = &t->dev;
+    int n = t->n, T = n + 1;
+    if (s->model->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
+        return kd_fail(KD_ERR_UNSUPPORTED, "kd_accept: vocabulary %d above %d", s->model->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
+    kd_act rows = kd_act_rows(s->logits, 0, T);
+    bool greedy = kd_sampler_is_greedy(sp);
+    if (greedy) KD_TRY(be->ops->argmax(be, rows, d->target));
+    else KD_TRY(be->ops->sample_rows(be, rows, sp, d->pos, 1, d->target, d->row_status));
+    KD_TRY(be->ops->tree_walk(be, d, n, greedy ? 0 : 1));
+
+    /* the one download of the round: header, accepted nodes, their tokens */
+    int N = d->cap + 1, bound = t->depth_bound + 1;
+    if (bound > T) bound = T;
+    size_t words = (size_t)KD_DTREE_HDR + (size_t)N + (size_t)bound;
+    int32_t stack[KD_DTREE_HDR + 2 * 1100];
+    int32_t *r = words <= sizeof stack / sizeof stack[0] ? stack : malloc(words * sizeof(int32_t));
+    if (!r) return kd_fail(KD_ERR_NOMEM, "kd_accept: cannot allocate %zu bytes for the result", words * 4);
+    kd_status st = be->ops->download(be, r, d->result, words * sizeof(int32_t));
+    int tau = r[KD_DTREE_R_TAU];
+    if (st == KD_OK && r[KD_DTREE_R_BUILD]) {
+        int32_t status[3] = { r[KD_DTREE_R_BUILD], r[KD_DTREE_R_BUILD + 1], n };
+        st = kd_tree_build_error(t, status, "kd_accept");
     }
-    int32_t acc[ACCEPT_MAX];
-    int tau = 0;
-    int32_t next = -1;
+    if (st == KD_OK && r[KD_DTREE_R_STATUS]) {
+        kd_sample_fail(r[KD_DTREE_R_STATUS]);
+        st = kd_fail_context(KD_ERR_ARG, "kd_accept: node %d (position %d)", (int)r[KD_DTREE_R_NODE],
+                             (int)r[KD_DTREE_R_POS]);
+    }
+    if (st == KD_OK && (r[KD_DTREE_R_N] != n || tau < 1 || tau > bound || r[KD_DTREE_R_BONUS] < 0 ||
+                        r[KD_DTREE_R_BONUS] >= s->model->cfg.vocab))
+        st = kd_fail(KD_ERR_BACKEND, "kd_accept: the backend's walk returned tau %d, bonus %d over %d nodes (expected "
+                     "1..%d over %d)", tau, (int)r[KD_DTREE_R_BONUS], (int)r[KD_DTREE_R_N], bound, n);
+    for (int i = 0; st == KD_OK && i < tau; i++) {   /* commit gathers these rows on the backend */
+        int32_t v = r[KD_DTREE_HDR + i];
+        if (v < 0 || v > n || (i == 0 ? v != 0 : v <= r[KD_DTREE_HDR + i - 1]))
+            st = kd_fail(KD_ERR_BACKEND, "kd_accept: the backend's walk returned node %d at step %d (tree of %d nodes)",
+                         (int)v, i, n);
+    }
     if (st == KD_OK) {
-        int cur = 0;
-        acc[tau++] = 0;
-        st = target_of(&g, 0, &next);
-        while (st == KD_OK) {
-            int c = kd_tree_child(t, cur, next);
-            if (c < 0) break;
-            acc[tau++] = c;          /* tau <= max_depth + 1 <= ACCEPT_MAX (checked in verify) */
-            cur = c;
-            st = target_of(&g, cur, &next);
+        const int32_t *nodes = r + KD_DTREE_HDR, *toks = r + KD_DTREE_HDR + N;
+        for (int i = 0; i < tau; i++) {
+            s->accepted[i] = nodes[i];
+            if (accepted_nodes) accepted_nodes[i] = nodes[i];
+            if (accepted_tokens) accepted_tokens[i] = toks[i];
         }
+        s->n_accepted = tau;
+        s->phase = KD_PHASE_ACCEPTED;
+        if (n_accepted) *n_accepted = tau;
+        if (bonus) *bonus = r[KD_DTREE_R_BONUS];
     }
-    free(g.greedy); free(g.row); free(g.w); free(g.a);
-    if (st != KD_OK) return st;
+    if (r != stack) free(r);
+    return st;
+}
 
-    for (int i = 0; i < tau; i++) {
-        s->accepted[i] = acc[i];
-        if (accepted_nodes) accepted_nodes[i] = acc[i];
-        if (accepted_tokens) accepted_tokens[i] = t->token[acc[i]];
+/* slots start+nodes[i] -> start+i in every layer, nodes read from the tree's backend copy */
+static kd_status compact_on_backend(kd_seq *s, const kd_tree *t, int tau) {
+    kd_model *m = s->model;
+    kd_backend *be = m->be;
+    int start = s->len, written = s->pending, cols = m->cfg.kv_lora_rank + m->cfg.qk_rope_dim;
+    const int32_t *d_nodes = t->dev.result + KD_DTREE_HDR;
+    kd_fwd_plan p;
+    kd_fwd_plan_make(m, s->out_cap, &p);
+    kd_act tmp = kd_act_rows(kd_fwd_act(s, p.tmp, s->out_cap, cols, be->act_dtype), 0, tau);
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        KD_TRY(be->ops->gather_rows(be, tmp, kd_act_rows(s->cache[l], start, written), d_nodes, tau));
+        KD_TRY(be->ops->copy(be, kd_act_rows(s->cache[l], start, tau), tmp));
     }
-    s->n_accepted = tau;
-    s->phase = KD_PHASE_ACCEPTED;
-    if (n_accepted) *n_accepted = tau;
-    if (bonus) *bonus = next;
     return KD_OK;
 }
 
@@ -161,12 +225,14 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
         return kd_fail(KD_ERR_STATE, "kd_commit: commit before accept (call kd_accept on the verified tree first)");
     KD_TRY(check_round_tree(s, t, "kd_commit"));
     int start = s->len, tau = s->n_accepted;
+    if (!t->dev_valid || t->model != s->model || tau > s->pending || tau > s->out_cap)
+        return kd_fail(KD_ERR_STATE, "kd_commit: the accepted round's tree is not on the sequence's backend");
     /* drafter context first: if compaction then fails, roll the context back */
     if (s->drafter) {
         kd_status st = kd_draft_context_append(s, s->accepted, tau);
         if (st != KD_OK) return kd_fail_context(st, "kd_commit: appending %d accepted rows to the drafter context", tau);
     }
-    kd_status st = kd_seq_compact(s, start, s->accepted, tau);
+    kd_status st = compact_on_backend(s, t, tau);
     if (st != KD_OK) {
         if (s->drafter) {
             char msg[1024];
@@ -176,6 +242,9 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
         }
         return kd_fail_context(st, "kd_commit: compacting %d accepted rows at %d", tau, start);
     }
+    s->len = start + tau;
+    s->pending = 0;
+    s->n_accepted = 0;
     s->phase = KD_PHASE_IDLE;
     t->verified_by = NULL;
     return KD_OK;

@@ -104,7 +104,9 @@ struct kd_seq {
     struct kd_seq_graphs *graphs;
 };
 
-/* Model forward over n tokens (internal form of kd_forward; taps_rows: which layer outputs to keep). */
+/* Model forward over n tokens (internal form of kd_forward; taps_rows: which layer outputs to keep).
+ * tokens NULL (masked forwards only): the inputs are already in the sequence's scratch regions
+ * ids, pos and vis (forward.h), staged on the backend by kd_verify; out_positions become -1. */
 kd_status kd_model_forward(kd_seq *s, const int32_t *tokens, int n, const int32_t *positions,
                            const uint64_t *visible);
 #endif

@@ -3,37 +3,38 @@
  * The rule (also in docs/ddtree.md). For one row of logits x[0..V) and a sampler
  * {temperature T, top_k, top_p, seed} producing the token at absolute position P:
  *  1. T <= 0: greedy, the argmax (equal values: the lower id). Nothing is drawn.
- *  2. weights w_i = exp(x_i/T - max_j x_j/T) in double (x_i = -inf gives 0).
- *  3. top-k (1 <= top_k < V): keep the top_k largest w, equal w: lower id first.
- *  4. top-p (0 < top_p < 1): order the kept tokens by (w descending, id ascending)
- *     and keep the shortest prefix whose summed w reaches top_p * S, where S is
- *     the kept mass summed in ascending id order (at least one token is kept).
- *  5. u = kd_rng_uniform(seed, P) in [0, 1); walk the kept tokens in ascending id
- *     order accumulating c += w_i and return the first token with u * W < c, where
- *     W is the kept mass summed in the same order (inverse CDF in id order).
+ *  2. w_i = exp(x_i/T - m/T) in double, m = max_j x_j (x_i = -inf gives 0), with the exp of
+ *     sample_rule.h; the token's mass is the integer q_i = trunc(w_i * 2^62). All sums of
+ *     masses below are exact (128-bit integers), so they do not depend on summation order.
+ *  3. The order of the row: logit descending, equal logits: lower id first.
+ *     top-k (1 <= top_k < V): keep the first top_k tokens of that order.
+ *  4. top-p (0 < top_p < 1): S = the kept mass, G = max(1, ceil(S * trunc(top_p * 2^32) / 2^32));
+ *     keep the shortest prefix of the order (within the top-k set) whose mass reaches G.
+ *  5. U = the top 53 bits of the keyed word (u = U * 2^-53 = kd_rng_uniform(seed, P)),
+ *     W = the kept mass, target = floor(U * W / 2^53); walk the kept tokens in ascending
+ *     id order and return the first whose inclusive prefix mass exceeds target.
  * kd_rng_uniform: k = mix(mix(seed) + P * 0xD1B54A32D192ED03), u = (k >> 11) * 2^-53,
  * mix = the SplitMix64 finalizer (with its golden-ratio increment). The draw for a
  * position depends only on (seed, P) and the logits, so DDTree sampling (one draw
  * per tree node, keyed by the position the node's next token would take) returns
  * exactly the tokens autoregressive sampling returns with the same seed.
+ *
+ * The device implementation (cuda/ddtree.cu) computes the same integers with parallel
+ * reductions and radix searches; the arithmetic both share is in sample_rule.h. The
+ * backend op sample_rows (backend.h) runs the rule on rows of logits in backend memory;
+ * the CPU backend's twin calls kd_sample_row_code below.
  */
 #include "sample.h"
+#include "sample_rule.h"
 #include "error.h"
 #include "model.h"
+#include "forward.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-static inline uint64_t mix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
-
 double kd_rng_uniform(uint64_t seed, int64_t position) {
-    uint64_t k = mix64(mix64(seed) + (uint64_t)position * 0xD1B54A32D192ED03ull);
-    return (double)(k >> 11) * 0x1.0p-53;
+    return (double)kd_rule_u53(seed, position) * 0x1.0p-53;
 }
 
 bool kd_sampler_is_greedy(const kd_sampler *sp) {
@@ -59,25 +60,33 @@ kd_status kd_argmax_row(const float *x, int V, int32_t *dst) {
     return KD_OK;
 }
 
-/* ---- top-k selection on doubles: (w descending, id ascending), sorted output ---- */
-
-static inline bool wworse(const double *w, int32_t a, int32_t b) {
-    return w[a] < w[b] || (w[a] == w[b] && a > b);
+kd_status kd_sample_fail(int32_t code) {
+    int kind = code & 3, col = (int)((uint32_t)code >> 2);
+    if (kind == KD_SAMPLE_ERR_ALLNEG) return kd_fail(KD_ERR_ARG, "sample: every logit is -inf (no token can be drawn)");
+    return kd_fail(KD_ERR_ARG, "sample: logits[%d] is %s: expected finite values (or -inf)", col,
+                   kind == KD_SAMPLE_ERR_NAN ? "NaN" : "+inf");
 }
 
-static void wheap_down(const double *w, int32_t *h, int n, int i) {
+/* ---- the order of a row: logit descending, equal logits: lower id first ---- */
+
+/* a comes after b in the row's order */
+static inline bool behind(const float *x, int32_t a, int32_t b) {
+    return x[a] < x[b] || (x[a] == x[b] && a > b);
+}
+
+static void oheap_down(const float *x, int32_t *h, int n, int i) {
     for (;;) {
         int l = 2 * i + 1, r = l + 1, m = i;
-        if (l < n && wworse(w, h[l], h[m])) m = l;
-        if (r < n && wworse(w, h[r], h[m])) m = r;
+        if (l < n && behind(x, h[l], h[m])) m = l;
+        if (r < n && behind(x, h[r], h[m])) m = r;
         if (m == i) return;
         int32_t t = h[i]; h[i] = h[m]; h[m] = t;
         i = m;
     }
 }
 
-/* out[0..k): the k best ids, best first */
-static void select_topk(const double *w, int V, int k, int32_t *out) {
+/* out[0..k): the first k ids of the row's order, in order */
+static void select_first(const float *x, int V, int k, int32_t *out) {
     int n = 0;
     for (int i = 0; i < V; i++) {
         if (n < k) {
@@ -85,124 +94,95 @@ static void select_topk(const double *w, int V, int k, int32_t *out) {
             out[j] = i;
             while (j > 0) {
                 int p = (j - 1) / 2;
-                if (!wworse(w, out[j], out[p])) break;
+                if (!behind(x, out[j], out[p])) break;
                 int32_t t = out[j]; out[j] = out[p]; out[p] = t;
                 j = p;
             }
-        } else if (w[i] > w[out[0]]) {   /* ids ascend: an equal weight never displaces */
+        } else if (x[i] > x[out[0]]) {   /* ids ascend: an equal logit never displaces */
             out[0] = i;
-            wheap_down(w, out, k, 0);
+            oheap_down(x, out, k, 0);
         }
     }
     for (int e = k - 1; e > 0; e--) {
         int32_t t = out[0]; out[0] = out[e]; out[e] = t;
-        wheap_down(w, out, e, 0);
+        oheap_down(x, out, e, 0);
     }
 }
 
-static int cmp_i32(const void *a, const void *b) {
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
-}
-
-kd_status kd_sample_row(const float *x, int V, const kd_sampler *sp, int32_t position,
-                        double *w, int32_t *a, int32_t *dst) {
-    if (kd_sampler_is_greedy(sp)) return kd_argmax_row(x, V, dst);
+int32_t kd_sample_row_code(const float *x, int V, const kd_sampler *sp, int32_t position, uint64_t *q, int32_t *a,
+                           int32_t *dst) {
     double T = (double)sp->temperature;
     float m = -INFINITY;
     for (int i = 0; i < V; i++) {
-        if (isnan(x[i]) || (isinf(x[i]) && x[i] > 0))
-            return kd_fail(KD_ERR_ARG, "sample: logits[%d] is %s: expected finite values (or -inf)", i,
-                           isnan(x[i]) ? "NaN" : "+inf");
+        if (isnan(x[i])) return KD_SAMPLE_ERR_NAN | (int32_t)((uint32_t)i << 2);
+        if (isinf(x[i]) && x[i] > 0) return KD_SAMPLE_ERR_PINF | (int32_t)((uint32_t)i << 2);
         if (x[i] > m) m = x[i];
     }
-    if (isinf(m)) return kd_fail(KD_ERR_ARG, "sample: every logit is -inf (no token can be drawn)");
-    double zmax = (double)m / T, total = 0.0;
+    if (isinf(m)) return KD_SAMPLE_ERR_ALLNEG;
+    double z = kd_rule_zmax(m, T);
+    kd_u128 total = kd_u128_of(0);
     for (int i = 0; i < V; i++) {
-        w[i] = exp((double)x[i] / T - zmax);
-        total += w[i];
+        q[i] = kd_rule_mass(x[i], T, z);
+        total = kd_u128_add64(total, q[i]);
     }
-    /* kept set: all ids (nk = V, a unused) or a[0..nk) */
-    int nk = V;
-    bool all = true;
+    /* the kept set: every id (last < 0), or the ids up to `last` in the row's order */
+    int32_t last = -1;
+    kd_u128 kept = total;
     int k = sp->top_k;
     if (k > 0 && k < V) {
-        select_topk(w, V, k, a);
-        nk = k;
-        all = false;
+        select_first(x, V, k, a);
+        last = a[k - 1];
+        kept = kd_u128_of(0);
+        for (int j = 0; j < k; j++) kept = kd_u128_add64(kept, q[a[j]]);
     }
-    double p = (double)sp->top_p;
-    if (p > 0.0 && p < 1.0) {
-        double S;
-        if (all) S = total;
-        else {
-            int32_t *b = a + V;          /* the kept ids in ascending order */
-            memcpy(b, a, sizeof(int32_t) * (size_t)nk);
-            qsort(b, (size_t)nk, sizeof(int32_t), cmp_i32);
-            S = 0.0;
-            for (int j = 0; j < nk; j++) S += w[b[j]];
-        }
-        double goal = p * S, cum = 0.0;
-        if (all) {
-            /* grow a sorted prefix until it holds the nucleus (the top-k of a total
-             * order has the same prefix whatever k is) */
-            int kk = V < 64 ? V : 64;
-            for (;;) {
-                select_topk(w, V, kk, a);
-                int j;
-                for (j = 0, cum = 0.0; j < kk; j++) {
-                    cum += w[a[j]];
-                    if (cum >= goal) break;
-                }
-                if (j < kk) { nk = j + 1; break; }
-                if (kk == V) { nk = V; break; }
-                kk = kk * 4 < V ? kk * 4 : V;
-            }
-            all = false;
-        } else {
+    float p = sp->top_p;
+    if (p > 0.0f && p < 1.0f) {
+        kd_u128 goal = kd_rule_top_p_goal(kept, p);
+        /* the nucleus is a prefix of the order: grow a sorted prefix until it holds it
+         * (within the top-k set when there is one; its first elements are the same) */
+        int lim = last >= 0 ? k : V;
+        int kk = last >= 0 ? k : (V < 64 ? V : 64);
+        for (;;) {
+            if (last < 0) select_first(x, V, kk, a);
+            kd_u128 cum = kd_u128_of(0);
             int j;
-            for (j = 0; j < nk; j++) {
-                cum += w[a[j]];
-                if (cum >= goal) break;
+            for (j = 0; j < kk; j++) {
+                cum = kd_u128_add64(cum, q[a[j]]);
+                if (!kd_u128_lt(cum, goal)) break;
             }
-            if (j < nk) nk = j + 1;
+            if (j < kk) { last = a[j]; kept = cum; break; }
+            if (kk == lim) { last = a[kk - 1]; kept = cum; break; }   /* not reached: the kept mass is >= goal */
+            kk = kk * 4 < lim ? kk * 4 : lim;
         }
     }
-    double u = kd_rng_uniform(sp->seed, position);
-    if (all) {
-        double target = u * total, c = 0.0;
-        int last = -1;
-        for (int i = 0; i < V; i++) {
-            if (w[i] <= 0.0) continue;
-            c += w[i];
-            last = i;
-            if (target < c) { *dst = i; return KD_OK; }
-        }
-        *dst = last;
-        return KD_OK;
+    kd_u128 target = kd_rule_target(kd_rule_u53(sp->seed, position), kept);
+    kd_u128 c = kd_u128_of(0);
+    int32_t found = -1;
+    for (int i = 0; i < V; i++) {
+        if (last >= 0 && i != last && behind(x, i, last)) continue;
+        if (!q[i]) continue;
+        c = kd_u128_add64(c, q[i]);
+        found = i;
+        if (kd_u128_lt(target, c)) break;
     }
-    qsort(a, (size_t)nk, sizeof(int32_t), cmp_i32);
-    double W = 0.0;
-    for (int j = 0; j < nk; j++) W += w[a[j]];
-    double target = u * W, c = 0.0;
-    int last = a[0];
-    for (int j = 0; j < nk; j++) {
-        if (w[a[j]] <= 0.0) continue;
-        c += w[a[j]];
-        last = a[j];
-        if (target < c) { *dst = a[j]; return KD_OK; }
-    }
-    *dst = last;
-    return KD_OK;
+    *dst = found;   /* target < kept mass: the loop always stops at a token */
+    return 0;
 }
 
-/* scratch for kd_sample_row: V doubles + 2V int32s */
-static kd_status scratch_alloc(int V, double **w, int32_t **a) {
-    *w = malloc(sizeof(double) * (size_t)V);
-    *a = malloc(sizeof(int32_t) * 2 * (size_t)V);
-    if (!*w || !*a) {
-        free(*w); free(*a);
-        *w = NULL; *a = NULL;
+kd_status kd_sample_row(const float *x, int V, const kd_sampler *sp, int32_t position, uint64_t *q, int32_t *a,
+                        int32_t *dst) {
+    if (kd_sampler_is_greedy(sp)) return kd_argmax_row(x, V, dst);
+    int32_t code = kd_sample_row_code(x, V, sp, position, q, a, dst);
+    return code ? kd_sample_fail(code) : KD_OK;
+}
+
+/* scratch for kd_sample_row: V masses + V int32s */
+static kd_status scratch_alloc(int V, uint64_t **q, int32_t **a) {
+    *q = malloc(sizeof(uint64_t) * (size_t)V);
+    *a = malloc(sizeof(int32_t) * (size_t)V);
+    if (!*q || !*a) {
+        free(*q); free(*a);
+        *q = NULL; *a = NULL;
         return kd_fail(KD_ERR_NOMEM, "sample: cannot allocate scratch for a vocabulary of %d", V);
     }
     return KD_OK;
@@ -214,13 +194,14 @@ kd_status kd_sample_logits(const float *logits, int vocab, const kd_sampler *sp,
     if (vocab <= 0) return kd_fail(KD_ERR_ARG, "kd_sample_logits: vocab: expected > 0, got %d", vocab);
     KD_TRY(kd_sampler_check(sp, "kd_sample_logits"));
     if (kd_sampler_is_greedy(sp)) return kd_argmax_row(logits, vocab, dst);
-    double *w; int32_t *a;
-    KD_TRY(scratch_alloc(vocab, &w, &a));
-    kd_status st = kd_sample_row(logits, vocab, sp, position, w, a, dst);
-    free(w); free(a);
+    uint64_t *q; int32_t *a;
+    KD_TRY(scratch_alloc(vocab, &q, &a));
+    kd_status st = kd_sample_row(logits, vocab, sp, position, q, a, dst);
+    free(q); free(a);
     return st;
 }
 
+/* every output row on the backend (sample_rows): positions go up, ids and row codes come back */
 kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *positions, int32_t *dst) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_seq_sample: sequence is NULL");
     if (!dst) return kd_fail(KD_ERR_ARG, "kd_seq_sample: dst is NULL");
@@ -228,19 +209,33 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
     int n = s->out_rows;
     if (n <= 0) return kd_fail(KD_ERR_STATE, "kd_seq_sample: no output rows (run kd_forward first)");
     if (kd_sampler_is_greedy(sp)) return kd_seq_argmax(s, dst);
-    if (!positions && !s->out_positions)
-        return kd_fail(KD_ERR_STATE, "kd_seq_sample: positions is NULL and the last forward kept none");
-    int V = s->model->cfg.vocab;
-    double *w; int32_t *a;
-    KD_TRY(scratch_alloc(V, &w, &a));
-    float *row = malloc(sizeof(float) * (size_t)V);
-    kd_status st = row ? KD_OK : kd_fail(KD_ERR_NOMEM, "kd_seq_sample: cannot allocate a row of %d logits", V);
-    for (int i = 0; i < n && st == KD_OK; i++) {
-        st = kd_seq_logits(s, i, 1, row);
-        int32_t pos = positions ? positions[i] : s->out_positions[i] + 1;
-        if (st == KD_OK) st = kd_sample_row(row, V, sp, pos, w, a, &dst[i]);
-        if (st != KD_OK) st = kd_fail_context(st, "kd_seq_sample: row %d (position %d)", i, (int)pos);
-    }
-    free(row); free(w); free(a);
-    return st;
+    if (!positions && (!s->out_positions || s->out_positions[0] < 0))
+        return kd_fail(KD_ERR_STATE, "kd_seq_sample: positions is NULL and the last forward kept none on the host "
+                       "(a verify of a tree built on the backend): pass the positions");
+    kd_model *m = s->model;
+    kd_backend *be = m->be;
+    if (m->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
+        return kd_fail(KD_ERR_UNSUPPORTED, "kd_seq_sample: vocabulary %d above %d", m->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
+    int32_t pos[KD_SEQ_MAX_ROWS], code[KD_SEQ_MAX_ROWS];
+    for (int i = 0; i < n; i++) pos[i] = positions ? positions[i] : s->out_positions[i] + 1;
+    /* scratch regions free after a forward: ids (positions in), idx (tokens out), pos (row codes) */
+    kd_fwd_plan p;
+    kd_fwd_plan_make(m, s->out_cap, &p);
+    int32_t *d_pos = (int32_t *)((char *)s->scratch + p.ids);
+    int32_t *d_out = (int32_t *)((char *)s->scratch + p.idx);
+    int32_t *d_code = (int32_t *)((char *)s->scratch + p.pos);
+    KD_TRY(be->ops->upload(be, d_pos, pos, sizeof(int32_t) * (size_t)n));
+    KD_TRY(be->ops->sample_rows(be, kd_act_rows(s->logits, 0, n), sp, d_pos, 0, d_out, d_code));
+    KD_TRY(be->ops->download(be, code, d_code, sizeof(int32_t) * (size_t)n));
+    for (int i = 0; i < n; i++)
+        if (code[i]) {
+            kd_sample_fail(code[i]);
+            return kd_fail_context(KD_ERR_ARG, "kd_seq_sample: row %d (position %d)", i, (int)pos[i]);
+        }
+    KD_TRY(be->ops->download(be, dst, d_out, sizeof(int32_t) * (size_t)n));
+    for (int i = 0; i < n; i++)
+        if (dst[i] < 0 || dst[i] >= m->cfg.vocab)
+            return kd_fail(KD_ERR_BACKEND, "kd_seq_sample: row %d: the backend drew token %d (vocabulary %d)", i,
+                           (int)dst[i], m->cfg.vocab);
+    return KD_OK;
 }

@@ -1,5 +1,6 @@
 /* sample.h: the sampling rule shared by kd_sample_logits, kd_seq_sample and
- * kd_accept (and to be mirrored bit for bit by a device implementation).
+ * kd_accept (and mirrored bit for bit by the device implementation, cuda/ddtree.cu;
+ * the arithmetic both share is in sample_rule.h).
  * The rule itself is documented in sample.c and docs/ddtree.md. */
 #ifndef KD_SAMPLE_H
 #define KD_SAMPLE_H
@@ -14,8 +15,13 @@ bool kd_sampler_is_greedy(const kd_sampler *sp);
 kd_status kd_sampler_check(const kd_sampler *sp, const char *fn);
 /* greedy argmax of a host row, ties to the lower id; NaN is an error */
 kd_status kd_argmax_row(const float *logits, int vocab, int32_t *dst);
-/* one token from a host row of logits; scratch: wscratch vocab doubles,
- * iscratch 2*vocab int32s. The sampler is assumed checked (kd_sampler_check). */
+/* one token from a host row of logits; scratch: qscratch vocab uint64s, iscratch vocab
+ * int32s. The sampler is assumed checked (kd_sampler_check). */
 kd_status kd_sample_row(const float *logits, int vocab, const kd_sampler *sp, int32_t position,
-                        double *wscratch, int32_t *iscratch, int32_t *dst);
+                        uint64_t *qscratch, int32_t *iscratch, int32_t *dst);
+/* the same for a sampler that is not greedy, without setting an error message: returns 0,
+ * or the row's error code (kind | column << 2, sample_rule.h), which kd_sample_fail reports */
+int32_t kd_sample_row_code(const float *logits, int vocab, const kd_sampler *sp, int32_t position,
+                           uint64_t *qscratch, int32_t *iscratch, int32_t *dst);
+kd_status kd_sample_fail(int32_t code);
 #endif

@@ -22,6 +22,10 @@
  * entry is the rank tuple of its (already popped) parent plus its own rank, so two
  * entries are compared on exact score ties only, by walking their parent chains
  * (at most KD_TREE_MAX_DEPTH steps). The heap holds at most 2*budget+1 entries.
+ *
+ * The backend copy (tree.h): kd_tree_build_drafted runs the backend's topk and
+ * tree_select ops (the CUDA one runs this same algorithm on the device, cuda/ddtree.cu)
+ * and leaves the host arrays stale; kd_tree_host downloads them when asked.
  */
 #include "tree.h"
 #include "error.h"
@@ -57,8 +61,8 @@ static kd_status tree_reserve(kd_tree *t, int n) {
         free(tok); free(par); free(dep); free(rk); free(fc); free(ns); free(sc);
         return kd_fail(KD_ERR_NOMEM, "kd_tree: cannot allocate %d nodes", need);
     }
-    if (t->cap) {   /* keep the current tree */
-        size_t k = (size_t)(t->n + 1);
+    if (t->cap) {   /* keep the current tree (its host copy) */
+        size_t k = (size_t)(t->host_valid ? t->n + 1 : 1);
         memcpy(tok, t->token, k * 4); memcpy(par, t->parent, k * 4);
         memcpy(dep, t->depth, k * 4); memcpy(rk, t->rank, k * 4);
         memcpy(fc, t->first_child, k * 4); memcpy(ns, t->next_sibling, k * 4);
@@ -71,8 +75,8 @@ static kd_status tree_reserve(kd_tree *t, int n) {
     return KD_OK;
 }
 
-/* (re)link the child lists of nodes 0..n, children in pop order */
-static void tree_link(kd_tree *t) {
+/* the child lists of nodes 0..n (children in pop order) and max_depth, from the host arrays */
+static void tree_relink(kd_tree *t) {
     for (int i = 0; i <= t->n; i++) t->first_child[i] = t->next_sibling[i] = -1;
     int maxd = 0;
     for (int i = t->n; i >= 1; i--) {
@@ -82,7 +86,70 @@ static void tree_link(kd_tree *t) {
         if (t->depth[i] > maxd) maxd = t->depth[i];
     }
     t->max_depth = maxd;
+    t->depth_bound = maxd;
+}
+
+/* the host arrays now hold a new tree: link it, the backend copy is stale, the version moves */
+static void tree_link(kd_tree *t) {
+    tree_relink(t);
+    t->host_valid = true;
+    t->dev_valid = false;
     t->version++;
+}
+
+/* free the backend copy and drop the model reference (the host copy must be valid first
+ * when the tree lives on) */
+static void tree_dev_release(kd_tree *t) {
+    if (t->dev_buf && t->model) t->model->be->ops->free(t->model->be, t->dev_buf);
+    if (t->model) kd_model_unref(t->model);
+    t->model = NULL;
+    t->dev_buf = NULL;
+    memset(&t->dev, 0, sizeof t->dev);
+    t->dev_valid = false;
+}
+
+static size_t align256(size_t v) { return (v + 255u) & ~(size_t)255u; }
+
+/* the layout of the backend copy (backend.h kd_dtree): status, token, parent and depth
+ * contiguous (kd_tree_host downloads them in one piece), then the rest 256-byte aligned */
+size_t kd_dtree_layout(kd_dtree *d, void *base_ptr, int cap, int topk_cap) {
+    char *base = (char *)base_ptr;
+    size_t N = (size_t)cap + 1, words = (N + 63) / 64, off = 0;
+    d->cap = cap;
+    d->topk_cap = topk_cap;
+    d->status = (int32_t *)(base + off); off += 8 * sizeof(int32_t);
+    d->token = (int32_t *)(base + off); off += N * sizeof(int32_t);
+    d->parent = (int32_t *)(base + off); off += N * sizeof(int32_t);
+    d->depth = (int32_t *)(base + off); off = align256(off + N * sizeof(int32_t));
+    d->pos = (int32_t *)(base + off); off = align256(off + N * sizeof(int32_t));
+    d->target = (int32_t *)(base + off); off = align256(off + N * sizeof(int32_t));
+    d->row_status = (int32_t *)(base + off); off = align256(off + N * sizeof(int32_t));
+    d->result = (int32_t *)(base + off); off = align256(off + (KD_DTREE_HDR + 2 * N) * sizeof(int32_t));
+    d->vis = (uint64_t *)(base + off); off = align256(off + N * words * sizeof(uint64_t));
+    d->vals = (float *)(base + off); off = align256(off + (size_t)topk_cap * sizeof(float));
+    d->ids = (int32_t *)(base + off); off = align256(off + (size_t)topk_cap * sizeof(int32_t));
+    return off;
+}
+
+/* a backend copy on m with room for cap nodes and topk_cap list entries; its content is
+ * not kept (callers make the host copy valid first when they need it) */
+static kd_status tree_dev_reserve(kd_tree *t, kd_model *m, int cap, int topk_cap, const char *fn) {
+    if (t->model == m && t->dev_buf && t->dev.cap >= cap && t->dev.topk_cap >= topk_cap) return KD_OK;
+    if (t->model == m && t->dev_buf) {   /* grow: keep the larger of the old and new shapes */
+        if (t->dev.cap > cap) cap = t->dev.cap;
+        if (t->dev.topk_cap > topk_cap) topk_cap = t->dev.topk_cap;
+    }
+    tree_dev_release(t);
+    kd_dtree d;
+    size_t bytes = kd_dtree_layout(&d, NULL, cap, topk_cap);
+    void *buf = NULL;
+    kd_status st = m->be->ops->alloc(m->be, bytes, &buf);
+    if (st != KD_OK) return kd_fail_context(st, "%s: the tree's backend copy (%d nodes, %zu bytes)", fn, cap, bytes);
+    kd_dtree_layout(&t->dev, buf, cap, topk_cap);
+    t->dev_buf = buf;
+    t->model = m;
+    m->n_seqs++;        /* the model (its backend) outlives this buffer */
+    return KD_OK;
 }
 
 kd_status kd_tree_new(kd_tree **out) {
@@ -101,6 +168,7 @@ kd_status kd_tree_new(kd_tree **out) {
 
 void kd_tree_free(kd_tree *t) {
     if (!t) return;
+    tree_dev_release(t);
     tree_arrays_free(t);
     free(t);
 }
@@ -110,7 +178,7 @@ int kd_tree_size(const kd_tree *t) { return t ? t->n : 0; }
 kd_status kd_tree_set_root(kd_tree *t, int32_t token) {
     if (!t) return kd_fail(KD_ERR_ARG, "kd_tree_set_root: tree is NULL");
     if (token < 0) return kd_fail(KD_ERR_ARG, "kd_tree_set_root: token: expected a token id >= 0, got %d", (int)token);
-    t->token[0] = token;
+    t->token[0] = token;       /* the backend copy gets it at kd_verify */
     t->version++;
     return KD_OK;
 }
@@ -136,8 +204,85 @@ kd_status kd_tree_set_chain(kd_tree *t, const int32_t *tokens, int n) {
     return KD_OK;
 }
 
+kd_status kd_tree_build_error(const kd_tree *t, const int32_t *status, const char *fn) {
+    if (status[0]) {
+        int K = t->dev_K > 0 ? t->dev_K : 1, i = status[1];
+        return kd_fail(KD_ERR_BACKEND, "%s: the tree was built on the backend from a draft log-prob that is %s "
+                       "(depth %d rank %d): expected finite values (or -inf)", fn, status[0] == 2 ? "+inf" : "NaN",
+                       i / K + 1, i % K);
+    }
+    if (status[2] != t->n)
+        return kd_fail(KD_ERR_BACKEND, "%s: the backend built %d tree nodes, expected %d", fn, (int)status[2], t->n);
+    return KD_OK;
+}
+
+kd_status kd_tree_host(kd_tree *t, const char *fn) {
+    if (t->host_valid) return KD_OK;
+    if (!t->dev_valid || !t->model)
+        return kd_fail(KD_ERR_STATE, "%s: the tree has neither a host nor a backend copy", fn);
+    KD_TRY(tree_reserve(t, t->n));
+    size_t N = (size_t)t->dev.cap + 1, words = 8 + 3 * N;
+    int32_t *buf = malloc(words * sizeof(int32_t));
+    if (!buf) return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %zu bytes to read the tree", fn, words * 4);
+    kd_backend *be = t->model->be;
+    kd_status st = be->ops->download(be, buf, t->dev.status, words * sizeof(int32_t));
+    if (st != KD_OK) kd_fail_context(st, "%s: reading the tree from the backend", fn);
+    if (st == KD_OK) st = kd_tree_build_error(t, buf, fn);
+    if (st == KD_OK) {
+        const int32_t *tok = buf + 8, *par = tok + N, *dep = par + N;
+        for (int i = 1; i <= t->n; i++) {   /* token[0] (the root) lives on the host */
+            t->token[i] = tok[i];
+            t->parent[i] = par[i];
+            t->depth[i] = dep[i];
+            t->rank[i] = -1;
+            t->score[i] = 0.0;
+            if (par[i] < 0 || par[i] >= i || dep[i] < 1) {
+                st = kd_fail(KD_ERR_BACKEND, "%s: the backend's tree has node %d with parent %d, depth %d", fn, i,
+                             (int)par[i], (int)dep[i]);
+                break;
+            }
+        }
+    }
+    free(buf);
+    if (st != KD_OK) return st;
+    t->parent[0] = -1; t->depth[0] = 0; t->rank[0] = -1; t->score[0] = 0.0;
+    tree_relink(t);        /* no version change: the same tree */
+    t->host_valid = true;
+    return KD_OK;
+}
+
+kd_status kd_tree_to_backend(kd_tree *t, kd_model *m, const char *fn) {
+    if (t->dev_valid && t->model == m) return KD_OK;
+    KD_TRY(kd_tree_host(t, fn));         /* a copy on another model's backend comes through the host */
+    KD_TRY(tree_dev_reserve(t, m, t->n, 1, fn));
+    int n = t->n, N = t->dev.cap + 1, words = (n + 1 + 63) / 64;
+    size_t cnt = 8 + 3 * (size_t)N;
+    int32_t *buf = calloc(cnt, sizeof(int32_t));
+    uint64_t *vis = malloc(sizeof(uint64_t) * (size_t)(n + 1) * (size_t)words);
+    kd_status st = KD_OK;
+    if (!buf || !vis) st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate the upload of %d tree nodes", fn, n + 1);
+    if (st == KD_OK) {
+        buf[2] = n;                       /* status: no bad value, n nodes */
+        memcpy(buf + 8, t->token, sizeof(int32_t) * (size_t)(n + 1));
+        memcpy(buf + 8 + N, t->parent, sizeof(int32_t) * (size_t)(n + 1));
+        memcpy(buf + 8 + 2 * N, t->depth, sizeof(int32_t) * (size_t)(n + 1));
+        kd_tree_mask(t->parent, n, vis);
+        kd_backend *be = m->be;
+        st = be->ops->upload(be, t->dev.status, buf, cnt * sizeof(int32_t));
+        if (st == KD_OK) st = be->ops->upload(be, t->dev.vis, vis, sizeof(uint64_t) * (size_t)(n + 1) * (size_t)words);
+        if (st != KD_OK) kd_fail_context(st, "%s: uploading the tree", fn);
+    }
+    free(buf);
+    free(vis);
+    if (st != KD_OK) return st;
+    t->dev_valid = true;
+    return KD_OK;
+}
+
 kd_status kd_tree_nodes(const kd_tree *t, int32_t *tokens, int32_t *parents, int32_t *depths) {
     if (!t) return kd_fail(KD_ERR_ARG, "kd_tree_nodes: tree is NULL");
+    if (!tokens && !parents && !depths) return KD_OK;
+    KD_TRY(kd_tree_host((kd_tree *)t, "kd_tree_nodes"));   /* the host view is filled lazily */
     size_t k = (size_t)(t->n + 1) * sizeof(int32_t);
     if (tokens) memcpy(tokens, t->token, k);
     if (parents) memcpy(parents, t->parent, k);
@@ -145,19 +290,24 @@ kd_status kd_tree_nodes(const kd_tree *t, int32_t *tokens, int32_t *parents, int
     return KD_OK;
 }
 
-kd_status kd_tree_visibility(const kd_tree *t, uint64_t *dst) {
-    if (!t) return kd_fail(KD_ERR_ARG, "kd_tree_visibility: tree is NULL");
-    if (!dst) return kd_fail(KD_ERR_ARG, "kd_tree_visibility: dst is NULL");
-    int rows = t->n + 1, words = (rows + 63) / 64;
+void kd_tree_mask(const int32_t *parent, int n, uint64_t *dst) {
+    int rows = n + 1, words = (rows + 63) / 64;
     memset(dst, 0, sizeof(uint64_t) * (size_t)rows * (size_t)words);
     dst[0] = 1;
     for (int i = 1; i < rows; i++) {
         uint64_t *row = dst + (size_t)i * words;
-        const uint64_t *prow = dst + (size_t)t->parent[i] * words;
-        int used = t->parent[i] / 64 + 1;      /* the parent's row has no bits past its own */
+        const uint64_t *prow = dst + (size_t)parent[i] * words;
+        int used = parent[i] / 64 + 1;      /* the parent's row has no bits past its own */
         memcpy(row, prow, sizeof(uint64_t) * (size_t)used);
         row[i / 64] |= (uint64_t)1 << (i % 64);
     }
+}
+
+kd_status kd_tree_visibility(const kd_tree *t, uint64_t *dst) {
+    if (!t) return kd_fail(KD_ERR_ARG, "kd_tree_visibility: tree is NULL");
+    if (!dst) return kd_fail(KD_ERR_ARG, "kd_tree_visibility: dst is NULL");
+    KD_TRY(kd_tree_host((kd_tree *)t, "kd_tree_visibility"));
+    kd_tree_mask(t->parent, t->n, dst);
     return KD_OK;
 }
 
@@ -255,15 +405,20 @@ typedef struct heap_entry {
     int32_t parent, depth, rank;
 } heap_entry;
 
+/* the nodes popped so far (parent, depth, rank of each) */
+typedef struct sel_nodes {
+    const int32_t *parent, *depth, *rank;
+} sel_nodes;
+
 /* rank tuple of an entry: the ranks of its parent's path, then its own rank */
-static int entry_ranks(const kd_tree *t, const heap_entry *e, int32_t *out) {
+static int entry_ranks(const sel_nodes *t, const heap_entry *e, int32_t *out) {
     out[e->depth - 1] = e->rank;
     for (int p = e->parent; p > 0; p = t->parent[p]) out[t->depth[p] - 1] = t->rank[p];
     return e->depth;
 }
 
 /* a pops before b: higher score, or the same score and a smaller rank tuple */
-static bool entry_before(const kd_tree *t, const heap_entry *a, const heap_entry *b) {
+static bool entry_before(const sel_nodes *t, const heap_entry *a, const heap_entry *b) {
     if (a->score != b->score) return a->score > b->score;
     int32_t ra[KD_TREE_MAX_DEPTH], rb[KD_TREE_MAX_DEPTH];
     int na = entry_ranks(t, a, ra), nb = entry_ranks(t, b, rb);
@@ -273,7 +428,7 @@ static bool entry_before(const kd_tree *t, const heap_entry *a, const heap_entry
     return na < nb;   /* a proper prefix comes first (never happens between heap entries) */
 }
 
-static void heap_push(const kd_tree *t, heap_entry *h, int *n, heap_entry e) {
+static void heap_push(const sel_nodes *t, heap_entry *h, int *n, heap_entry e) {
     int i = (*n)++;
     h[i] = e;
     while (i > 0) {
@@ -284,7 +439,7 @@ static void heap_push(const kd_tree *t, heap_entry *h, int *n, heap_entry e) {
     }
 }
 
-static heap_entry heap_pop(const kd_tree *t, heap_entry *h, int *n) {
+static heap_entry heap_pop(const sel_nodes *t, heap_entry *h, int *n) {
     heap_entry top = h[0];
     h[0] = h[--(*n)];
     int i = 0;
@@ -309,6 +464,56 @@ static kd_status check_shape(const char *fn, int L, int V, int budget) {
     return KD_OK;
 }
 
+int kd_tree_count(int L, int K, int budget) {
+    if (K <= 0 || budget <= 0) return 0;
+    long long total = 0, pw = 1;
+    for (int d = 1; d <= L; d++) {
+        pw *= K;
+        if (pw > budget) pw = (long long)budget + 1;   /* no overflow; anything above budget is enough */
+        total += pw;
+        if (total >= budget) return budget;
+    }
+    return (int)total;
+}
+
+/* a list value as Algorithm 1 reads it: NaN and -inf -> -FLT_MAX, +inf -> FLT_MAX */
+static inline double list_value(const float *vals, size_t i) {
+    float v = vals[i];
+    if (!(v >= -FLT_MAX)) v = -FLT_MAX;
+    else if (v > FLT_MAX) v = FLT_MAX;
+    return (double)v;
+}
+
+kd_status kd_tree_select_host(const float *vals, const int32_t *ids, int L, int K, int budget, int32_t *token,
+                              int32_t *parent, int32_t *depth, int32_t *rank, double *score, int *n_out) {
+    *n_out = 0;
+    if (budget <= 0 || K <= 0) return KD_OK;
+    heap_entry *heap = malloc(sizeof(heap_entry) * (2 * (size_t)budget + 1));
+    if (!heap) return kd_fail(KD_ERR_NOMEM, "kd_tree_build: cannot allocate a heap of %d entries", 2 * budget + 1);
+    sel_nodes nodes = { parent, depth, rank };
+    parent[0] = -1; depth[0] = 0; rank[0] = -1;
+    int hn = 0, n = 0;
+    heap_push(&nodes, heap, &hn, (heap_entry){ list_value(vals, 0), 0, 1, 0 });
+    while (hn > 0 && n < budget) {
+        heap_entry e = heap_pop(&nodes, heap, &hn);
+        int i = ++n, d = e.depth, r = e.rank;
+        size_t row = (size_t)(d - 1) * K;
+        token[i] = ids[row + r];
+        parent[i] = e.parent;
+        depth[i] = d;
+        rank[i] = r;
+        score[i] = e.score;
+        if (r + 1 < K)
+            heap_push(&nodes, heap, &hn,
+                      (heap_entry){ e.score - list_value(vals, row + r) + list_value(vals, row + r + 1), e.parent, d, r + 1 });
+        if (d < L)
+            heap_push(&nodes, heap, &hn, (heap_entry){ e.score + list_value(vals, (size_t)d * K), i, d + 1, 0 });
+    }
+    free(heap);
+    *n_out = n;
+    return KD_OK;
+}
+
 kd_status kd_tree_build_topk(kd_tree *t, const float *vals, const int32_t *ids, int L, int K, int budget) {
     if (!t) return kd_fail(KD_ERR_ARG, "kd_tree_build: tree is NULL");
     KD_TRY(check_shape("kd_tree_build", L, K > 0 ? K : 1, budget));
@@ -320,28 +525,12 @@ kd_status kd_tree_build_topk(kd_tree *t, const float *vals, const int32_t *ids, 
         return KD_OK;
     }
     KD_TRY(tree_reserve(t, budget));
-    heap_entry *heap = malloc(sizeof(heap_entry) * (2 * (size_t)budget + 1));
-    if (!heap) return kd_fail(KD_ERR_NOMEM, "kd_tree_build: cannot allocate a heap of %d entries", 2 * budget + 1);
-    int hn = 0, n = 0;
-    heap_push(t, heap, &hn, (heap_entry){ (double)vals[0], 0, 1, 0 });
-    while (hn > 0 && n < budget) {
-        heap_entry e = heap_pop(t, heap, &hn);
-        int i = ++n, d = e.depth, r = e.rank;
-        const float *lp = vals + (size_t)(d - 1) * K;
-        t->token[i] = ids[(size_t)(d - 1) * K + r];
-        t->parent[i] = e.parent;
-        t->depth[i] = d;
-        t->rank[i] = r;
-        t->score[i] = e.score;
-        if (r + 1 < K)
-            heap_push(t, heap, &hn, (heap_entry){ e.score - (double)lp[r] + (double)lp[r + 1], e.parent, d, r + 1 });
-        if (d < L)
-            heap_push(t, heap, &hn, (heap_entry){ e.score + (double)vals[(size_t)d * K], i, d + 1, 0 });
-    }
-    free(heap);
-    t->n = n;
+    int n = 0;
+    kd_status st = kd_tree_select_host(vals, ids, L, K, budget, t->token, t->parent, t->depth, t->rank, t->score, &n);
+    t->n = st == KD_OK ? n : 0;
+    t->parent[0] = -1; t->depth[0] = 0; t->rank[0] = -1; t->score[0] = 0.0;
     tree_link(t);
-    return KD_OK;
+    return st;
 }
 
 kd_status kd_tree_build(kd_tree *t, const float *scores, int L, int V, int budget, int is_logprobs) {
@@ -365,6 +554,27 @@ kd_status kd_tree_build(kd_tree *t, const float *scores, int L, int V, int budge
 
 /* ---------------------------------------------------------------- from the drafter */
 
+/* the backend cannot select this budget: download the top-K lists and select on the host */
+static kd_status build_on_host(kd_tree *t, kd_backend *be, int L, int K, int budget) {
+    size_t n = (size_t)L * K;
+    float *vals = malloc(n * sizeof(float));
+    int32_t *ids = malloc(n * sizeof(int32_t));
+    kd_status st = KD_OK;
+    if (!vals || !ids) st = kd_fail(KD_ERR_NOMEM, "kd_tree_build_drafted: cannot allocate %d x %d top-K lists", L, K);
+    if (st == KD_OK) st = be->ops->download(be, vals, t->dev.vals, n * sizeof(float));
+    if (st == KD_OK) st = be->ops->download(be, ids, t->dev.ids, n * sizeof(int32_t));
+    for (size_t i = 0; i < n && st == KD_OK; i++) {
+        if (isnan(vals[i]) || (isinf(vals[i]) && vals[i] > 0))
+            st = kd_fail(KD_ERR_BACKEND, "kd_tree_build_drafted: draft log-prob at depth %d rank %d is %s",
+                         (int)(i / K) + 1, (int)(i % K), isnan(vals[i]) ? "NaN" : "+inf");
+        else if (vals[i] < -FLT_MAX) vals[i] = -FLT_MAX;
+    }
+    if (st == KD_OK) st = kd_tree_build_topk(t, vals, ids, L, K, budget);
+    free(vals);
+    free(ids);
+    return st;
+}
+
 kd_status kd_tree_build_drafted(kd_tree *t, kd_seq *s, int budget) {
     if (!t) return kd_fail(KD_ERR_ARG, "kd_tree_build_drafted: tree is NULL");
     if (!s) return kd_fail(KD_ERR_ARG, "kd_tree_build_drafted: sequence is NULL");
@@ -377,38 +587,38 @@ kd_status kd_tree_build_drafted(kd_tree *t, kd_seq *s, int budget) {
     KD_TRY(check_shape("kd_tree_build_drafted", L, V, budget));
     if (lp.dtype != KD_F32)
         return kd_fail(KD_ERR_STATE, "kd_tree_build_drafted: draft log-probs: expected f32, got %s", kd_dtype_name(lp.dtype));
+    if (V > s->model->cfg.vocab)
+        return kd_fail(KD_ERR_STATE, "kd_tree_build_drafted: the draft's vocabulary (%d) is larger than the target's (%d)",
+                       V, s->model->cfg.vocab);
     int K = budget < V ? budget : V;
     /* the tree is rooted at the draft's bonus token */
     if (K == 0) {
         KD_TRY(kd_tree_build_topk(t, NULL, NULL, L, 0, 0));
         return kd_tree_set_root(t, bonus);
     }
-
-    kd_backend *be = s->model->be;
-    size_t n = (size_t)L * K;
-    void *dvals = NULL, *dids = NULL;
-    float *vals = malloc(n * sizeof(float));
-    int32_t *ids = malloc(n * sizeof(int32_t));
-    kd_status st = KD_OK;
-    if (!vals || !ids) st = kd_fail(KD_ERR_NOMEM, "kd_tree_build_drafted: cannot allocate %d x %d top-K lists", L, K);
-    if (st == KD_OK) st = be->ops->alloc(be, n * sizeof(float), &dvals);
-    if (st == KD_OK) st = be->ops->alloc(be, n * sizeof(int32_t), &dids);
-    if (st == KD_OK) st = be->ops->topk(be, lp, K, (float *)dvals, (int32_t *)dids);
-    if (st == KD_OK) st = be->ops->download(be, vals, dvals, n * sizeof(float));
-    if (st == KD_OK) st = be->ops->download(be, ids, dids, n * sizeof(int32_t));
+    kd_model *m = s->model;
+    kd_backend *be = m->be;
+    int n = kd_tree_count(L, K, budget);
+    KD_TRY(tree_reserve(t, budget));     /* host room for a later kd_tree_host */
+    kd_status st = tree_dev_reserve(t, m, budget, L * K, "kd_tree_build_drafted");
+    if (st == KD_OK) st = be->ops->topk(be, lp, K, t->dev.vals, t->dev.ids);
     if (st == KD_OK) {
-        for (size_t i = 0; i < n && st == KD_OK; i++) {
-            if (isnan(vals[i]) || (isinf(vals[i]) && vals[i] > 0))
-                st = kd_fail(KD_ERR_BACKEND, "kd_tree_build_drafted: draft log-prob at depth %d rank %d is %s",
-                             (int)(i / K) + 1, (int)(i % K), isnan(vals[i]) ? "NaN" : "+inf");
-            else if (vals[i] < -FLT_MAX) vals[i] = -FLT_MAX;
+        st = be->ops->tree_select(be, &t->dev, L, K, budget);
+        if (st == KD_ERR_UNSUPPORTED) st = build_on_host(t, be, L, K, budget);
+        else if (st == KD_OK) {
+            t->n = n;
+            t->dev_K = K;
+            t->depth_bound = L < n ? L : n;
+            t->host_valid = false;
+            t->dev_valid = true;
+            t->version++;
         }
     }
-    if (st == KD_OK) st = kd_tree_build_topk(t, vals, ids, L, K, budget);
-    if (st == KD_OK) st = kd_tree_set_root(t, bonus);
-    if (dvals) be->ops->free(be, dvals);
-    if (dids) be->ops->free(be, dids);
-    free(vals);
-    free(ids);
-    return st;
+    if (st != KD_OK) {                   /* leave a well-formed tree: the root alone */
+        t->n = 0;
+        t->parent[0] = -1; t->depth[0] = 0;
+        tree_link(t);
+        return st;
+    }
+    return kd_tree_set_root(t, bonus);
 }

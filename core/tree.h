@@ -4,12 +4,21 @@
  * A tree is the root (node 0: the bonus token of the round) plus n drafted nodes
  * numbered 1..n in the order Algorithm 1 pops them (so every parent precedes its
  * children). For node i: token[i], parent[i] (-1 for the root), depth[i] (0 for the
- * root), rank[i] (its rank within its depth's top-K; -1 for the root and for chain
- * nodes) and score[i] (the summed log-prob of its prefix, double; 0 for the root).
+ * root), rank[i] (its rank within its depth's top-K; -1 for the root, for chain
+ * nodes and for nodes built on the backend) and score[i] (the summed log-prob of its
+ * prefix, double; 0 for the root and for nodes built on the backend).
+ *
+ * Two copies: the host arrays below and a backend copy (dev, in the backend memory of
+ * `model`). kd_tree_build / kd_tree_set_chain write the host copy; kd_verify uploads it
+ * once. kd_tree_build_drafted builds on the backend and leaves the host copy stale
+ * until someone asks for it (kd_tree_nodes, kd_tree_visibility): a DDTree round on a
+ * drafted tree moves no tree data to the host. The root token (token[0]) always lives on
+ * the host and is written to the backend copy by kd_verify.
  */
 #ifndef KD_TREE_H
 #define KD_TREE_H
 #include "kdtree.h"
+#include "backend.h"
 #include <stdbool.h>
 
 enum { KD_TREE_MAX_DEPTH = 64 };   /* L (the depth limit) at most this */
@@ -26,6 +35,14 @@ struct kd_tree {
     uint64_t version;
     const void *verified_by;
     uint64_t verified_version;
+    /* the backend copy */
+    kd_model *model;       /* whose backend holds dev (the tree holds a reference on it), or NULL */
+    void *dev_buf;         /* the one backend allocation dev points into */
+    kd_dtree dev;
+    bool host_valid;       /* the host arrays hold nodes 1..n (token[0] is always valid) */
+    bool dev_valid;        /* dev holds nodes 0..n (token[0] is staged by kd_verify) and the mask */
+    int dev_K;             /* the build's K (to name a bad draft value) */
+    int depth_bound;       /* max_depth when host_valid, else an upper bound of it */
 };
 
 /* Per row of scores [L, V]: the K best (value descending, equal values: lower id
@@ -41,6 +58,27 @@ kd_status kd_tree_topk_rows(const float *scores, int L, int V, int K, int is_log
 kd_status kd_tree_build_topk(kd_tree *t, const float *vals, const int32_t *ids, int L, int K,
                              int budget);
 
-/* the child of `node` whose token is `token`, or -1 */
+/* Algorithm 1 on plain arrays (the CPU backend's tree_select runs this): nodes 1..*n_out
+ * into token/parent/depth/rank/score (1 + budget entries each; entry 0 is left alone).
+ * List values are read as doubles with NaN and -inf clamped to -FLT_MAX and +inf to FLT_MAX
+ * (the callers report NaN / +inf; clamping keeps the result a well-formed tree). */
+kd_status kd_tree_select_host(const float *vals, const int32_t *ids, int L, int K, int budget, int32_t *token,
+                              int32_t *parent, int32_t *depth, int32_t *rank, double *score, int *n_out);
+/* the number of nodes Algorithm 1 pops: min(budget, K + K^2 + ... + K^L) */
+int kd_tree_count(int L, int K, int budget);
+/* the ancestor-only mask of nodes 0..n from their parents (rows of ceil((n+1)/64) words) */
+void kd_tree_mask(const int32_t *parent, int n, uint64_t *dst);
+
+/* lay out a backend copy for cap nodes and topk_cap list entries in the buffer at base
+ * (NULL: only measure); returns its size in bytes */
+size_t kd_dtree_layout(kd_dtree *d, void *base, int cap, int topk_cap);
+/* make the host arrays hold the tree (downloads a tree built on the backend) */
+kd_status kd_tree_host(kd_tree *t, const char *fn);
+/* make t->dev hold the tree on m's backend (uploads a host tree when needed) */
+kd_status kd_tree_to_backend(kd_tree *t, kd_model *m, const char *fn);
+/* report a bad value the backend build saw (status word 0 set), or an unexpected node count */
+kd_status kd_tree_build_error(const kd_tree *t, const int32_t *status, const char *fn);
+
+/* the child of `node` whose token is `token`, or -1 (host view) */
 int kd_tree_child(const kd_tree *t, int node, int32_t token);
 #endif

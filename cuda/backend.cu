@@ -276,6 +276,15 @@ KD_DEV_WRAP(kd_status, experts_load, (kd_backend *be, kd_experts *e), (be, e))
 KD_DEV_WRAP(kd_status, log_softmax, (kd_backend *be, kd_act x), (be, x))
 KD_DEV_WRAP(kd_status, argmax, (kd_backend *be, kd_act x, int32_t *o), (be, x, o))
 KD_DEV_WRAP(kd_status, topk, (kd_backend *be, kd_act x, int k, float *v, int32_t *ids), (be, x, k, v, ids))
+KD_DEV_WRAP(kd_status, tree_select, (kd_backend *be, const kd_dtree *t, int L, int K, int B), (be, t, L, K, B))
+KD_DEV_WRAP(kd_status, tree_stage,
+            (kd_backend *be, const kd_dtree *t, int n, int32_t root, int32_t pos0, int32_t *ids, int32_t *pos,
+             uint64_t *vis),
+            (be, t, n, root, pos0, ids, pos, vis))
+KD_DEV_WRAP(kd_status, sample_rows,
+            (kd_backend *be, kd_act x, const kd_sampler *sp, const int32_t *pos, int off, int32_t *out, int32_t *code),
+            (be, x, sp, pos, off, out, code))
+KD_DEV_WRAP(kd_status, tree_walk, (kd_backend *be, const kd_dtree *t, int n, int sampled), (be, t, n, sampled))
 KD_DEV_WRAP(kd_status, store_rows_at, (kd_backend *be, kd_act d, const int32_t *len, kd_act s), (be, d, len, s))
 KD_DEV_WRAP(kd_status, attention_at,
             (kd_backend *be, kd_act q, int nh, int hd, kd_act k, kd_act v, int nkv, const int32_t *len, bool causal,
@@ -319,6 +328,10 @@ static kd_backend_ops make_ops() {
     o.log_softmax = log_softmax_dev;
     o.argmax = argmax_dev;
     o.topk = topk_dev;
+    o.tree_select = tree_select_dev;
+    o.tree_stage = tree_stage_dev;
+    o.sample_rows = sample_rows_dev;
+    o.tree_walk = tree_walk_dev;
     o.store_rows_at = store_rows_at_dev;
     o.attention_at = attention_at_dev;
     o.graph_begin = graph_begin_dev;

@@ -160,6 +160,13 @@ void kd_cuda_experts_free(kd_backend *be, kd_experts *e);
 kd_status kd_cuda_log_softmax(kd_backend *be, kd_act x);
 kd_status kd_cuda_argmax(kd_backend *be, kd_act x, int32_t *out);
 kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids);
+/* the DDTree round (ddtree.cu) */
+kd_status kd_cuda_tree_select(kd_backend *be, const kd_dtree *t, int L, int K, int budget);
+kd_status kd_cuda_tree_stage(kd_backend *be, const kd_dtree *t, int n, int32_t root, int32_t pos0, int32_t *ids,
+                             int32_t *pos_out, uint64_t *vis_out);
+kd_status kd_cuda_sample_rows(kd_backend *be, kd_act logits, const kd_sampler *sp, const int32_t *pos, int pos_offset,
+                              int32_t *out, int32_t *code);
+kd_status kd_cuda_tree_walk(kd_backend *be, const kd_dtree *t, int n, int sampled);
 /* step graphs (graph.cu, mla.cu): the device-length forms and the capture/replay calls */
 kd_status kd_cuda_store_rows_at(kd_backend *be, kd_act dst, const int32_t *d_len, kd_act src);
 kd_status kd_cuda_attention_at(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,

@@ -97,6 +97,13 @@ kd_status kd_cpu_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32
 kd_status kd_cpu_log_softmax(kd_backend *be, kd_act x);
 kd_status kd_cpu_argmax(kd_backend *be, kd_act x, int32_t *out);
 kd_status kd_cpu_topk(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids);
+/* the DDTree round (cpu_ddtree.c) */
+kd_status kd_cpu_tree_select(kd_backend *be, const kd_dtree *t, int L, int K, int budget);
+kd_status kd_cpu_tree_stage(kd_backend *be, const kd_dtree *t, int n, int32_t root, int32_t pos0, int32_t *ids,
+                            int32_t *pos_out, uint64_t *vis_out);
+kd_status kd_cpu_sample_rows(kd_backend *be, kd_act logits, const kd_sampler *sp, const int32_t *pos, int pos_offset,
+                             int32_t *out, int32_t *code);
+kd_status kd_cpu_tree_walk(kd_backend *be, const kd_dtree *t, int n, int sampled);
 kd_status kd_cpu_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act out);
 kd_status kd_cpu_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
                              const kd_weight *w, int wstride, int wrow0, bool transposed,

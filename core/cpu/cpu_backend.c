@@ -264,6 +264,10 @@ static const kd_backend_ops cpu_ops = {
     .log_softmax = kd_cpu_log_softmax,
     .argmax = kd_cpu_argmax,
     .topk = kd_cpu_topk,
+    .tree_select = kd_cpu_tree_select,
+    .tree_stage = kd_cpu_tree_stage,
+    .sample_rows = kd_cpu_sample_rows,
+    .tree_walk = kd_cpu_tree_walk,
 };
 
 kd_status kd_backend_cpu_create(kd_backend **out) {

@@ -8,7 +8,16 @@ local U = require("kdtree.util")
 local ffi, C, check = K.ffi, K.C, K.check
 
 local Tree = {}
-Tree.__index = Tree
+-- tokens / parents / depths / root are read from C on first access after a change (a tree
+-- built on the backend stays there until someone looks at its nodes)
+local LAZY = { tokens = true, parents = true, depths = true, root = true }
+Tree.__index = function(t, k)
+  if LAZY[k] and rawget(t, "_h") ~= nil and not rawget(t, "_loaded") then
+    t:_load()
+    return rawget(t, k)
+  end
+  return Tree[k]
+end
 Tree.__tostring = function(t)
   if rawget(t, "_h") == nil then return "kdtree.tree (closed)" end
   return string.format("kdtree.tree(%d nodes, root %d)", t.n, t.root)
@@ -31,19 +40,28 @@ function Tree:handle() return H.get(self, "tree") end
 function Tree:is_closed() return rawget(self, "_h") == nil end
 function Tree:close() H.close(self) end
 
--- re-read the nodes from C into the Lua fields
+-- after a change: the size now, the nodes when first read (Tree.__index)
 function Tree:_sync()
+  local h = H.get(self, "tree")
+  self.n = tonumber(C.kd_tree_size(h))
+  rawset(self, "_loaded", nil)
+  rawset(self, "tokens", nil); rawset(self, "parents", nil); rawset(self, "depths", nil); rawset(self, "root", nil)
+  return self
+end
+
+-- read the nodes from C into the Lua fields (kd_tree_nodes)
+function Tree:_load()
   local h = H.get(self, "tree")
   local n = tonumber(C.kd_tree_size(h))
   local tk = ffi.new("int32_t[?]", n + 1)
   local pa = ffi.new("int32_t[?]", n + 1)
   local de = ffi.new("int32_t[?]", n + 1)
   check(C.kd_tree_nodes(h, tk, pa, de), "kd_tree_nodes")
-  self.n = n
-  self.root = tonumber(tk[0])
-  self.tokens = U.list_from(tk, n, 1)
-  self.parents = U.list_from(pa, n, 1)
-  self.depths = U.list_from(de, n, 1)
+  rawset(self, "root", tonumber(tk[0]))
+  rawset(self, "tokens", U.list_from(tk, n, 1))
+  rawset(self, "parents", U.list_from(pa, n, 1))
+  rawset(self, "depths", U.list_from(de, n, 1))
+  rawset(self, "_loaded", true)
   return self
 end
 

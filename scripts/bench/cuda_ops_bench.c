@@ -1,7 +1,10 @@
 /* cuda_ops_bench.c: timings of the CUDA backend's ops (not the W4A16 GEMM, which has its
  * own bench): dense bf16 linear at K2.6 shapes, MLA attention (64 and 8 heads, contexts
- * 1K..64K, 1 and 64 query tokens), and the per-depth top-k of a DDTree build
- * (log_softmax + top-K over 163840, L = 7 rows, K = 256).
+ * 1K..64K, 1 and 64 query tokens), the per-depth top-k of a DDTree build
+ * (log_softmax + top-K over 163840, L = 7 rows, K = 256), and the DDTree round on the
+ * device (cuda/ddtree.cu): the whole tree build (top-K + best-first selection) at B = 256,
+ * L = 7, V = 163840, and accept over a 257-node tree (greedy: argmax + walk; sampled:
+ * the keyed rule + walk), each with the one small result download a round makes.
  *
  * Build (on the GPU machine, after make):
  *   cc -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c -Lbuild -lkdtree \
@@ -12,6 +15,7 @@
  * where the weight is smaller than that. */
 #include "backend.h"
 #include "error.h"
+#include "tree.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -138,6 +142,75 @@ static kd_status topk_run(void *p, int i) {
     return be->ops->topk(be, a->x, a->k, a->vals, a->ids);
 }
 
+/* ---- the DDTree round on the device ---- */
+typedef struct { kd_act lp; kd_dtree d; int L, K, B; } tree_arg;
+static kd_status tree_build_run(void *p, int i) {
+    tree_arg *a = p;
+    (void)i;
+    KD_TRY(be->ops->topk(be, a->lp, a->K, a->d.vals, a->d.ids));
+    return be->ops->tree_select(be, &a->d, a->L, a->K, a->B);
+}
+
+typedef struct { kd_act logits; kd_dtree *d; int n; kd_sampler sp; int32_t *host; size_t words; } accept_arg;
+static kd_status accept_run(void *p, int i) {
+    accept_arg *a = p;
+    (void)i;
+    if (a->sp.temperature > 0) KD_TRY(be->ops->sample_rows(be, a->logits, &a->sp, a->d->pos, 1, a->d->target, a->d->row_status));
+    else KD_TRY(be->ops->argmax(be, a->logits, a->d->target));
+    KD_TRY(be->ops->tree_walk(be, a->d, a->n, a->sp.temperature > 0));
+    return be->ops->download(be, a->host, a->d->result, a->words * sizeof(int32_t));
+}
+
+static void bench_ddtree(void) {
+    int L = 7, V = 163840, B = 256, K = B;
+    float *hx = malloc((size_t)L * V * 4);
+    uint32_t sd = 4242;
+    for (size_t i = 0; i < (size_t)L * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
+    tree_arg a = {.L = L, .K = K, .B = B};
+    void *x, *buf;
+    CK(be->ops->alloc(be, (size_t)L * V * 4, &x));
+    CK(be->ops->upload(be, x, hx, (size_t)L * V * 4));
+    free(hx);
+    a.lp = (kd_act){x, L, V, V, KD_F32};
+    CK(be->ops->log_softmax(be, a.lp));            /* draft log-probs */
+    size_t bytes = kd_dtree_layout(&a.d, NULL, B, L * K);
+    CK(be->ops->alloc(be, bytes, &buf));
+    kd_dtree_layout(&a.d, buf, B, L * K);
+    double s = time_it(tree_build_run, &a, 20);
+    printf("ddtree build (top-K + select) L=%d V=%d B=%d          %8.1f us\n", L, V, B, s * 1e6);
+    {   /* accept over the tree just built, on random logits of its 1+n rows */
+        int32_t st[4];
+        CK(be->ops->download(be, st, a.d.status, sizeof st));
+        int n = st[2];
+        CK(be->ops->tree_stage(be, &a.d, n, 1, 1000, NULL, NULL, NULL));
+        int T = n + 1;
+        float *hl = malloc((size_t)T * V * 4);
+        for (size_t i = 0; i < (size_t)T * V; i++) { sd = sd * 1664525u + 1013904223u; hl[i] = (float)(sd >> 8) / 1048576.0f; }
+        void *lg;
+        CK(be->ops->alloc(be, (size_t)T * V * 4, &lg));
+        CK(be->ops->upload(be, lg, hl, (size_t)T * V * 4));
+        free(hl);
+        accept_arg ac = {.logits = (kd_act){lg, T, V, V, KD_F32}, .d = &a.d, .n = n};
+        ac.words = KD_DTREE_HDR + (size_t)(B + 1) + (size_t)L + 1;
+        ac.host = malloc(ac.words * sizeof(int32_t));
+        s = time_it(accept_run, &ac, 10);
+        printf("ddtree accept greedy (argmax + walk + result) T=%d V=%d    %8.1f us\n", T, V, s * 1e6);
+        ac.sp = (kd_sampler){.temperature = 1.0f, .top_k = 0, .top_p = 0.0f, .seed = 7};
+        s = time_it(accept_run, &ac, 10);
+        printf("ddtree accept sampled T=1 (rule + walk + result) T=%d V=%d  %8.1f us\n", T, V, s * 1e6);
+        ac.sp = (kd_sampler){.temperature = 0.8f, .top_k = 50, .top_p = 0.95f, .seed = 7};
+        s = time_it(accept_run, &ac, 10);
+        printf("ddtree accept sampled top-k 50 top-p 0.95 T=%d V=%d      %8.1f us\n", T, V, s * 1e6);
+        ac.sp = (kd_sampler){.temperature = 1.0f, .top_k = 0, .top_p = 0.9f, .seed = 7};
+        s = time_it(accept_run, &ac, 10);
+        printf("ddtree accept sampled top-p 0.9 (flat rows) T=%d V=%d   %8.1f us\n", T, V, s * 1e6);
+        free(ac.host);
+        be->ops->free(be, lg);
+    }
+    be->ops->free(be, buf);
+    be->ops->free(be, x);
+}
+
 int main(void) {
     CK(kd_backend_cuda_create(0, &be));
     printf("# kdtree CUDA ops bench (median of 5 batches; host clock between syncs)\n");
@@ -170,6 +243,7 @@ int main(void) {
         double s = time_it(topk_run, &a, 20);
         printf("tree build top-K: log_softmax + topk L=%d V=%d K=%d  %8.1f us\n", L, V, k, s * 1e6);
     }
+    bench_ddtree();
     be->ops->destroy(be);
     return 0;
 }
