@@ -1,0 +1,168 @@
+/* emu_main.cpp: see run.sh. Runs the kernels of cuda/ddtree.cu (kernels.inc, extracted by run.sh)
+ * under the SIMT emulation of inc/cuda_internal.cuh and compares them with the host code. */
+#include "cuda_internal.cuh"
+#include "sample_rule.h"
+#include <thread>
+#include <vector>
+#include <memory>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+extern "C" {
+#include "tree.h"
+#include "sample.h"
+kd_status kd_cpu_tree_walk(kd_backend *be, const kd_dtree *t, int n, int sampled);
+}
+thread_local emu_dim threadIdx, blockIdx;
+emu_dim blockDim, gridDim;
+std::barrier<> *emu_block_bar;
+std::barrier<> *emu_warp_bar[64];
+uint64_t emu_xbuf[64][32];
+std::mutex emu_atomic_mu;
+static double emu_dyn_buf[240000 / 8];
+static double *emu_dyn_smem = emu_dyn_buf;
+#include "kernels.inc"
+
+template <class F> static void launch(int grid, int block, F f) {
+    blockDim.x = block; gridDim.x = grid;
+    for (int b = 0; b < grid; b++) {
+        std::barrier<> bar(block);
+        emu_block_bar = &bar;
+        std::vector<std::unique_ptr<std::barrier<>>> wb;
+        for (int w = 0; w < block / 32; w++) { wb.emplace_back(new std::barrier<>(32)); emu_warp_bar[w] = wb.back().get(); }
+        std::vector<std::thread> th;
+        for (int t = 0; t < block; t++) th.emplace_back([&, t, b] { threadIdx.x = t; blockIdx.x = b; f(); });
+        for (auto &x : th) x.join();
+    }
+}
+
+static uint64_t rs = 88172645463325252ull;
+static double urand() { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (rs >> 11) * 0x1.0p-53; }
+
+static int fails = 0, checks = 0;
+
+static void test_sample(int V, int kind, const kd_sampler &sp, int rows) {
+    std::vector<float> x((size_t)rows * V);
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < V; i++) {
+            float v;
+            switch (kind) {
+            case 0: v = (float)(urand() * 8 - 4); break;                     /* smooth */
+            case 1: v = (float)floor(urand() * 5) * 0.5f; break;              /* ties */
+            case 2: v = urand() < 0.3 ? -INFINITY : (float)(urand() * 3); break;
+            case 3: v = 0.0f; break;                                          /* all equal */
+            default: v = (float)(urand() * 2); if (i % 1000 == 7) v = 12 + (float)urand(); break;   /* peaked */
+            }
+            x[(size_t)r * V + i] = v;
+        }
+    if (kind == 2 && rows > 1) { x[V + 5] = NAN; }
+    std::vector<int32_t> pos(rows), out(rows, -7), code(rows, -7);
+    for (int r = 0; r < rows; r++) pos[r] = (int32_t)(urand() * 100000);
+    launch(rows, SMP_THREADS, [&] {
+        sample_rows_kernel(x.data(), V, V, (double)sp.temperature, sp.top_k, sp.top_p, sp.seed, pos.data(), 0, out.data(), code.data());
+    });
+    std::vector<uint64_t> q(V);
+    std::vector<int32_t> a(V);
+    for (int r = 0; r < rows; r++) {
+        int32_t tok = -1;
+        int32_t c = kd_sample_row_code(x.data() + (size_t)r * V, V, &sp, pos[r], q.data(), a.data(), &tok);
+        checks++;
+        if (c != code[r] || (c == 0 && tok != out[r])) {
+            fails++;
+            printf("MISMATCH V=%d kind=%d T=%g k=%d p=%g row %d: host (%d, code %d) emu (%d, code %d)\n", V, kind,
+                   sp.temperature, sp.top_k, sp.top_p, r, tok, c, out[r], code[r]);
+        }
+    }
+}
+
+static void test_tree(int L, int V, int B, int kind) {
+    int K = B < V ? B : V;
+    std::vector<float> lp((size_t)L * V);
+    for (auto &v : lp) v = kind ? -(float)floor(urand() * 4) * 0.5f : -(float)(urand() * 10);
+    std::vector<float> vals((size_t)L * K);
+    std::vector<int32_t> ids((size_t)L * K);
+    if (kd_tree_topk_rows(lp.data(), L, V, K, 1, vals.data(), ids.data()) != KD_OK) { printf("topk failed\n"); fails++; return; }
+    /* host */
+    std::vector<int32_t> tok(B + 1), par(B + 1), dep(B + 1), rk(B + 1);
+    std::vector<double> sc(B + 1);
+    int n = 0;
+    kd_tree_select_host(vals.data(), ids.data(), L, K, B, tok.data(), par.data(), dep.data(), rk.data(), sc.data(), &n);
+    par[0] = -1; dep[0] = 0;
+    int words = (n + 1 + 63) / 64;
+    std::vector<uint64_t> vis((size_t)(n + 1) * words);
+    kd_tree_mask(par.data(), n, vis.data());
+    /* emu */
+    kd_dtree d;
+    size_t bytes = kd_dtree_layout(&d, NULL, B, L * K);
+    std::vector<char> buf(bytes);
+    kd_dtree_layout(&d, buf.data(), B, L * K);
+    memcpy(d.vals, vals.data(), vals.size() * 4);
+    memcpy(d.ids, ids.data(), ids.size() * 4);
+    launch(1, SEL_THREADS, [&] { tree_select_kernel(d, L, K, B); });
+    checks++;
+    bool ok = d.status[2] == n && d.status[0] == 0;
+    for (int i = 1; ok && i <= n; i++) ok = d.token[i] == tok[i] && d.parent[i] == par[i] && d.depth[i] == dep[i];
+    ok = ok && d.parent[0] == -1 && d.depth[0] == 0;
+    for (size_t i = 0; ok && i < vis.size(); i++) ok = d.vis[i] == vis[i];
+    if (!ok) { fails++; printf("TREE MISMATCH L=%d V=%d B=%d kind=%d (n host %d emu %d)\n", L, V, B, kind, n, d.status[2]); return; }
+    /* walk: random targets */
+    for (int rep = 0; rep < 3; rep++) {
+        for (int i = 0; i <= n; i++) {
+            int32_t t = (int32_t)(urand() * V);
+            for (int j = i + 1; j <= n; j++) if (par[j] == i && urand() < 0.5) { t = d.token[j]; break; }
+            d.target[i] = t;
+            d.row_status[i] = urand() < 0.03 ? 5 : 0;
+        }
+        int sampled = rep & 1;
+        d.token[0] = 42;
+        for (int i = 0; i <= n; i++) d.pos[i] = 10 + d.depth[i];
+        launch(1, WALK_THREADS, [&] { tree_walk_kernel(d, n, sampled); });
+        std::vector<int32_t> emu(d.result, d.result + KD_DTREE_HDR + 2 * (B + 1));
+        kd_cpu_tree_walk(NULL, &d, n, sampled);
+        checks++;
+        int tau = d.result[KD_DTREE_R_TAU];
+        bool same = memcmp(emu.data(), d.result, KD_DTREE_HDR * 4) == 0;
+        for (int i = 0; same && i < tau; i++) same = emu[KD_DTREE_HDR + i] == d.result[KD_DTREE_HDR + i] &&
+                                                     emu[KD_DTREE_HDR + B + 1 + i] == d.result[KD_DTREE_HDR + B + 1 + i];
+        if (!same) { fails++; printf("WALK MISMATCH L=%d V=%d B=%d tau %d/%d\n", L, V, B, tau, emu[KD_DTREE_R_TAU]); }
+    }
+}
+
+/* default: trees, walks and a quick sampling matrix (minutes); "full": every setting at
+ * V = 10, 333, 1000 and 45 settings at V = 163840 (~20 minutes on 2 cores) */
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IONBF, 0);
+    const bool full = argc > 1 && !strcmp(argv[1], "full");
+    for (int L : {1, 3, 7, 15})
+        for (int B : {1, 8, 64, 256, 512})
+            for (int kind : {0, 1}) test_tree(L, L == 15 ? 37 : 200, B, kind);
+    test_tree(2, 3, 64, 0);
+    test_tree(4, 16, 512, 1);
+    printf("trees and walks: %d checks, %d fails\n", checks, fails);
+    std::vector<float> temps = full ? std::vector<float>{1.0f, 0.6f, 2.5f, 1e-3f, 40.0f} : std::vector<float>{1.0f, 0.6f};
+    for (int V : {10, 333, 1000}) {
+        if (!full && V != 333) continue;
+        for (int kind = 0; kind < 5; kind++)
+            for (float T : temps) {
+                std::vector<int> ks = full ? std::vector<int>{0, 1, 5, 50, V - 1} : std::vector<int>{0, 5, V - 1};
+                std::vector<float> ps = full ? std::vector<float>{0.0f, 0.3f, 0.9f, 0.999f} : std::vector<float>{0.0f, 0.9f};
+                for (int k : ks)
+                    for (float p : ps) {
+                        kd_sampler sp = {T, k, p, (uint64_t)(urand() * 1e12)};
+                        test_sample(V, kind, sp, 2);
+                    }
+            }
+        printf("samples V=%d: %d checks, %d fails\n", V, checks, fails);
+    }
+    if (full) {
+        for (int kind = 0; kind < 5; kind++)
+            for (int k : {0, 40, 4096})
+                for (float p : {0.0f, 0.5f, 0.95f}) {
+                    kd_sampler sp = {1.0f, k, p, (uint64_t)(urand() * 1e12)};
+                    test_sample(163840, kind, sp, 1);
+                }
+        printf("samples V=163840: %d checks, %d fails\n", checks, fails);
+    }
+    printf("%s: %d checks, %d fails\n", fails ? "FAILED" : "ok", checks, fails);
+    return fails != 0;
+}
