@@ -8,8 +8,10 @@ spec/fixtures/golden-dflash.json.
 
 The drafter: DFlashDraftModel, hidden = the target's hidden, 2 layers, 4 heads, 2 KV heads, head_dim 32,
 intermediate 256, block 8, mask 1020, taps [1, 2], YaRN RoPE shaped like K2.6's drafter (theta 50000,
-factor 64, beta 32/1, mscale 1/1, original 4096), rotate-half over the full head. Weights are random
-(seeded), rounded to bf16 and stored as bf16; the golden is computed from the stored values.
+factor 64, beta 32/1, mscale 1/1, original 4096), rotate-half over the full head. Without --no-weights the
+weights are random (seeded), rounded to bf16 and stored as bf16. The SHIPPED weights are trained (bf16) by
+scripts/golden/train_tiny_drafter.py: regenerate the golden for them with --no-weights (running without it
+replaces them with random ones). The golden is computed from the stored values.
 
 The golden: the target is HF DeepseekV3ForCausalLM in float64 built from the target checkpoint
 (K2.6 layout: `language_model.` prefix, INT4 pack-quantized experts dequantized exactly); its tap
