@@ -41,9 +41,9 @@ kd_act kd_fwd_act(const kd_seq *s, size_t off, int rows, int cols, kd_dtype dt);
  * capture (a diagnostic: it isolates the kernels from the capture). Needs the backend's
  * optional graph ops (CUDA); elsewhere the mode is 0. */
 enum { KD_GRAPHS_OFF = 0, KD_GRAPHS_ON = 1, KD_GRAPHS_EAGER = 2 };
-/* the mode when KDTREE_CUDA_GRAPHS is unset: off until the H200 run of spec/graphs_spec.lua
- * has proven the graph path bit-identical (docs/architecture.md "Step graphs") */
-enum { KD_GRAPHS_DEFAULT = KD_GRAPHS_OFF };
+/* the mode when KDTREE_CUDA_GRAPHS is unset: on, since the H200 run of spec/graphs_spec.lua
+ * (2026-11-30) showed graph replay bit-identical to eager steps (docs/architecture.md "Step graphs") */
+enum { KD_GRAPHS_DEFAULT = KD_GRAPHS_ON };
 int kd_graphs_mode_from_env(const kd_backend *be);
 kd_status kd_seq_graphs_new(kd_seq *s, int mode);
 void kd_seq_graphs_free(kd_seq *s);
