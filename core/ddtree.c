@@ -9,11 +9,12 @@
  *              target token of the last accepted node (the next round's root).
  *   kd_commit  gather the accepted rows' KV into place (len += tau) and hand their tap
  *              features to the drafter context.
- * Everything runs on the sequence's backend (backend.h: tree_stage, argmax / sample_rows,
- * tree_walk, gather_rows) on the tree's backend copy (tree.h): a tree built there by
- * kd_tree_build_drafted is staged straight into the verify forward's inputs, and accept
- * downloads one small result (tau, bonus, the accepted nodes and tokens). A tree built on
- * the host is uploaded once by kd_verify.
+ * On the backend (kd_ddtree_on_device, tree.h) everything runs on the sequence's backend
+ * (backend.h: tree_stage, argmax / sample_rows, tree_walk, gather_rows) on the tree's backend
+ * copy (tree.h): a tree built there by kd_tree_build_drafted is staged straight into the
+ * verify forward's inputs, and accept downloads one small result (tau, bonus, the accepted
+ * nodes and tokens). A tree built on the host is uploaded once by kd_verify. Otherwise the
+ * round runs on the host as it did before the device round (accept_host, kd_seq_compact).
  * The round is a small state machine in s->phase (IDLE -> VERIFIED -> ACCEPTED -> IDLE);
  * the tree remembers which sequence verified it and its own version at that time,
  * so a tree changed after verify (or another tree) cannot be accepted or committed.
@@ -76,9 +77,9 @@ static kd_status verify_host_tree(kd_seq *s, kd_tree *t, int T) {
     if (st == KD_OK) {
         for (int i = 0; i < T; i++) pos[i] = s->len + t->depth[i];
         kd_tree_mask(t->parent, t->n, vis);
-        st = kd_tree_to_backend(t, s->model, "kd_verify");
+        if (kd_ddtree_on_device(s->model->be)) st = kd_tree_to_backend(t, s->model, "kd_verify");
     }
-    if (st == KD_OK) {
+    if (st == KD_OK && kd_ddtree_on_device(s->model->be)) {
         kd_backend *be = s->model->be;
         st = be->ops->tree_stage(be, &t->dev, t->n, t->token[0], s->len, NULL, NULL, NULL);
     }
@@ -132,6 +133,64 @@ kd_status kd_verify(kd_seq *s, kd_tree *t) {
     return KD_OK;
 }
 
+/* ---- accept on the host (kd_ddtree_on_device false): targets from downloaded argmax ids or
+ * logits rows (sampled lazily along the walk), the walk on the host arrays ---- */
+typedef struct targets {
+    kd_seq *s;
+    const kd_tree *t;
+    const kd_sampler *sp;
+    int32_t *greedy;          /* all rows' argmax, or NULL when sampling */
+    float *row;
+    uint64_t *q;
+    int32_t *a;
+} targets;
+
+static kd_status target_of(targets *g, int node, int32_t *tok) {
+    if (g->greedy) { *tok = g->greedy[node]; return KD_OK; }
+    int V = g->s->model->cfg.vocab;
+    int32_t pos = g->s->len + g->t->depth[node] + 1;
+    KD_TRY(kd_seq_logits(g->s, node, 1, g->row));
+    kd_status st = kd_sample_row(g->row, V, g->sp, pos, g->q, g->a, tok);
+    if (st != KD_OK) return kd_fail_context(st, "kd_accept: node %d (position %d)", node, (int)pos);
+    return KD_OK;
+}
+
+static kd_status accept_host(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *acc, int *tau_out, int32_t *bonus) {
+    KD_TRY(kd_tree_host(t, "kd_accept"));
+    targets g = { s, t, sp, NULL, NULL, NULL, NULL };
+    int V = s->model->cfg.vocab, T = t->n + 1;
+    kd_status st = KD_OK;
+    if (kd_sampler_is_greedy(sp)) {
+        g.greedy = malloc(sizeof(int32_t) * (size_t)T);
+        if (!g.greedy) st = kd_fail(KD_ERR_NOMEM, "kd_accept: cannot allocate %d target tokens", T);
+        else st = kd_seq_argmax(s, g.greedy);
+    } else {
+        g.row = malloc(sizeof(float) * (size_t)V);
+        g.q = malloc(sizeof(uint64_t) * (size_t)V);
+        g.a = malloc(sizeof(int32_t) * (size_t)V);
+        if (!g.row || !g.q || !g.a) st = kd_fail(KD_ERR_NOMEM, "kd_accept: cannot allocate sampling scratch (vocab %d)", V);
+    }
+    int tau = 0;
+    int32_t next = -1;
+    if (st == KD_OK) {
+        int cur = 0;
+        acc[tau++] = 0;
+        st = target_of(&g, 0, &next);
+        while (st == KD_OK) {
+            int c = kd_tree_child(t, cur, next);
+            if (c < 0) break;
+            acc[tau++] = c;          /* tau <= max_depth + 1 <= ACCEPT_MAX (checked in verify) */
+            cur = c;
+            st = target_of(&g, cur, &next);
+        }
+    }
+    free(g.greedy); free(g.row); free(g.q); free(g.a);
+    if (st != KD_OK) return st;
+    *tau_out = tau;
+    *bonus = next;
+    return KD_OK;
+}
+
 kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accepted_nodes,
                     int32_t *accepted_tokens, int *n_accepted, int32_t *bonus) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_accept: sequence is NULL");
@@ -142,6 +201,22 @@ kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accept
     if (s->phase == KD_PHASE_ACCEPTED)
         return kd_fail(KD_ERR_STATE, "kd_accept: this round was already accepted: commit it first");
     KD_TRY(check_round_tree(s, t, "kd_accept"));
+    if (!kd_ddtree_on_device(s->model->be)) {
+        int32_t acc[ACCEPT_MAX], next = -1;
+        int tau = 0;
+        KD_TRY(accept_host(s, t, sp, acc, &tau, &next));
+        for (int i = 0; i < tau; i++) {
+            s->accepted[i] = acc[i];
+            if (accepted_nodes) accepted_nodes[i] = acc[i];
+            if (accepted_tokens) accepted_tokens[i] = t->token[acc[i]];
+        }
+        s->n_accepted = tau;
+        s->phase = KD_PHASE_ACCEPTED;
+        t->accepted_on_device = false;
+        if (n_accepted) *n_accepted = tau;
+        if (bonus) *bonus = next;
+        return KD_OK;
+    }
     if (!t->dev_valid || t->model != s->model)
         return kd_fail(KD_ERR_STATE, "kd_accept: the verified tree has no copy on the sequence's backend");
 
@@ -193,6 +268,7 @@ kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accept
         }
         s->n_accepted = tau;
         s->phase = KD_PHASE_ACCEPTED;
+        t->accepted_on_device = true;
         if (n_accepted) *n_accepted = tau;
         if (bonus) *bonus = r[KD_DTREE_R_BONUS];
     }
@@ -225,6 +301,24 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
         return kd_fail(KD_ERR_STATE, "kd_commit: commit before accept (call kd_accept on the verified tree first)");
     KD_TRY(check_round_tree(s, t, "kd_commit"));
     int start = s->len, tau = s->n_accepted;
+    if (!t->accepted_on_device) {      /* accepted on the host: the ids go up for the compaction */
+        if (s->drafter) {
+            kd_status st = kd_draft_context_append(s, s->accepted, tau);
+            if (st != KD_OK) return kd_fail_context(st, "kd_commit: appending %d accepted rows to the drafter context", tau);
+        }
+        kd_status st = kd_seq_compact(s, start, s->accepted, tau);
+        if (st != KD_OK) {
+            if (s->drafter) {
+                char msg[1024];
+                snprintf(msg, sizeof msg, "%s", kd_last_error());
+                kd_draft_context_truncate(s, start);
+                kd_fail(st, "%s", msg);
+            }
+            return kd_fail_context(st, "kd_commit: compacting %d accepted rows at %d", tau, start);
+        }
+        t->verified_by = NULL;
+        return KD_OK;
+    }
     if (!t->dev_valid || t->model != s->model || tau > s->pending || tau > s->out_cap)
         return kd_fail(KD_ERR_STATE, "kd_commit: the accepted round's tree is not on the sequence's backend");
     /* drafter context first: if compaction then fails, roll the context back */

@@ -22,13 +22,15 @@
  * The device implementation (cuda/ddtree.cu) computes the same integers with parallel
  * reductions and radix searches; the arithmetic both share is in sample_rule.h. The
  * backend op sample_rows (backend.h) runs the rule on rows of logits in backend memory;
- * the CPU backend's twin calls kd_sample_row_code below.
+ * the CPU backend's twin calls kd_sample_row_code below. kd_seq_sample uses it when the
+ * DDTree round runs on the backend (kd_ddtree_on_device, tree.h), else it downloads rows.
  */
 #include "sample.h"
 #include "sample_rule.h"
 #include "error.h"
 #include "model.h"
 #include "forward.h"
+#include "tree.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,6 +203,23 @@ kd_status kd_sample_logits(const float *logits, int vocab, const kd_sampler *sp,
     return st;
 }
 
+/* every output row on the host: each row's logits come down (kd_ddtree_on_device false) */
+static kd_status seq_sample_host(kd_seq *s, const kd_sampler *sp, const int32_t *positions, int32_t *dst) {
+    int n = s->out_rows, V = s->model->cfg.vocab;
+    uint64_t *q; int32_t *a;
+    KD_TRY(scratch_alloc(V, &q, &a));
+    float *row = malloc(sizeof(float) * (size_t)V);
+    kd_status st = row ? KD_OK : kd_fail(KD_ERR_NOMEM, "kd_seq_sample: cannot allocate a row of %d logits", V);
+    for (int i = 0; i < n && st == KD_OK; i++) {
+        st = kd_seq_logits(s, i, 1, row);
+        int32_t pos = positions ? positions[i] : s->out_positions[i] + 1;
+        if (st == KD_OK) st = kd_sample_row(row, V, sp, pos, q, a, &dst[i]);
+        if (st != KD_OK) st = kd_fail_context(st, "kd_seq_sample: row %d (position %d)", i, (int)pos);
+    }
+    free(row); free(q); free(a);
+    return st;
+}
+
 /* every output row on the backend (sample_rows): positions go up, ids and row codes come back */
 kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *positions, int32_t *dst) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_seq_sample: sequence is NULL");
@@ -214,6 +233,7 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
                        "(a verify of a tree built on the backend): pass the positions");
     kd_model *m = s->model;
     kd_backend *be = m->be;
+    if (!kd_ddtree_on_device(be)) return seq_sample_host(s, sp, positions, dst);
     if (m->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_seq_sample: vocabulary %d above %d", m->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
     int32_t pos[KD_SEQ_MAX_ROWS], code[KD_SEQ_MAX_ROWS];

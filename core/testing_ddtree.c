@@ -130,3 +130,5 @@ kd_status kd_test_dd_walk(kd_test_dd *h, const int32_t *tokens, const int32_t *p
     if (buf) be->ops->free(be, buf);
     return st;
 }
+
+void kd_test_dd_force_round(int mode) { kd_ddtree_force(mode); }

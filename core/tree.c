@@ -552,6 +552,23 @@ kd_status kd_tree_build(kd_tree *t, const float *scores, int L, int V, int budge
     return st;
 }
 
+/* ---------------------------------------------------------------- where the round runs */
+
+static int ddtree_forced = -1;   /* kd_ddtree_force */
+
+bool kd_ddtree_on_device(const kd_backend *be) {
+    static int env = -2;         /* -2: not read yet; -1: unset */
+    if (ddtree_forced >= 0) return ddtree_forced == 1;
+    if (env == -2) {
+        const char *v = getenv("KDTREE_DDTREE_DEVICE");
+        env = !v || !*v ? -1 : (!strcmp(v, "0") || !strcmp(v, "off")) ? 0 : 1;
+    }
+    if (env >= 0) return env == 1;
+    return be->kind == KD_BACKEND_CPU;
+}
+
+void kd_ddtree_force(int mode) { ddtree_forced = mode == 0 || mode == 1 ? mode : -1; }
+
 /* ---------------------------------------------------------------- from the drafter */
 
 /* the backend cannot select this budget: download the top-K lists and select on the host */
@@ -603,7 +620,7 @@ kd_status kd_tree_build_drafted(kd_tree *t, kd_seq *s, int budget) {
     kd_status st = tree_dev_reserve(t, m, budget, L * K, "kd_tree_build_drafted");
     if (st == KD_OK) st = be->ops->topk(be, lp, K, t->dev.vals, t->dev.ids);
     if (st == KD_OK) {
-        st = be->ops->tree_select(be, &t->dev, L, K, budget);
+        st = kd_ddtree_on_device(be) ? be->ops->tree_select(be, &t->dev, L, K, budget) : KD_ERR_UNSUPPORTED;
         if (st == KD_ERR_UNSUPPORTED) st = build_on_host(t, be, L, K, budget);
         else if (st == KD_OK) {
             t->n = n;

@@ -43,6 +43,7 @@ struct kd_tree {
     bool dev_valid;        /* dev holds nodes 0..n (token[0] is staged by kd_verify) and the mask */
     int dev_K;             /* the build's K (to name a bad draft value) */
     int depth_bound;       /* max_depth when host_valid, else an upper bound of it */
+    bool accepted_on_device;   /* the last kd_accept of this tree ran on the backend (its result is there) */
 };
 
 /* Per row of scores [L, V]: the K best (value descending, equal values: lower id
@@ -78,6 +79,15 @@ kd_status kd_tree_host(kd_tree *t, const char *fn);
 kd_status kd_tree_to_backend(kd_tree *t, kd_model *m, const char *fn);
 /* report a bad value the backend build saw (status word 0 set), or an unexpected node count */
 kd_status kd_tree_build_error(const kd_tree *t, const int32_t *status, const char *fn);
+
+/* Where the DDTree round runs (read once from env KDTREE_DDTREE_DEVICE): 1 = on the backend's
+ * ops (tree_select, tree_stage, sample_rows / argmax, tree_walk, device-side compaction), 0 =
+ * on the host as before the device round (top-K lists, logits rows or argmax ids and the
+ * accepted ids travel through the host). Unset: on the backend for the CPU backend, on the
+ * host for CUDA until the device round has been validated on a GPU (spec/gpu_round_spec.lua).
+ * kd_ddtree_force(0 / 1) overrides it, -1 returns to the environment's choice (tests). */
+bool kd_ddtree_on_device(const kd_backend *be);
+void kd_ddtree_force(int mode);
 
 /* the child of `node` whose token is `token`, or -1 (host view) */
 int kd_tree_child(const kd_tree *t, int node, int32_t token);

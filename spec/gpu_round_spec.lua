@@ -7,7 +7,8 @@
 --     temperatures, top-k, top-p, ties at both boundaries, -inf, V up to 163840, bad rows;
 --   * the accept walk == the walk in Lua on random trees, greedy and sampled (failing rows);
 --   * a whole round on a model on that backend (draft, build_drafted, verify, accept, commit)
---     == the CPU rule applied to the same logits and tree, greedy and sampled.
+--     == the CPU rule applied to the same logits and tree, greedy and sampled, with the round
+--     on the backend's ops (forced) and on the host.
 -- Tagged #gpu: `make test-gpu` runs it against CUDA. KDTREE_OPS_OTHER=cpu runs it against the
 -- CPU backend (a check of the spec and the CPU twins on a machine without a GPU).
 package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
@@ -356,10 +357,17 @@ describe("a DDTree round on the " .. OTHER .. " backend equals the CPU rule on t
     return { data = a, L = L, V = V }
   end
 
+  teardown(function() C.kd_test_dd_force_round(-1) end)
+
+  -- mode 1: the round on the backend's ops (the device round); mode 0: on the host (the
+  -- default for CUDA until this spec has passed on a GPU)
+  for _, mode in ipairs({ 1, 0 }) do
   for _, sp in ipairs({ false, { temperature = 0.8, top_k = 50, top_p = 0.95, seed = 77 },
                         { temperature = 1.3, seed = 5 } }) do
-    it_d((sp and "sampled" or "greedy") .. " rounds (drafted and planted trees): accept equals the host rule round "
-      .. "by round, and the tokens equal autoregressive decoding", function()
+    it_d((sp and "sampled" or "greedy") .. " rounds (drafted and planted trees), round on the "
+      .. (mode == 1 and "backend" or "host") .. ": accept equals the host rule round by round, and the tokens "
+      .. "equal autoregressive decoding", function()
+      C.kd_test_dd_force_round(mode)
       local m = kd.open_model("models/tiny-k2.6", { backend = OTHER })
       local d = kd.open_drafter("models/tiny-k2.6-dflash", m)
       local N = 40
@@ -395,13 +403,16 @@ describe("a DDTree round on the " .. OTHER .. " backend equals the CPU rule on t
         taus[#taus + 1] = got.tau
       end
       for i = 1, N do assert.are.equal(fut[i], out[i], "token " .. i) end
-      io.stderr:write(string.format("\n[gpu_round] %s on %s: taus %s\n", sp and "sampled" or "greedy", OTHER,
-        table.concat(taus, " ")))
+      io.stderr:write(string.format("\n[gpu_round] %s on %s (round on the %s): taus %s\n", sp and "sampled" or "greedy",
+        OTHER, mode == 1 and "backend" or "host", table.concat(taus, " ")))
       t:close(); s:close(); d:close(); m:close()
+      C.kd_test_dd_force_round(-1)
     end)
   end
+  end
 
-  it_d("a host-built tree is uploaded once and accepted the same way", function()
+  it_d("a host-built tree is uploaded once and accepted the same way (round on the backend)", function()
+    C.kd_test_dd_force_round(1)
     local m = kd.open_model("models/tiny-k2.6", { backend = OTHER })
     local s = m:new_seq(128)
     s:forward(PROMPT)
@@ -415,5 +426,6 @@ describe("a DDTree round on the " .. OTHER .. " backend equals the CPU rule on t
     assert.are.same(host_accept(s, t, sp, len), s:accept(t, sp))
     s:commit(t)
     t:close(); s:close(); m:close()
+    C.kd_test_dd_force_round(-1)
   end)
 end)
