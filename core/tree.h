@@ -83,8 +83,8 @@ kd_status kd_tree_build_error(const kd_tree *t, const int32_t *status, const cha
 /* Where the DDTree round runs (read once from env KDTREE_DDTREE_DEVICE): 1 = on the backend's
  * ops (tree_select, tree_stage, sample_rows / argmax, tree_walk, device-side compaction), 0 =
  * on the host as before the device round (top-K lists, logits rows or argmax ids and the
- * accepted ids travel through the host). Unset: on the backend for the CPU backend, on the
- * host for CUDA until the device round has been validated on a GPU (spec/gpu_round_spec.lua).
+ * accepted ids travel through the host). Unset: on the backend (validated on the H200 by the
+ * whole suite, spec/gpu_round_spec.lua included).
  * kd_ddtree_force(0 / 1) overrides it, -1 returns to the environment's choice (tests). */
 bool kd_ddtree_on_device(const kd_backend *be);
 void kd_ddtree_force(int mode);
