@@ -35,18 +35,18 @@ function P.generate(m, prompt, opts)
   local context = {}                                  -- committed tokens, for Lua drafters
   for i, t in ipairs(prompt) do context[i] = t end
   local done = G.push(out, { bonus }, o)
+  local tree = kd.tree.new()                          -- one tree, rebuilt every round (its device buffers stay)
 
   while not done do
     tm = G.timer()
-    local tree
     if native then
       s:draft(bonus, false)                           -- log-probs stay on the backend
       tm("draft")
-      tree = kd.tree.build_drafted(s, budget)
+      tree:build_drafted(s, budget)
     else
       local rows = d:draft(context, bonus)
       tm("draft")
-      tree = kd.tree.build(rows, budget, { logprobs = true, root = bonus })
+      tree:build(rows, budget, { logprobs = true, root = bonus })
     end
     tm("build")
     s:verify(tree)
@@ -61,12 +61,12 @@ function P.generate(m, prompt, opts)
     new[#new + 1] = acc.bonus
     for _, t in ipairs(acc.tokens) do context[#context + 1] = t end
     local r = { tau = acc.tau, size = tree.n, tokens = new, ns = tm.ns }
-    tree:close()
     rounds[#rounds + 1] = r
     bonus = acc.bonus
     done = G.push(out, new, o)
     if o.on_round then o.on_round(r, out) end
   end
+  tree:close()
   s:close()
   return G.result(out, rounds, prefill_ns, t_start)
 end

@@ -39,12 +39,13 @@ function P.generate(m, prompt, opts)
   local out, rounds, context = {}, {}, {}
   for i, t in ipairs(prompt) do context[i] = t end
   local done = G.push(out, { bonus }, o)
+  local tree = kd.tree.new()                          -- one tree, reset to a chain every round
 
   while not done do
     tm = G.timer()
     local lp = native and s:draft(bonus) or kd.tree.rows(d:draft(context, bonus))
     tm("draft")
-    local tree = kd.tree.chain(bonus, argmax_rows(lp))
+    tree:set_chain(bonus, argmax_rows(lp))
     tm("build")
     s:verify(tree)
     tm("verify")
@@ -57,12 +58,12 @@ function P.generate(m, prompt, opts)
     new[#new + 1] = acc.bonus
     for _, t in ipairs(acc.tokens) do context[#context + 1] = t end
     local r = { tau = acc.tau, size = tree.n, tokens = new, ns = tm.ns }
-    tree:close()
     rounds[#rounds + 1] = r
     bonus = acc.bonus
     done = G.push(out, new, o)
     if o.on_round then o.on_round(r, out) end
   end
+  tree:close()
   s:close()
   return G.result(out, rounds, prefill_ns, t_start)
 end
