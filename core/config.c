@@ -10,7 +10,7 @@
 #include "model.h"
 #include "error.h"
 
-#include <cjson/cJSON.h>
+#include "json.h"
 #include <errno.h>
 #include <math.h>
 #include <regex.h>
@@ -23,35 +23,6 @@ typedef struct cfgctx {
     const char *path;      /* .../config.json */
     const char *where;     /* "" or "text_config." */
 } cfgctx;
-
-static char *slurp(const char *path, kd_status *st, bool *missing) {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        if (missing) *missing = (errno == ENOENT);
-        *st = kd_fail(KD_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-        return NULL;
-    }
-    if (missing) *missing = false;
-    char *buf = NULL;
-    size_t len = 0, cap = 0;
-    for (;;) {
-        if (len + 4096 + 1 > cap) {
-            cap = (len + 4096 + 1) * 2;
-            char *nb = realloc(buf, cap);
-            if (!nb) { free(buf); fclose(f); *st = kd_fail(KD_ERR_NOMEM, "%s: out of memory", path); return NULL; }
-            buf = nb;
-        }
-        size_t r = fread(buf + len, 1, cap - len - 1, f);
-        len += r;
-        if (r == 0) break;
-    }
-    bool err = ferror(f);
-    fclose(f);
-    if (err) { free(buf); *st = kd_fail(KD_ERR_IO, "%s: read error", path); return NULL; }
-    buf[len] = 0;
-    *st = KD_OK;
-    return buf;
-}
 
 static const char *json_type_name(const cJSON *j) {
     if (!j) return "nothing";
@@ -367,17 +338,11 @@ static kd_status parse_generation(const char *dir, kd_config *cfg) {
     char path[4096];
     if (snprintf(path, sizeof path, "%s/generation_config.json", dir) >= (int)sizeof path)
         return kd_fail(KD_ERR_ARG, "%s: path too long", dir);
-    kd_status st;
     bool missing = false;
-    char *text = slurp(path, &st, &missing);
-    if (!text) return missing ? KD_OK : st;
-    cJSON *g = cJSON_Parse(text);
-    free(text);
-    if (!g) return kd_fail(KD_ERR_FORMAT, "%s: not valid JSON", path);
-    st = KD_OK;
-    if (!cJSON_IsObject(g)) {
-        st = kd_fail(KD_ERR_FORMAT, "%s: expected a JSON object", path);
-    } else {
+    cJSON *g;
+    kd_status st = kd_json_load(path, &g, &missing);
+    if (st != KD_OK || missing) return st;
+    {
         const cJSON *e = cJSON_GetObjectItemCaseSensitive(g, "eos_token_id");
         if (e && !cJSON_IsNull(e)) st = get_ids(path, "eos_token_id", e, &cfg->n_eos, cfg->eos, 8);
         const cJSON *b = cJSON_GetObjectItemCaseSensitive(g, "bos_token_id");
@@ -566,20 +531,11 @@ kd_status kd_config_load(const char *dir, kd_config *cfg) {
     char path[4096];
     if (snprintf(path, sizeof path, "%s/config.json", dir) >= (int)sizeof path)
         return kd_fail(KD_ERR_ARG, "%s: path too long", dir);
-    kd_status st;
-    char *text = slurp(path, &st, NULL);
-    if (!text) return st;
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithOpts(text, &end, 0);
-    if (!root) {
-        st = kd_fail(KD_ERR_FORMAT, "%s: not valid JSON (error near byte %ld)", path, end ? (long)(end - text) : 0L);
-        free(text);
-        return st;
-    }
-    free(text);
+    cJSON *root;
+    kd_status st = kd_json_load(path, &root, NULL);
+    if (st != KD_OK) return st;
     cfgctx c = {path, ""};
     const cJSON *t = root;
-    if (!cJSON_IsObject(root)) { st = kd_fail(KD_ERR_FORMAT, "%s: expected a JSON object", path); goto done; }
     const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
     if (!cJSON_IsString(mt)) {
         st = kd_fail(KD_ERR_CONFIG, "%s: field 'model_type' is missing (expected \"deepseek_v3\", \"kimi_k2\" or \"kimi_k25\")", path);

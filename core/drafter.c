@@ -16,7 +16,7 @@
  * Everything runs through backend ops (backend.h); docs/dflash.md documents format and numerics. */
 #include "drafter.h"
 #include "error.h"
-#include <cjson/cJSON.h>
+#include "json.h"
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -209,23 +209,10 @@ static kd_status parse_config(const char *dir, kd_dcfg *c) {
     char file[1100];
     cfg_file(dir, file, sizeof file);
     memset(c, 0, sizeof *c);
-    FILE *fp = fopen(file, "rb");
-    if (!fp) return kd_fail(KD_ERR_IO, "%s: cannot open the drafter config (expected a DFlash drafter directory)", file);
-    fseek(fp, 0, SEEK_END);
-    long sz = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    if (sz < 0 || sz > (64 << 20)) { fclose(fp); return kd_fail(KD_ERR_FORMAT, "%s: unreadable or larger than 64 MiB", file); }
-    char *text = malloc((size_t)sz + 1);
-    if (!text) { fclose(fp); return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %ld bytes", file, sz); }
-    size_t got = fread(text, 1, (size_t)sz, fp);
-    fclose(fp);
-    text[got] = 0;
-    cJSON *root = cJSON_Parse(text);
-    free(text);
-    if (!root || !cJSON_IsObject(root)) {
-        cJSON_Delete(root);
-        return kd_fail(KD_ERR_FORMAT, "%s: not a JSON object", file);
-    }
+    cJSON *root;
+    kd_status jst = kd_json_load(file, &root, NULL);
+    if (jst == KD_ERR_IO) return kd_fail_context(jst, "DFlash drafter (expected a drafter directory)");
+    if (jst != KD_OK) return jst;
     kd_status st = KD_OK;
 #define CK(expr) do { st = (expr); if (st != KD_OK) goto done; } while (0)
     const cJSON *arch = cJSON_GetObjectItemCaseSensitive(root, "architectures");

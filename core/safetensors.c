@@ -17,7 +17,7 @@
 #include "safetensors.h"
 #include "error.h"
 
-#include <cjson/cJSON.h>
+#include "json.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -335,29 +335,6 @@ kd_status kd_st_open_file(const char *path, bool map, kd_st_set *set) {
     return st;
 }
 
-static char *read_text_file(const char *path, kd_status *st) {
-    FILE *f = fopen(path, "rb");
-    if (!f) { *st = kd_fail(KD_ERR_IO, "%s: cannot open: %s", path, strerror(errno)); return NULL; }
-    char *buf = NULL;
-    size_t len = 0, cap = 0;
-    for (;;) {
-        if (len + 65536 + 1 > cap) {
-            cap = (len + 65536 + 1) * 2;
-            char *nb = realloc(buf, cap);
-            if (!nb) { free(buf); fclose(f); *st = kd_fail(KD_ERR_NOMEM, "%s: out of memory", path); return NULL; }
-            buf = nb;
-        }
-        size_t r = fread(buf + len, 1, cap - len - 1, f);
-        len += r;
-        if (r == 0) break;
-    }
-    if (ferror(f)) { free(buf); fclose(f); *st = kd_fail(KD_ERR_IO, "%s: read error", path); return NULL; }
-    fclose(f);
-    buf[len] = 0;
-    *st = KD_OK;
-    return buf;
-}
-
 typedef struct index_entry { const char *name; const char *shard; } index_entry;
 static int cmp_index_entry(const void *a, const void *b) {
     return strcmp(((const index_entry *)a)->name, ((const index_entry *)b)->name);
@@ -366,15 +343,12 @@ static int cmp_cstr(const void *a, const void *b) { return strcmp(*(char *const 
 
 /* open the shards model.safetensors.index.json names; check every entry is in its shard */
 static kd_status open_index(const char *dir, const char *ipath, bool map, kd_st_set *set) {
-    kd_status st;
-    char *text = read_text_file(ipath, &st);
-    if (!text) return st;
-    cJSON *root = cJSON_Parse(text);
-    free(text);
+    cJSON *root;
+    kd_status st = kd_json_load(ipath, &root, NULL);
+    if (st != KD_OK) return st;
     index_entry *ents = NULL;
     const char **shards = NULL;
     int n = 0, ns = 0;
-    if (!root) { st = kd_fail(KD_ERR_FORMAT, "%s: not valid JSON", ipath); goto done; }
     const cJSON *wm = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
     if (!cJSON_IsObject(wm)) {
         st = kd_fail(KD_ERR_FORMAT, "%s: field 'weight_map': expected an object {tensor: shard file}", ipath);

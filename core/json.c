@@ -1,0 +1,57 @@
+/* json.c: see json.h. Config files are small; the whole text is read, then parsed. */
+#include "json.h"
+#include "error.h"
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { KD_JSON_MAX_BYTES = 256 << 20 };   /* an index of a 1T-parameter checkpoint is a few MB */
+
+static kd_status read_text(const char *path, char **out, bool *missing) {
+    *out = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        if (missing && errno == ENOENT) { *missing = true; return KD_OK; }
+        return kd_fail(KD_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    }
+    char *buf = NULL;
+    size_t len = 0, cap = 0;
+    kd_status st = KD_OK;
+    for (;;) {
+        if (len + 65536 + 1 > cap) {
+            cap = (len + 65536 + 1) * 2;
+            char *nb = cap <= KD_JSON_MAX_BYTES ? realloc(buf, cap) : NULL;
+            if (!nb) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot hold %zu bytes of JSON text", path, cap); break; }
+            buf = nb;
+        }
+        size_t r = fread(buf + len, 1, cap - len - 1, f);
+        len += r;
+        if (r == 0) break;
+    }
+    if (st == KD_OK && ferror(f)) st = kd_fail(KD_ERR_IO, "%s: read error", path);
+    fclose(f);
+    if (st != KD_OK) { free(buf); return st; }
+    buf[len] = 0;
+    *out = buf;
+    return KD_OK;
+}
+
+kd_status kd_json_load(const char *path, cJSON **out, bool *missing) {
+    *out = NULL;
+    if (missing) *missing = false;
+    char *text;
+    KD_TRY(read_text(path, &text, missing));
+    if (!text) return KD_OK;                       /* missing, and the caller allows it */
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithOpts(text, &end, 0);
+    kd_status st = KD_OK;
+    if (!root)
+        st = kd_fail(KD_ERR_FORMAT, "%s: not valid JSON (error near byte %ld)", path, end ? (long)(end - text) : 0L);
+    else if (!cJSON_IsObject(root))
+        st = kd_fail(KD_ERR_FORMAT, "%s: expected a JSON object", path);
+    free(text);
+    if (st != KD_OK) { cJSON_Delete(root); return st; }
+    *out = root;
+    return KD_OK;
+}

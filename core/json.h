@@ -1,0 +1,11 @@
+/* json.h: reading a JSON file into a cJSON tree, with errors that name the file. */
+#ifndef KD_JSON_H
+#define KD_JSON_H
+#include "kdtree.h"
+#include <cjson/cJSON.h>
+#include <stdbool.h>
+
+/* Parse the JSON object in `path` into *out (free with cJSON_Delete).
+ * missing != NULL: a file that does not exist is not an error: *missing = true, *out = NULL. */
+kd_status kd_json_load(const char *path, cJSON **out, bool *missing);
+#endif
