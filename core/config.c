@@ -11,7 +11,6 @@
 #include "error.h"
 
 #include "json.h"
-#include <errno.h>
 #include <math.h>
 #include <regex.h>
 #include <stdio.h>

@@ -47,6 +47,23 @@ function G.push(out, toks, o)
   return #out >= o.n
 end
 
+-- the target's half of a speculative round on a drafted tree: verify, accept, commit (timed
+-- into tm). Returns the round's stats entry {tau, size, tokens, ns} (tokens: what is new
+-- after the root, the bonus last) and the next bonus; context gets the accepted tokens.
+function G.verify_round(s, tree, o, tm, context)
+  s:verify(tree)
+  tm("verify")
+  local acc = s:accept(tree, o.sampler)
+  tm("accept")
+  s:commit(tree)
+  tm("commit")
+  local new = {}
+  for i = 2, acc.tau do new[#new + 1] = acc.tokens[i] end
+  new[#new + 1] = acc.bonus
+  for _, t in ipairs(acc.tokens) do context[#context + 1] = t end
+  return { tau = acc.tau, size = tree.n, tokens = new, ns = tm.ns }, acc.bonus
+end
+
 -- a tiny stage timer: local tm = G.timer(); ...; tm("draft"); ...; tm("verify"); tm.ns
 function G.timer()
   local t0 = kd.now_ns()

@@ -47,20 +47,10 @@ function P.generate(m, prompt, opts)
     tm("draft")
     tree:set_chain(bonus, argmax_rows(lp))
     tm("build")
-    s:verify(tree)
-    tm("verify")
-    local acc = s:accept(tree, o.sampler)
-    tm("accept")
-    s:commit(tree)
-    tm("commit")
-    local new = {}
-    for i = 2, acc.tau do new[#new + 1] = acc.tokens[i] end
-    new[#new + 1] = acc.bonus
-    for _, t in ipairs(acc.tokens) do context[#context + 1] = t end
-    local r = { tau = acc.tau, size = tree.n, tokens = new, ns = tm.ns }
+    local r
+    r, bonus = G.verify_round(s, tree, o, tm, context)
     rounds[#rounds + 1] = r
-    bonus = acc.bonus
-    done = G.push(out, new, o)
+    done = G.push(out, r.tokens, o)
     if o.on_round then o.on_round(r, out) end
   end
   tree:close()
