@@ -301,32 +301,15 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
         return kd_fail(KD_ERR_STATE, "kd_commit: commit before accept (call kd_accept on the verified tree first)");
     KD_TRY(check_round_tree(s, t, "kd_commit"));
     int start = s->len, tau = s->n_accepted;
-    if (!t->accepted_on_device) {      /* accepted on the host: the ids go up for the compaction */
-        if (s->drafter) {
-            kd_status st = kd_draft_context_append(s, s->accepted, tau);
-            if (st != KD_OK) return kd_fail_context(st, "kd_commit: appending %d accepted rows to the drafter context", tau);
-        }
-        kd_status st = kd_seq_compact(s, start, s->accepted, tau);
-        if (st != KD_OK) {
-            if (s->drafter) {
-                char msg[1024];
-                snprintf(msg, sizeof msg, "%s", kd_last_error());
-                kd_draft_context_truncate(s, start);
-                kd_fail(st, "%s", msg);
-            }
-            return kd_fail_context(st, "kd_commit: compacting %d accepted rows at %d", tau, start);
-        }
-        t->verified_by = NULL;
-        return KD_OK;
-    }
-    if (!t->dev_valid || t->model != s->model || tau > s->pending || tau > s->out_cap)
+    bool on_device = t->accepted_on_device;   /* else accepted on the host: the ids go up for the compaction */
+    if (on_device && (!t->dev_valid || t->model != s->model || tau > s->pending || tau > s->out_cap))
         return kd_fail(KD_ERR_STATE, "kd_commit: the accepted round's tree is not on the sequence's backend");
     /* drafter context first: if compaction then fails, roll the context back */
     if (s->drafter) {
         kd_status st = kd_draft_context_append(s, s->accepted, tau);
         if (st != KD_OK) return kd_fail_context(st, "kd_commit: appending %d accepted rows to the drafter context", tau);
     }
-    kd_status st = compact_on_backend(s, t, tau);
+    kd_status st = on_device ? compact_on_backend(s, t, tau) : kd_seq_compact(s, start, s->accepted, tau);
     if (st != KD_OK) {
         if (s->drafter) {
             char msg[1024];
@@ -336,10 +319,12 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
         }
         return kd_fail_context(st, "kd_commit: compacting %d accepted rows at %d", tau, start);
     }
-    s->len = start + tau;
-    s->pending = 0;
-    s->n_accepted = 0;
-    s->phase = KD_PHASE_IDLE;
+    if (on_device) {                  /* kd_seq_compact advances the sequence itself */
+        s->len = start + tau;
+        s->pending = 0;
+        s->n_accepted = 0;
+        s->phase = KD_PHASE_IDLE;
+    }
     t->verified_by = NULL;
     return KD_OK;
 }
