@@ -17,15 +17,7 @@ local K = require("kdtree.ffi")
 local ffi, C = K.ffi, K.C
 local bit = require("bit")
 
-if not pcall(ffi.typeof, "kd_test_dd") then
-  local path = K.header:gsub("kdtree%.h$", "kdtree_testing_ddtree.h")
-  local text = assert(io.open(path), "cannot open " .. path):read("*a")
-  local lines = {}
-  for line in text:gmatch("[^\n]*") do
-    if not line:match("^%s*#") and not line:match('^%s*extern "C"') then lines[#lines + 1] = line end
-  end
-  ffi.cdef((table.concat(lines, "\n"):gsub("\n}%s*$", "\n")))
-end
+K.cdef_sibling("kdtree_testing_ddtree.h")
 
 local OTHER = os.getenv("KDTREE_OPS_OTHER") or "cuda"
 local KIND = OTHER == "cpu" and C.KD_BACKEND_CPU or C.KD_BACKEND_CUDA

@@ -249,13 +249,7 @@ end)
 local T = {}
 do
   local K = require("kdtree.ffi")
-  local path = K.header:gsub("kdtree%.h$", "testing_graphs.h")
-  local text = assert(io.open(path)):read("*a")
-  local lines = {}
-  for line in text:gmatch("[^\n]*") do
-    if not line:match("^%s*#") and not line:match('^%s*extern "C"') then lines[#lines + 1] = line end
-  end
-  pcall(ffi.cdef, (table.concat(lines, "\n"):gsub("\n}%s*$", "\n")))
+  K.cdef_sibling("testing_graphs.h")
   T.C = K.C
 end
 

@@ -20,13 +20,27 @@ local header = first_existing({
 })
 if not header then error("kdtree: cannot find kdtree.h (set KDTREE_HEADER)") end
 
-local text = assert(io.open(header)):read("*a")
-local decls = {}
-for line in text:gmatch("[^\n]*") do
-  if not line:match("^%s*#") and not line:match('^%s*extern "C"') then decls[#decls + 1] = line end
+-- cdef_file(path): declare an FFI-clean header: drop the preprocessor lines and the C++ guard
+local function cdef_file(path)
+  local f = assert(io.open(path), "kdtree: cannot open " .. path)
+  local text = f:read("*a")
+  f:close()
+  local decls = {}
+  for line in text:gmatch("[^\n]*") do
+    if not line:match("^%s*#") and not line:match('^%s*extern "C"') then decls[#decls + 1] = line end
+  end
+  ffi.cdef((table.concat(decls, "\n"):gsub('\n}%s*$', "\n")))   -- the guard's closing brace
 end
--- drop the closing brace of the C++ guard block, if any survived
-ffi.cdef((table.concat(decls, "\n"):gsub('\n}%s*$', "\n")))
+cdef_file(header)
+
+-- declare a header that lives beside kdtree.h (the test surfaces), once per process
+local declared = {}
+local function cdef_sibling(name)
+  if not declared[name] then
+    cdef_file((header:gsub("kdtree%.h$", name)))
+    declared[name] = true
+  end
+end
 
 local lib_path = first_existing({
   os.getenv("KDTREE_LIB") or "",
@@ -48,4 +62,4 @@ local function check(st, what)
   end
 end
 
-return { C = C, ffi = ffi, check = check, header = header }
+return { C = C, ffi = ffi, check = check, header = header, cdef_sibling = cdef_sibling }

@@ -6,15 +6,7 @@ local ffi, C = K.ffi, K.C
 
 local M = { ffi = ffi, C = C }
 
-if not pcall(ffi.typeof, "kd_test_weight") then
-  local path = K.header:gsub("kdtree%.h$", "kdtree_testing.h")
-  local text = assert(io.open(path), "cannot open " .. path):read("*a")
-  local lines = {}
-  for line in text:gmatch("[^\n]*") do
-    if not line:match("^%s*#") and not line:match('^%s*extern "C"') then lines[#lines + 1] = line end
-  end
-  ffi.cdef((table.concat(lines, "\n"):gsub("\n}%s*$", "\n")))
-end
+K.cdef_sibling("kdtree_testing.h")
 
 function M.check(st, what)
   if st ~= 0 then
