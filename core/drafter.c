@@ -13,8 +13,20 @@
  * is never part of the context (the reference's crop(start)). Context rows are added eagerly when
  * the target commits tokens (kd_draft_context_append), so a draft pass costs one block forward.
  *
- * Everything runs through backend ops (backend.h); docs/dflash.md documents format and numerics. */
+ * Everything runs through backend ops (backend.h); docs/dflash.md documents format and numerics.
+ *
+ * Draft graphs (docs/architecture.md "Step graphs"): on a backend with the graph ops (CUDA) the
+ * draft pass can run on a device-length path and be captured once per sequence as a graph
+ * (graph_step.h): the context length, the block's ids and positions go up in one copy into
+ * ds->in; the block's K/V rows are finished in scratch (kn, vt) and stored at rows *dlen.. with
+ * store_rows_at; attention runs as attention_at over the whole cache (past = *dlen). The same
+ * kernels on the same values as the host-length path, so the same bits. The mode is read when
+ * the drafter is attached: KDTREE_CUDA_GRAPHS as for the target's steps (0/off, 1/on = default,
+ * eager), and KDTREE_CUDA_DRAFT_GRAPHS=0 turns the draft pass alone back to the host-length
+ * path. The context append stays eager (a variable number of rows per call). */
 #include "drafter.h"
+#include "forward.h"
+#include "graph_step.h"
 #include "error.h"
 #include "json.h"
 #include <math.h>
@@ -67,11 +79,22 @@ struct kd_draft_state {
     void *scratch;              /* backend memory, carved into the views below */
     kd_act x, h, q, kt, att, o, g, u, m;   /* block activations */
     kd_act f, fn;               /* context fusion, KD_DRAFT_CHUNK rows */
-    int32_t *ids, *pos;         /* backend memory: bs (>= chunk) ints each */
+    kd_act kn, vt;              /* device-length path: the block's normed+roped K and its V */
+    int32_t *in;                /* backend memory: [dlen | pad | ids | pos], see IN_* */
+    int32_t *ids, *pos;         /* into in: max(bs, chunk) ints each */
+    int32_t *host_in;           /* host image of in[0 .. IN_POS + bs) (graph modes) */
+    int nid;                    /* ints of ids / pos */
     kd_act logprobs;            /* [bs-1, vocab] f32 */
     int32_t bonus;              /* the root token of the last draft */
     bool have_logprobs;
+    int graph_mode;             /* KD_GRAPHS_* (forward.h), read at attach */
+    bool graph_verbose;
+    kd_graph_slot graph;        /* the captured draft pass */
 };
+
+/* layout of ds->in (int32 indices): the length, then ids and pos on 64-byte boundaries */
+enum { IN_DLEN = 0, IN_IDS = 16 };
+static int in_pos(int nid) { return IN_IDS + ((nid + 15) & ~15); }
 
 /* ------------------------------------------------------------------ config.json */
 
@@ -586,13 +609,14 @@ void kd_draft_state_free(kd_seq *s) {
     kd_draft_state *ds = s->draft;
     kd_drafter *d = s->drafter;
     kd_backend *be = s->model->be;
+    kd_graph_slot_drop(s->model, &ds->graph);     /* before the buffers it points at */
     if (ds->k) for (int i = 0; i < d->cfg.n_layers; i++) if (ds->k[i].data) be->ops->free(be, ds->k[i].data);
     if (ds->v) for (int i = 0; i < d->cfg.n_layers; i++) if (ds->v[i].data) be->ops->free(be, ds->v[i].data);
     free(ds->k);
     free(ds->v);
     if (ds->scratch) be->ops->free(be, ds->scratch);
-    if (ds->ids) be->ops->free(be, ds->ids);
-    if (ds->pos) be->ops->free(be, ds->pos);
+    if (ds->in) be->ops->free(be, ds->in);
+    free(ds->host_in);
     if (ds->logprobs.data) be->ops->free(be, ds->logprobs.data);
     free(ds);
     s->draft = NULL;
@@ -651,7 +675,7 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
     size_t need = 0, es = kd_dtype_size(dt);
 #define SZ(r, cc) (((size_t)(r) * (cc) * es + 255) & ~(size_t)255)
     need += SZ(bs, H) * 3 + SZ(bs, qd) * 2 + SZ(bs > ch ? bs : ch, kvd) + SZ(bs, c->intermediate) * 3;
-    need += SZ(ch, H) * 2;
+    need += SZ(ch, H) * 2 + SZ(bs, kvd) * 2;
 #undef SZ
     st = be->ops->alloc(be, need, &ds->scratch);
     if (st != KD_OK) { kd_fail_context(st, "kd_seq_attach_drafter: scratch (%zu bytes)", need); goto fail; }
@@ -667,11 +691,28 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
     ds->m = act_at(ds->scratch, &off, bs, c->intermediate, dt);
     ds->f = act_at(ds->scratch, &off, ch, H, dt);
     ds->fn = act_at(ds->scratch, &off, ch, H, dt);
+    ds->kn = act_at(ds->scratch, &off, bs, kvd, dt);
+    ds->vt = act_at(ds->scratch, &off, bs, kvd, dt);
     int nid = bs > ch ? bs : ch;
-    st = be->ops->alloc(be, (size_t)nid * sizeof(int32_t), (void **)&ds->ids);
-    if (st == KD_OK) st = be->ops->alloc(be, (size_t)nid * sizeof(int32_t), (void **)&ds->pos);
+    ds->nid = nid;
+    size_t in_ints = (size_t)in_pos(nid) + nid;
+    st = be->ops->alloc(be, in_ints * sizeof(int32_t), (void **)&ds->in);
     if (st == KD_OK) st = be->ops->alloc(be, (size_t)(bs - 1) * V * sizeof(float), &ds->logprobs.data);
     if (st != KD_OK) { kd_fail_context(st, "kd_seq_attach_drafter: draft buffers"); goto fail; }
+    ds->ids = ds->in + IN_IDS;
+    ds->pos = ds->in + in_pos(nid);
+    ds->graph_mode = kd_graphs_mode_from_env(be);
+    const char *dg = getenv("KDTREE_CUDA_DRAFT_GRAPHS");
+    if (dg && (!strcmp(dg, "0") || !strcmp(dg, "off"))) ds->graph_mode = KD_GRAPHS_OFF;
+    const char *vb = getenv("KDTREE_CUDA_GRAPHS_VERBOSE");
+    ds->graph_verbose = vb && *vb && strcmp(vb, "0");
+    if (ds->graph_mode != KD_GRAPHS_OFF) {
+        ds->host_in = calloc((size_t)in_pos(nid) + bs, sizeof(int32_t));
+        if (!ds->host_in) {
+            st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: out of host memory for the draft graph staging");
+            goto fail;
+        }
+    }
     ds->logprobs.rows = bs - 1;
     ds->logprobs.cols = ds->logprobs.ld = V;
     ds->logprobs.dtype = KD_F32;
@@ -759,6 +800,79 @@ kd_status kd_draft_context_truncate(kd_seq *s, int len) {
     return KD_OK;
 }
 
+/* the draft pass over the block whose ids and positions are in ds->ids / ds->pos: the layers,
+ * then the log-probs of rows 1..bs-1 into ds->logprobs. d_len NULL: the context length is the
+ * host's p0 (the block's K/V written straight into cache rows p0..); else the device int32
+ * holding it (graph modes; see the top of the file). Enqueues backend ops only. */
+static kd_status draft_body(kd_seq *s, int p0, const int32_t *d_len) {
+    kd_drafter *d = s->drafter;
+    kd_draft_state *ds = s->draft;
+    kd_model *m = s->model;
+    kd_backend *be = m->be;
+    const kd_backend_ops *op = be->ops;
+    const kd_dcfg *c = &d->cfg;
+    int bs = c->block_size, nh = c->n_heads, kvh = c->n_kv_heads, hd = c->head_dim;
+    kd_status st;
+#define T(expr, what) do { st = (expr); if (st != KD_OK) return kd_fail_context(st, "kd_draft: %s", what); } while (0)
+    T(op->embed(be, &m->embed, ds->ids, ds->x), "embed (target table)");
+    kd_act qh = {.data = ds->q.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = ds->q.dtype};
+    kd_act kt = kd_act_rows(ds->kt, 0, bs);
+    kd_act kt_h = {.data = kt.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = kt.dtype};
+    kd_act kn_h = {.data = ds->kn.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = ds->kn.dtype};
+    float scale = 1.0f / sqrtf((float)hd);
+    for (int l = 0; l < c->n_layers; l++) {
+        kd_dlayer *L = &d->layers[l];
+        T(op->rmsnorm(be, ds->x, &L->attn_norm, c->eps, ds->h), "input_layernorm");
+        /* q: per-head q_norm then RoPE (att is free scratch of the same shape until attention) */
+        T(op->linear(be, ds->h, &L->q_proj, ds->att), "q_proj");
+        kd_act att_h = {.data = ds->att.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = ds->att.dtype};
+        T(op->rmsnorm(be, att_h, &L->q_norm, c->eps, qh), "q_norm");
+        T(op->rope(be, ds->q, nh, hd, 0, ds->pos, &d->rope), "rope q");
+        /* the block's K/V go to rows [p0, p0+bs) of the cache, after the committed context */
+        T(op->linear(be, ds->h, &L->k_proj, kt), "k_proj");
+        if (d_len) {
+            /* finished in scratch, stored at rows *d_len..; attention reads the length itself */
+            T(op->rmsnorm(be, kt_h, &L->k_norm, c->eps, kn_h), "k_norm");
+            T(op->rope(be, ds->kn, kvh, hd, 0, ds->pos, &d->rope), "rope k");
+            T(op->store_rows_at(be, ds->k[l], d_len, ds->kn), "store k");
+            T(op->linear(be, ds->h, &L->v_proj, ds->vt), "v_proj");
+            T(op->store_rows_at(be, ds->v[l], d_len, ds->vt), "store v");
+            T(op->attention_at(be, ds->q, nh, hd, ds->k[l], ds->v[l], kvh, d_len, false, NULL, c->window[l], scale,
+                               ds->att), "attention");
+        } else {
+            kd_act kc = kd_act_rows(ds->k[l], p0, bs), vc = kd_act_rows(ds->v[l], p0, bs);
+            kd_act kc_h = {.data = kc.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = kc.dtype};
+            T(op->rmsnorm(be, kt_h, &L->k_norm, c->eps, kc_h), "k_norm");
+            T(op->rope(be, kc, kvh, hd, 0, ds->pos, &d->rope), "rope k");
+            T(op->linear(be, ds->h, &L->v_proj, vc), "v_proj");
+            kd_act keys = kd_act_rows(ds->k[l], 0, p0 + bs), vals = kd_act_rows(ds->v[l], 0, p0 + bs);
+            T(op->attention(be, ds->q, nh, hd, keys, vals, kvh, p0, false, NULL, c->window[l], scale, ds->att),
+              "attention");
+        }
+        T(op->linear(be, ds->att, &L->o_proj, ds->o), "o_proj");
+        T(op->add(be, ds->x, ds->o), "residual");
+        T(op->rmsnorm(be, ds->x, &L->ffn_norm, c->eps, ds->h), "post_attention_layernorm");
+        T(op->linear(be, ds->h, &L->gate, ds->g), "gate_proj");
+        T(op->linear(be, ds->h, &L->up, ds->u), "up_proj");
+        T(op->swiglu(be, ds->g, ds->u, ds->m), "swiglu");
+        T(op->linear(be, ds->m, &L->down, ds->o), "down_proj");
+        T(op->add(be, ds->x, ds->o), "residual");
+    }
+    /* rows 1..bs-1 (the MASK positions) -> norm -> target lm_head -> log_softmax */
+    kd_act y = kd_act_rows(ds->h, 0, bs - 1);
+    T(op->rmsnorm(be, kd_act_rows(ds->x, 1, bs - 1), &d->norm, c->eps, y), "norm");
+    T(op->linear(be, y, &m->lm_head, ds->logprobs), "lm_head (target)");
+    T(op->log_softmax(be, ds->logprobs), "log_softmax");
+#undef T
+    return KD_OK;
+}
+
+/* draft_body on the device-length path, as a kd_graph_body */
+static kd_status draft_body_at(void *ctx) {
+    kd_seq *s = ctx;
+    return draft_body(s, 0, s->draft->in + IN_DLEN);
+}
+
 kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_draft: argument 's' is NULL");
     if (!s->draft) return kd_fail(KD_ERR_STATE, "kd_draft: no drafter attached to this sequence (kd_seq_attach_drafter)");
@@ -774,52 +888,33 @@ kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst) {
     if (ds->ctx_len != s->len)
         return kd_fail(KD_ERR_STATE, "kd_draft: the drafter context holds %d tokens but the sequence has %d "
                        "committed: the target forward did not hand over its tap features", ds->ctx_len, s->len);
-    int bs = c->block_size, nh = c->n_heads, kvh = c->n_kv_heads, hd = c->head_dim, p0 = ds->ctx_len;
+    int bs = c->block_size, p0 = ds->ctx_len;
     ds->have_logprobs = false;
-    int32_t ids[1024], pos[1024];
-    if (bs > 1024) return kd_fail(KD_ERR_UNSUPPORTED, "kd_draft: block_size %d > 1024", bs);
-    for (int i = 0; i < bs; i++) { ids[i] = i ? c->mask_token_id : bonus; pos[i] = p0 + i; }
+    if (bs > ds->nid) return kd_fail(KD_ERR_STATE, "kd_draft: block_size %d > %d staged ids", bs, ds->nid);
     kd_status st;
 #define T(expr, what) do { st = (expr); if (st != KD_OK) return kd_fail_context(st, "kd_draft: %s", what); } while (0)
-    T(op->upload(be, ds->ids, ids, (size_t)bs * sizeof(int32_t)), "upload ids");
-    T(op->upload(be, ds->pos, pos, (size_t)bs * sizeof(int32_t)), "upload positions");
-    T(op->embed(be, &m->embed, ds->ids, ds->x), "embed (target table)");
-    kd_act qh = {.data = ds->q.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = ds->q.dtype};
-    kd_act kt = kd_act_rows(ds->kt, 0, bs);
-    kd_act kt_h = {.data = kt.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = kt.dtype};
-    float scale = 1.0f / sqrtf((float)hd);
-    for (int l = 0; l < c->n_layers; l++) {
-        kd_dlayer *L = &d->layers[l];
-        kd_act kc = kd_act_rows(ds->k[l], p0, bs), vc = kd_act_rows(ds->v[l], p0, bs);
-        kd_act kc_h = {.data = kc.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = kc.dtype};
-        T(op->rmsnorm(be, ds->x, &L->attn_norm, c->eps, ds->h), "input_layernorm");
-        /* q: per-head q_norm then RoPE (att is free scratch of the same shape until attention) */
-        T(op->linear(be, ds->h, &L->q_proj, ds->att), "q_proj");
-        kd_act att_h = {.data = ds->att.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = ds->att.dtype};
-        T(op->rmsnorm(be, att_h, &L->q_norm, c->eps, qh), "q_norm");
-        T(op->rope(be, ds->q, nh, hd, 0, ds->pos, &d->rope), "rope q");
-        /* the block's K/V go to rows [p0, p0+bs) of the cache, after the committed context */
-        T(op->linear(be, ds->h, &L->k_proj, kt), "k_proj");
-        T(op->rmsnorm(be, kt_h, &L->k_norm, c->eps, kc_h), "k_norm");
-        T(op->rope(be, kc, kvh, hd, 0, ds->pos, &d->rope), "rope k");
-        T(op->linear(be, ds->h, &L->v_proj, vc), "v_proj");
-        kd_act keys = kd_act_rows(ds->k[l], 0, p0 + bs), vals = kd_act_rows(ds->v[l], 0, p0 + bs);
-        T(op->attention(be, ds->q, nh, hd, keys, vals, kvh, p0, false, NULL, c->window[l], scale, ds->att),
-          "attention");
-        T(op->linear(be, ds->att, &L->o_proj, ds->o), "o_proj");
-        T(op->add(be, ds->x, ds->o), "residual");
-        T(op->rmsnorm(be, ds->x, &L->ffn_norm, c->eps, ds->h), "post_attention_layernorm");
-        T(op->linear(be, ds->h, &L->gate, ds->g), "gate_proj");
-        T(op->linear(be, ds->h, &L->up, ds->u), "up_proj");
-        T(op->swiglu(be, ds->g, ds->u, ds->m), "swiglu");
-        T(op->linear(be, ds->m, &L->down, ds->o), "down_proj");
-        T(op->add(be, ds->x, ds->o), "residual");
+    if (ds->graph_mode == KD_GRAPHS_OFF) {
+        int32_t ids[1024], pos[1024];
+        if (bs > 1024) return kd_fail(KD_ERR_UNSUPPORTED, "kd_draft: block_size %d > 1024", bs);
+        for (int i = 0; i < bs; i++) { ids[i] = i ? c->mask_token_id : bonus; pos[i] = p0 + i; }
+        T(op->upload(be, ds->ids, ids, (size_t)bs * sizeof(int32_t)), "upload ids");
+        T(op->upload(be, ds->pos, pos, (size_t)bs * sizeof(int32_t)), "upload positions");
+        KD_TRY(draft_body(s, p0, NULL));
+    } else {
+        /* the length, ids and positions up in one copy, then the pass reads them on the device */
+        int32_t *h = ds->host_in;
+        int ip = in_pos(ds->nid);
+        h[IN_DLEN] = p0;
+        for (int i = 0; i < bs; i++) { h[IN_IDS + i] = i ? c->mask_token_id : bonus; h[ip + i] = p0 + i; }
+        T(op->upload(be, ds->in, h, (size_t)(ip + bs) * sizeof(int32_t)), "upload inputs");
+        if (ds->graph_mode == KD_GRAPHS_EAGER) {
+            KD_TRY(draft_body(s, p0, ds->in + IN_DLEN));
+        } else {
+            char what[64];
+            if (ds->graph_verbose) snprintf(what, sizeof what, "draft pass (%d rows)", bs);
+            KD_TRY(kd_graph_run(m, &ds->graph, draft_body_at, s, ds->graph_verbose ? what : NULL));
+        }
     }
-    /* rows 1..bs-1 (the MASK positions) -> norm -> target lm_head -> log_softmax */
-    kd_act y = kd_act_rows(ds->h, 0, bs - 1);
-    T(op->rmsnorm(be, kd_act_rows(ds->x, 1, bs - 1), &d->norm, c->eps, y), "norm");
-    T(op->linear(be, y, &m->lm_head, ds->logprobs), "lm_head (target)");
-    T(op->log_softmax(be, ds->logprobs), "log_softmax");
     if (logprobs_dst)
         T(op->download(be, logprobs_dst, ds->logprobs.data, (size_t)(bs - 1) * V * sizeof(float)), "download");
 #undef T

@@ -25,6 +25,7 @@
  * are the last min(T, out_cap) tokens. A masked forward must fit in one chunk. */
 #include "forward.h"
 #include "drafter.h"
+#include "graph_step.h"
 #include "error.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -230,9 +231,7 @@ typedef struct kd_graph_entry {
     int T;
     bool masked, used;
     const void *taps, *drafter;   /* what the captured step writes taps to */
-    uint64_t epoch;               /* the backend's workspace epoch at capture */
-    void *exec;                   /* the captured step, or NULL */
-    int runs, failures;
+    kd_graph_slot g;              /* the captured step (graph_step.h) */
     uint64_t stamp;               /* last use (LRU) */
 } kd_graph_entry;
 
@@ -280,13 +279,7 @@ kd_status kd_seq_graphs_new(kd_seq *s, int mode) {
     return KD_OK;
 }
 
-static void graph_drop(kd_seq *s, kd_graph_entry *e) {
-    if (e->exec) {
-        s->model->be->ops->graph_free(s->model->be, e->exec);
-        e->exec = NULL;
-        if (s->model->graphs_held) s->model->graphs_held--;
-    }
-}
+static void graph_drop(kd_seq *s, kd_graph_entry *e) { kd_graph_slot_drop(s->model, &e->g); }
 
 void kd_seq_graphs_free(kd_seq *s) {
     kd_seq_graphs *g = s->graphs;
@@ -317,6 +310,21 @@ static kd_graph_entry *graph_entry(kd_seq *s, int T, bool masked) {
     return victim;
 }
 
+/* forward_body with its arguments, as a kd_graph_body */
+typedef struct step_body_ctx {
+    kd_seq *s;
+    const kd_fwd_plan *p;
+    int T;
+    const int32_t *d_ids, *d_pos;
+    const uint64_t *d_vis;
+    const int32_t *d_len;
+} step_body_ctx;
+
+static kd_status step_body(void *ctx) {
+    const step_body_ctx *c = ctx;
+    return forward_body(c->s, c->p, c->T, c->d_ids, c->d_pos, c->d_vis, c->d_len, true);
+}
+
 static kd_status forward_step_graph(kd_seq *s, const kd_fwd_plan *p, const int32_t *tokens, int T, const int32_t *pos,
                                     const uint64_t *visible) {
     kd_model *m = s->model;
@@ -345,43 +353,10 @@ static kd_status forward_step_graph(kd_seq *s, const kd_fwd_plan *p, const int32
 
     kd_graph_entry *e = graph_entry(s, T, visible != NULL);
     e->stamp = ++g->clock;
-    if (e->exec && e->epoch != be->ops->graph_epoch(be)) graph_drop(s, e);   /* a workspace moved */
-    if (e->exec) {
-        KD_TRY(be->ops->graph_launch(be, e->exec));
-        m->graph_launches++;
-        return KD_OK;
-    }
-    if (e->runs == 0 || e->failures >= 2) {      /* warm-up (sizes the workspaces), or not capturable */
-        e->runs++;
-        return forward_body(s, p, T, d_ids, d_pos, d_vis, d_len, true);
-    }
-    uint64_t epoch = be->ops->graph_epoch(be);
-    void *exec = NULL;
-    kd_status st = be->ops->graph_begin(be);
-    if (st == KD_OK) {
-        st = forward_body(s, p, T, d_ids, d_pos, d_vis, d_len, true);
-        kd_status st_end = be->ops->graph_end(be, &exec);     /* always ends the capture */
-        if (st == KD_OK) st = st_end;
-    }
-    if (st == KD_OK && exec && be->ops->graph_epoch(be) == epoch) {
-        e->exec = exec;
-        e->epoch = epoch;
-        e->runs++;
-        m->graphs_held++;
-        m->graph_captures++;
-        KD_TRY(be->ops->graph_launch(be, exec));
-        m->graph_launches++;
-        return KD_OK;
-    }
-    /* the capture failed: nothing of it ran; run the step eagerly */
-    if (g->verbose)
-        fprintf(stderr, "kdtree: step graph capture (%d rows, %s) failed, running eagerly: %s\n", T,
-                visible ? "masked" : "causal", st != KD_OK ? kd_last_error() : "workspace epoch changed");
-    if (exec) be->ops->graph_free(be, exec);
-    e->failures++;
-    e->runs++;
-    m->graph_fallbacks++;
-    return forward_body(s, p, T, d_ids, d_pos, d_vis, d_len, true);
+    step_body_ctx ctx = {s, p, T, d_ids, d_pos, d_vis, d_len};
+    char what[64];
+    if (g->verbose) snprintf(what, sizeof what, "step (%d rows, %s)", T, visible ? "masked" : "causal");
+    return kd_graph_run(m, &e->g, step_body, &ctx, g->verbose ? what : NULL);
 }
 
 /* one chunk of T <= out_cap tokens at cache rows [len, len+T); pos: host positions */

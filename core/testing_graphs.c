@@ -6,7 +6,7 @@
 #include <string.h>
 
 enum { OP_COPY, OP_EMBED, OP_ADD, OP_SCALE_ADD, OP_SWIGLU, OP_RMSNORM, OP_ROPE, OP_LINEAR, OP_HEAD_MATMUL,
-       OP_ATTENTION, OP_MOE, OP_STORE_AT, OP_ATTENTION_AT };
+       OP_ATTENTION, OP_MOE, OP_STORE_AT, OP_ATTENTION_AT, OP_LOG_SOFTMAX };
 
 /* one recorded op call: its arguments by value (pointers stay pointers, as in a CUDA graph) */
 typedef struct rec {
@@ -91,6 +91,7 @@ static kd_status replay(kd_backend *be, const rec *r) {
     case OP_ATTENTION_AT:
         return run_attention_at(be, r->a[0], r->i[0], r->i[1], r->a[1], r->a[2], r->i[2], r->p[1], r->b, r->p[0],
                                 r->i[4], r->f, r->a[3]);
+    case OP_LOG_SOFTMAX: return o->log_softmax(be, r->a[0]);
     }
     return kd_fail(KD_ERR_STATE, "emulated graph: unknown op %d", r->op);
 }
@@ -173,8 +174,9 @@ static kd_status w_sync(kd_backend *be) { return g.recording ? refuse("sync") : 
 static kd_status w_gather_rows(kd_backend *be, kd_act d, kd_act s, const int32_t *rows, int n) {
     return g.recording ? refuse("gather_rows") : g.orig->gather_rows(be, d, s, rows, n);
 }
-static kd_status w_log_softmax(kd_backend *be, kd_act x) {
-    return g.recording ? refuse("log_softmax") : g.orig->log_softmax(be, x);
+static kd_status w_log_softmax(kd_backend *be, kd_act x) {   /* the draft pass's last op (drafter.c) */
+    rec r = {.op = OP_LOG_SOFTMAX, .a = {x}};
+    return issue(be, &r);
 }
 static kd_status w_argmax(kd_backend *be, kd_act x, int32_t *o) {
     return g.recording ? refuse("argmax") : g.orig->argmax(be, x, o);

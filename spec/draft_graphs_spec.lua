@@ -1,0 +1,360 @@
+-- draft_graphs_spec.lua: the DFlash draft pass as a graph (core/drafter.c, core/graph_step.h;
+-- docs/architecture.md "Step graphs"). With KDTREE_CUDA_GRAPHS (read when the drafter is
+-- attached) the draft pass runs on the device-length path (the context length, ids and
+-- positions go up in one copy; the block's K/V rows are stored at *dlen; attention_at):
+--   0      the host-length pass as before (the reference here)
+--   eager  the device-length pass, never captured
+--   1      the device-length pass, captured on its second run and replayed after
+-- KDTREE_CUDA_DRAFT_GRAPHS=0 puts the draft pass alone back on the host-length path.
+-- Every mode must give the same draft log-prob bits, round after round, at lengths that move
+-- (rounds, truncation, a prefill crossing the 256-key attention chunk), the same verify
+-- logits and tokens; mode 1 must really replay (exact counter deltas of kd_model_memory on a
+-- run of draft passes with no target step in between). The #gpu part runs on CUDA; the rest
+-- runs the same checks on the CPU under the host emulation of the graph ops
+-- (core/testing_graphs.h), which proves the core's draft-graph path on any machine.
+package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+local kd = require("kdtree")
+local ffi = require("ffi")
+local gen = require("kdtree.generate")
+
+pcall(ffi.cdef, [[
+int setenv(const char *name, const char *value, int overwrite);
+int unsetenv(const char *name);
+]])
+
+local TARGET, DRAFT = "models/tiny-k2.6", "models/tiny-k2.6-dflash"
+local MODES = { "eager", "1" }   -- each compared with "0"
+
+-- run fn with the environment variables of vars set (KDTREE_CUDA_GRAPHS, ...), then unset
+local function with_env(vars, fn)
+  for k, v in pairs(vars) do ffi.C.setenv(k, v, 1) end
+  local ok, res = pcall(fn)
+  for k in pairs(vars) do ffi.C.unsetenv(k) end
+  if not ok then error(res, 0) end
+  return res
+end
+local function with_mode(mode, fn, verbose)
+  return with_env({ KDTREE_CUDA_GRAPHS = mode, KDTREE_CUDA_GRAPHS_VERBOSE = verbose and "1" or "0" }, fn)
+end
+
+-- a recording: tokens, and float buffers (copies) in order with their sizes and names
+local function recorder() return { tokens = {}, bufs = {}, sizes = {}, what = {} } end
+local function keep(rec, buf, n, what)
+  rec.bufs[#rec.bufs + 1] = buf
+  rec.sizes[#rec.sizes + 1] = n
+  rec.what[#rec.what + 1] = what
+end
+local function keep_draft(rec, s, bonus)
+  local dr = s:draft(bonus)                   -- the log-probs, copied to the host
+  keep(rec, dr.data, dr.L * dr.V, "draft")
+end
+local function keep_logits(rec, s)
+  local buf, n = s:logits_cdata()
+  keep(rec, buf, n, "logits")
+end
+
+local function same_run(a, b, what)
+  assert.are.same(a.tokens, b.tokens, what .. ": tokens")
+  assert.are.equal(#a.bufs, #b.bufs, what .. ": recorded buffers")
+  for i = 1, #a.bufs do
+    assert.are.equal(a.sizes[i], b.sizes[i], what .. ": buffer " .. i .. " size")
+    local ua, ub = ffi.cast("uint32_t*", a.bufs[i]), ffi.cast("uint32_t*", b.bufs[i])
+    for j = 0, a.sizes[i] - 1 do
+      if ua[j] ~= ub[j] then
+        error(string.format("%s: buffer %d (%s), entry %d: %.9g vs %.9g (bits %08x vs %08x)", what, i, a.what[i], j,
+          a.bufs[i][j], b.bufs[i][j], ua[j], ub[j]), 0)
+      end
+    end
+    -- a draft row is a log-softmax: finite, <= 0, and not all equal (a real distribution)
+    if a.what[i] == "draft" then
+      local lo, hi = math.huge, -math.huge
+      for j = 0, a.sizes[i] - 1 do
+        local v = a.bufs[i][j]
+        assert(v == v and v <= 0, what .. ": draft log-prob not finite or > 0")
+        if v < lo then lo = v end
+        if v > hi then hi = v end
+      end
+      assert(hi - lo > 1e-3, what .. ": a flat draft")
+    end
+  end
+end
+
+local function prompt_of(n, V, seed)
+  math.randomseed(seed)
+  local p = {}
+  for i = 1, n do p[i] = math.random(3, math.min(990, V - 1)) end
+  return p
+end
+
+-- greedy DDTree rounds with the native drafter until n tokens: each round's draft log-probs
+-- (copied) and verify logits are recorded
+local function rounds_run(m, d, prompt, budget, n)
+  local rec = recorder()
+  local s = m:new_seq(#prompt + n + budget + 2 + d.info.block_size)
+  s:attach_drafter(d)
+  s:forward(prompt)
+  local bonus = s:argmax()[#prompt]
+  while #rec.tokens < n do
+    keep_draft(rec, s, bonus)
+    local t = kd.tree.build_drafted(s, budget)
+    s:verify(t)
+    keep_logits(rec, s)
+    local acc = s:accept(t)
+    s:commit(t)
+    for i = 2, acc.tau do rec.tokens[#rec.tokens + 1] = acc.tokens[i] end
+    rec.tokens[#rec.tokens + 1] = acc.bonus
+    bonus = acc.bonus
+    t:close()
+  end
+  s:close()
+  return rec
+end
+
+-- k draft passes in a row on one context (no target step between them): the counters of
+-- this run are exactly the draft graph's
+local function drafts_run(m, d, prompt, k, on_pass)
+  local rec = recorder()
+  local s = m:new_seq(#prompt + 2 * d.info.block_size)
+  s:attach_drafter(d)
+  s:forward(prompt)
+  for i = 1, k do
+    if on_pass then on_pass(i) end
+    keep_draft(rec, s, prompt[1 + (7 * i) % #prompt])
+  end
+  s:close()
+  return rec
+end
+
+-- the draft pass at lengths that move: a prefill of 250, past the 256-key attention chunk by
+-- decoding, truncated back to 100 and 37, grown again by a prefill; two sequences interleaved
+local function moving_run(m, d, V)
+  local rec = recorder()
+  local prompt = prompt_of(300, V, 11)
+  local a, b = m:new_seq(600), m:new_seq(600)
+  a:attach_drafter(d); b:attach_drafter(d)
+  a:forward({ unpack(prompt, 1, 250) })
+  b:forward({ unpack(prompt, 1, 37) })
+  local ta, tb = a:argmax()[250], b:argmax()[37]
+  for _ = 1, 10 do                                   -- a crosses row 256
+    keep_draft(rec, a, ta); keep_draft(rec, b, tb)
+    rec.tokens[#rec.tokens + 1] = ta
+    a:forward({ ta }); ta = a:argmax()[1]
+    rec.tokens[#rec.tokens + 1] = tb
+    b:forward({ tb }); tb = b:argmax()[1]
+  end
+  for _, len in ipairs({ 100, 37 }) do
+    a:truncate(len)
+    keep_draft(rec, a, prompt[len + 1])
+  end
+  a:forward({ unpack(prompt, 38, 290) })
+  keep_draft(rec, a, a:argmax()[253])
+  keep_draft(rec, b, tb)
+  a:close(); b:close()
+  return rec
+end
+
+-- the checks shared by the CUDA and the emulated CPU runs
+local function draft_graph_checks(backend, opts)
+  local m, d, V
+  setup(function()
+    m = kd.open_model(TARGET, { backend = backend })
+    if opts.setup then opts.setup(m) end
+    d = kd.open_drafter(DRAFT, m)
+    V = m.info.vocab
+  end)
+  teardown(function()
+    d:close()
+    m:close()
+  end)
+
+  it("draft passes in a row: the same log-prob bits in every mode; mode 1 captures once and replays", function()
+    local prompt = prompt_of(20, V, 3)
+    local K = 12
+    local ref = with_mode("0", function() return drafts_run(m, d, prompt, K) end, true)
+    for _, mode in ipairs(MODES) do
+      local before, ops0 = m:memory(), opts.replayed_ops and opts.replayed_ops()
+      local got = with_mode(mode, function() return drafts_run(m, d, prompt, K) end, true)
+      same_run(ref, got, backend .. " drafts, mode " .. mode)
+      local after, ops1 = m:memory(), opts.replayed_ops and opts.replayed_ops()
+      local cap, lau = after.graph_captures - before.graph_captures, after.graph_launches - before.graph_launches
+      print(string.format("  %s draft passes mode %-5s: %d passes; graphs captured %d, launched %d, fallbacks %d",
+        backend, mode, K, cap, lau, after.graph_fallbacks - before.graph_fallbacks))
+      assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks, "no capture fell back to eager")
+      assert.are.equal(0, after.graphs, "closing the sequence frees its draft graph")
+      if mode == "1" then
+        -- pass 1 warms up, pass 2 captures and launches, passes 3..K launch
+        assert.are.equal(1, cap, "the draft pass was captured once")
+        assert.are.equal(K - 1, lau, "every pass after the first ran as a graph")
+        -- a replayed draft pass is the whole pass: tens of ops per launch (embed, ~19 per layer, head)
+        if ops0 then assert.is_true(ops1 - ops0 >= (K - 1) * 10 * d.info.n_layers, "replayed ops") end
+      else
+        assert.are.equal(0, cap + lau)
+        if ops0 then assert.are.equal(ops0, ops1) end
+      end
+    end
+    -- KDTREE_CUDA_DRAFT_GRAPHS=0: the draft pass alone goes back to the host-length path
+    local before = m:memory()
+    local got = with_env({ KDTREE_CUDA_GRAPHS = "1", KDTREE_CUDA_DRAFT_GRAPHS = "0" },
+      function() return drafts_run(m, d, prompt, K) end)
+    same_run(ref, got, backend .. " drafts, draft graphs off")
+    local after = m:memory()
+    assert.are.equal(0, after.graph_captures - before.graph_captures)
+    assert.are.equal(0, after.graph_launches - before.graph_launches)
+  end)
+
+  for _, B in ipairs({ 4, 16, 40 }) do
+    it(string.format("DDTree rounds at budget %d: the same draft log-probs, logits and tokens in every mode", B),
+      function()
+        local prompt = prompt_of(9, V, 4)
+        local ref = with_mode("0", function() return rounds_run(m, d, prompt, B, 40) end, true)
+        assert.is_true(#ref.bufs >= 8, "several rounds")
+        for _, mode in ipairs(MODES) do
+          local before = m:memory()
+          local got = with_mode(mode, function() return rounds_run(m, d, prompt, B, 40) end, true)
+          same_run(ref, got, string.format("%s ddtree budget %d, mode %s", backend, B, mode))
+          local after = m:memory()
+          assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks, "no capture fell back to eager")
+          if mode == "1" then
+            -- rounds: the draft graph launches from the second round on, verify graphs too
+            assert.is_true(after.graph_launches - before.graph_launches >= #ref.bufs / 2 - 1)
+          end
+        end
+      end)
+  end
+
+  it("the draft graph replays at other lengths (chunk boundary, truncation, two sequences)", function()
+    local ref = with_mode("0", function() return moving_run(m, d, V) end, true)
+    for _, mode in ipairs(MODES) do
+      local before = m:memory()
+      local got = with_mode(mode, function() return moving_run(m, d, V) end, true)
+      same_run(ref, got, backend .. " moving lengths, mode " .. mode)
+      local after = m:memory()
+      assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks)
+      -- per sequence: 1 warm-up, then captured / launched; 25 passes over two sequences
+      if mode == "1" then assert.is_true(after.graph_launches - before.graph_launches >= 23) end
+    end
+  end)
+
+  it("greedy ddtree (native drafter) equals greedy ar with graphs on", function()
+    for _, prompt in ipairs({ { 5, 77, 300 }, prompt_of(17, V, 9) }) do
+      local ar = with_mode("1", function() return gen.run(m, prompt, { policy = "ar", n = 48, eos = false }) end)
+      for _, B in ipairs({ 4, 32 }) do
+        local before = m:memory()
+        local dt = with_mode("1", function()
+          return gen.run(m, prompt, { policy = "ddtree", drafter = d, budget = B, n = 48, eos = false })
+        end, true)
+        assert.are.same(ar.tokens, dt.tokens, "budget " .. B)
+        assert.are.equal(48, #dt.tokens)
+        local after = m:memory()
+        assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks)
+        assert.is_true(after.graph_launches - before.graph_launches >= 2)
+      end
+    end
+  end)
+end
+
+describe("the draft pass as a CUDA graph #gpu", function()
+  draft_graph_checks("cuda", {})
+
+  it("times the draft pass in each mode (informative)", function()
+    local m = kd.open_model(TARGET, { backend = "cuda" })
+    local d = kd.open_drafter(DRAFT, m)
+    local prompt = prompt_of(200, m.info.vocab, 5)
+    local N = 200
+    for _, mode in ipairs({ "0", "1" }) do
+      with_mode(mode, function()
+        local s = m:new_seq(#prompt + 16)
+        s:attach_drafter(d)
+        s:forward(prompt)
+        for i = 1, 3 do s:draft(prompt[i]) end      -- warm-up, capture
+        local t0 = kd.now_ns()
+        for i = 1, N do s:draft(prompt[1 + i % #prompt], false) end
+        s:draft(prompt[1])                          -- the download waits for the queue
+        local us = (kd.now_ns() - t0) / 1e3 / (N + 1)
+        print(string.format("  cuda draft pass, block %d, context %d, graphs %s: %.1f us per pass",
+          d.info.block_size, #prompt, mode, us))
+        s:close()
+      end)
+    end
+    d:close()
+    m:close()
+  end)
+end)
+
+-- the host emulation of the graph ops (core/testing_graphs.h): a capture records op calls
+-- with their arguments and a launch replays them, so a host value baked into the draft pass
+-- (the context length, a cache row offset) replays wrong
+local TG = {}
+do
+  local K = require("kdtree.ffi")
+  K.cdef_sibling("testing_graphs.h")
+  TG.C = K.C
+end
+
+describe("the draft pass as a graph, emulated on the CPU (the core's draft-graph path)", function()
+  draft_graph_checks("cpu", {
+    setup = function(m) kd.check(TG.C.kd_testing_emulate_graphs(m:handle()), "kd_testing_emulate_graphs") end,
+    replayed_ops = function() return tonumber(TG.C.kd_testing_graphs_replayed_ops()) end,
+  })
+end)
+
+describe("draft graph recapture and fallback (emulated on the CPU)", function()
+  local m, d, V
+  setup(function()
+    m = kd.open_model(TARGET, { backend = "cpu" })
+    kd.check(TG.C.kd_testing_emulate_graphs(m:handle()), "kd_testing_emulate_graphs")
+    d = kd.open_drafter(DRAFT, m)
+    V = m.info.vocab
+  end)
+  teardown(function()
+    d:close()
+    m:close()
+  end)
+
+  it("a stale workspace epoch recaptures; failed captures run eagerly with the same bits", function()
+    local prompt = prompt_of(15, V, 31)
+    local ref = with_mode("0", function() return drafts_run(m, d, prompt, 8) end)
+    local c0 = m:memory()
+    local got = with_mode("1", function()
+      return drafts_run(m, d, prompt, 8, function(i) if i == 5 then TG.C.kd_testing_graphs_bump_epoch(m:handle()) end end)
+    end)
+    same_run(ref, got, "epoch bump")
+    local c1 = m:memory()
+    -- pass 1 warms up, 2 captures, 3-4 launch, 5 finds the epoch stale and recaptures, 6-8 launch
+    assert.are.equal(2, c1.graph_captures - c0.graph_captures)
+    assert.are.equal(7, c1.graph_launches - c0.graph_launches)
+    assert.are.equal(0, c1.graph_fallbacks - c0.graph_fallbacks)
+    -- two refused captures: the draft pass falls back to eager and stays there
+    TG.C.kd_testing_graphs_refuse(2)
+    got = with_mode("1", function() return drafts_run(m, d, prompt, 8) end)
+    same_run(ref, got, "refused captures")
+    local c2 = m:memory()
+    assert.are.equal(2, c2.graph_fallbacks - c1.graph_fallbacks)
+    assert.are.equal(0, c2.graph_captures - c1.graph_captures)
+    assert.are.equal(0, c2.graph_launches - c1.graph_launches)
+    -- one refused capture: pass 2 falls back, pass 3 captures and launches, 4-8 launch
+    TG.C.kd_testing_graphs_refuse(1)
+    got = with_mode("1", function() return drafts_run(m, d, prompt, 8) end)
+    same_run(ref, got, "one refused capture")
+    local c3 = m:memory()
+    assert.are.equal(1, c3.graph_fallbacks - c2.graph_fallbacks)
+    assert.are.equal(1, c3.graph_captures - c2.graph_captures)
+    assert.are.equal(6, c3.graph_launches - c2.graph_launches)
+  end)
+end)
+
+describe("draft graphs on the plain CPU backend", function()
+  it("KDTREE_CUDA_GRAPHS is inert for the draft pass: the same bits, no graphs", function()
+    local m = kd.open_model(TARGET, { backend = "cpu" })
+    local d = kd.open_drafter(DRAFT, m)
+    local prompt = prompt_of(12, m.info.vocab, 8)
+    local ref = with_mode("0", function() return drafts_run(m, d, prompt, 4) end)
+    for _, mode in ipairs(MODES) do
+      same_run(ref, with_mode(mode, function() return drafts_run(m, d, prompt, 4) end), "cpu mode " .. mode)
+    end
+    local r = m:memory()
+    assert.are.equal(0, r.graphs + r.graph_captures + r.graph_launches + r.graph_fallbacks)
+    d:close()
+    m:close()
+  end)
+end)
