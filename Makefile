@@ -90,6 +90,7 @@ bench: $(BENCH_W4)
 	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c -L$(BUILD) -lkdtree \
 	  -Wl,-rpath,$(CURDIR)/$(BUILD) -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench
 	-$(MAKE) $(BENCH_SLICE) && $(BENCH_SLICE) --md $(BUILD)/bench/model_slice.md
+	-mkdir -p $(BUILD)/bench && KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/bench/memory_report.lua --md $(BUILD)/bench/memory.md
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin \

@@ -1004,6 +1004,35 @@ static void cpu_ceilings(size_t bytes, double *copy_gbs, double *read_gbs) {
     free(b);
 }
 
+/* the slice's memory by component (kd_model_memory: what the engine holds on the backend),
+ * with the driver's view of the device; printed while the timed sequences are still open */
+static void memory_table(const kd_model *m, int n_seqs, int capacity) {
+    kd_memory_report r;
+    if (kd_model_memory(m, &r) != KD_OK) {
+        md("\n(kd_model_memory failed: %s)\n", kd_last_error());
+        return;
+    }
+    char hb[64], hb2[64];
+    md("\n### Memory by component (kd_model_memory after the timed steps; %d sequence(s) of capacity %d open)\n\n"
+       "| component | bytes | human |\n|---|---|---|\n", n_seqs, capacity);
+    struct { const char *name; uint64_t v; } rows[] = {
+        {"weights: attention", r.weights_attention}, {"weights: dense MLP", r.weights_dense_mlp},
+        {"weights: shared experts", r.weights_shared_experts}, {"weights: routed experts", r.weights_routed_experts},
+        {"weights: router", r.weights_router}, {"weights: embedding", r.weights_embed},
+        {"weights: lm_head", r.weights_lm_head}, {"weights: norms", r.weights_norms},
+        {"**weights**", r.weights_total}, {"KV cache", r.kv_cache}, {"activations (logits + forward scratch)", r.activations},
+        {"workspace (backend scratch)", r.workspace}, {"other", r.other}, {"**total**", r.total}};
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
+        md("| %s | %llu | %s |\n", rows[i].name, (unsigned long long)rows[i].v, human((double)rows[i].v, hb, sizeof hb));
+    if (r.device_total)
+        md("| device in use (driver: every process, CUDA context, libraries, graphs) | %llu | %s of %s |\n",
+           (unsigned long long)(r.device_total - r.device_free), human((double)(r.device_total - r.device_free), hb,
+           sizeof hb), human((double)r.device_total, hb2, sizeof hb2));
+    md("| step graphs held / captured / launched / fallbacks | %llu / %llu / %llu / %llu | |\n",
+       (unsigned long long)r.graphs, (unsigned long long)r.graph_captures, (unsigned long long)r.graph_launches,
+       (unsigned long long)r.graph_fallbacks);
+}
+
 /* a sequence with KDTREE_CUDA_GRAPHS set to `mode` while kd_seq_new reads it (restored after) */
 static kd_seq *new_seq_mode(kd_model *m, int cap, const char *mode) {
     const char *old = getenv("KDTREE_CUDA_GRAPHS");
@@ -1214,6 +1243,7 @@ int main(int argc, char **argv) {
         md(" %.3f | %.3f |\n", r->prof_total - r->prof_ops, r->prof_total);
     }
     free(rows);
+    memory_table(m, g_seq_graph ? 2 : 1, ctxs[nctx - 1] + maxT + 16);
     kd_seq_free(s);
     if (g_seq_graph) kd_seq_free(g_seq_graph);
 
