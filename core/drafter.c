@@ -82,7 +82,7 @@ struct kd_draft_state {
     kd_act kn, vt;              /* device-length path: the block's normed+roped K and its V */
     int32_t *in;                /* backend memory: [dlen | pad | ids | pos], see IN_* */
     int32_t *ids, *pos;         /* into in: max(bs, chunk) ints each */
-    int32_t *host_in;           /* host image of in[0 .. IN_POS + bs) (graph modes) */
+    int32_t *host_in;           /* host image of in[0 .. in_pos(nid) + bs) (graph modes) */
     int nid;                    /* ints of ids / pos */
     kd_act logprobs;            /* [bs-1, vocab] f32 */
     int32_t bonus;              /* the root token of the last draft */
