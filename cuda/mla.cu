@@ -8,18 +8,29 @@
  *
  * Flash-decoding with a split that never depends on T: each query's visible keys are
  * listed in order (its "ordinals": rows 0..past-1, then the new rows it may see, in row
- * order), and cut into fixed chunks of CHUNK ordinals. One block computes one chunk for
- * one query and a tile of heads (scores, chunk max, exp, weighted value sum, all in fp32
- * with fixed loop orders) and writes (max, sum, o); a merge kernel combines the chunks in
+ * order), and cut into fixed chunks of ordinals. One block computes one chunk for some
+ * (query, head) rows and writes (max, sum, o) per row; a merge kernel combines the chunks in
  * chunk order. A token therefore sees exactly the same chunks and the same arithmetic
  * whether it is decoded alone (past = p, T = 1), sits at row p of a causal prefill, or is
  * a tree node whose ancestors sit at scattered rows: in all three its visible keys are the
  * same rows' contents in the same order. That is what makes greedy DDTree reproduce greedy
  * autoregressive decoding bit for bit.
  *
- * Scores and values are computed on CUDA cores (fp32 FMA, fixed order). A tensor-core
- * MLA kernel is a later step (docs/performance.md measures this one). */
+ * Two kernels, chosen by the model's shapes only (never by T, the context or the buffers):
+ *  - tensor cores (mla_tc.cuh, key dim <= 576 and value dim <= 512: K2.6's MLA, the drafter,
+ *    the tiny models): mma.sync bf16 with heads (and, for few heads, queries) as the M
+ *    dimension, so one staged key/value tile serves up to 64 (query, head) rows; chunks of
+ *    512 ordinals; its header states why a row's bits do not depend on the batch.
+ *  - CUDA cores (below, attn_chunk_kernel: chunks of 256 ordinals, fp32 FMA), for larger
+ *    head dims, and for every shape when KDTREE_MLA_TC=0 (read once; the previous path,
+ *    kept for comparison and as a fallback).
+ * Both are batch-invariant each; they are not bit-identical to each other. */
 #include "cuda_internal.cuh"
+#include "mla_mma.cuh"
+#include "mla_tc.cuh"
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
 
 namespace {
 
@@ -265,6 +276,108 @@ static kd_status check_act(const char *arg, kd_act a) {
 
 }  // namespace
 
+
+/* KDTREE_MLA_TC=0: every shape on the CUDA-core kernel (read once per process) */
+static bool tc_enabled(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("KDTREE_MLA_TC");
+        on = (e && !strcmp(e, "0")) ? 0 : 1;
+    }
+    return on == 1;
+}
+
+/* the tensor-core path (mla_tc.cuh); arguments already checked by attention_impl */
+static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,
+                              int n_kv_heads, int past, const int32_t *d_past, bool causal, const uint64_t *visible,
+                              int window, float scale, kd_act out, int kstride, int vstride, int dv) {
+    using namespace mla;
+    kd_cuda *c = kd_cuda_of(be);
+    const int T = q.rows, S = k.rows, G = n_heads / n_kv_heads;
+    TcArgs a;
+    memset(&a, 0, sizeof a);
+    a.q = (const uint16_t *)q.data; a.ldq = q.ld;
+    a.k = (const uint16_t *)k.data; a.ldk = k.ld; a.kstride = kstride;
+    a.v = (const uint16_t *)v.data; a.ldv = v.ld; a.vstride = vstride;
+    a.T = T; a.S = S; a.past = past; a.Hq = n_heads; a.G = G; a.hd = head_dim; a.dv = dv;
+    a.HDP = (head_dim + 63) / 64 * 64;
+    a.causal = causal; a.window = window;
+    a.scale2 = scale * 1.4426950408889634f;
+    a.d_past = d_past;
+    a.nc_max = (S + TC_CHUNK - 1) / TC_CHUNK;
+    a.rb_per_q = (G + TC_ROWS - 1) / TC_ROWS;
+    auto al16 = [](const void *p) { return ((uintptr_t)p & 15) == 0; };
+    a.qvec = head_dim % 8 == 0 && q.ld % 8 == 0 && al16(q.data);
+    const bool async = head_dim % 8 == 0 && dv % 8 == 0 && k.ld % 8 == 0 && v.ld % 8 == 0 && kstride % 8 == 0 &&
+                       vstride % 8 == 0 && al16(k.data) && al16(v.data);
+    const int DVP = dv <= 32 ? 32 : dv <= 64 ? 64 : dv <= 128 ? 128 : dv <= 256 ? 256 : 512;
+
+    /* workspace: [visible lists] + partials for a batch of queries, bounded */
+    size_t list_bytes = visible ? ((size_t)T * T + T) * sizeof(int32_t) : 0;
+    list_bytes = (list_bytes + 255) & ~(size_t)255;
+    size_t per_q = (size_t)n_heads * a.nc_max * (dv + 2) * sizeof(float);
+    size_t cap = (size_t)512 << 20;
+    int tbatch = (int)(cap / per_q);
+    if (tbatch < 1) tbatch = 1;
+    if (tbatch > T) tbatch = T;
+    if (tbatch > 65535 / a.rb_per_q) tbatch = 65535 / a.rb_per_q;   /* grid y of the tail launch */
+    void *ws;
+    KD_TRY(kd_cuda_ws(be, KD_WS_ATTN, list_bytes + per_q * tbatch + 256, &ws));
+    char *p = (char *)ws;
+    if (visible) {
+        a.vis_list = (int32_t *)p;
+        a.vis_cnt = a.vis_list + (size_t)T * T;
+        vis_list_kernel<<<(T + 7) / 8, 256, 0, c->stream>>>(visible, T, (int32_t *)a.vis_list, (int32_t *)a.vis_cnt);
+        KD_CUDA_LAUNCH("vis_list_kernel");
+    }
+    p += list_bytes;
+    a.pm = (float *)p;
+    a.pl = a.pm + (size_t)tbatch * n_heads * a.nc_max;
+    a.po = a.pl + (size_t)tbatch * n_heads * a.nc_max;
+
+    const size_t smem = tc_smem_bytes(a.HDP);
+    if (smem > c->smem_optin)
+        return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: key dim %d needs %zu bytes of shared memory (device has %zu)",
+                       head_dim, smem, c->smem_optin);
+    typedef void (*tc_fn)(TcArgs);
+    tc_fn fn = NULL;
+#define TC_PICK(D) if (DVP == D) fn = async ? tc_chunk_kernel<D, true> : tc_chunk_kernel<D, false>;
+    TC_PICK(32) TC_PICK(64) TC_PICK(128) TC_PICK(256) TC_PICK(512)
+#undef TC_PICK
+    KD_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+
+    for (int t0 = 0; t0 < T; t0 += tbatch) {
+        const int tb = T - t0 < tbatch ? T - t0 : tbatch;
+        a.t0 = t0;
+        a.tb = tb;
+        /* shared launch: chunks whose ordinals are the same rows for every query */
+        int nsh;
+        if (visible) nsh = d_past ? a.nc_max : past / TC_CHUNK;   /* device past: blocks past it exit */
+        else {
+            int max_vis = d_past ? S : causal ? past + t0 + tb : S;
+            if (max_vis > S) max_vis = S;
+            nsh = (max_vis + TC_CHUNK - 1) / TC_CHUNK;
+        }
+        if (nsh > 0) {
+            a.tail = 0;
+            dim3 grid(nsh, (tb * G + TC_ROWS - 1) / TC_ROWS, n_kv_heads);
+            fn<<<grid, TC_THREADS, smem, c->stream>>>(a);
+            KD_CUDA_LAUNCH("tc_chunk_kernel (shared)");
+        }
+        /* tail launch (tree mask): chunks reaching into the new rows, one query per block */
+        if (visible) {
+            a.tail = 1;
+            dim3 grid((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, n_kv_heads);
+            fn<<<grid, TC_THREADS, smem, c->stream>>>(a);
+            KD_CUDA_LAUNCH("tc_chunk_kernel (tail)");
+        }
+        int mt = dv < 256 ? ((dv + 31) / 32) * 32 : 256;
+        tc_merge_kernel<<<dim3(n_heads, tb), mt, 0, c->stream>>>(a, out.data, out.dtype, out.ld);
+        KD_CUDA_LAUNCH("tc_merge_kernel");
+    }
+    return KD_OK;
+}
+
 /* attention (d_past NULL: past is the host's) or attention_at (past = *d_past, read by the
  * kernels; k and v rows are the bound, the grid and the partials are sized for it and the
  * chunks past a query's visible keys exit at once, so the arithmetic is the same) */
@@ -295,6 +408,9 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
                        head_dim);
     if (T == 0) return KD_OK;
     if (S == 0) return kd_fail(KD_ERR_ARG, "cuda attention: no key rows");
+    if (tc_enabled() && head_dim <= mla::TC_HD_MAX && dv <= mla::TC_DV_MAX)
+        return attention_tc(be, q, n_heads, head_dim, k, v, n_kv_heads, past, d_past, causal, visible, window, scale,
+                            out, kstride, vstride, dv);
 
     AttnArgs a = {};
     a.q = q.data; a.ldq = q.ld;

@@ -1,0 +1,376 @@
+/* mla_tc.cuh: the tensor-core attention kernel (included by mla.cu after mla_mma.cuh; also
+ * compiled on the CPU by scripts/bench/mla_emu/ against an emulation of mla_mma.cuh).
+ *
+ * What it computes, per (query t, query head h) "row" and per chunk c of TC_CHUNK ordinals
+ * (the same ordinals as the CUDA-core kernel in mla.cu: the query's visible key rows in row
+ * order, cut at fixed multiples of TC_CHUNK):
+ *   s_j  = (q_h . k_j) * scale * log2(e)       fp32, bf16 inputs, mma over the key dims in
+ *                                               16-dim steps in ascending order
+ *   m    = max_j s_j;  p_j = bf16(exp2(s_j - m)) (masked keys: p_j = 0)
+ *   l    = (sum of p_j over keys [0,256) of the chunk) + (sum over [256,512)), each half
+ *          summed by one warp in a fixed lane/register order and a fixed quad shuffle tree
+ *   o    = sum_j p_j v_j                        fp32 mma over 32 fixed 16-key steps
+ * and writes (m, l, o) as the chunk's partial; tc_merge_kernel combines the chunks of a row
+ * in chunk order: M = max m_c, L = sum l_c 2^(m_c-M), out = sum o_c 2^(m_c-M) / L.
+ *
+ * Block shape: 64 rows (4 groups of 16, the mma M dimension) x one chunk x one kv head.
+ * Rows are (query, head) pairs: 64 heads of one query for MLA, 8 queries x 8 heads for
+ * 8 heads, etc. All rows of a block share one staged key/value tile when their ordinals
+ * map to the same cache rows: causal or full attention (ordinal = row), and in tree mode
+ * (bitmask) the chunks lying wholly in the committed prefix (ordinal = row < past: the
+ * "shared" launch). Tree-mode chunks that reach into the new rows are per query (the
+ * "tail" launch: a block holds one query's heads and stages that query's rows).
+ *
+ * Why a row's bits do not depend on T, the batch, or the other rows of its block
+ * (decode alone == prefill row == tree node; attention == attention_at):
+ *  - the chunking is a function of the row's own ordinals (fixed TC_CHUNK);
+ *  - mma rows are independent: D[i][n] = sum_k A[i][k] B[k][n] + C[i][n] reads only row i
+ *    of A, so other rows (other queries, padding rows) never enter a row's sums;
+ *  - a row's scores s_j are columns of Q K^T, each computed over the key dims in the same
+ *    fixed k-step order whatever else is in the tile;
+ *  - the tile position of ordinal o is o - c*TC_CHUNK in every launch. Tile positions past
+ *    this row's visible count hold zeros (nothing loaded: the T = 1 case) or other rows'
+ *    keys (a batch): either way this row's p there is exactly 0, so the P.V products at
+ *    those positions are zero in both cases, and all 32 key steps of P.V always run (no
+ *    step is skipped on a batch-dependent bound);
+ *  - softmax max/sum, the l sum and the merge run in orders fixed by the chunk size alone.
+ * The tile source (cp.async or plain loads: alignment of the buffers) does not change the
+ * staged values, so it does not change the arithmetic either.
+ *
+ * Precision: scores fp32 from bf16 q and cache; P is rounded to bf16 for the P.V mma (as
+ * FlashAttention does), and l sums the rounded p, so the weights are normalised exactly as
+ * used; o, m, l and the merge are fp32. */
+#ifndef KD_MLA_TC_CUH
+#define KD_MLA_TC_CUH
+
+namespace mla {
+
+constexpr int TC_CHUNK = 512;              /* ordinals per chunk: fixed, never from T or S */
+constexpr int TC_ROWS = 64;                /* (query, head) rows per block */
+constexpr int TC_THREADS = 256;            /* warp w: row group w >> 1, half w & 1 */
+constexpr int TC_STAGES = 4;               /* cp.async pipeline depth (slabs) */
+constexpr int TC_KSLAB = 128;              /* phase 1 slab: 128 keys x 64 key dims */
+constexpr int TC_P1LD = 64 + 8;            /* its row stride (bf16): 9 x 16 bytes, conflict-free */
+constexpr int TC_PLD = TC_CHUNK + 8;       /* P row stride (bf16): 65 x 16 bytes */
+constexpr int TC_KSTEPS = TC_CHUNK / 16;   /* phase 2: one slab = 16 keys x DVP value dims */
+constexpr int TC_HD_MAX = 576, TC_DV_MAX = 512;
+constexpr int TC_STAGE_BYTES = TC_KSLAB * TC_P1LD * 2;   /* 18432 >= 16 * (512 + 8) * 2 */
+
+struct TcArgs {
+    const uint16_t *q; long long ldq;
+    const uint16_t *k; long long ldk; int kstride;
+    const uint16_t *v; long long ldv; int vstride;
+    int T, S, past, Hq, G, hd, dv, HDP;
+    bool causal; int window; float scale2;        /* scale * log2(e) */
+    const int32_t *vis_list; const int32_t *vis_cnt;   /* bitmask mode: per query, visible new rows */
+    int t0, tb;                                   /* this launch's queries [t0, t0 + tb) */
+    const int32_t *d_past;                        /* attention_at: past on the device */
+    int nc_max;                                   /* chunk slots per (query, head) in the partials */
+    float *pm, *pl, *po;                          /* partials [tb][Hq][nc_max] (+ [dv] for po) */
+    int tail, rb_per_q;                           /* tail launch; row blocks per query there */
+    bool qvec;                                    /* q rows may be read 16 bytes at a time */
+};
+
+__device__ __forceinline__ void tc_past_rows(const TcArgs &a, int *past, int *S) {
+    if (!a.d_past) { *past = a.past; *S = a.S; return; }
+    int p = a.d_past[0];
+    p = p < 0 ? 0 : p;
+    p = p > a.S - a.T ? a.S - a.T : p;
+    *past = p; *S = p + a.T;
+}
+__device__ __forceinline__ int tc_nvis(const TcArgs &a, int past, int S, int t) {
+    if (a.vis_list) return past + a.vis_cnt[t];
+    if (a.causal) return S < past + t + 1 ? S : past + t + 1;
+    return S;
+}
+__device__ __forceinline__ int tc_ordinal_row(const TcArgs &a, int past, int t, int o) {
+    if (a.vis_list && o >= past) return past + a.vis_list[(size_t)t * a.T + (o - past)];
+    return o;
+}
+
+/* 8 bf16 of row `row` (cols d0..d0+7 of n) -> dst; missing row or cols: zeros */
+template <bool ASYNC>
+__device__ __forceinline__ void tc_copy8(uint16_t *dst, const uint16_t *base, int row, long long ld, int d0, int n) {
+    if (ASYNC) {   /* n % 8 == 0 and 16-byte aligned rows: d0 < n means all 8 are in range */
+        bool ok = row >= 0 && d0 < n;
+        cp16(dst, ok ? (const void *)(base + (size_t)row * ld + d0) : (const void *)base, ok);
+    } else {
+        for (int e = 0; e < 8; e++)
+            dst[e] = (row >= 0 && d0 + e < n) ? base[(size_t)row * ld + d0 + e] : (uint16_t)0;
+    }
+}
+
+/* slab s of the block's sequence: s < ns1: keys [kg*128, +128) x key dims [ds*64, +64)
+ * (kg = s / nds, ds = s % nds), stored [key][TC_P1LD]; else 16 keys [ks*16, +16) x DVP
+ * value dims, stored [key][DVP + 8] (ks = s - ns1). Keys at or past n_load: zeros. */
+template <int DVP, bool ASYNC>
+__device__ __forceinline__ void tc_load_slab(const TcArgs &a, uint16_t *dst, int s, int ns1, int nds,
+                                             const int *row_s, int n_load, int g) {
+    const int tid = threadIdx.x;
+    if (s < ns1) {
+        const int kg = s / nds, ds = s % nds;
+        const uint16_t *base = a.k + (size_t)g * a.kstride;
+        for (int i = tid; i < TC_KSLAB * 8; i += TC_THREADS) {
+            int r = i >> 3, u = i & 7, j = kg * TC_KSLAB + r;
+            tc_copy8<ASYNC>(dst + r * TC_P1LD + u * 8, base, j < n_load ? row_s[j] : -1, a.ldk, ds * 64 + u * 8, a.hd);
+        }
+    } else {
+        const int ks = s - ns1;
+        constexpr int U = DVP / 8;
+        const uint16_t *base = a.v + (size_t)g * a.vstride;
+        for (int i = tid; i < 16 * U; i += TC_THREADS) {
+            int r = i / U, u = i % U, j = ks * 16 + r;
+            tc_copy8<ASYNC>(dst + r * (DVP + 8) + u * 8, base, j < n_load ? row_s[j] : -1, a.ldv, u * 8, a.dv);
+        }
+    }
+}
+
+/* bytes of dynamic shared memory for key dims padded to HDP */
+static inline size_t tc_smem_bytes(int HDP) {
+    return (size_t)TC_ROWS * (HDP + 8) * 2 + (size_t)TC_ROWS * TC_PLD * 2 + (size_t)TC_STAGES * TC_STAGE_BYTES +
+           (size_t)TC_CHUNK * 4 + (size_t)4 * TC_ROWS * 4 + (size_t)4 * TC_ROWS * 4 + 16;
+}
+
+/* grid: x = chunk (tail: chunk - past / TC_CHUNK), y = row block (tail: query * rb_per_q +
+ * row block), z = kv head. DVP: value dims padded (32..512, a power of two). */
+template <int DVP, bool ASYNC>
+__global__ void __launch_bounds__(TC_THREADS, 1) tc_chunk_kernel(TcArgs a) {
+#ifdef KD_MLA_EMU
+    unsigned char *smem = mla_emu_smem();
+#else
+    extern __shared__ __align__(16) unsigned char smem[];
+#endif
+    constexpr int NT2 = DVP / 16;                  /* phase 2 n-tiles per warp (DVP / 2 dims) */
+    const int HDP = a.HDP, QLD = HDP + 8, nds = HDP / 64;
+    uint16_t *q_s = (uint16_t *)smem;                                   /* [64][QLD] */
+    uint16_t *p_s = q_s + TC_ROWS * QLD;                                /* [64][TC_PLD] */
+    unsigned char *st_s = (unsigned char *)(p_s + TC_ROWS * TC_PLD);    /* [STAGES][STAGE_BYTES] */
+    int *row_s = (int *)(st_s + TC_STAGES * TC_STAGE_BYTES);            /* [CHUNK] cache row of tile pos */
+    int *nv_s = row_s + TC_CHUNK;                                       /* [64] visible keys in the chunk */
+    int *qr_s = nv_s + TC_ROWS;                                         /* [64] the query's cache row */
+    int *t_s = qr_s + TC_ROWS;                                          /* [64] query index, -1: inert */
+    int *h_s = t_s + TC_ROWS;                                           /* [64] query head */
+    float *red_s = (float *)(h_s + TC_ROWS);                            /* [2][64] max, [2][64] l */
+    int *nl_s = (int *)(red_s + 4 * TC_ROWS);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, rg = warp >> 1, half = warp & 1;
+    const int g = blockIdx.z;
+    int past, S;
+    tc_past_rows(a, &past, &S);
+    int c, tq = 0, rbase;
+    if (a.tail) {
+        c = past / TC_CHUNK + (int)blockIdx.x;
+        tq = (int)blockIdx.y / a.rb_per_q;
+        rbase = ((int)blockIdx.y % a.rb_per_q) * TC_ROWS;
+    } else {
+        c = blockIdx.x;
+        rbase = (int)blockIdx.y * TC_ROWS;
+        if (a.vis_list && (c + 1) * TC_CHUNK > past) return;   /* not wholly in the prefix: tail launch */
+    }
+    const int o0 = c * TC_CHUNK;
+
+    if (tid < TC_ROWS) {
+        int R = rbase + tid, t = -1, hh = 0;
+        if (a.tail) { if (R < a.G) { t = a.t0 + tq; hh = R; } }
+        else if (R < a.tb * a.G) { t = a.t0 + R / a.G; hh = R % a.G; }
+        int nv = 0;
+        if (t >= 0) {
+            nv = tc_nvis(a, past, S, t) - o0;
+            nv = nv < 0 ? 0 : nv > TC_CHUNK ? TC_CHUNK : nv;
+        }
+        t_s[tid] = nv > 0 ? t : -1;
+        h_s[tid] = g * a.G + hh;
+        nv_s[tid] = nv;
+        qr_s[tid] = past + (t >= 0 ? t : 0);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int m = 0;
+        for (int r = 0; r < TC_ROWS; r++) m = nv_s[r] > m ? nv_s[r] : m;
+        nl_s[0] = m;
+    }
+    __syncthreads();
+    const int n_load = nl_s[0];
+    if (n_load == 0) return;
+
+    for (int j = tid; j < TC_CHUNK; j += TC_THREADS)
+        row_s[j] = j < n_load ? (a.tail ? tc_ordinal_row(a, past, a.t0 + tq, o0 + j) : o0 + j) : -1;
+    for (int i = tid; i < TC_ROWS * (HDP / 8); i += TC_THREADS) {
+        int r = i / (HDP / 8), d0 = (i % (HDP / 8)) * 8, t = t_s[r];
+        uint16_t *dst = q_s + r * QLD + d0;
+        if (a.qvec) {
+            uint4 w = make_uint4(0u, 0u, 0u, 0u);
+            if (t >= 0 && d0 < a.hd) w = *(const uint4 *)(a.q + (size_t)t * a.ldq + (size_t)h_s[r] * a.hd + d0);
+            *(uint4 *)dst = w;
+        } else {
+            for (int e = 0; e < 8; e++)
+                dst[e] = (t >= 0 && d0 + e < a.hd) ? a.q[(size_t)t * a.ldq + (size_t)h_s[r] * a.hd + d0 + e] : (uint16_t)0;
+        }
+    }
+    __syncthreads();
+
+    const int kg_n = (n_load + TC_KSLAB - 1) / TC_KSLAB;
+    const int ns1 = kg_n * nds, ns = ns1 + TC_KSTEPS;
+#define TC_STAGE(i) ((uint16_t *)(st_s + (size_t)((i) % TC_STAGES) * TC_STAGE_BYTES))
+    for (int s0 = 0; s0 < TC_STAGES - 1; s0++) {
+        if (s0 < ns) tc_load_slab<DVP, ASYNC>(a, TC_STAGE(s0), s0, ns1, nds, row_s, n_load, g);
+        cp_commit();
+    }
+
+    /* ---- phase 1: S = Q K^T; warp (rg, half) owns rows rg*16.. and keys kg*128 + half*64 + [0,64) ---- */
+    float sc[4][8][4];
+#pragma unroll
+    for (int kg = 0; kg < 4; kg++)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) sc[kg][nt][e] = 0.0f;
+    int s = 0;
+    const uint16_t *qa = q_s + (rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * QLD + (lane >> 4) * 8;
+    const int kb_off = (half * 64 + ((lane >> 4) << 3) + (lane & 7)) * TC_P1LD + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int kg = 0; kg < 4; kg++) {
+        if (kg < kg_n) {
+            for (int ds = 0; ds < nds; ds++, s++) {
+                cp_wait<TC_STAGES - 2>();
+                __syncthreads();
+                if (s + TC_STAGES - 1 < ns)
+                    tc_load_slab<DVP, ASYNC>(a, TC_STAGE(s + TC_STAGES - 1), s + TC_STAGES - 1, ns1, nds, row_s, n_load, g);
+                cp_commit();
+                const uint16_t *ks = TC_STAGE(s);
+#pragma unroll
+                for (int kk = 0; kk < 4; kk++) {
+                    uint32_t af[4];
+                    ldsm_x4(af, qa + ds * 64 + kk * 16);
+#pragma unroll
+                    for (int np = 0; np < 4; np++) {
+                        uint32_t bfr[4];
+                        ldsm_x4(bfr, ks + kb_off + np * 16 * TC_P1LD + kk * 16);
+                        mma16816(sc[kg][2 * np], af, bfr);
+                        mma16816(sc[kg][2 * np + 1], af, bfr + 2);
+                    }
+                }
+            }
+        }
+    }
+
+    /* ---- softmax over the chunk: rows r0 (c0, c1) and r0 + 8 (c2, c3) of this thread ---- */
+    const int r0 = rg * 16 + (lane >> 2);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int kg = 0; kg < 4; kg++)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int hr = e >> 1, row = r0 + hr * 8;
+                const int j = kg * TC_KSLAB + half * 64 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                bool ok = j < nv_s[row] && (a.window <= 0 || qr_s[row] - row_s[j] < a.window);
+                float v = ok ? sc[kg][nt][e] * a.scale2 : -INFINITY;
+                sc[kg][nt][e] = v;
+                mx[hr] = fmaxf(mx[hr], v);
+            }
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        mx[hr] = fmaxf(mx[hr], shfl_xor(mx[hr], 1));
+        mx[hr] = fmaxf(mx[hr], shfl_xor(mx[hr], 2));
+        if ((lane & 3) == 0) red_s[half * TC_ROWS + r0 + hr * 8] = mx[hr];
+    }
+    __syncthreads();
+    float m[2], ls[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) m[hr] = fmaxf(red_s[r0 + hr * 8], red_s[TC_ROWS + r0 + hr * 8]);
+#pragma unroll
+    for (int kg = 0; kg < 4; kg++)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                const int row = r0 + hr * 8;
+                const int j = kg * TC_KSLAB + half * 64 + nt * 8 + 2 * (lane & 3);
+                float v0 = sc[kg][nt][2 * hr], v1 = sc[kg][nt][2 * hr + 1];
+                uint16_t b0 = v0 == -INFINITY ? (uint16_t)0 : f2bf(exp2f(v0 - m[hr]));
+                uint16_t b1 = v1 == -INFINITY ? (uint16_t)0 : f2bf(exp2f(v1 - m[hr]));
+                *(uint32_t *)(p_s + row * TC_PLD + j) = (uint32_t)b0 | ((uint32_t)b1 << 16);
+                ls[hr] += bf2f(b0);
+                ls[hr] += bf2f(b1);
+            }
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        ls[hr] += shfl_xor(ls[hr], 1);
+        ls[hr] += shfl_xor(ls[hr], 2);
+        if ((lane & 3) == 0) red_s[2 * TC_ROWS + half * TC_ROWS + r0 + hr * 8] = ls[hr];
+    }
+
+    /* ---- phase 2: O = P V; warp (rg, half) owns rows rg*16.. and value dims half*DVP/2 + [0, DVP/2) ---- */
+    float oacc[NT2][4];
+#pragma unroll
+    for (int nt = 0; nt < NT2; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) oacc[nt][e] = 0.0f;
+    const uint16_t *pa = p_s + (rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * TC_PLD + (lane >> 4) * 8;
+    const int vb_off = (((lane >> 3) & 1) * 8 + (lane & 7)) * (DVP + 8) + half * (DVP / 2) + (lane >> 4) * 8;
+    for (int ks = 0; ks < TC_KSTEPS; ks++, s++) {
+        cp_wait<TC_STAGES - 2>();
+        __syncthreads();   /* also publishes P (written above) before the first step */
+        if (s + TC_STAGES - 1 < ns)
+            tc_load_slab<DVP, ASYNC>(a, TC_STAGE(s + TC_STAGES - 1), s + TC_STAGES - 1, ns1, nds, row_s, n_load, g);
+        cp_commit();
+        const uint16_t *vs = TC_STAGE(s);
+        uint32_t af[4];
+        ldsm_x4(af, pa + ks * 16);
+#pragma unroll
+        for (int np = 0; np < NT2 / 2; np++) {
+            uint32_t bfr[4];
+            ldsm_x4_trans(bfr, vs + vb_off + np * 16);
+            mma16816(oacc[2 * np], af, bfr);
+            mma16816(oacc[2 * np + 1], af, bfr + 2);
+        }
+    }
+    cp_wait<0>();
+#undef TC_STAGE
+
+    /* ---- partials (m, l, o) of this chunk for the block's live rows ---- */
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int row = r0 + hr * 8, t = t_s[row];
+        if (t < 0) continue;
+        const size_t slot = ((size_t)(t - a.t0) * a.Hq + h_s[row]) * a.nc_max + c;
+        if (half == 0 && (lane & 3) == 0) {
+            a.pm[slot] = m[hr];
+            a.pl[slot] = red_s[2 * TC_ROWS + row] + red_s[3 * TC_ROWS + row];
+        }
+        float *po = a.po + slot * a.dv;
+#pragma unroll
+        for (int nt = 0; nt < NT2; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int d = half * (DVP / 2) + nt * 8 + 2 * (lane & 3) + e;
+                if (d < a.dv) po[d] = oacc[nt][2 * hr + e];
+            }
+    }
+}
+
+/* grid: x = query head, y = query within the launch; the chunks of a row in chunk order */
+__global__ void tc_merge_kernel(TcArgs a, void *out, int odt, long long ldo) {
+    const int h = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
+    int past, S;
+    tc_past_rows(a, &past, &S);
+    const int nvis = tc_nvis(a, past, S, t);
+    const int nc = (nvis + TC_CHUNK - 1) / TC_CHUNK;
+    const size_t base = ((size_t)tb * a.Hq + h) * a.nc_max;
+    float M = -INFINITY;
+    for (int c = 0; c < nc; c++) M = fmaxf(M, a.pm[base + c]);
+    float L = 0.0f;
+    for (int c = 0; c < nc; c++)
+        if (a.pm[base + c] != -INFINITY) L += a.pl[base + c] * exp2f(a.pm[base + c] - M);
+    for (int d = threadIdx.x; d < a.dv; d += blockDim.x) {
+        float o = 0.0f;
+        for (int c = 0; c < nc; c++)
+            if (a.pm[base + c] != -INFINITY) o += a.po[(base + c) * a.dv + d] * exp2f(a.pm[base + c] - M);
+        kd_st(out, odt, (size_t)t * ldo + (size_t)h * a.dv + d, M == -INFINITY || L == 0.0f ? 0.0f : o / L);
+    }
+}
+
+}  // namespace mla
+#endif
