@@ -19,6 +19,9 @@
  *   part order 0..parts-1 (no workspace, no atomics).
  * Work items (token tile, n-block) are walked by a grid-stride loop over clusters, so the MoE
  *   can launch a fixed grid while the number of tiles is known only on the device.
+ * The skinny kernel (plain GEMM, M <= 8 or 16): the same arithmetic with one 16-row tile per
+ *   block and one warp per part, its weights fetched whole by bulk copies at entry (see
+ *   w4a16_skinny_kernel). config_for picks it where the H200 timings say it is faster.
  */
 #include "w4a16.cuh"
 #include <cuda_bf16.h>
@@ -211,6 +214,69 @@ __device__ __forceinline__ unsigned cluster_rank() {
 template <int MT8, int NT, int WN>
 struct W4MinBlocks { static constexpr int value = MT8 <= 2 ? 512 / (WN * 32) : 1; };
 
+/* The epilogue of a block's work item: fragment (i, j, r) is weight row 16*tile + lane/4 (+8
+ * for r >= 2), token 8j + 2*(lane%4) (+1 for odd r). One part: stored directly. Several: split-K
+ * inside the cluster: every block leaves its partial tile in its own shared memory
+ * [slot*16 + row][token]; after a cluster barrier, block `rank` adds the parts for its share of
+ * the tile in part order 0..parts-1 and stores it. `smem` must hold SLOTS*16*BM floats and be
+ * free (every warp has finished reading its stages). Ends with the block synchronised. */
+template <int MT8, int NT, int WN, bool DUAL>
+__device__ __forceinline__ void store_tile(const W4Args &a, const float (&acc)[NT][MT8][4], const int (&slot_tile)[NT],
+                                           int row0, int rows, int nbi, int part, unsigned char *smem) {
+    constexpr int BM = MT8 * 8, THREADS = WN * 32, SLOTS = WN * NT;
+    constexpr int OUT_SLOTS = DUAL ? WN : SLOTS;    /* 16-row output tiles per block */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gr = lane >> 2, tq = (lane & 3) * 2;
+    if (a.parts == 1) {
+#pragma unroll
+        for (int i = 0; i < (DUAL ? 1 : NT); i++)
+#pragma unroll
+            for (int j = 0; j < MT8; j++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    int n = slot_tile[i] * 16 + gr + (r >= 2 ? 8 : 0), t = j * 8 + tq + (r & 1);
+                    if (n >= a.n || t >= rows) continue;
+                    float v = DUAL ? silu_mul(acc[0][j][r], acc[1][j][r]) : acc[i][j][r];
+                    store_out(a.y, a.y_f32, (size_t)(row0 + t) * a.ldy + n, v);
+                }
+        __syncthreads();   /* shared memory is reused by the next item */
+        return;
+    }
+    float *pbuf = (float *)smem;
+    __syncthreads();   /* the last stage has been read by every warp */
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int j = 0; j < MT8; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                int row = (warp * NT + i) * 16 + gr + (r >= 2 ? 8 : 0), t = j * 8 + tq + (r & 1);
+                pbuf[row * BM + t] = acc[i][j][r];
+            }
+    cluster_sync_all();
+    const int width = OUT_SLOTS * 16, n0 = (DUAL ? nbi * WN : nbi * SLOTS) * 16;
+    const int e_total = rows * width;
+    const int e_beg = (int)((long long)e_total * part / a.parts);
+    const int e_end = (int)((long long)e_total * (part + 1) / a.parts);
+    for (int e = e_beg + tid; e < e_end; e += THREADS) {
+        int t = e / width, nl = e - t * width, n = n0 + nl;
+        if (n >= a.n) continue;
+        int rg = DUAL ? (nl >> 4) * 32 + (nl & 15) : nl;   /* gate (or plain) row in pbuf */
+        const float *pg = pbuf + rg * BM + t;
+        float v = 0.0f, u = 0.0f;
+        for (int p = 0; p < a.parts; p++) {
+            float gv = ld_cluster(cluster_addr(pg, (unsigned)p));
+            v = p == 0 ? gv : v + gv;
+            if (DUAL) {
+                float uv = ld_cluster(cluster_addr(pg + 16 * BM, (unsigned)p));
+                u = p == 0 ? uv : u + uv;
+            }
+        }
+        store_out(a.y, a.y_f32, (size_t)(row0 + t) * a.ldy + n, DUAL ? silu_mul(v, u) : v);
+    }
+    cluster_sync_all();   /* peers are done reading this block's partials */
+}
+
 /* Grid: clusters of `parts` blocks (one block per part of K, rank = part); a cluster walks
  * work items (token tile, n-block) with a grid-stride loop over clusters.
  * Per element the arithmetic is the same in every configuration: for each scale group in k
@@ -220,7 +286,6 @@ template <int MT8, int NT, int WN, int SC, int STAGES, bool DUAL>
 __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4a16_gemm_kernel(const W4Args a) {
     typedef W4Shape<MT8, NT, WN, SC, STAGES> S;
     constexpr int BM = S::BM, THREADS = S::THREADS, SLOTS = S::SLOTS, XR = S::XR, XPT = S::XPT;
-    constexpr int OUT_SLOTS = DUAL ? WN : SLOTS;    /* 16-row output tiles per block */
     static_assert(!DUAL || NT == 2, "DUAL pairs a gate slot with an up slot");
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ long long row_off[BM];
@@ -419,60 +484,168 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
         }
         cp_async_wait<0>();
 
-        /* ---- epilogue: fragment (i, j, r) is weight row 16*tile + lane/4 (+8 for r >= 2),
-         * token 8j + 2*(lane%4) (+1 for odd r) */
-        const int gr = lane >> 2, tq = (lane & 3) * 2;
-        if (a.parts == 1) {
+        store_tile<MT8, NT, WN, DUAL>(a, acc, slot_tile, row0, rows, nbi, part, smem);
+    }
+}
+
+/* ---------------------------------------------------------------- the small-M kernel */
+/* mbarrier + bulk copy (TMA, sm_90+): one thread starts a copy global -> shared that
+ * completes a transaction count on an mbarrier; the warp then waits on the barrier's phase 0 */
+__device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait0(uint64_t *bar) {
+    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+                 "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_inval(uint64_t *bar) {
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+/* shared memory of the skinny kernel, in bytes from the start: the barriers (one per chunk of
+ * each part), the weights of every part, their scale words, the activations */
+struct SkinnyLayout {
+    int bars, w, s, x, total;
+};
+__host__ __device__ inline SkinnyLayout skinny_layout(int m, int kc, int parts, int nch, int groups_per_part) {
+    SkinnyLayout L;
+    L.bars = 0;
+    L.w = (parts * nch * 8 + 15) & ~15;
+    L.s = L.w + parts * nch * 512;
+    L.x = L.s + parts * groups_per_part * 32;
+    L.total = L.x + m * (kc * CHUNK_K + 8) * 2;
+    return L;
+}
+
+/* Plain GEMM with M <= BM = 8*MT8 <= 16, one 16-row weight tile per block and one warp per
+ * part of K: the arithmetic order of w4a16_gemm_kernel exactly (same bits: per part the
+ * scale groups in k order, then the parts added in order 0..parts-1, here through shared
+ * memory instead of a cluster). What differs is how the bytes arrive. At entry, before
+ * waiting for the previous grid, one lane per warp starts a bulk copy (TMA) of each of the
+ * NCH chunks of its part, each on its own mbarrier: every weight byte of the launch is
+ * requested at once, by the copy engine, while the load/store path stays free for the
+ * activations (all M rows, all of K) and the scale words. The warp then walks its chunks,
+ * waiting for each chunk's barrier just before using it. The group size (1 << GSHIFT) and
+ * NCH are compile-time, so the walk is straight-line code the compiler can interleave across
+ * scale groups. No clusters: blocks are placed freely, one wave at the K2.6 shapes. */
+template <int MT8, int GSHIFT, int NCH>
+__global__ void __launch_bounds__(512) w4a16_skinny_kernel(const W4Args a) {
+    constexpr int BM = MT8 * 8, NG = (NCH * CHUNK_K) >> GSHIFT;   /* scale groups per part */
+    static_assert(NG >= 1 && (NCH * CHUNK_K) % (1 << GSHIFT) == 0, "a part holds whole scale groups");
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int tid = threadIdx.x, lane = tid & 31, part = tid >> 5, threads = blockDim.x;
+    const int tile = blockIdx.x;
+    griddep_launch_dependents();
+    const int c0 = part * NCH;
+    const int XR = a.kc * CHUNK_K + 8;    /* +16 bytes per row: conflict-free ldmatrix */
+    const SkinnyLayout L = skinny_layout(a.m, a.kc, a.parts, NCH, NG);
+    uint64_t *bar = (uint64_t *)(smem + L.bars) + part * NCH;
+    const uint4 *sw = (const uint4 *)(smem + L.w) + part * NCH * 32 + lane;
+    uint32_t *ss = (uint32_t *)(smem + L.s) + part * NG * 8;
+    bf16 *sx = (bf16 *)(smem + L.x);
+
+    if (lane == 0) {
 #pragma unroll
-            for (int i = 0; i < (DUAL ? 1 : NT); i++)
+        for (int j = 0; j < NCH; j++) mbar_init(&bar[j], 1);
+        mbar_init_fence();
+        const uint4 *src = a.mat.q + ((size_t)tile * a.kc + c0) * 32;
 #pragma unroll
-                for (int j = 0; j < MT8; j++)
-#pragma unroll
-                    for (int r = 0; r < 4; r++) {
-                        int n = slot_tile[i] * 16 + gr + (r >= 2 ? 8 : 0), t = j * 8 + tq + (r & 1);
-                        if (n >= a.n || t >= rows) continue;
-                        float v = DUAL ? silu_mul(acc[0][j][r], acc[1][j][r]) : acc[i][j][r];
-                        store_out(a.y, a.y_f32, (size_t)(row0 + t) * a.ldy + n, v);
-                    }
-            __syncthreads();   /* row_off and the stages are reused by the next item */
-        } else {
-            /* split-K inside the cluster: every block leaves its partial tile in its own shared
-             * memory [slot*16 + row][token]; after a cluster barrier, block `rank` adds the parts
-             * for its share of the tile in part order 0..parts-1 and stores it */
-            float *pbuf = (float *)smem;
-            __syncthreads();   /* the last stage has been read by every warp */
-#pragma unroll
-            for (int i = 0; i < NT; i++)
-#pragma unroll
-                for (int j = 0; j < MT8; j++)
-#pragma unroll
-                    for (int r = 0; r < 4; r++) {
-                        int row = (warp * NT + i) * 16 + gr + (r >= 2 ? 8 : 0), t = j * 8 + tq + (r & 1);
-                        pbuf[row * BM + t] = acc[i][j][r];
-                    }
-            cluster_sync_all();
-            const int width = OUT_SLOTS * 16, n0 = (DUAL ? nbi * WN : nbi * SLOTS) * 16;
-            const int e_total = rows * width;
-            const int e_beg = (int)((long long)e_total * part / a.parts);
-            const int e_end = (int)((long long)e_total * (part + 1) / a.parts);
-            for (int e = e_beg + tid; e < e_end; e += THREADS) {
-                int t = e / width, nl = e - t * width, n = n0 + nl;
-                if (n >= a.n) continue;
-                int rg = DUAL ? (nl >> 4) * 32 + (nl & 15) : nl;   /* gate (or plain) row in pbuf */
-                const float *pg = pbuf + rg * BM + t;
-                float v = 0.0f, u = 0.0f;
-                for (int p = 0; p < a.parts; p++) {
-                    float gv = ld_cluster(cluster_addr(pg, (unsigned)p));
-                    v = p == 0 ? gv : v + gv;
-                    if (DUAL) {
-                        float uv = ld_cluster(cluster_addr(pg + 16 * BM, (unsigned)p));
-                        u = p == 0 ? uv : u + uv;
-                    }
-                }
-                store_out(a.y, a.y_f32, (size_t)(row0 + t) * a.ldy + n, DUAL ? silu_mul(v, u) : v);
-            }
-            cluster_sync_all();   /* peers are done reading this block's partials */
+        for (int j = 0; j < NCH; j++) bulk_load((uint4 *)(smem + L.w) + (part * NCH + j) * 32, src + j * 32, 512, &bar[j]);
+    }
+    {   /* the part's scale words: 32 bytes per group, 16 per copy */
+        const uint4 *src = (const uint4 *)(a.mat.s + ((size_t)tile * a.groups + ((c0 * CHUNK_K) >> GSHIFT)) * 8);
+        for (int p = lane; p < 2 * NG; p += 32) cp_async16((uint4 *)ss + p, src + p, true);
+    }
+
+    /* the M activation rows, all of K (k past K zero-filled) */
+    griddep_wait();
+    const int pieces = a.kc * (CHUNK_K / 8);
+    for (int row = 0; row < a.m; row++)
+        for (int kp = tid; kp < pieces; kp += threads) {
+            int k = kp * 8;
+            bool v = k < a.k;
+            cp_async16(sx + row * XR + k, v ? (const void *)(a.x + (size_t)row * a.ldx + k) : (const void *)a.x, v);
         }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();   /* also orders the barrier inits before every lane's wait */
+
+    float acc[MT8][4], tmp[MT8][4];
+#pragma unroll
+    for (int j = 0; j < MT8; j++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[j][r] = tmp[j][r] = 0.0f;
+    const uint32_t *sl = ss + (lane >> 2);
+    /* acc = fma(group sum, scale, acc) for group g of the part; the sum restarts */
+    auto fold = [&](int g) {
+        uint32_t sw2 = sl[g * 8];
+        float slo = __uint_as_float(sw2 << 16), shi = __uint_as_float(sw2 & 0xFFFF0000u);
+#pragma unroll
+        for (int j = 0; j < MT8; j++) {
+            acc[j][0] = fmaf(tmp[j][0], slo, acc[j][0]);
+            acc[j][1] = fmaf(tmp[j][1], slo, acc[j][1]);
+            acc[j][2] = fmaf(tmp[j][2], shi, acc[j][2]);
+            acc[j][3] = fmaf(tmp[j][3], shi, acc[j][3]);
+#pragma unroll
+            for (int r = 0; r < 4; r++) tmp[j][r] = 0.0f;
+        }
+    };
+    /* ldmatrix row addresses; rows past M read row M-1 (their output columns are never stored,
+     * and an mma column depends on its own B column alone) */
+    const bf16 *xl[MT8];
+#pragma unroll
+    for (int jt = 0; jt < MT8; jt++)
+        xl[jt] = sx + min(jt * 8 + (lane & 7), a.m - 1) * XR + ((lane >> 3) & 1) * 8 + c0 * CHUNK_K;
+#pragma unroll
+    for (int j = 0; j < NCH; j++) {
+        mbar_wait0(&bar[j]);
+        const uint4 wq = sw[j * 32];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            uint32_t b[MT8][2];
+#pragma unroll
+            for (int jt = 0; jt < MT8; jt++) ldmatrix_x2(b[jt][0], b[jt][1], xl[jt] + j * CHUNK_K + kk * 16);
+            uint32_t av[4];
+            dequant4(kk == 0 ? wq.x : kk == 1 ? wq.y : kk == 2 ? wq.z : wq.w, av);
+#pragma unroll
+            for (int jt = 0; jt < MT8; jt++) mma_bf16(tmp[jt], av, b[jt][0], b[jt][1]);
+            const int k_end = j * CHUNK_K + kk * 16 + 16;        /* within the part (parts start on a group) */
+            if ((k_end & ((1 << GSHIFT) - 1)) == 0) fold((k_end - 1) >> GSHIFT);
+        }
+    }
+
+    /* the parts' partial tiles [part][16 rows][BM tokens] (over the weights, which every warp
+     * has finished reading after the barrier), added in part order */
+    float *pbuf = (float *)(smem + L.w);
+    __syncthreads();
+    if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < NCH; j++) mbar_inval(&bar[j]);
+    const int gr = lane >> 2, tq = (lane & 3) * 2;
+#pragma unroll
+    for (int j = 0; j < MT8; j++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) pbuf[(part * 16 + gr + (r >= 2 ? 8 : 0)) * BM + j * 8 + tq + (r & 1)] = acc[j][r];
+    __syncthreads();
+    for (int e = tid; e < 16 * a.m; e += threads) {
+        int row = e / a.m, t = e - row * a.m, n = tile * 16 + row;
+        if (n >= a.n) continue;
+        float v = 0.0f;
+        for (int p = 0; p < a.parts; p++) {
+            float pv = pbuf[(p * 16 + row) * BM + t];
+            v = p == 0 ? pv : v + pv;
+        }
+        store_out(a.y, a.y_f32, (size_t)t * a.ldy + n, v);
     }
 }
 
@@ -580,23 +753,35 @@ __global__ void moe_combine_kernel(const float *__restrict__ y, const int *__res
 struct W4Config {
     const char *name;
     int mt8, nt, wn, sc, stages;
+    int skinny;   /* 1: w4a16_skinny_kernel (plain GEMM, M <= 8*mt8, where skinny_plan takes it) */
 };
-/* index = config id; dual (MoE gate+up) kernels use the same MT8 with NT = 2, WN = 4 */
+/* index = config id; dual (MoE gate+up) kernels use the same MT8 with NT = 2, WN = 4, and the
+ * MoE never takes a skinny configuration (it uses the pipelined kernel of the same MT8) */
 const W4Config CONFIGS[] = {
-    {"m8_nt2_w4", 1, 2, 4, 2, 3},  {"m8_nt1_w8", 1, 1, 8, 2, 3},  {"m16_nt2_w4", 2, 2, 4, 2, 3},
-    {"m16_nt1_w8", 2, 1, 8, 2, 3}, {"m32_nt2_w4", 4, 2, 4, 1, 6}, {"m64_nt2_w4", 8, 2, 4, 1, 4},
+    {"m8_nt2_w4", 1, 2, 4, 2, 3, 0},      {"m8_nt1_w8", 1, 1, 8, 2, 3, 0},      {"m16_nt2_w4", 2, 2, 4, 2, 3, 0},
+    {"m16_nt1_w8", 2, 1, 8, 2, 3, 0},     {"m32_nt2_w4", 4, 2, 4, 1, 6, 0},     {"m64_nt2_w4", 8, 2, 4, 1, 4, 0},
+    {"skinny_m8", 1, 1, 0, 0, 0, 1},      {"skinny_m16", 2, 1, 0, 0, 0, 1},
 };
 constexpr int N_CONFIGS = sizeof(CONFIGS) / sizeof(CONFIGS[0]);
 int g_force_config = -1;
 
-/* chosen from the H200 timings of 2026-11-30 (docs/performance.md); every configuration gives
- * the same bits, so this choice is free to change */
-int config_for_m(int m) {
-    if (g_force_config >= 0 && g_force_config < N_CONFIGS) return g_force_config;
+/* the pipelined configuration for M (also the fallback of a skinny one that does not apply) */
+int pipelined_config_for_m(int m) {
     if (m <= 8) return 0;
     if (m <= 16) return 3;
     if (m <= 32) return 4;
     return 5;
+}
+int sm_count();
+/* chosen from the H200 timings of 2026-11-30 (docs/performance.md); every configuration gives
+ * the same bits, so this choice is free to change. The skinny kernel wins at M = 1, and up to
+ * M = 8 when the weight has few 16-row tiles: each of its blocks stages all of the M
+ * activation rows, so their traffic grows with tiles x M (2048 x 7168: 128 tiles, faster to
+ * M = 8; 7168 x 2048: 448 tiles, faster at M = 1 only). */
+int config_for(int m, int n_tiles) {
+    if (g_force_config >= 0 && g_force_config < N_CONFIGS) return g_force_config;
+    if (m == 1 || (m <= 8 && n_tiles <= 2 * sm_count())) return 6;
+    return pipelined_config_for_m(m);
 }
 
 typedef void (*KernelFn)(const W4Args);
@@ -604,6 +789,7 @@ typedef void (*KernelFn)(const W4Args);
 struct Launch {
     KernelFn fn;
     int threads, smem, bm, slots_per_block;
+    bool skinny;   /* fn, threads and smem are then set per launch (skinny_plan) */
 };
 
 template <int MT8, int NT, int WN, int SC, int STAGES, bool DUAL>
@@ -614,6 +800,42 @@ Launch make_launch() {
     l.smem = W4Shape<MT8, NT, WN, SC, STAGES>::SMEM;
     l.bm = MT8 * 8;
     l.slots_per_block = DUAL ? WN : WN * NT;   /* output tiles of 16 rows per block */
+    l.skinny = false;
+    return l;
+}
+
+/* the shared memory a skinny kernel may take (set once per kernel); a launch that needs more
+ * (many rows of a long K) takes the pipelined kernel */
+constexpr int SKINNY_SMEM_MAX = 200 * 1024;
+
+/* The skinny kernel for (MT8, group, chunks per part); fn = NULL where none is built: group 32
+ * (Kimi K2.6's) with parts of 2, 4, 7 or 8 chunks (the K2.6 expert shapes: 7 and 4) */
+template <int MT8, int GSHIFT>
+KernelFn skinny_fn(int nch) {
+    switch (nch) {
+    case 2: return w4a16_skinny_kernel<MT8, GSHIFT, 2>;
+    case 4: return w4a16_skinny_kernel<MT8, GSHIFT, 4>;
+    case 7: return w4a16_skinny_kernel<MT8, GSHIFT, 7>;
+    case 8: return w4a16_skinny_kernel<MT8, GSHIFT, 8>;
+    default: return nullptr;
+    }
+}
+/* l.fn, l.threads, l.smem for one launch, or false when the skinny kernel does not take it
+ * (M above its tile, a group other than 32, a part length without a kernel, a short last
+ * part, or more shared memory than SKINNY_SMEM_MAX) */
+bool skinny_plan(Launch *l, int m, int kc, int parts, int cpp, int gshift) {
+    if (m > l->bm || gshift != 5 || kc != parts * cpp) return false;
+    l->fn = l->bm == 8 ? skinny_fn<1, 5>(cpp) : skinny_fn<2, 5>(cpp);
+    l->smem = skinny_layout(m, kc, parts, cpp, (cpp * CHUNK_K) >> gshift).total;
+    l->threads = 32 * parts;
+    return l->fn && l->smem <= SKINNY_SMEM_MAX;
+}
+
+Launch make_skinny(int mt8) {
+    Launch l = {};
+    l.bm = mt8 * 8;
+    l.slots_per_block = 1;
+    l.skinny = true;
     return l;
 }
 
@@ -632,12 +854,20 @@ Launch get_launch(int cfg, bool dual) {
     case 2: return make_launch<2, 2, 4, 2, 3, false>();
     case 3: return make_launch<2, 1, 8, 2, 3, false>();
     case 4: return make_launch<4, 2, 4, 1, 6, false>();
+    case 6: return make_skinny(1);
+    case 7: return make_skinny(2);
     default: return make_launch<8, 2, 4, 1, 4, false>();
     }
 }
+/* the MoE's kernels for a configuration (a skinny one maps to the pipelined one of its MT8) */
+Launch moe_launch(int cfg, bool dual) {
+    if (CONFIGS[cfg].skinny) cfg = CONFIGS[cfg].mt8 == 1 ? 0 : 2;
+    return get_launch(cfg, dual);
+}
 
-/* the most blocks of one cluster: 8, the portable size (16-block clusters scheduled poorly) */
-int max_parts() { return 8; }
+/* the most parts of K: 16 (the pipelined kernel then takes non-portable 16-block clusters;
+ * the skinny kernel, 16 warps of one block) */
+int max_parts() { return 16; }
 
 /* per (kernel, device): the dynamic shared memory limit, the carveout (all shared memory,
  * so several blocks fit per SM) and clusters of 16 */
@@ -658,6 +888,7 @@ kd_status prepare_kernel(KernelFn fn, int smem) {
     cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e == cudaSuccess && n_done < MAXK) {
         done_fn[n_done] = fn;
         done_dev[n_done] = dev;
@@ -693,10 +924,11 @@ void fill_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attr, const Launc
 }
 
 kd_status launch(const Launch &l, int clusters, const W4Args &args, bool pdl, cudaStream_t st) {
-    KD_TRY(prepare_kernel(l.fn, l.smem));
+    KD_TRY(prepare_kernel(l.fn, l.skinny ? SKINNY_SMEM_MAX : l.smem));
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr[2];
-    fill_config(&cfg, attr, l, clusters * args.parts, args.parts, pdl, st);
+    if (l.skinny) fill_config(&cfg, attr, l, clusters, 1, pdl, st);   /* blocks = tiles, no cluster */
+    else fill_config(&cfg, attr, l, clusters * args.parts, args.parts, pdl, st);
     W4_CUDA(cudaLaunchKernelEx(&cfg, l.fn, args));
     return KD_OK;
 }
@@ -708,9 +940,9 @@ int groups_pad_of(int k, int group) { return (kc_of(k) * CHUNK_K + group - 1) / 
 
 /* The fixed split of K: parts (P) and chunks per part (cpp), a function of the shape only.
  * warp_tiles = the 16-row weight tiles one launch streams besides the split (n/16, times
- * top_k for the MoE); P (a power of two, at most 8) brings the launch to `target` warp-tiles
+ * top_k for the MoE); P (a power of two, at most 16) brings the launch to `target` warp-tiles
  * (latency hiding at small M), keeping at least two chunks per part. The plain GEMM aims at
- * 1536 (K2.6: 2048 x 7168 -> 8 parts, 7168 x 2048 -> 4), the MoE at 1024 (its expert
+ * 1536 (K2.6: 2048 x 7168 -> 16 parts, 7168 x 2048 -> 4), the MoE at 1024 (its expert
  * tiles are many: K2.6 experts take no split; tensor-parallel slices do). */
 int g_force_parts = 0;
 void split_of(int k, int group, long long warp_tiles, long long target, int *parts, int *cpp) {
@@ -829,7 +1061,9 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
         return kd_fail(KD_ERR_ARG, "w4a16 gemm: codes/scales must be 16-byte aligned");
     int parts, cpp;
     split_of(k, group, tiles_of(n), TARGET_GEMM, &parts, &cpp);
-    Launch l = get_launch(config_for_m(m), false);
+    Launch l = get_launch(config_for(m, tiles_of(n)), false);
+    if (l.skinny && !skinny_plan(&l, m, kc_of(k), parts, cpp, log2_of(group)))
+        l = get_launch(pipelined_config_for_m(m), false);
     W4Args a = {};
     a.x = (const bf16 *)x;
     a.ldx = ldx;
@@ -842,7 +1076,7 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
     a.y = y; a.ldy = ldy; a.y_f32 = y_f32;
     long long items = (long long)((m + l.bm - 1) / l.bm) * a.nb;
     if (items * parts > 0x7fffffffLL) return kd_fail(KD_ERR_ARG, "w4a16 gemm: m %d is too large for one launch", m);
-    return launch(l, (int)items, a, (flags & KD_W4A16_PDL) != 0, st);
+    return launch(l, l.skinny ? a.n_tiles : (int)items, a, (flags & KD_W4A16_PDL) != 0, st);
 }
 
 /* ---------------------------------------------------------------- MoE */
@@ -865,7 +1099,7 @@ int moe_config(const kd_w4a16_moe_shape *s, int T) {
 MoeLayout moe_layout(const kd_w4a16_moe_shape *s, int T) {
     MoeLayout L = {};
     L.cfg = moe_config(s, T);
-    Launch gu = get_launch(L.cfg, true), dn = get_launch(L.cfg, false);
+    Launch gu = moe_launch(L.cfg, true), dn = moe_launch(L.cfg, false);
     L.tk = T * s->top_k;
     L.tiles_max = (L.tk + gu.bm - 1) / gu.bm + (L.tk < s->n_experts ? L.tk : s->n_experts);
     split_of(s->hidden, s->group, (long long)tiles_of(s->inter) * s->top_k, TARGET_MOE, &L.parts_gu, &L.cpp_gu);
@@ -916,7 +1150,7 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     bf16 *act = (bf16 *)(b + L.o_act);
     float *yv = (float *)(b + L.o_y);
 
-    Launch gu = get_launch(L.cfg, true), dn = get_launch(L.cfg, false);
+    Launch gu = moe_launch(L.cfg, true), dn = moe_launch(L.cfg, false);
     if (plan_smem > 48 * 1024)
         W4_CUDA(cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan_smem));
     moe_plan_kernel<<<1, PLAN_THREADS, plan_smem, st>>>(ids, L.tk, s->top_k, s->n_experts, gu.bm, slot_of, row_tok,

@@ -115,6 +115,24 @@ __global__ void read_kernel(const uint4 *p, size_t n, unsigned *out) {
     if (acc == 0x12345678u) out[0] = acc;   /* keeps the loads; practically never stores */
 }
 /* SM clock probe: clock64 cycles over globaltimer nanoseconds on one block per SM */
+/* The same bytes as one GEMM (a weight's codes and scales), read and discarded: the most a
+ * kernel streaming one 8 MB weight per launch can reach in this harness (launch, ramp and
+ * tail included). Programmatic dependent launch like the GEMM: the next launch starts its
+ * reads while this one finishes. */
+__global__ void stream_kernel(const uint4 *a, size_t na, const uint4 *b, size_t nb, unsigned *out) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+    unsigned acc = 0;
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t j = i; j < na; j += stride) { uint4 v = __ldcs(a + j); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
+    for (size_t j = i; j < nb; j += stride) { uint4 v = __ldcs(b + j); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+    if (acc == 0x9e3779b9u) out[0] = acc;   /* keeps the loads; practically never stores */
+}
+
 __global__ void clock_probe(unsigned long long spin, double *mhz) {
     unsigned long long t0, t1;
     long long c0 = clock64();
@@ -495,6 +513,30 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
     size_t wsb = kd_w4a16_gemm_ws_bytes(n, k, g, mmax);
     CK(cudaMalloc(&ws, wsb + 256)); CK(cudaMemset(ws, 0, wsb + 256));
     cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    {   /* the stream row: the weights' bytes alone, read-only, same rotation, graph + PDL */
+        int sms;
+        CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        size_t nc = kd_w4a16_codes_bytes(n, k) / 16, ns = kd_w4a16_scales_bytes(n, k, g) / 16;
+        cudaLaunchAttribute at;
+        at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at.val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t lc = {};
+        lc.gridDim = dim3(sms * 2); lc.blockDim = dim3(512); lc.stream = st; lc.attrs = &at; lc.numAttrs = 1;
+        cudaGraph_t gr; cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < COPIES; i++)
+            CK(cudaLaunchKernelEx(&lc, stream_kernel, (const uint4 *)w[i].codes, nc, (const uint4 *)w[i].scales, ns,
+                                  (unsigned *)ws));
+        CK(cudaStreamEndCapture(st, &gr));
+        CK(cudaGraphInstantiate(&ge, gr, 0));
+        double t = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 3, quick ? 5 : 15, st) * 1e-3 / COPIES;
+        cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
+        double bytes = (double)(nc + ns) * 16;
+        BenchRow r{n, k, 0, "stream (read only)", t * 1e6, bytes / t / 1e9, bytes / t / 1e9 / g_copy_gbs, 0};
+        g_rows.push_back(r);
+        printf("bench N %5d K %5d stream (read only, graph+pdl) %8.2f us %8.1f GB/s %5.1f%% of copy\n", n, k, r.us,
+               r.gbs, 100 * r.ratio);
+    }
     for (int m : ms) {
         double bytes = (double)n * k / 2 + (double)n * (k / g) * 2 + (double)m * k * 2 + (double)m * n * 2;
         double flops = 2.0 * m * n * (double)k;
@@ -502,9 +544,9 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
         std::vector<V> vs = {{"auto", -1, 0, false, 0}, {"auto+pdl", -1, KD_W4A16_PDL, false, 0},
                              {"graph+pdl", -1, KD_W4A16_PDL, true, 0}};
         if (!quick) {
-            std::vector<int> cfgs = m <= 8 ? std::vector<int>{0, 1} : m <= 16 ? std::vector<int>{2, 3}
+            std::vector<int> cfgs = m <= 8 ? std::vector<int>{0, 1, 6} : m <= 16 ? std::vector<int>{2, 3, 7}
                                                                             : std::vector<int>{4, 5};
-            std::vector<int> ps = m <= 16 ? std::vector<int>{2, 4, 8} : std::vector<int>{0};
+            std::vector<int> ps = m <= 16 ? std::vector<int>{4, 8, 16} : std::vector<int>{0};
             for (int c : cfgs)
                 for (int p : ps)
                     vs.push_back({std::string(kd_w4a16_config_name(c)) + (p ? "/P" + std::to_string(p) : ""), c,
