@@ -294,6 +294,7 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     using namespace mla;
     kd_cuda *c = kd_cuda_of(be);
     const int T = q.rows, S = k.rows, G = n_heads / n_kv_heads;
+    int tc_rg = 4;
     TcArgs a;
     memset(&a, 0, sizeof a);
     a.q = (const uint16_t *)q.data; a.ldq = q.ld;
@@ -305,7 +306,6 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     a.scale2 = scale * 1.4426950408889634f;
     a.d_past = d_past;
     a.nc_max = (S + TC_CHUNK - 1) / TC_CHUNK;
-    a.rb_per_q = (G + TC_ROWS - 1) / TC_ROWS;
     auto al16 = [](const void *p) { return ((uintptr_t)p & 15) == 0; };
     a.qvec = head_dim % 8 == 0 && q.ld % 8 == 0 && al16(q.data);
     const bool async = head_dim % 8 == 0 && dv % 8 == 0 && k.ld % 8 == 0 && v.ld % 8 == 0 && kstride % 8 == 0 &&
@@ -320,7 +320,7 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     int tbatch = (int)(cap / per_q);
     if (tbatch < 1) tbatch = 1;
     if (tbatch > T) tbatch = T;
-    if (tbatch > 65535 / a.rb_per_q) tbatch = 65535 / a.rb_per_q;   /* grid y of the tail launch */
+    if (tbatch > 65535 / ((G + 15) / 16)) tbatch = 65535 / ((G + 15) / 16);   /* grid y (16-row blocks) */
     void *ws;
     KD_TRY(kd_cuda_ws(be, KD_WS_ATTN, list_bytes + per_q * tbatch + 256, &ws));
     char *p = (char *)ws;
@@ -335,16 +335,37 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     a.pl = a.pm + (size_t)tbatch * n_heads * a.nc_max;
     a.po = a.pl + (size_t)tbatch * n_heads * a.nc_max;
 
-    const size_t smem = tc_smem_bytes(a.HDP);
+    /* row groups per block: 4 (64 rows share a tile) unless that leaves most SMs idle (decode
+     * at short context); the bits do not depend on it (mla_tc.cuh) */
+    {
+        long long ncq = visible || !causal || d_past ? (S + TC_CHUNK - 1) / TC_CHUNK
+                                                     : (past + T + TC_CHUNK - 1) / TC_CHUNK;
+        long long blocks4 = ncq * (((long long)T * G + TC_ROWS - 1) / TC_ROWS) * n_kv_heads;
+        static int forced = -1;   /* KDTREE_MLA_TC_RG=1 or 4 (tests, benches): read once */
+        if (forced < 0) {
+            const char *e = getenv("KDTREE_MLA_TC_RG");
+            forced = e && (!strcmp(e, "1") || !strcmp(e, "4")) ? e[0] - '0' : 0;
+        }
+        int rg = forced ? forced : (blocks4 < c->n_sms ? 1 : 4);
+        if (rg == 4 && tc_smem_bytes(a.HDP, 4) > c->smem_optin) rg = 1;   /* e.g. sm_120's 99 KB */
+        a.rb_per_q = (G + rg * 16 - 1) / (rg * 16);
+        tc_rg = rg;
+    }
+    const int rg = tc_rg;
+    const size_t smem = tc_smem_bytes(a.HDP, rg);
     if (smem > c->smem_optin)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: key dim %d needs %zu bytes of shared memory (device has %zu)",
                        head_dim, smem, c->smem_optin);
     typedef void (*tc_fn)(TcArgs);
     tc_fn fn = NULL;
-#define TC_PICK(D) if (DVP == D) fn = async ? tc_chunk_kernel<D, true> : tc_chunk_kernel<D, false>;
+#define TC_PICK(D)                                                                                  \
+    if (DVP == D)                                                                                   \
+        fn = rg == 1 ? (async ? tc_chunk_kernel<D, true, 1> : tc_chunk_kernel<D, false, 1>)         \
+                     : (async ? tc_chunk_kernel<D, true, 4> : tc_chunk_kernel<D, false, 4>);
     TC_PICK(32) TC_PICK(64) TC_PICK(128) TC_PICK(256) TC_PICK(512)
 #undef TC_PICK
     KD_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const int rows = rg * 16, nth = rg * 64;
 
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         const int tb = T - t0 < tbatch ? T - t0 : tbatch;
@@ -360,15 +381,15 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
         }
         if (nsh > 0) {
             a.tail = 0;
-            dim3 grid(nsh, (tb * G + TC_ROWS - 1) / TC_ROWS, n_kv_heads);
-            fn<<<grid, TC_THREADS, smem, c->stream>>>(a);
+            dim3 grid(nsh, (tb * G + rows - 1) / rows, n_kv_heads);
+            fn<<<grid, nth, smem, c->stream>>>(a);
             KD_CUDA_LAUNCH("tc_chunk_kernel (shared)");
         }
         /* tail launch (tree mask): chunks reaching into the new rows, one query per block */
         if (visible) {
             a.tail = 1;
             dim3 grid((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, n_kv_heads);
-            fn<<<grid, TC_THREADS, smem, c->stream>>>(a);
+            fn<<<grid, nth, smem, c->stream>>>(a);
             KD_CUDA_LAUNCH("tc_chunk_kernel (tail)");
         }
         int mt = dv < 256 ? ((dv + 31) / 32) * 32 : 256;
@@ -408,7 +429,9 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
                        head_dim);
     if (T == 0) return KD_OK;
     if (S == 0) return kd_fail(KD_ERR_ARG, "cuda attention: no key rows");
-    if (tc_enabled() && head_dim <= mla::TC_HD_MAX && dv <= mla::TC_DV_MAX)
+    /* the path depends on the model's shapes and the device only (never on T or the context) */
+    if (tc_enabled() && head_dim <= mla::TC_HD_MAX && dv <= mla::TC_DV_MAX &&
+        mla::tc_smem_bytes((head_dim + 63) / 64 * 64, 1) <= kd_cuda_of(be)->smem_optin)
         return attention_tc(be, q, n_heads, head_dim, k, v, n_kv_heads, past, d_past, causal, visible, window, scale,
                             out, kstride, vstride, dv);
 

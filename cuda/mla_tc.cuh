@@ -13,7 +13,8 @@
  * and writes (m, l, o) as the chunk's partial; tc_merge_kernel combines the chunks of a row
  * in chunk order: M = max m_c, L = sum l_c 2^(m_c-M), out = sum o_c 2^(m_c-M) / L.
  *
- * Block shape: 64 rows (4 groups of 16, the mma M dimension) x one chunk x one kv head.
+ * Block shape: 64 rows (4 groups of 16, the mma M dimension; 16 rows when few blocks would
+ * run, e.g. decode at short context) x one chunk x one kv head.
  * Rows are (query, head) pairs: 64 heads of one query for MLA, 8 queries x 8 heads for
  * 8 heads, etc. All rows of a block share one staged key/value tile when their ordinals
  * map to the same cache rows: causal or full attention (ordinal = row), and in tree mode
@@ -46,8 +47,8 @@
 namespace mla {
 
 constexpr int TC_CHUNK = 512;              /* ordinals per chunk: fixed, never from T or S */
-constexpr int TC_ROWS = 64;                /* (query, head) rows per block */
-constexpr int TC_THREADS = 256;            /* warp w: row group w >> 1, half w & 1 */
+constexpr int TC_ROWS = 64;                /* (query, head) rows per block at most (RG = 4 row groups) */
+constexpr int TC_THREADS = 256;            /* threads at RG = 4; warp w: row group w >> 1, half w & 1 */
 constexpr int TC_STAGES = 4;               /* cp.async pipeline depth (slabs) */
 constexpr int TC_KSLAB = 128;              /* phase 1 slab: 128 keys x 64 key dims */
 constexpr int TC_P1LD = 64 + 8;            /* its row stride (bf16): 9 x 16 bytes, conflict-free */
@@ -103,14 +104,14 @@ __device__ __forceinline__ void tc_copy8(uint16_t *dst, const uint16_t *base, in
 /* slab s of the block's sequence: s < ns1: keys [kg*128, +128) x key dims [ds*64, +64)
  * (kg = s / nds, ds = s % nds), stored [key][TC_P1LD]; else 16 keys [ks*16, +16) x DVP
  * value dims, stored [key][DVP + 8] (ks = s - ns1). Keys at or past n_load: zeros. */
-template <int DVP, bool ASYNC>
+template <int DVP, bool ASYNC, int NTH>
 __device__ __forceinline__ void tc_load_slab(const TcArgs &a, uint16_t *dst, int s, int ns1, int nds,
                                              const int *row_s, int n_load, int g) {
     const int tid = threadIdx.x;
     if (s < ns1) {
         const int kg = s / nds, ds = s % nds;
         const uint16_t *base = a.k + (size_t)g * a.kstride;
-        for (int i = tid; i < TC_KSLAB * 8; i += TC_THREADS) {
+        for (int i = tid; i < TC_KSLAB * 8; i += NTH) {
             int r = i >> 3, u = i & 7, j = kg * TC_KSLAB + r;
             tc_copy8<ASYNC>(dst + r * TC_P1LD + u * 8, base, j < n_load ? row_s[j] : -1, a.ldk, ds * 64 + u * 8, a.hd);
         }
@@ -118,40 +119,45 @@ __device__ __forceinline__ void tc_load_slab(const TcArgs &a, uint16_t *dst, int
         const int ks = s - ns1;
         constexpr int U = DVP / 8;
         const uint16_t *base = a.v + (size_t)g * a.vstride;
-        for (int i = tid; i < 16 * U; i += TC_THREADS) {
+        for (int i = tid; i < 16 * U; i += NTH) {
             int r = i / U, u = i % U, j = ks * 16 + r;
             tc_copy8<ASYNC>(dst + r * (DVP + 8) + u * 8, base, j < n_load ? row_s[j] : -1, a.ldv, u * 8, a.dv);
         }
     }
 }
 
-/* bytes of dynamic shared memory for key dims padded to HDP */
-static inline size_t tc_smem_bytes(int HDP) {
-    return (size_t)TC_ROWS * (HDP + 8) * 2 + (size_t)TC_ROWS * TC_PLD * 2 + (size_t)TC_STAGES * TC_STAGE_BYTES +
-           (size_t)TC_CHUNK * 4 + (size_t)4 * TC_ROWS * 4 + (size_t)4 * TC_ROWS * 4 + 16;
+/* bytes of dynamic shared memory for key dims padded to HDP and rg row groups of 16 */
+static inline size_t tc_smem_bytes(int HDP, int rg) {
+    const size_t rows = (size_t)rg * 16;
+    return rows * (HDP + 8) * 2 + rows * TC_PLD * 2 + (size_t)TC_STAGES * TC_STAGE_BYTES + (size_t)TC_CHUNK * 4 +
+           4 * rows * 4 + 4 * rows * 4 + 16;
 }
 
 /* grid: x = chunk (tail: chunk - past / TC_CHUNK), y = row block (tail: query * rb_per_q +
- * row block), z = kv head. DVP: value dims padded (32..512, a power of two). */
-template <int DVP, bool ASYNC>
-__global__ void __launch_bounds__(TC_THREADS, 1) tc_chunk_kernel(TcArgs a) {
+ * row block), z = kv head. DVP: value dims padded (32..512, a power of two). RG: row groups
+ * of 16 per block (1 or 4; 2 warps each). A row group's work is the same code whatever RG
+ * is (its rows, its two warps, its slots of the max / sum exchange), so RG may be chosen per
+ * launch for occupancy without changing any row's bits. */
+template <int DVP, bool ASYNC, int RG>
+__global__ void __launch_bounds__(RG * 64, 1) tc_chunk_kernel(TcArgs a) {
 #ifdef KD_MLA_EMU
     unsigned char *smem = mla_emu_smem();
 #else
     extern __shared__ __align__(16) unsigned char smem[];
 #endif
     constexpr int NT2 = DVP / 16;                  /* phase 2 n-tiles per warp (DVP / 2 dims) */
+    constexpr int ROWS = RG * 16, NTH = RG * 64;
     const int HDP = a.HDP, QLD = HDP + 8, nds = HDP / 64;
-    uint16_t *q_s = (uint16_t *)smem;                                   /* [64][QLD] */
-    uint16_t *p_s = q_s + TC_ROWS * QLD;                                /* [64][TC_PLD] */
-    unsigned char *st_s = (unsigned char *)(p_s + TC_ROWS * TC_PLD);    /* [STAGES][STAGE_BYTES] */
+    uint16_t *q_s = (uint16_t *)smem;                                   /* [ROWS][QLD] */
+    uint16_t *p_s = q_s + ROWS * QLD;                                /* [ROWS][TC_PLD] */
+    unsigned char *st_s = (unsigned char *)(p_s + ROWS * TC_PLD);    /* [STAGES][STAGE_BYTES] */
     int *row_s = (int *)(st_s + TC_STAGES * TC_STAGE_BYTES);            /* [CHUNK] cache row of tile pos */
-    int *nv_s = row_s + TC_CHUNK;                                       /* [64] visible keys in the chunk */
-    int *qr_s = nv_s + TC_ROWS;                                         /* [64] the query's cache row */
-    int *t_s = qr_s + TC_ROWS;                                          /* [64] query index, -1: inert */
-    int *h_s = t_s + TC_ROWS;                                           /* [64] query head */
-    float *red_s = (float *)(h_s + TC_ROWS);                            /* [2][64] max, [2][64] l */
-    int *nl_s = (int *)(red_s + 4 * TC_ROWS);
+    int *nv_s = row_s + TC_CHUNK;                                       /* [ROWS] visible keys in the chunk */
+    int *qr_s = nv_s + ROWS;                                         /* [ROWS] the query's cache row */
+    int *t_s = qr_s + ROWS;                                          /* [ROWS] query index, -1: inert */
+    int *h_s = t_s + ROWS;                                           /* [ROWS] query head */
+    float *red_s = (float *)(h_s + ROWS);                            /* [2][ROWS] max, [2][ROWS] l */
+    int *nl_s = (int *)(red_s + 4 * ROWS);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, rg = warp >> 1, half = warp & 1;
     const int g = blockIdx.z;
@@ -161,15 +167,15 @@ __global__ void __launch_bounds__(TC_THREADS, 1) tc_chunk_kernel(TcArgs a) {
     if (a.tail) {
         c = past / TC_CHUNK + (int)blockIdx.x;
         tq = (int)blockIdx.y / a.rb_per_q;
-        rbase = ((int)blockIdx.y % a.rb_per_q) * TC_ROWS;
+        rbase = ((int)blockIdx.y % a.rb_per_q) * ROWS;
     } else {
         c = blockIdx.x;
-        rbase = (int)blockIdx.y * TC_ROWS;
+        rbase = (int)blockIdx.y * ROWS;
         if (a.vis_list && (c + 1) * TC_CHUNK > past) return;   /* not wholly in the prefix: tail launch */
     }
     const int o0 = c * TC_CHUNK;
 
-    if (tid < TC_ROWS) {
+    if (tid < ROWS) {
         int R = rbase + tid, t = -1, hh = 0;
         if (a.tail) { if (R < a.G) { t = a.t0 + tq; hh = R; } }
         else if (R < a.tb * a.G) { t = a.t0 + R / a.G; hh = R % a.G; }
@@ -186,16 +192,16 @@ __global__ void __launch_bounds__(TC_THREADS, 1) tc_chunk_kernel(TcArgs a) {
     __syncthreads();
     if (tid == 0) {
         int m = 0;
-        for (int r = 0; r < TC_ROWS; r++) m = nv_s[r] > m ? nv_s[r] : m;
+        for (int r = 0; r < ROWS; r++) m = nv_s[r] > m ? nv_s[r] : m;
         nl_s[0] = m;
     }
     __syncthreads();
     const int n_load = nl_s[0];
     if (n_load == 0) return;
 
-    for (int j = tid; j < TC_CHUNK; j += TC_THREADS)
+    for (int j = tid; j < TC_CHUNK; j += NTH)
         row_s[j] = j < n_load ? (a.tail ? tc_ordinal_row(a, past, a.t0 + tq, o0 + j) : o0 + j) : -1;
-    for (int i = tid; i < TC_ROWS * (HDP / 8); i += TC_THREADS) {
+    for (int i = tid; i < ROWS * (HDP / 8); i += NTH) {
         int r = i / (HDP / 8), d0 = (i % (HDP / 8)) * 8, t = t_s[r];
         uint16_t *dst = q_s + r * QLD + d0;
         if (a.qvec) {
@@ -213,7 +219,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) tc_chunk_kernel(TcArgs a) {
     const int ns1 = kg_n * nds, ns = ns1 + TC_KSTEPS;
 #define TC_STAGE(i) ((uint16_t *)(st_s + (size_t)((i) % TC_STAGES) * TC_STAGE_BYTES))
     for (int s0 = 0; s0 < TC_STAGES - 1; s0++) {
-        if (s0 < ns) tc_load_slab<DVP, ASYNC>(a, TC_STAGE(s0), s0, ns1, nds, row_s, n_load, g);
+        if (s0 < ns) tc_load_slab<DVP, ASYNC, NTH>(a, TC_STAGE(s0), s0, ns1, nds, row_s, n_load, g);
         cp_commit();
     }
 
@@ -235,7 +241,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) tc_chunk_kernel(TcArgs a) {
                 cp_wait<TC_STAGES - 2>();
                 __syncthreads();
                 if (s + TC_STAGES - 1 < ns)
-                    tc_load_slab<DVP, ASYNC>(a, TC_STAGE(s + TC_STAGES - 1), s + TC_STAGES - 1, ns1, nds, row_s, n_load, g);
+                    tc_load_slab<DVP, ASYNC, NTH>(a, TC_STAGE(s + TC_STAGES - 1), s + TC_STAGES - 1, ns1, nds, row_s, n_load, g);
                 cp_commit();
                 const uint16_t *ks = TC_STAGE(s);
 #pragma unroll
@@ -274,12 +280,12 @@ __global__ void __launch_bounds__(TC_THREADS, 1) tc_chunk_kernel(TcArgs a) {
     for (int hr = 0; hr < 2; hr++) {
         mx[hr] = fmaxf(mx[hr], shfl_xor(mx[hr], 1));
         mx[hr] = fmaxf(mx[hr], shfl_xor(mx[hr], 2));
-        if ((lane & 3) == 0) red_s[half * TC_ROWS + r0 + hr * 8] = mx[hr];
+        if ((lane & 3) == 0) red_s[half * ROWS + r0 + hr * 8] = mx[hr];
     }
     __syncthreads();
     float m[2], ls[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int hr = 0; hr < 2; hr++) m[hr] = fmaxf(red_s[r0 + hr * 8], red_s[TC_ROWS + r0 + hr * 8]);
+    for (int hr = 0; hr < 2; hr++) m[hr] = fmaxf(red_s[r0 + hr * 8], red_s[ROWS + r0 + hr * 8]);
 #pragma unroll
     for (int kg = 0; kg < 4; kg++)
 #pragma unroll
@@ -299,7 +305,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) tc_chunk_kernel(TcArgs a) {
     for (int hr = 0; hr < 2; hr++) {
         ls[hr] += shfl_xor(ls[hr], 1);
         ls[hr] += shfl_xor(ls[hr], 2);
-        if ((lane & 3) == 0) red_s[2 * TC_ROWS + half * TC_ROWS + r0 + hr * 8] = ls[hr];
+        if ((lane & 3) == 0) red_s[2 * ROWS + half * ROWS + r0 + hr * 8] = ls[hr];
     }
 
     /* ---- phase 2: O = P V; warp (rg, half) owns rows rg*16.. and value dims half*DVP/2 + [0, DVP/2) ---- */
@@ -314,7 +320,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) tc_chunk_kernel(TcArgs a) {
         cp_wait<TC_STAGES - 2>();
         __syncthreads();   /* also publishes P (written above) before the first step */
         if (s + TC_STAGES - 1 < ns)
-            tc_load_slab<DVP, ASYNC>(a, TC_STAGE(s + TC_STAGES - 1), s + TC_STAGES - 1, ns1, nds, row_s, n_load, g);
+            tc_load_slab<DVP, ASYNC, NTH>(a, TC_STAGE(s + TC_STAGES - 1), s + TC_STAGES - 1, ns1, nds, row_s, n_load, g);
         cp_commit();
         const uint16_t *vs = TC_STAGE(s);
         uint32_t af[4];
@@ -338,7 +344,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) tc_chunk_kernel(TcArgs a) {
         const size_t slot = ((size_t)(t - a.t0) * a.Hq + h_s[row]) * a.nc_max + c;
         if (half == 0 && (lane & 3) == 0) {
             a.pm[slot] = m[hr];
-            a.pl[slot] = red_s[2 * TC_ROWS + row] + red_s[3 * TC_ROWS + row];
+            a.pl[slot] = red_s[2 * ROWS + row] + red_s[3 * ROWS + row];
         }
         float *po = a.po + slot * a.dv;
 #pragma unroll

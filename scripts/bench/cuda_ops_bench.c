@@ -1,6 +1,7 @@
 /* cuda_ops_bench.c: timings of the CUDA backend's ops (not the W4A16 GEMM, which has its
  * own bench): dense bf16 linear at K2.6 shapes, MLA attention (64 and 8 heads, contexts
- * 1K..64K, 1 and 64 query tokens), the per-depth top-k of a DDTree build
+ * 1K..64K, 1 and 64 query tokens; 256 queries causal and as a tree at 4K and 32K, with the
+ * roofline of each row), the per-depth top-k of a DDTree build
  * (log_softmax + top-K over 163840, L = 7 rows, K = 256), and the DDTree round on the
  * device (cuda/ddtree.cu): the whole tree build (top-K + best-first selection) at B = 256,
  * L = 7, V = 163840, and accept over a 257-node tree (greedy: argmax + walk; sampled:
@@ -108,29 +109,61 @@ static void bench_linear(const char *name, int N, int K) {
     free(src);
 }
 
-/* ---- attention ---- */
-typedef struct { kd_act q, kv, out; int H, past; } att_arg;
+/* ---- attention ----
+ * MLA at K2.6 dims (key 576, value = the first 512 cache columns, one latent KV head), ctx
+ * cached rows of which the last T are the queries' own (causal), or a random T-node tree
+ * after ctx - T committed rows (tree: the DDTree verify). Roofline per row: the cache read
+ * once at the copy ceiling vs the score + value FLOPs at the bf16 tensor-core ceiling
+ * (ATT_BW, ATT_TF: the H200 numbers measured in docs/performance.md). */
+#define ATT_BW 4210e9
+#define ATT_TF 783e12
+typedef struct { kd_act q, kv, out; int H, past; const uint64_t *vis; } att_arg;
 static kd_status att_run(void *p, int i) {
     att_arg *a = p;
-    return be->ops->attention(be, a->q, a->H, 576, a->kv, kd_act_cols(a->kv, 0, 512), 1, a->past, true, NULL, 0,
-                              0.1447f, a->out);
+    (void)i;
+    return be->ops->attention(be, a->q, a->H, 576, a->kv, kd_act_cols(a->kv, 0, 512), 1, a->past, a->vis == NULL,
+                              a->vis, 0, 0.1447f, a->out);
 }
 
-static void bench_attention(int H, int ctx, int T) {
+static void bench_attention(int H, int ctx, int T, int tree) {
     att_arg a = {.H = H, .past = ctx - T};
     a.q = (kd_act){dev_random_bf16((size_t)T * H * 576), T, H * 576, H * 576, KD_BF16};
     a.kv = (kd_act){dev_random_bf16((size_t)ctx * 576), ctx, 576, 576, KD_BF16};
-    void *o;
+    void *o, *vis = NULL;
     CK(be->ops->alloc(be, (size_t)T * H * 512 * 2, &o));
     a.out = (kd_act){o, T, H * 512, H * 512, KD_BF16};
-    double s = time_it(att_run, &a, 10);
+    double keys = 0;   /* sum over queries of visible keys */
+    if (tree) {
+        int words = (T + 63) / 64;
+        uint64_t *bits = calloc((size_t)T * words, 8);
+        int *par = malloc((size_t)T * sizeof(int));
+        uint32_t sd = 4242;
+        for (int i = 0; i < T; i++) {
+            sd = sd * 1664525u + 1013904223u;
+            par[i] = i == 0 ? -1 : ((sd >> 8) % 10 < 6 ? i - 1 : (int)((sd >> 12) % (uint32_t)i));
+            for (int j = i; j >= 0; j = par[j]) bits[(size_t)i * words + j / 64] |= 1ull << (j % 64);
+            for (int j = 0; j < T; j++) keys += (bits[(size_t)i * words + j / 64] >> (j % 64)) & 1;
+        }
+        keys += (double)T * a.past;
+        CK(be->ops->alloc(be, (size_t)T * words * 8, &vis));
+        CK(be->ops->upload(be, vis, bits, (size_t)T * words * 8));
+        free(bits);
+        free(par);
+        a.vis = vis;
+    } else {
+        for (int t = 0; t < T; t++) keys += a.past + t + 1;
+    }
+    double s = time_it(att_run, &a, T >= 256 ? 5 : 10);
     double bytes = (double)ctx * 576 * 2;
-    double flops = 2.0 * T * H * (double)ctx * (576 + 512);
-    printf("attention MLA H=%2d ctx=%6d T=%2d  %9.1f us  %7.1f GB/s (cache)  %6.2f TFLOP/s\n", H, ctx, T, s * 1e6,
-           bytes / s / 1e9, flops / s / 1e12);
+    double flops = 2.0 * H * keys * (576 + 512);
+    double roof = bytes / ATT_BW > flops / ATT_TF ? bytes / ATT_BW : flops / ATT_TF;
+    printf("attention MLA H=%2d ctx=%6d T=%3d %-6s %9.1f us  %7.1f GB/s (cache)  %6.2f TFLOP/s  roofline %7.1f us (%s) %5.1f%%\n",
+           H, ctx, T, tree ? "tree" : "causal", s * 1e6, bytes / s / 1e9, flops / s / 1e12, roof * 1e6,
+           bytes / ATT_BW > flops / ATT_TF ? "bytes" : "flops", 100.0 * roof / s);
     be->ops->free(be, a.q.data);
     be->ops->free(be, a.kv.data);
     be->ops->free(be, o);
+    if (vis) be->ops->free(be, vis);
 }
 
 /* ---- tree build's top-K over the vocabulary ---- */
@@ -224,9 +257,17 @@ int main(void) {
     bench_linear("lm_head", 163840, 7168);
     int ctxs[] = {1024, 4096, 16384, 65536};
     int Hs[] = {64, 8}, Ts[] = {1, 64};
+    printf("# attention path: %s\n", getenv("KDTREE_MLA_TC") && !strcmp(getenv("KDTREE_MLA_TC"), "0")
+                                         ? "CUDA cores (KDTREE_MLA_TC=0)" : "tensor cores (mla_tc.cuh)");
     for (int h = 0; h < 2; h++)
         for (int t = 0; t < 2; t++)
-            for (int c = 0; c < 4; c++) bench_attention(Hs[h], ctxs[c], Ts[t]);
+            for (int c = 0; c < 4; c++) bench_attention(Hs[h], ctxs[c], Ts[t], 0);
+    /* the DDTree verify: 256 queries, causal and as a tree, at 4K and 32K */
+    bench_attention(64, 4096, 256, 0);
+    bench_attention(64, 4096, 256, 1);
+    bench_attention(64, 32768, 256, 0);
+    bench_attention(64, 32768, 256, 1);
+    bench_attention(64, 32768, 64, 1);
     {
         int L = 7, V = 163840, k = 256;
         topk_arg a = {.k = k};

@@ -85,6 +85,7 @@ struct Att {
     const uint64_t *vis;          /* T x ceil(T/64) words or NULL */
     int bound;                    /* > 0: attention_at with k/v rows = bound, past on the "device" */
     int tbatch;                   /* 0: all T at once */
+    int rg = 0;                   /* row groups per block: 1 or 4; 0: attention_tc's rule (132 SMs) */
 };
 
 /* q [T][Hq*hd], k [S][Hkv*hd], v [S][Hkv*dv] (v == k: value = first dv cols of k, ld = k's) */
@@ -103,7 +104,14 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
     int dpast = c.past;
     a.d_past = c.bound > 0 ? &dpast : nullptr;
     a.nc_max = (S + TC_CHUNK - 1) / TC_CHUNK;
-    a.rb_per_q = (G + TC_ROWS - 1) / TC_ROWS;
+    int rg = c.rg;
+    if (!rg) {
+        long long ncq = c.vis || !c.causal || c.bound > 0 ? (S + TC_CHUNK - 1) / TC_CHUNK
+                                                           : (c.past + T + TC_CHUNK - 1) / TC_CHUNK;
+        rg = ncq * (((long long)T * G + TC_ROWS - 1) / TC_ROWS) * c.Hkv < 132 ? 1 : 4;
+    }
+    const int rows = rg * 16, nth = rg * 64;
+    a.rb_per_q = (G + rows - 1) / rows;
     a.qvec = c.hd % 8 == 0;
     bool async = !force_plain && c.hd % 8 == 0 && c.dv % 8 == 0 && a.kstride % 8 == 0 && a.vstride % 8 == 0;
     const int DVP = c.dv <= 32 ? 32 : c.dv <= 64 ? 64 : c.dv <= 128 ? 128 : c.dv <= 256 ? 256 : 512;
@@ -123,7 +131,8 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
     a.pm = pm.data(); a.pl = pl.data(); a.po = po.data();
     std::vector<float> out((size_t)T * c.Hq * c.dv, NAN);
     void (*fn)(TcArgs) = nullptr;
-#define PICK(D) if (DVP == D) fn = async ? tc_chunk_kernel<D, true> : tc_chunk_kernel<D, false>;
+#define PICK(D) if (DVP == D) fn = rg == 1 ? (async ? tc_chunk_kernel<D, true, 1> : tc_chunk_kernel<D, false, 1>) \
+                                           : (async ? tc_chunk_kernel<D, true, 4> : tc_chunk_kernel<D, false, 4>);
     PICK(32) PICK(64) PICK(128) PICK(256) PICK(512)
 #undef PICK
     const int past_h = c.bound > 0 ? 0 : c.past;
@@ -140,12 +149,12 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
         if (nsh > 0) {
             a.tail = 0;
             TcArgs aa = a;
-            launch(nsh, (tb * G + TC_ROWS - 1) / TC_ROWS, c.Hkv, TC_THREADS, [&] { fn(aa); });
+            launch(nsh, (tb * G + rows - 1) / rows, c.Hkv, nth, [&] { fn(aa); });
         }
         if (c.vis) {
             a.tail = 1;
             TcArgs aa = a;
-            launch((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, c.Hkv, TC_THREADS, [&] { fn(aa); });
+            launch((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, c.Hkv, nth, [&] { fn(aa); });
         }
         TcArgs aa = a;
         launch(c.Hq, tb, 1, 32, [&] {
@@ -279,6 +288,13 @@ static void invariance(const char *name, int H, int hd, int dv, int P, const std
         o = run_tc(tb, q.data(), kv.data(), ld, kv.data(), ld, false);
         snprintf(nm, sizeof nm, "%s: tree in batches of 3 queries == one batch", name);
         check_same(nm, o.data(), tree.data(), o.size());
+        for (int rg = 1; rg <= 4; rg += 3) {
+            Att tr = tc;
+            tr.rg = rg;
+            o = run_tc(tr, q.data(), kv.data(), ld, kv.data(), ld, false);
+            snprintf(nm, sizeof nm, "%s: tree with %d row groups per block == default", name, rg);
+            check_same(nm, o.data(), tree.data(), o.size());
+        }
     }
     for (int i = 0; i < n; i++) {
         if (!full && i != n - 1 && i != 3) continue;
@@ -287,9 +303,12 @@ static void invariance(const char *name, int H, int hd, int dv, int P, const std
         std::vector<uint16_t> kv2(past);
         for (int j : path) kv2.insert(kv2.end(), nodes.begin() + (size_t)j * hd, nodes.begin() + (size_t)(j + 1) * hd);
         Att al{1, S2, S2 - 1, H, 1, hd, dv, true, 0, 0.1447f, nullptr, 0, 0};
-        auto alone = run_tc(al, q.data() + (size_t)i * H * hd, kv2.data(), ld, kv2.data(), ld, false);
-        snprintf(nm, sizeof nm, "%s: node %d alone (T=1) == tree node", name, i);
-        check_same(nm, alone.data(), tree.data() + (size_t)i * H * dv, (size_t)H * dv);
+        for (int rg = 1; rg <= 4; rg += 3) {
+            al.rg = rg;
+            auto alone = run_tc(al, q.data() + (size_t)i * H * hd, kv2.data(), ld, kv2.data(), ld, false);
+            snprintf(nm, sizeof nm, "%s: node %d alone (T=1, %d row groups) == tree node", name, i, rg);
+            check_same(nm, alone.data(), tree.data() + (size_t)i * H * dv, (size_t)H * dv);
+        }
         auto qp = rand_bf((size_t)d * H * hd);
         std::memcpy(qp.data() + (size_t)(d - 1) * H * hd, q.data() + (size_t)i * H * hd, (size_t)H * hd * 2);
         Att pf{d, S2, P, H, 1, hd, dv, true, 0, 0.1447f, nullptr, 0, 0};
