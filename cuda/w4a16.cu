@@ -804,9 +804,20 @@ Launch make_launch() {
     return l;
 }
 
-/* the shared memory a skinny kernel may take (set once per kernel); a launch that needs more
- * (many rows of a long K) takes the pipelined kernel */
-constexpr int SKINNY_SMEM_MAX = 200 * 1024;
+/* the shared memory a skinny kernel may take: 200 KB, or the device's opt-in limit where that
+ * is lower (sm_120: about 99 KB); a launch that needs more (many rows of a long K) takes the
+ * pipelined kernel */
+int skinny_smem_max() {
+    static int dev_cached = -1, limit = 0;
+    int dev = 0, optin = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    if (dev != dev_cached) {
+        if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) optin = 0;
+        limit = optin < 200 * 1024 ? optin : 200 * 1024;
+        dev_cached = dev;
+    }
+    return limit;
+}
 
 /* The skinny kernel for (MT8, group, chunks per part); fn = NULL where none is built: group 32
  * (Kimi K2.6's) with parts of 2, 4, 7 or 8 chunks (the K2.6 expert shapes: 7 and 4) */
@@ -822,13 +833,13 @@ KernelFn skinny_fn(int nch) {
 }
 /* l.fn, l.threads, l.smem for one launch, or false when the skinny kernel does not take it
  * (M above its tile, a group other than 32, a part length without a kernel, a short last
- * part, or more shared memory than SKINNY_SMEM_MAX) */
+ * part, or more shared memory than skinny_smem_max()) */
 bool skinny_plan(Launch *l, int m, int kc, int parts, int cpp, int gshift) {
     if (m > l->bm || gshift != 5 || kc != parts * cpp) return false;
     l->fn = l->bm == 8 ? skinny_fn<1, 5>(cpp) : skinny_fn<2, 5>(cpp);
     l->smem = skinny_layout(m, kc, parts, cpp, (cpp * CHUNK_K) >> gshift).total;
     l->threads = 32 * parts;
-    return l->fn && l->smem <= SKINNY_SMEM_MAX;
+    return l->fn && l->smem <= skinny_smem_max();
 }
 
 Launch make_skinny(int mt8) {
@@ -924,7 +935,7 @@ void fill_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attr, const Launc
 }
 
 kd_status launch(const Launch &l, int clusters, const W4Args &args, bool pdl, cudaStream_t st) {
-    KD_TRY(prepare_kernel(l.fn, l.skinny ? SKINNY_SMEM_MAX : l.smem));
+    KD_TRY(prepare_kernel(l.fn, l.skinny ? skinny_smem_max() : l.smem));
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr[2];
     if (l.skinny) fill_config(&cfg, attr, l, clusters, 1, pdl, st);   /* blocks = tiles, no cluster */
