@@ -527,31 +527,36 @@ __host__ __device__ inline SkinnyLayout skinny_layout(int m, int kc, int parts, 
     return L;
 }
 
-/* Plain GEMM with M <= BM = 8*MT8 <= 16, one 16-row weight tile per block and one warp per
- * part of K: the arithmetic order of w4a16_gemm_kernel exactly (same bits: per part the
- * scale groups in k order, then the parts added in order 0..parts-1, here through shared
- * memory instead of a cluster). What differs is how the bytes arrive. At entry, before
- * waiting for the previous grid, one lane per warp starts a bulk copy (TMA) of each of the
- * NCH chunks of its part, each on its own mbarrier: every weight byte of the launch is
- * requested at once, by the copy engine, while the load/store path stays free for the
- * activations (all M rows, all of K) and the scale words. The warp then walks its chunks,
- * waiting for each chunk's barrier just before using it. The group size (1 << GSHIFT) and
- * NCH are compile-time, so the walk is straight-line code the compiler can interleave across
- * scale groups. No clusters: blocks are placed freely, one wave at the K2.6 shapes. */
-template <int MT8, int GSHIFT, int NCH>
+/* Plain GEMM with M <= 8, one 16-row weight tile per block and H warps per part of K (H = 1
+ * or 2: 2 gives a K2.6 tile 16 warps where its 8 parts alone would give 8): the arithmetic
+ * order of w4a16_gemm_kernel exactly (same bits: per part the scale groups in k order, then
+ * the parts added in order 0..parts-1, here through shared memory instead of a cluster).
+ * With H = 2 the second warp of a part computes its groups' sums but does not fold them: it
+ * keeps them in registers until the first warp's acc is in shared memory, then continues
+ * the same chain of acc = fma(sum, scale, acc) from there.
+ * How the bytes arrive: at entry, before waiting for the previous grid, one lane per warp
+ * starts a bulk copy (TMA) of each of the NCH chunks of its range, each on its own mbarrier:
+ * every weight byte of the launch is requested at once, by the copy engine, while the
+ * load/store path stays free for the activations (all M rows, all of K) and the scale words.
+ * The warp then walks its chunks, waiting for each chunk's barrier just before using it.
+ * The group size (1 << GSHIFT) and NCH are compile-time, so the walk is straight-line code
+ * the compiler can interleave across scale groups. No clusters: blocks are placed freely. */
+template <int GSHIFT, int NCH, int H>
 __global__ void __launch_bounds__(512) w4a16_skinny_kernel(const W4Args a) {
-    constexpr int BM = MT8 * 8, NG = (NCH * CHUNK_K) >> GSHIFT;   /* scale groups per part */
-    static_assert(NG >= 1 && (NCH * CHUNK_K) % (1 << GSHIFT) == 0, "a part holds whole scale groups");
+    constexpr int BM = 8, NG = (NCH * CHUNK_K) >> GSHIFT;   /* scale groups per warp */
+    static_assert(NG >= 1 && (NCH * CHUNK_K) % (1 << GSHIFT) == 0, "a warp's range holds whole scale groups");
+    static_assert(H == 1 || H == 2, "one or two warps per part");
     extern __shared__ __align__(16) unsigned char smem[];
-    const int tid = threadIdx.x, lane = tid & 31, part = tid >> 5, threads = blockDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
+    const int part = warp / H, half = warp % H;
     const int tile = blockIdx.x;
     griddep_launch_dependents();
-    const int c0 = part * NCH;
+    const int c0 = part * a.cpp + half * NCH;
     const int XR = a.kc * CHUNK_K + 8;    /* +16 bytes per row: conflict-free ldmatrix */
-    const SkinnyLayout L = skinny_layout(a.m, a.kc, a.parts, NCH, NG);
-    uint64_t *bar = (uint64_t *)(smem + L.bars) + part * NCH;
-    const uint4 *sw = (const uint4 *)(smem + L.w) + part * NCH * 32 + lane;
-    uint32_t *ss = (uint32_t *)(smem + L.s) + part * NG * 8;
+    const SkinnyLayout L = skinny_layout(a.m, a.kc, a.parts * H, NCH, NG);
+    uint64_t *bar = (uint64_t *)(smem + L.bars) + warp * NCH;
+    const uint4 *sw = (const uint4 *)(smem + L.w) + warp * NCH * 32 + lane;
+    uint32_t *ss = (uint32_t *)(smem + L.s) + warp * NG * 8;
     bf16 *sx = (bf16 *)(smem + L.x);
 
     if (lane == 0) {
@@ -560,9 +565,9 @@ __global__ void __launch_bounds__(512) w4a16_skinny_kernel(const W4Args a) {
         mbar_init_fence();
         const uint4 *src = a.mat.q + ((size_t)tile * a.kc + c0) * 32;
 #pragma unroll
-        for (int j = 0; j < NCH; j++) bulk_load((uint4 *)(smem + L.w) + (part * NCH + j) * 32, src + j * 32, 512, &bar[j]);
+        for (int j = 0; j < NCH; j++) bulk_load((uint4 *)(smem + L.w) + (warp * NCH + j) * 32, src + j * 32, 512, &bar[j]);
     }
-    {   /* the part's scale words: 32 bytes per group, 16 per copy */
+    {   /* the scale words of this warp's range: 32 bytes per group, 16 per copy */
         const uint4 *src = (const uint4 *)(a.mat.s + ((size_t)tile * a.groups + ((c0 * CHUNK_K) >> GSHIFT)) * 8);
         for (int p = lane; p < 2 * NG; p += 32) cp_async16((uint4 *)ss + p, src + p, true);
     }
@@ -580,62 +585,70 @@ __global__ void __launch_bounds__(512) w4a16_skinny_kernel(const W4Args a) {
     cp_async_wait<0>();
     __syncthreads();   /* also orders the barrier inits before every lane's wait */
 
-    float acc[MT8][4], tmp[MT8][4];
-#pragma unroll
-    for (int j = 0; j < MT8; j++)
-#pragma unroll
-        for (int r = 0; r < 4; r++) acc[j][r] = tmp[j][r] = 0.0f;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float kept[H == 2 ? NG : 1][4];   /* H = 2, second warp: its groups' sums, folded later */
     const uint32_t *sl = ss + (lane >> 2);
-    /* acc = fma(group sum, scale, acc) for group g of the part; the sum restarts */
-    auto fold = [&](int g) {
+    /* acc = fma(group sum, scale, acc) for group g of this warp's range */
+    auto fold = [&](const float (&sum)[4], int g) {
         uint32_t sw2 = sl[g * 8];
         float slo = __uint_as_float(sw2 << 16), shi = __uint_as_float(sw2 & 0xFFFF0000u);
-#pragma unroll
-        for (int j = 0; j < MT8; j++) {
-            acc[j][0] = fmaf(tmp[j][0], slo, acc[j][0]);
-            acc[j][1] = fmaf(tmp[j][1], slo, acc[j][1]);
-            acc[j][2] = fmaf(tmp[j][2], shi, acc[j][2]);
-            acc[j][3] = fmaf(tmp[j][3], shi, acc[j][3]);
-#pragma unroll
-            for (int r = 0; r < 4; r++) tmp[j][r] = 0.0f;
-        }
+        acc[0] = fmaf(sum[0], slo, acc[0]);
+        acc[1] = fmaf(sum[1], slo, acc[1]);
+        acc[2] = fmaf(sum[2], shi, acc[2]);
+        acc[3] = fmaf(sum[3], shi, acc[3]);
     };
     /* ldmatrix row addresses; rows past M read row M-1 (their output columns are never stored,
      * and an mma column depends on its own B column alone) */
-    const bf16 *xl[MT8];
-#pragma unroll
-    for (int jt = 0; jt < MT8; jt++)
-        xl[jt] = sx + min(jt * 8 + (lane & 7), a.m - 1) * XR + ((lane >> 3) & 1) * 8 + c0 * CHUNK_K;
+    const bf16 *xl = sx + min(lane & 7, a.m - 1) * XR + ((lane >> 3) & 1) * 8 + c0 * CHUNK_K;
 #pragma unroll
     for (int j = 0; j < NCH; j++) {
         mbar_wait0(&bar[j]);
         const uint4 wq = sw[j * 32];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            uint32_t b[MT8][2];
-#pragma unroll
-            for (int jt = 0; jt < MT8; jt++) ldmatrix_x2(b[jt][0], b[jt][1], xl[jt] + j * CHUNK_K + kk * 16);
+            uint32_t b0, b1;
+            ldmatrix_x2(b0, b1, xl + j * CHUNK_K + kk * 16);
             uint32_t av[4];
             dequant4(kk == 0 ? wq.x : kk == 1 ? wq.y : kk == 2 ? wq.z : wq.w, av);
+            mma_bf16(tmp, av, b0, b1);
+            const int k_end = j * CHUNK_K + kk * 16 + 16;        /* within the range (ranges start on a group) */
+            if ((k_end & ((1 << GSHIFT) - 1)) == 0) {
+                const int g = (k_end - 1) >> GSHIFT;
+                if (H == 2 && half == 1) {
 #pragma unroll
-            for (int jt = 0; jt < MT8; jt++) mma_bf16(tmp[jt], av, b[jt][0], b[jt][1]);
-            const int k_end = j * CHUNK_K + kk * 16 + 16;        /* within the part (parts start on a group) */
-            if ((k_end & ((1 << GSHIFT) - 1)) == 0) fold((k_end - 1) >> GSHIFT);
+                    for (int r = 0; r < 4; r++) kept[H == 2 ? g : 0][r] = tmp[r];
+                } else {
+                    fold(tmp, g);
+                }
+#pragma unroll
+                for (int r = 0; r < 4; r++) tmp[r] = 0.0f;
+            }
         }
     }
 
-    /* the parts' partial tiles [part][16 rows][BM tokens] (over the weights, which every warp
-     * has finished reading after the barrier), added in part order */
-    float *pbuf = (float *)(smem + L.w);
+    /* over the weights, which every warp has finished reading after the barrier: the hand-off
+     * of the first warps' acc [part][lane][4], then the parts' partial tiles [part][16][BM] */
+    float *hand = (float *)(smem + L.w), *pbuf = hand + a.parts * 128;
     __syncthreads();
     if (lane == 0)
 #pragma unroll
         for (int j = 0; j < NCH; j++) mbar_inval(&bar[j]);
+    if (H == 2) {
+        if (half == 0)
+#pragma unroll
+            for (int r = 0; r < 4; r++) hand[(part * 32 + lane) * 4 + r] = acc[r];
+        __syncthreads();
+        if (half == 1) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[r] = hand[(part * 32 + lane) * 4 + r];
+#pragma unroll
+            for (int g = 0; g < NG; g++) fold(kept[H == 2 ? g : 0], g);
+        }
+    }
     const int gr = lane >> 2, tq = (lane & 3) * 2;
+    if (half == H - 1)
 #pragma unroll
-    for (int j = 0; j < MT8; j++)
-#pragma unroll
-        for (int r = 0; r < 4; r++) pbuf[(part * 16 + gr + (r >= 2 ? 8 : 0)) * BM + j * 8 + tq + (r & 1)] = acc[j][r];
+        for (int r = 0; r < 4; r++) pbuf[(part * 16 + gr + (r >= 2 ? 8 : 0)) * BM + tq + (r & 1)] = acc[r];
     __syncthreads();
     for (int e = tid; e < 16 * a.m; e += threads) {
         int row = e / a.m, t = e - row * a.m, n = tile * 16 + row;
@@ -753,14 +766,15 @@ __global__ void moe_combine_kernel(const float *__restrict__ y, const int *__res
 struct W4Config {
     const char *name;
     int mt8, nt, wn, sc, stages;
-    int skinny;   /* 1: w4a16_skinny_kernel (plain GEMM, M <= 8*mt8, where skinny_plan takes it) */
+    int skinny;   /* > 0: w4a16_skinny_kernel with this many warps per part (plain GEMM, M <= 8, where
+                   * skinny_plan takes it) */
 };
 /* index = config id; dual (MoE gate+up) kernels use the same MT8 with NT = 2, WN = 4, and the
  * MoE never takes a skinny configuration (it uses the pipelined kernel of the same MT8) */
 const W4Config CONFIGS[] = {
     {"m8_nt2_w4", 1, 2, 4, 2, 3, 0},      {"m8_nt1_w8", 1, 1, 8, 2, 3, 0},      {"m16_nt2_w4", 2, 2, 4, 2, 3, 0},
     {"m16_nt1_w8", 2, 1, 8, 2, 3, 0},     {"m32_nt2_w4", 4, 2, 4, 1, 6, 0},     {"m64_nt2_w4", 8, 2, 4, 1, 4, 0},
-    {"skinny_m8", 1, 1, 0, 0, 0, 1},      {"skinny_m16", 2, 1, 0, 0, 0, 1},
+    {"skinny_m8", 1, 1, 0, 0, 0, 1},      {"skinny_m8_h2", 1, 1, 0, 0, 0, 2},
 };
 constexpr int N_CONFIGS = sizeof(CONFIGS) / sizeof(CONFIGS[0]);
 int g_force_config = -1;
@@ -774,13 +788,13 @@ int pipelined_config_for_m(int m) {
 }
 int sm_count();
 /* chosen from the H200 timings of 2026-11-30 (docs/performance.md); every configuration gives
- * the same bits, so this choice is free to change. The skinny kernel wins at M = 1, and up to
- * M = 8 when the weight has few 16-row tiles: each of its blocks stages all of the M
- * activation rows, so their traffic grows with tiles x M (2048 x 7168: 128 tiles, faster to
- * M = 8; 7168 x 2048: 448 tiles, faster at M = 1 only). */
+ * the same bits, so this choice is free to change. The skinny kernel with two warps per part
+ * wins at M = 1, and up to M = 8 when the weight has few 16-row tiles: each of its blocks
+ * stages all of the M activation rows, so their traffic grows with tiles x M (2048 x 7168,
+ * 128 tiles: faster to M = 8; 7168 x 2048, 448 tiles: at M = 1 only). */
 int config_for(int m, int n_tiles) {
     if (g_force_config >= 0 && g_force_config < N_CONFIGS) return g_force_config;
-    if (m == 1 || (m <= 8 && n_tiles <= 2 * sm_count())) return 6;
+    if (m == 1 || (m <= 8 && n_tiles <= sm_count())) return 7;
     return pipelined_config_for_m(m);
 }
 
@@ -819,32 +833,34 @@ int skinny_smem_max() {
     return limit;
 }
 
-/* The skinny kernel for (MT8, group, chunks per part); fn = NULL where none is built: group 32
- * (Kimi K2.6's) with parts of 2, 4, 7 or 8 chunks (the K2.6 expert shapes: 7 and 4) */
-template <int MT8, int GSHIFT>
+/* The skinny kernel for (group, chunks per warp, warps per part); NULL where none is built:
+ * group 32 (Kimi K2.6's) with 2, 4, 7 or 8 chunks per warp (the K2.6 expert shapes: parts of
+ * 14 chunks in two warps of 7, and of 8 chunks in one warp) */
+template <int GSHIFT, int H>
 KernelFn skinny_fn(int nch) {
     switch (nch) {
-    case 2: return w4a16_skinny_kernel<MT8, GSHIFT, 2>;
-    case 4: return w4a16_skinny_kernel<MT8, GSHIFT, 4>;
-    case 7: return w4a16_skinny_kernel<MT8, GSHIFT, 7>;
-    case 8: return w4a16_skinny_kernel<MT8, GSHIFT, 8>;
+    case 2: return w4a16_skinny_kernel<GSHIFT, 2, H>;
+    case 4: return w4a16_skinny_kernel<GSHIFT, 4, H>;
+    case 7: return w4a16_skinny_kernel<GSHIFT, 7, H>;
+    case 8: return w4a16_skinny_kernel<GSHIFT, 8, H>;
     default: return nullptr;
     }
 }
-/* l.fn, l.threads, l.smem for one launch, or false when the skinny kernel does not take it
- * (M above its tile, a group other than 32, a part length without a kernel, a short last
- * part, or more shared memory than skinny_smem_max()) */
-bool skinny_plan(Launch *l, int m, int kc, int parts, int cpp, int gshift) {
-    if (m > l->bm || gshift != 5 || kc != parts * cpp) return false;
-    l->fn = l->bm == 8 ? skinny_fn<1, 5>(cpp) : skinny_fn<2, 5>(cpp);
-    l->smem = skinny_layout(m, kc, parts, cpp, (cpp * CHUNK_K) >> gshift).total;
-    l->threads = 32 * parts;
+/* l->fn, threads, smem for one launch, or false when the skinny kernel does not take it (M
+ * above 8, a group other than 32, a part that does not split into h equal ranges with a
+ * kernel, a short last part, more than 16 warps, or more shared memory than skinny_smem_max()) */
+bool skinny_plan(Launch *l, int h, int m, int kc, int parts, int cpp, int gshift) {
+    if (m > 8 || gshift != 5 || kc != parts * cpp || cpp % h || parts * h > 16) return false;
+    int nch = cpp / h;
+    l->fn = h == 1 ? skinny_fn<5, 1>(nch) : skinny_fn<5, 2>(nch);
+    l->smem = skinny_layout(m, kc, parts * h, nch, (nch * CHUNK_K) >> gshift).total;
+    l->threads = 32 * parts * h;
     return l->fn && l->smem <= skinny_smem_max();
 }
 
-Launch make_skinny(int mt8) {
+Launch make_skinny() {
     Launch l = {};
-    l.bm = mt8 * 8;
+    l.bm = 8;
     l.slots_per_block = 1;
     l.skinny = true;
     return l;
@@ -865,20 +881,20 @@ Launch get_launch(int cfg, bool dual) {
     case 2: return make_launch<2, 2, 4, 2, 3, false>();
     case 3: return make_launch<2, 1, 8, 2, 3, false>();
     case 4: return make_launch<4, 2, 4, 1, 6, false>();
-    case 6: return make_skinny(1);
-    case 7: return make_skinny(2);
+    case 6:
+    case 7: return make_skinny();
     default: return make_launch<8, 2, 4, 1, 4, false>();
     }
 }
 /* the MoE's kernels for a configuration (a skinny one maps to the pipelined one of its MT8) */
 Launch moe_launch(int cfg, bool dual) {
-    if (CONFIGS[cfg].skinny) cfg = CONFIGS[cfg].mt8 == 1 ? 0 : 2;
+    if (CONFIGS[cfg].skinny) cfg = 0;
     return get_launch(cfg, dual);
 }
 
-/* the most parts of K: 16 (the pipelined kernel then takes non-portable 16-block clusters;
- * the skinny kernel, 16 warps of one block) */
-int max_parts() { return 16; }
+/* the most parts of K: 8, the portable cluster size (16-block clusters are placed poorly: the
+ * pipelined kernel at M >= 16 ran 1.4-1.8x slower with 16 parts on the H200) */
+int max_parts() { return 8; }
 
 /* per (kernel, device): the dynamic shared memory limit, the carveout (all shared memory,
  * so several blocks fit per SM) and clusters of 16 */
@@ -899,7 +915,6 @@ kd_status prepare_kernel(KernelFn fn, int smem) {
     cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e == cudaSuccess && n_done < MAXK) {
         done_fn[n_done] = fn;
         done_dev[n_done] = dev;
@@ -951,9 +966,9 @@ int groups_pad_of(int k, int group) { return (kc_of(k) * CHUNK_K + group - 1) / 
 
 /* The fixed split of K: parts (P) and chunks per part (cpp), a function of the shape only.
  * warp_tiles = the 16-row weight tiles one launch streams besides the split (n/16, times
- * top_k for the MoE); P (a power of two, at most 16) brings the launch to `target` warp-tiles
+ * top_k for the MoE); P (a power of two, at most 8) brings the launch to `target` warp-tiles
  * (latency hiding at small M), keeping at least two chunks per part. The plain GEMM aims at
- * 1536 (K2.6: 2048 x 7168 -> 16 parts, 7168 x 2048 -> 4), the MoE at 1024 (its expert
+ * 1536 (K2.6: 2048 x 7168 -> 8 parts, 7168 x 2048 -> 4), the MoE at 1024 (its expert
  * tiles are many: K2.6 experts take no split; tensor-parallel slices do). */
 int g_force_parts = 0;
 void split_of(int k, int group, long long warp_tiles, long long target, int *parts, int *cpp) {
@@ -1072,8 +1087,9 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
         return kd_fail(KD_ERR_ARG, "w4a16 gemm: codes/scales must be 16-byte aligned");
     int parts, cpp;
     split_of(k, group, tiles_of(n), TARGET_GEMM, &parts, &cpp);
-    Launch l = get_launch(config_for(m, tiles_of(n)), false);
-    if (l.skinny && !skinny_plan(&l, m, kc_of(k), parts, cpp, log2_of(group)))
+    const int cfg = config_for(m, tiles_of(n));
+    Launch l = get_launch(cfg, false);
+    if (l.skinny && !skinny_plan(&l, CONFIGS[cfg].skinny, m, kc_of(k), parts, cpp, log2_of(group)))
         l = get_launch(pipelined_config_for_m(m), false);
     W4Args a = {};
     a.x = (const bf16 *)x;
