@@ -70,9 +70,10 @@ run: deps all
 # (dense linear, MLA attention, tree top-k) when the whole library builds.
 # Tables: $(BUILD)/bench/w4a16.md (copied into docs/performance.md by hand, with the date).
 BENCH_W4 := $(BUILD)/bench/w4a16_bench
-$(BENCH_W4): scripts/bench/w4a16_bench.cu cuda/w4a16.cuh $(BUILD)/cuda/w4a16.o $(BUILD)/core/error.o
+W4_OBJS := $(BUILD)/cuda/w4a16.o $(BUILD)/cuda/w4a16_skinny.o $(BUILD)/core/error.o
+$(BENCH_W4): scripts/bench/w4a16_bench.cu cuda/w4a16.cuh $(W4_OBJS)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) -Xcompiler -fopenmp -o $@ $< $(BUILD)/cuda/w4a16.o $(BUILD)/core/error.o -lcublas -lgomp
+	$(NVCC) $(NVFLAGS) -Xcompiler -fopenmp -o $@ $< $(W4_OBJS) -lcublas -lgomp
 
 # Then the decode step of a K2.6-dims model slice (1 dense + 3 MoE layers, random weights built
 # in memory) against its weight-bytes roofline, and the MLA attention rows: $(BUILD)/bench/model_slice.md.

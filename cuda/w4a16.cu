@@ -19,20 +19,17 @@
  *   part order 0..parts-1 (no workspace, no atomics).
  * Work items (token tile, n-block) are walked by a grid-stride loop over clusters, so the MoE
  *   can launch a fixed grid while the number of tiles is known only on the device.
- * The skinny kernel (plain GEMM, M <= 8 or 16): the same arithmetic with one 16-row tile per
- *   block and one warp per part, its weights fetched whole by bulk copies at entry (see
- *   w4a16_skinny_kernel). config_for picks it where the H200 timings say it is faster.
+ * The skinny kernel (w4a16_skinny.cu; plain GEMM, M <= 8): the same arithmetic with one 16-row
+ *   tile per block and one or two warps per part, its weights fetched whole by bulk copies at
+ *   entry. config_for picks it where the H200 timings say it is faster. The helpers both files
+ *   use are in w4a16_device.cuh.
  */
-#include "w4a16.cuh"
-#include <cuda_bf16.h>
+#include "w4a16_device.cuh"
 #include <pthread.h>
 #include <string.h>
 
-typedef __nv_bfloat16 bf16;
-
 namespace {
-
-constexpr int CHUNK_K = 64;       /* k per pipeline chunk */
+using namespace kd_w4a16_impl;
 
 kd_status w4_fail(cudaError_t e, const char *call, int line) {
     if (e == cudaErrorMemoryAllocation) {
@@ -44,66 +41,6 @@ kd_status w4_fail(cudaError_t e, const char *call, int line) {
 }
 #define W4_CUDA(call) do { cudaError_t w4_e_ = (call); if (w4_e_ != cudaSuccess) return w4_fail(w4_e_, #call, __LINE__); } while (0)
 #define W4_LAUNCH(what) do { cudaError_t w4_e_ = cudaGetLastError(); if (w4_e_ != cudaSuccess) return w4_fail(w4_e_, what, __LINE__); } while (0)
-
-/* ---------------------------------------------------------------- PTX helpers */
-__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-/* 16-byte async copy; valid = false writes 16 zero bytes and reads nothing */
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x2(uint32_t &r0, uint32_t &r1, const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-                 : "=r"(r0), "=r"(r1) : "r"(smem_addr(p)) : "memory");
-}
-__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-/* (a & b) | c in one LOP3 */
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-__device__ __forceinline__ void griddep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" :::);
-#endif
-}
-
-/* One packed word -> the four A registers of one m16n8k16 step (see repack_codes_kernel):
- * nibble pairs (0,4) (1,5) (2,6) (3,7) -> a0 a1 a2 a3, each the exact bf16x2 (u-8, u'-8). */
-__device__ __forceinline__ void dequant4(uint32_t w, uint32_t a[4]) {
-    const uint32_t MASK = 0x000F000Fu, EX = 0x43004300u, ONE = 0x3F803F80u, M136 = 0xC308C308u;
-    a[0] = bf16x2_fma(and_or(w, MASK, EX), ONE, M136);
-    a[1] = bf16x2_fma(and_or(w >> 4, MASK, EX), ONE, M136);
-    a[2] = bf16x2_fma(and_or(w >> 8, MASK, EX), ONE, M136);
-    a[3] = bf16x2_fma(and_or(w >> 12, MASK, EX), ONE, M136);
-}
-
-__device__ __forceinline__ void store_out(void *y, int f32, size_t i, float v) {
-    if (f32) ((float *)y)[i] = v;
-    else ((bf16 *)y)[i] = __float2bfloat16_rn(v);
-}
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 /* ---------------------------------------------------------------- repack */
 /* codes: one thread per (16-row tile t, 64-k chunk c, lane L). Lane L = 4*gr + cc holds,
@@ -152,26 +89,6 @@ __global__ void repack_scales_kernel(const uint16_t *__restrict__ raw, int n, in
 }
 
 /* ---------------------------------------------------------------- the GEMM kernel */
-struct W4Mat {
-    const uint4 *q;
-    const uint32_t *s;
-};
-
-struct W4Args {
-    const bf16 *x;
-    long long ldx;
-    const int *row_map;               /* tile row (slot) -> x row; NULL: identity */
-    W4Mat mat;                        /* plain GEMM weights (table == NULL) */
-    const kd_w4a16_expert *table;     /* MoE: per-expert pointers */
-    int n, k, kc, groups, gshift, parts, cpp, n_tiles, nb;   /* group = 1 << gshift */
-    const int4 *tiles;                /* MoE: (expert, row0, rows) per token tile; NULL: plain */
-    const int *n_tiles_dev;
-    int m;                            /* plain: rows of x / y */
-    void *y;
-    long long ldy;
-    int y_f32;
-};
-
 template <int MT8, int NT, int WN, int SC, int STAGES>
 struct W4Shape {
     static constexpr int BM = MT8 * 8;
@@ -488,180 +405,6 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
     }
 }
 
-/* ---------------------------------------------------------------- the small-M kernel */
-/* mbarrier + bulk copy (TMA, sm_90+): one thread starts a copy global -> shared that
- * completes a transaction count on an mbarrier; the warp then waits on the barrier's phase 0 */
-__device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *bar) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
-                 : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait0(uint64_t *bar) {
-    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
-                 "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_inval(uint64_t *bar) {
-    asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-
-/* shared memory of the skinny kernel, in bytes from the start: the barriers (one per chunk of
- * each part), the weights of every part, their scale words, the activations */
-struct SkinnyLayout {
-    int bars, w, s, x, total;
-};
-__host__ __device__ inline SkinnyLayout skinny_layout(int m, int kc, int parts, int nch, int groups_per_part) {
-    SkinnyLayout L;
-    L.bars = 0;
-    L.w = (parts * nch * 8 + 15) & ~15;
-    L.s = L.w + parts * nch * 512;
-    L.x = L.s + parts * groups_per_part * 32;
-    L.total = L.x + m * (kc * CHUNK_K + 8) * 2;
-    return L;
-}
-
-/* Plain GEMM with M <= 8, one 16-row weight tile per block and H warps per part of K (H = 1
- * or 2: 2 gives a K2.6 tile 16 warps where its 8 parts alone would give 8): the arithmetic
- * order of w4a16_gemm_kernel exactly (same bits: per part the scale groups in k order, then
- * the parts added in order 0..parts-1, here through shared memory instead of a cluster).
- * With H = 2 the second warp of a part computes its groups' sums but does not fold them: it
- * keeps them in registers until the first warp's acc is in shared memory, then continues
- * the same chain of acc = fma(sum, scale, acc) from there.
- * How the bytes arrive: at entry, before waiting for the previous grid, one lane per warp
- * starts a bulk copy (TMA) of each of the NCH chunks of its range, each on its own mbarrier:
- * every weight byte of the launch is requested at once, by the copy engine, while the
- * load/store path stays free for the activations (all M rows, all of K) and the scale words.
- * The warp then walks its chunks, waiting for each chunk's barrier just before using it.
- * The group size (1 << GSHIFT) and NCH are compile-time, so the walk is straight-line code
- * the compiler can interleave across scale groups. No clusters: blocks are placed freely. */
-template <int GSHIFT, int NCH, int H>
-__global__ void __launch_bounds__(512) w4a16_skinny_kernel(const W4Args a) {
-    constexpr int BM = 8, NG = (NCH * CHUNK_K) >> GSHIFT;   /* scale groups per warp */
-    static_assert(NG >= 1 && (NCH * CHUNK_K) % (1 << GSHIFT) == 0, "a warp's range holds whole scale groups");
-    static_assert(H == 1 || H == 2, "one or two warps per part");
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
-    const int part = warp / H, half = warp % H;
-    const int tile = blockIdx.x;
-    griddep_launch_dependents();
-    const int c0 = part * a.cpp + half * NCH;
-    const int XR = a.kc * CHUNK_K + 8;    /* +16 bytes per row: conflict-free ldmatrix */
-    const SkinnyLayout L = skinny_layout(a.m, a.kc, a.parts * H, NCH, NG);
-    uint64_t *bar = (uint64_t *)(smem + L.bars) + warp * NCH;
-    const uint4 *sw = (const uint4 *)(smem + L.w) + warp * NCH * 32 + lane;
-    uint32_t *ss = (uint32_t *)(smem + L.s) + warp * NG * 8;
-    bf16 *sx = (bf16 *)(smem + L.x);
-
-    if (lane == 0) {
-#pragma unroll
-        for (int j = 0; j < NCH; j++) mbar_init(&bar[j], 1);
-        mbar_init_fence();
-        const uint4 *src = a.mat.q + ((size_t)tile * a.kc + c0) * 32;
-#pragma unroll
-        for (int j = 0; j < NCH; j++) bulk_load((uint4 *)(smem + L.w) + (warp * NCH + j) * 32, src + j * 32, 512, &bar[j]);
-    }
-    {   /* the scale words of this warp's range: 32 bytes per group, 16 per copy */
-        const uint4 *src = (const uint4 *)(a.mat.s + ((size_t)tile * a.groups + ((c0 * CHUNK_K) >> GSHIFT)) * 8);
-        for (int p = lane; p < 2 * NG; p += 32) cp_async16((uint4 *)ss + p, src + p, true);
-    }
-
-    /* the M activation rows, all of K (k past K zero-filled) */
-    griddep_wait();
-    const int pieces = a.kc * (CHUNK_K / 8);
-    for (int row = 0; row < a.m; row++)
-        for (int kp = tid; kp < pieces; kp += threads) {
-            int k = kp * 8;
-            bool v = k < a.k;
-            cp_async16(sx + row * XR + k, v ? (const void *)(a.x + (size_t)row * a.ldx + k) : (const void *)a.x, v);
-        }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();   /* also orders the barrier inits before every lane's wait */
-
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float kept[H == 2 ? NG : 1][4];   /* H = 2, second warp: its groups' sums, folded later */
-    const uint32_t *sl = ss + (lane >> 2);
-    /* acc = fma(group sum, scale, acc) for group g of this warp's range */
-    auto fold = [&](const float (&sum)[4], int g) {
-        uint32_t sw2 = sl[g * 8];
-        float slo = __uint_as_float(sw2 << 16), shi = __uint_as_float(sw2 & 0xFFFF0000u);
-        acc[0] = fmaf(sum[0], slo, acc[0]);
-        acc[1] = fmaf(sum[1], slo, acc[1]);
-        acc[2] = fmaf(sum[2], shi, acc[2]);
-        acc[3] = fmaf(sum[3], shi, acc[3]);
-    };
-    /* ldmatrix row addresses; rows past M read row M-1 (their output columns are never stored,
-     * and an mma column depends on its own B column alone) */
-    const bf16 *xl = sx + min(lane & 7, a.m - 1) * XR + ((lane >> 3) & 1) * 8 + c0 * CHUNK_K;
-#pragma unroll
-    for (int j = 0; j < NCH; j++) {
-        mbar_wait0(&bar[j]);
-        const uint4 wq = sw[j * 32];
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            uint32_t b0, b1;
-            ldmatrix_x2(b0, b1, xl + j * CHUNK_K + kk * 16);
-            uint32_t av[4];
-            dequant4(kk == 0 ? wq.x : kk == 1 ? wq.y : kk == 2 ? wq.z : wq.w, av);
-            mma_bf16(tmp, av, b0, b1);
-            const int k_end = j * CHUNK_K + kk * 16 + 16;        /* within the range (ranges start on a group) */
-            if ((k_end & ((1 << GSHIFT) - 1)) == 0) {
-                const int g = (k_end - 1) >> GSHIFT;
-                if (H == 2 && half == 1) {
-#pragma unroll
-                    for (int r = 0; r < 4; r++) kept[H == 2 ? g : 0][r] = tmp[r];
-                } else {
-                    fold(tmp, g);
-                }
-#pragma unroll
-                for (int r = 0; r < 4; r++) tmp[r] = 0.0f;
-            }
-        }
-    }
-
-    /* over the weights, which every warp has finished reading after the barrier: the hand-off
-     * of the first warps' acc [part][lane][4], then the parts' partial tiles [part][16][BM] */
-    float *hand = (float *)(smem + L.w), *pbuf = hand + a.parts * 128;
-    __syncthreads();
-    if (lane == 0)
-#pragma unroll
-        for (int j = 0; j < NCH; j++) mbar_inval(&bar[j]);
-    if (H == 2) {
-        if (half == 0)
-#pragma unroll
-            for (int r = 0; r < 4; r++) hand[(part * 32 + lane) * 4 + r] = acc[r];
-        __syncthreads();
-        if (half == 1) {
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[r] = hand[(part * 32 + lane) * 4 + r];
-#pragma unroll
-            for (int g = 0; g < NG; g++) fold(kept[H == 2 ? g : 0], g);
-        }
-    }
-    const int gr = lane >> 2, tq = (lane & 3) * 2;
-    if (half == H - 1)
-#pragma unroll
-        for (int r = 0; r < 4; r++) pbuf[(part * 16 + gr + (r >= 2 ? 8 : 0)) * BM + tq + (r & 1)] = acc[r];
-    __syncthreads();
-    for (int e = tid; e < 16 * a.m; e += threads) {
-        int row = e / a.m, t = e - row * a.m, n = tile * 16 + row;
-        if (n >= a.n) continue;
-        float v = 0.0f;
-        for (int p = 0; p < a.parts; p++) {
-            float pv = pbuf[(p * 16 + row) * BM + t];
-            v = p == 0 ? pv : v + pv;
-        }
-        store_out(a.y, a.y_f32, (size_t)t * a.ldy + n, v);
-    }
-}
-
 /* ---------------------------------------------------------------- MoE helpers */
 constexpr int PLAN_THREADS = 512;
 constexpr int PLAN_WARPS = PLAN_THREADS / 32;
@@ -798,7 +541,6 @@ int config_for(int m, int n_tiles) {
     return pipelined_config_for_m(m);
 }
 
-typedef void (*KernelFn)(const W4Args);
 
 struct Launch {
     KernelFn fn;
@@ -816,46 +558,6 @@ Launch make_launch() {
     l.slots_per_block = DUAL ? WN : WN * NT;   /* output tiles of 16 rows per block */
     l.skinny = false;
     return l;
-}
-
-/* the shared memory a skinny kernel may take: 200 KB, or the device's opt-in limit where that
- * is lower (sm_120: about 99 KB); a launch that needs more (many rows of a long K) takes the
- * pipelined kernel */
-int skinny_smem_max() {
-    static int dev_cached = -1, limit = 0;
-    int dev = 0, optin = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    if (dev != dev_cached) {
-        if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) optin = 0;
-        limit = optin < 200 * 1024 ? optin : 200 * 1024;
-        dev_cached = dev;
-    }
-    return limit;
-}
-
-/* The skinny kernel for (group, chunks per warp, warps per part); NULL where none is built:
- * group 32 (Kimi K2.6's) with 2, 4, 7 or 8 chunks per warp (the K2.6 expert shapes: parts of
- * 14 chunks in two warps of 7, and of 8 chunks in one warp) */
-template <int GSHIFT, int H>
-KernelFn skinny_fn(int nch) {
-    switch (nch) {
-    case 2: return w4a16_skinny_kernel<GSHIFT, 2, H>;
-    case 4: return w4a16_skinny_kernel<GSHIFT, 4, H>;
-    case 7: return w4a16_skinny_kernel<GSHIFT, 7, H>;
-    case 8: return w4a16_skinny_kernel<GSHIFT, 8, H>;
-    default: return nullptr;
-    }
-}
-/* l->fn, threads, smem for one launch, or false when the skinny kernel does not take it (M
- * above 8, a group other than 32, a part that does not split into h equal ranges with a
- * kernel, a short last part, more than 16 warps, or more shared memory than skinny_smem_max()) */
-bool skinny_plan(Launch *l, int h, int m, int kc, int parts, int cpp, int gshift) {
-    if (m > 8 || gshift != 5 || kc != parts * cpp || cpp % h || parts * h > 16) return false;
-    int nch = cpp / h;
-    l->fn = h == 1 ? skinny_fn<5, 1>(nch) : skinny_fn<5, 2>(nch);
-    l->smem = skinny_layout(m, kc, parts * h, nch, (nch * CHUNK_K) >> gshift).total;
-    l->threads = 32 * parts * h;
-    return l->fn && l->smem <= skinny_smem_max();
 }
 
 Launch make_skinny() {
@@ -1089,7 +791,7 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
     split_of(k, group, tiles_of(n), TARGET_GEMM, &parts, &cpp);
     const int cfg = config_for(m, tiles_of(n));
     Launch l = get_launch(cfg, false);
-    if (l.skinny && !skinny_plan(&l, CONFIGS[cfg].skinny, m, kc_of(k), parts, cpp, log2_of(group)))
+    if (l.skinny && !skinny_plan(CONFIGS[cfg].skinny, m, kc_of(k), parts, cpp, log2_of(group), &l.fn, &l.threads, &l.smem))
         l = get_launch(pipelined_config_for_m(m), false);
     W4Args a = {};
     a.x = (const bf16 *)x;

@@ -4,7 +4,8 @@
 // addresses, the scale-group flush and the split-K part order agree with an fp64 dequant
 // reference, on odd shapes and groups 32/64/128. Useful before spending GPU time on a kernel edit.
 //   cc -std=c11 -D_GNU_SOURCE -Icore -c core/error.c -o /tmp/error.o
-//   nvcc -std=c++17 -Icore -Icuda scripts/bench/w4a16_layout_check.cu /tmp/error.o -o /tmp/w4a16_layout_check
+//   nvcc -std=c++17 -arch=sm_90 -Icore -Icuda scripts/bench/w4a16_layout_check.cu cuda/w4a16_skinny.cu \
+//        /tmp/error.o -o /tmp/w4a16_layout_check
 //   /tmp/w4a16_layout_check        # prints EMU OK (exit 0) or EMU FAIL
 #include "../../cuda/w4a16.cu"
 static const int XS = 72;

@@ -1,0 +1,144 @@
+/* w4a16_device.cuh: what the W4A16 kernels share (w4a16.cu: the pipelined GEMM, the MoE and
+ * the configurations; w4a16_skinny.cu: the small-M kernel): the device form's constants, the
+ * kernel arguments, the PTX helpers (cp.async, ldmatrix, mma, the INT4 dequantisation, bulk
+ * copies on mbarriers) and the skinny kernel's planning entry. Internal to cuda/w4a16*.cu. */
+#ifndef KD_W4A16_DEVICE_CUH
+#define KD_W4A16_DEVICE_CUH
+#include "w4a16.cuh"
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+
+namespace kd_w4a16_impl {
+
+constexpr int CHUNK_K = 64;       /* k per chunk of the device form */
+
+/* ---------------------------------------------------------------- PTX helpers */
+__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* 16-byte async copy; valid = false writes 16 zero bytes and reads nothing */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t &r0, uint32_t &r1, const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1) : "r"(smem_addr(p)) : "memory");
+}
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+/* (a & b) | c in one LOP3 */
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+}
+
+/* One packed word -> the four A registers of one m16n8k16 step (see repack_codes_kernel):
+ * nibble pairs (0,4) (1,5) (2,6) (3,7) -> a0 a1 a2 a3, each the exact bf16x2 (u-8, u'-8). */
+__device__ __forceinline__ void dequant4(uint32_t w, uint32_t a[4]) {
+    const uint32_t MASK = 0x000F000Fu, EX = 0x43004300u, ONE = 0x3F803F80u, M136 = 0xC308C308u;
+    a[0] = bf16x2_fma(and_or(w, MASK, EX), ONE, M136);
+    a[1] = bf16x2_fma(and_or(w >> 4, MASK, EX), ONE, M136);
+    a[2] = bf16x2_fma(and_or(w >> 8, MASK, EX), ONE, M136);
+    a[3] = bf16x2_fma(and_or(w >> 12, MASK, EX), ONE, M136);
+}
+
+__device__ __forceinline__ void store_out(void *y, int f32, size_t i, float v) {
+    if (f32) ((float *)y)[i] = v;
+    else ((bf16 *)y)[i] = __float2bfloat16_rn(v);
+}
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+struct W4Mat {
+    const uint4 *q;
+    const uint32_t *s;
+};
+
+struct W4Args {
+    const bf16 *x;
+    long long ldx;
+    const int *row_map;               /* tile row (slot) -> x row; NULL: identity */
+    W4Mat mat;                        /* plain GEMM weights (table == NULL) */
+    const kd_w4a16_expert *table;     /* MoE: per-expert pointers */
+    int n, k, kc, groups, gshift, parts, cpp, n_tiles, nb;   /* group = 1 << gshift */
+    const int4 *tiles;                /* MoE: (expert, row0, rows) per token tile; NULL: plain */
+    const int *n_tiles_dev;
+    int m;                            /* plain: rows of x / y */
+    void *y;
+    long long ldy;
+    int y_f32;
+};
+
+typedef void (*KernelFn)(const W4Args);
+
+/* mbarrier + bulk copy (TMA, sm_90+): one thread starts a copy global -> shared that
+ * completes a transaction count on an mbarrier; the warp then waits on the barrier's phase 0 */
+__device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait0(uint64_t *bar) {
+    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+                 "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_inval(uint64_t *bar) {
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+/* shared memory of the skinny kernel, in bytes from the start: the barriers (one per chunk of
+ * each part), the weights of every part, their scale words, the activations */
+struct SkinnyLayout {
+    int bars, w, s, x, total;
+};
+__host__ __device__ inline SkinnyLayout skinny_layout(int m, int kc, int parts, int nch, int groups_per_part) {
+    SkinnyLayout L;
+    L.bars = 0;
+    L.w = (parts * nch * 8 + 15) & ~15;
+    L.s = L.w + parts * nch * 512;
+    L.x = L.s + parts * groups_per_part * 32;
+    L.total = L.x + m * (kc * CHUNK_K + 8) * 2;
+    return L;
+}
+
+/* the small-M kernel (w4a16_skinny.cu) for one plain GEMM launch: its function, threads and
+ * shared memory, or false when it does not take the launch (then the pipelined kernel does) */
+bool skinny_plan(int warps_per_part, int m, int kc, int parts, int cpp, int gshift, KernelFn *fn, int *threads,
+                 int *smem);
+/* the shared memory the skinny kernel may take on the current device (its attribute is set to this) */
+int skinny_smem_max();
+
+}  // namespace kd_w4a16_impl
+#endif
