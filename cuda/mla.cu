@@ -287,6 +287,19 @@ static bool tc_enabled(void) {
     return on == 1;
 }
 
+/* KDTREE_MLA_TC_VSPLIT (read once per process): unset (or any other value): small grids take
+ * 16-row blocks of 8 warps split into value slices by the rule in attention_tc; 0: the 2-warp
+ * 16-row blocks as before; 1, 2 or 4 (tests, benches): force that many slices (capped at
+ * dv / 128) wherever the 16-row blocks are used. Returns 0 (off), 1, 2, 4 (forced) or 8 (rule). */
+static int vsplit_mode(void) {
+    static int mode = -1;
+    if (mode < 0) {
+        const char *e = getenv("KDTREE_MLA_TC_VSPLIT");
+        mode = !e ? 8 : !strcmp(e, "0") ? 0 : !strcmp(e, "1") ? 1 : !strcmp(e, "2") ? 2 : !strcmp(e, "4") ? 4 : 8;
+    }
+    return mode;
+}
+
 /* the tensor-core path (mla_tc.cuh); arguments already checked by attention_impl */
 static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,
                               int n_kv_heads, int past, const int32_t *d_past, bool causal, const uint64_t *visible,
@@ -336,7 +349,10 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     a.po = a.pl + (size_t)tbatch * n_heads * a.nc_max;
 
     /* row groups per block: 4 (64 rows share a tile) unless that leaves most SMs idle (decode
-     * at short context); the bits do not depend on it (mla_tc.cuh) */
+     * at short context); then, unless KDTREE_MLA_TC_VSPLIT=0, 16-row blocks of 8 warps (256
+     * threads) split into VS value slices (up to dv / 128; more while the grid has fewer than
+     * two blocks per SM). The bits depend on none of these (mla_tc.cuh). */
+    int kw = 2, vs = 1;
     {
         long long ncq = visible || !causal || d_past ? (S + TC_CHUNK - 1) / TC_CHUNK
                                                      : (past + T + TC_CHUNK - 1) / TC_CHUNK;
@@ -350,9 +366,20 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
         if (rg == 4 && tc_smem_bytes(a.HDP, 4) > c->smem_optin) rg = 1;   /* e.g. sm_120's 99 KB */
         a.rb_per_q = (G + rg * 16 - 1) / (rg * 16);
         tc_rg = rg;
+        if (rg == 1 && vsplit_mode() != 0 && async && DVP >= 128 && tc_smem_bytes(a.HDP, 1, 8) <= c->smem_optin) {
+            kw = 8;
+            const int vs_max = DVP / 128;
+            const int vmode = vsplit_mode();
+            if (vmode != 8) vs = vmode;
+            else {
+                long long blocks1 = ncq * (((long long)T * G + 15) / 16) * n_kv_heads;
+                while (vs < vs_max && blocks1 * vs < 2LL * c->n_sms) vs *= 2;
+            }
+            if (vs > vs_max) vs = vs_max;
+        }
     }
     const int rg = tc_rg;
-    const size_t smem = tc_smem_bytes(a.HDP, rg);
+    const size_t smem = tc_smem_bytes(a.HDP, rg, kw);
     if (smem > c->smem_optin)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: key dim %d needs %zu bytes of shared memory (device has %zu)",
                        head_dim, smem, c->smem_optin);
@@ -364,8 +391,16 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
                      : (async ? tc_chunk_kernel<D, true, 4> : tc_chunk_kernel<D, false, 4>);
     TC_PICK(32) TC_PICK(64) TC_PICK(128) TC_PICK(256) TC_PICK(512)
 #undef TC_PICK
+    if (kw == 8) {   /* async, rg 1, DVP >= 128 * vs (checked above) */
+        if (DVP == 128) fn = tc_chunk_kernel<128, true, 1, 8, 1>;
+        if (DVP == 256) fn = vs == 1 ? tc_chunk_kernel<256, true, 1, 8, 1> : tc_chunk_kernel<256, true, 1, 8, 2>;
+        if (DVP == 512)
+            fn = vs == 1 ? tc_chunk_kernel<512, true, 1, 8, 1>
+               : vs == 2 ? tc_chunk_kernel<512, true, 1, 8, 2> : tc_chunk_kernel<512, true, 1, 8, 4>;
+    }
+    if (!fn) return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: no tensor-core kernel for value dim %d (padded %d)", dv, DVP);
     KD_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    const int rows = rg * 16, nth = rg * 64;
+    const int rows = rg * 16, nth = rg * 32 * kw;
 
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         const int tb = T - t0 < tbatch ? T - t0 : tbatch;
@@ -381,14 +416,14 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
         }
         if (nsh > 0) {
             a.tail = 0;
-            dim3 grid(nsh, (tb * G + rows - 1) / rows, n_kv_heads);
+            dim3 grid(nsh, (tb * G + rows - 1) / rows, n_kv_heads * vs);
             fn<<<grid, nth, smem, c->stream>>>(a);
             KD_CUDA_LAUNCH("tc_chunk_kernel (shared)");
         }
         /* tail launch (tree mask): chunks reaching into the new rows, one query per block */
         if (visible) {
             a.tail = 1;
-            dim3 grid((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, n_kv_heads);
+            dim3 grid((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, n_kv_heads * vs);
             fn<<<grid, nth, smem, c->stream>>>(a);
             KD_CUDA_LAUNCH("tc_chunk_kernel (tail)");
         }

@@ -7,14 +7,18 @@
  *   s_j  = (q_h . k_j) * scale * log2(e)       fp32, bf16 inputs, mma over the key dims in
  *                                               16-dim steps in ascending order
  *   m    = max_j s_j;  p_j = bf16(exp2(s_j - m)) (masked keys: p_j = 0)
- *   l    = (sum of p_j over keys [0,256) of the chunk) + (sum over [256,512)), each half
- *          summed by one warp in a fixed lane/register order and a fixed quad shuffle tree
+ *   l    = L(0) + L(1), L(h) the sum of p_j over the keys kg*128 + h*64 + [0,64) of the
+ *          chunk's four 128-key groups, in a fixed lane/register order and a fixed quad
+ *          shuffle tree (written out above tc_chunk_kernel)
  *   o    = sum_j p_j v_j                        fp32 mma over 32 fixed 16-key steps
  * and writes (m, l, o) as the chunk's partial; tc_merge_kernel combines the chunks of a row
  * in chunk order: M = max m_c, L = sum l_c 2^(m_c-M), out = sum o_c 2^(m_c-M) / L.
  *
- * Block shape: 64 rows (4 groups of 16, the mma M dimension; 16 rows when few blocks would
- * run, e.g. decode at short context) x one chunk x one kv head.
+ * Block shape: 64 rows (4 groups of 16, the mma M dimension) x one chunk x one kv head, 2
+ * warps per 16 rows. When few blocks would run (decode, small T at short context): 16 rows
+ * of 8 warps, and the value dims split over up to 4 blocks ("value slices": each block
+ * computes the chunk's S and softmax, and its 128 value dims of O), so a decode step at 1K
+ * runs 32 blocks of 8 warps instead of 8 blocks of 2.
  * Rows are (query, head) pairs: 64 heads of one query for MLA, 8 queries x 8 heads for
  * 8 heads, etc. All rows of a block share one staged key/value tile when their ordinals
  * map to the same cache rows: causal or full attention (ordinal = row), and in tree mode
@@ -34,7 +38,9 @@
  *    keys (a batch): either way this row's p there is exactly 0, so the P.V products at
  *    those positions are zero in both cases, and all 32 key steps of P.V always run (no
  *    step is skipped on a batch-dependent bound);
- *  - softmax max/sum, the l sum and the merge run in orders fixed by the chunk size alone.
+ *  - softmax max/sum, the l sum and the merge run in orders fixed by the chunk size alone;
+ *  - the block shape (row groups, warps per row group, value slices) moves work between warps
+ *    and blocks but not one operation of a row's sums (see above tc_chunk_kernel).
  * The tile source (cp.async or plain loads: alignment of the buffers) does not change the
  * staged values, so it does not change the arithmetic either.
  *
@@ -48,7 +54,7 @@ namespace mla {
 
 constexpr int TC_CHUNK = 512;              /* ordinals per chunk: fixed, never from T or S */
 constexpr int TC_ROWS = 64;                /* (query, head) rows per block at most (RG = 4 row groups) */
-constexpr int TC_THREADS = 256;            /* threads at RG = 4; warp w: row group w >> 1, half w & 1 */
+constexpr int TC_THREADS = 256;            /* threads at RG = 4, KW = 2 and at RG = 1, KW = 8 */
 constexpr int TC_STAGES = 4;               /* cp.async pipeline depth (slabs) */
 constexpr int TC_KSLAB = 128;              /* phase 1 slab: 128 keys x 64 key dims */
 constexpr int TC_P1LD = 64 + 8;            /* its row stride (bf16): 9 x 16 bytes, conflict-free */
@@ -102,11 +108,12 @@ __device__ __forceinline__ void tc_copy8(uint16_t *dst, const uint16_t *base, in
 }
 
 /* slab s of the block's sequence: s < ns1: keys [kg*128, +128) x key dims [ds*64, +64)
- * (kg = s / nds, ds = s % nds), stored [key][TC_P1LD]; else 16 keys [ks*16, +16) x DVP
- * value dims, stored [key][DVP + 8] (ks = s - ns1). Keys at or past n_load: zeros. */
-template <int DVP, bool ASYNC, int NTH>
+ * (kg = s / nds, ds = s % nds), stored [key][TC_P1LD]; else (phase 2, ks = s - ns1) 16 * VS
+ * keys [ks*16*VS, +16*VS) x the DVP / VS value dims of slice sl, stored [key][DVP / VS + 8].
+ * Keys at or past n_load, value dims at or past dv: zeros. */
+template <int DVP, bool ASYNC, int NTH, int VS>
 __device__ __forceinline__ void tc_load_slab(const TcArgs &a, uint16_t *dst, int s, int ns1, int nds,
-                                             const int *row_s, int n_load, int g) {
+                                             const int *row_s, int n_load, int g, int sl) {
     const int tid = threadIdx.x;
     if (s < ns1) {
         const int kg = s / nds, ds = s % nds;
@@ -117,36 +124,58 @@ __device__ __forceinline__ void tc_load_slab(const TcArgs &a, uint16_t *dst, int
         }
     } else {
         const int ks = s - ns1;
-        constexpr int U = DVP / 8;
+        constexpr int DVS = DVP / VS, U = DVS / 8;
         const uint16_t *base = a.v + (size_t)g * a.vstride;
-        for (int i = tid; i < 16 * U; i += NTH) {
-            int r = i / U, u = i % U, j = ks * 16 + r;
-            tc_copy8<ASYNC>(dst + r * (DVP + 8) + u * 8, base, j < n_load ? row_s[j] : -1, a.ldv, u * 8, a.dv);
+        for (int i = tid; i < 16 * VS * U; i += NTH) {
+            int r = i / U, u = i % U, j = ks * 16 * VS + r;
+            tc_copy8<ASYNC>(dst + r * (DVS + 8) + u * 8, base, j < n_load ? row_s[j] : -1, a.ldv, sl * DVS + u * 8,
+                            a.dv);
         }
     }
 }
 
-/* bytes of dynamic shared memory for key dims padded to HDP and rg row groups of 16 */
-static inline size_t tc_smem_bytes(int HDP, int rg) {
+/* bytes of dynamic shared memory for key dims padded to HDP, rg row groups of 16 and kw
+ * warps per row group */
+static inline size_t tc_smem_bytes(int HDP, int rg, int kw = 2) {
     const size_t rows = (size_t)rg * 16;
     return rows * (HDP + 8) * 2 + rows * TC_PLD * 2 + (size_t)TC_STAGES * TC_STAGE_BYTES + (size_t)TC_CHUNK * 4 +
-           4 * rows * 4 + 4 * rows * 4 + 16;
+           4 * rows * 4 + (size_t)(kw + 2) * rows * 4 + 16;
 }
 
 /* grid: x = chunk (tail: chunk - past / TC_CHUNK), y = row block (tail: query * rb_per_q +
- * row block), z = kv head. DVP: value dims padded (32..512, a power of two). RG: row groups
- * of 16 per block (1 or 4; 2 warps each). A row group's work is the same code whatever RG
- * is (its rows, its two warps, its slots of the max / sum exchange), so RG may be chosen per
- * launch for occupancy without changing any row's bits. */
-template <int DVP, bool ASYNC, int RG>
-__global__ void __launch_bounds__(RG * 64, 1) tc_chunk_kernel(TcArgs a) {
+ * row block), z = kv head * VS + value slice. DVP: value dims padded (32..512, a power of
+ * two). RG: row groups of 16 per block (1 or 4). KW: warps per row group (2 or 8). VS: value
+ * slices (1, 2, 4): the block computes the chunk's whole S = Q K^T and softmax, and O = P V
+ * for value dims [sl * DVP/VS, +DVP/VS) only.
+ * None of RG, KW, VS changes any row's arithmetic, so each may be chosen per launch:
+ *  - a row group's rows, their two-tile mma rows and their slots are the same code for any RG;
+ *  - an S element is one mma accumulator over the key dims in ascending 16-dim steps, whichever
+ *    warp (KW) holds its key; the max is exact in any order; p = bf16(exp2(s - m)) per element;
+ *  - l is always the sum in the KW = 2 order: for each half h of every 128-key group (keys
+ *    kg*128 + h*64 + [0,64)) and quad position q: v(h,q) = sum over kg = 0..3, nt = 0..7,
+ *    e = 0..1 of p[kg*128 + h*64 + nt*8 + 2q + e] (ascending), L(h) = (v0 + v1) + (v2 + v3),
+ *    l = L(0) + L(1). KW = 2 sums in registers as it goes; KW = 8 reads P back from shared
+ *    memory in that exact order;
+ *  - an O element is one mma accumulator over the 32 16-key steps in ascending order, with the
+ *    same A fragment (P rows) and B column whichever warp (KW) or block (VS) holds its value dim,
+ *    and whether its phase-2 slab holds 16 or 16 * VS keys. */
+template <int DVP, bool ASYNC, int RG, int KW = 2, int VS = 1>
+__global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
 #ifdef KD_MLA_EMU
     unsigned char *smem = mla_emu_smem();
 #else
     extern __shared__ __align__(16) unsigned char smem[];
 #endif
-    constexpr int NT2 = DVP / 16;                  /* phase 2 n-tiles per warp (DVP / 2 dims) */
-    constexpr int ROWS = RG * 16, NTH = RG * 64;
+    static_assert(KW == 2 || KW == 8, "KW: 2 or 8 warps per row group");
+    static_assert(VS == 1 || VS == 2 || VS == 4, "VS: 1, 2 or 4 value slices");
+    constexpr int DVS = DVP / VS;                  /* value dims of this block's slice */
+    constexpr int DW = DVS / KW;                   /* phase 2: value dims per warp */
+    static_assert(DW >= 16, "a warp's phase-2 tile is at least two n-tiles");
+    constexpr int NT2 = DW / 8;                    /* phase 2 n-tiles per warp */
+    constexpr int KPW = TC_KSLAB / KW;             /* phase 1: keys per warp per 128-key group */
+    constexpr int NT1 = KPW / 8;                   /* phase 1 n-tiles per warp per key group */
+    constexpr int KS2 = TC_KSTEPS / VS;            /* phase 2 slabs (of 16 * VS keys) */
+    constexpr int ROWS = RG * 16, NTH = RG * 32 * KW;
     const int HDP = a.HDP, QLD = HDP + 8, nds = HDP / 64;
     uint16_t *q_s = (uint16_t *)smem;                                   /* [ROWS][QLD] */
     uint16_t *p_s = q_s + ROWS * QLD;                                /* [ROWS][TC_PLD] */
@@ -156,11 +185,12 @@ __global__ void __launch_bounds__(RG * 64, 1) tc_chunk_kernel(TcArgs a) {
     int *qr_s = nv_s + ROWS;                                         /* [ROWS] the query's cache row */
     int *t_s = qr_s + ROWS;                                          /* [ROWS] query index, -1: inert */
     int *h_s = t_s + ROWS;                                           /* [ROWS] query head */
-    float *red_s = (float *)(h_s + ROWS);                            /* [2][ROWS] max, [2][ROWS] l */
-    int *nl_s = (int *)(red_s + 4 * ROWS);
+    float *red_s = (float *)(h_s + ROWS);                            /* [KW][ROWS] max, [2][ROWS] l */
+    float *lred_s = red_s + KW * ROWS;
+    int *nl_s = (int *)(lred_s + 2 * ROWS);
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, rg = warp >> 1, half = warp & 1;
-    const int g = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, rg = warp / KW, kw = warp % KW;
+    const int g = (int)blockIdx.z / VS, sl = (int)blockIdx.z % VS;
     int past, S;
     tc_past_rows(a, &past, &S);
     int c, tq = 0, rbase;
@@ -216,32 +246,32 @@ __global__ void __launch_bounds__(RG * 64, 1) tc_chunk_kernel(TcArgs a) {
     __syncthreads();
 
     const int kg_n = (n_load + TC_KSLAB - 1) / TC_KSLAB;
-    const int ns1 = kg_n * nds, ns = ns1 + TC_KSTEPS;
+    const int ns1 = kg_n * nds, ns = ns1 + KS2;
 #define TC_STAGE(i) ((uint16_t *)(st_s + (size_t)((i) % TC_STAGES) * TC_STAGE_BYTES))
+#define TC_LOAD(i) tc_load_slab<DVP, ASYNC, NTH, VS>(a, TC_STAGE(i), (i), ns1, nds, row_s, n_load, g, sl)
     for (int s0 = 0; s0 < TC_STAGES - 1; s0++) {
-        if (s0 < ns) tc_load_slab<DVP, ASYNC, NTH>(a, TC_STAGE(s0), s0, ns1, nds, row_s, n_load, g);
+        if (s0 < ns) TC_LOAD(s0);
         cp_commit();
     }
 
-    /* ---- phase 1: S = Q K^T; warp (rg, half) owns rows rg*16.. and keys kg*128 + half*64 + [0,64) ---- */
-    float sc[4][8][4];
+    /* ---- phase 1: S = Q K^T; warp (rg, kw) owns rows rg*16.. and keys kg*128 + kw*KPW + [0,KPW) ---- */
+    float sc[4][NT1][4];
 #pragma unroll
     for (int kg = 0; kg < 4; kg++)
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++)
+        for (int nt = 0; nt < NT1; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) sc[kg][nt][e] = 0.0f;
     int s = 0;
     const uint16_t *qa = q_s + (rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * QLD + (lane >> 4) * 8;
-    const int kb_off = (half * 64 + ((lane >> 4) << 3) + (lane & 7)) * TC_P1LD + ((lane >> 3) & 1) * 8;
+    const int kb_off = (kw * KPW + ((lane >> 4) << 3) + (lane & 7)) * TC_P1LD + ((lane >> 3) & 1) * 8;
 #pragma unroll
     for (int kg = 0; kg < 4; kg++) {
         if (kg < kg_n) {
             for (int ds = 0; ds < nds; ds++, s++) {
                 cp_wait<TC_STAGES - 2>();
                 __syncthreads();
-                if (s + TC_STAGES - 1 < ns)
-                    tc_load_slab<DVP, ASYNC, NTH>(a, TC_STAGE(s + TC_STAGES - 1), s + TC_STAGES - 1, ns1, nds, row_s, n_load, g);
+                if (s + TC_STAGES - 1 < ns) TC_LOAD(s + TC_STAGES - 1);
                 cp_commit();
                 const uint16_t *ks = TC_STAGE(s);
 #pragma unroll
@@ -249,7 +279,7 @@ __global__ void __launch_bounds__(RG * 64, 1) tc_chunk_kernel(TcArgs a) {
                     uint32_t af[4];
                     ldsm_x4(af, qa + ds * 64 + kk * 16);
 #pragma unroll
-                    for (int np = 0; np < 4; np++) {
+                    for (int np = 0; np < NT1 / 2; np++) {
                         uint32_t bfr[4];
                         ldsm_x4(bfr, ks + kb_off + np * 16 * TC_P1LD + kk * 16);
                         mma16816(sc[kg][2 * np], af, bfr);
@@ -266,11 +296,11 @@ __global__ void __launch_bounds__(RG * 64, 1) tc_chunk_kernel(TcArgs a) {
 #pragma unroll
     for (int kg = 0; kg < 4; kg++)
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++)
+        for (int nt = 0; nt < NT1; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int hr = e >> 1, row = r0 + hr * 8;
-                const int j = kg * TC_KSLAB + half * 64 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                const int j = kg * TC_KSLAB + kw * KPW + nt * 8 + 2 * (lane & 3) + (e & 1);
                 bool ok = j < nv_s[row] && (a.window <= 0 || qr_s[row] - row_s[j] < a.window);
                 float v = ok ? sc[kg][nt][e] * a.scale2 : -INFINITY;
                 sc[kg][nt][e] = v;
@@ -280,78 +310,109 @@ __global__ void __launch_bounds__(RG * 64, 1) tc_chunk_kernel(TcArgs a) {
     for (int hr = 0; hr < 2; hr++) {
         mx[hr] = fmaxf(mx[hr], shfl_xor(mx[hr], 1));
         mx[hr] = fmaxf(mx[hr], shfl_xor(mx[hr], 2));
-        if ((lane & 3) == 0) red_s[half * ROWS + r0 + hr * 8] = mx[hr];
+        if ((lane & 3) == 0) red_s[kw * ROWS + r0 + hr * 8] = mx[hr];
     }
     __syncthreads();
     float m[2], ls[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int hr = 0; hr < 2; hr++) m[hr] = fmaxf(red_s[r0 + hr * 8], red_s[ROWS + r0 + hr * 8]);
+    for (int hr = 0; hr < 2; hr++) {
+        m[hr] = fmaxf(red_s[r0 + hr * 8], red_s[ROWS + r0 + hr * 8]);
+#pragma unroll
+        for (int w = 2; w < KW; w++) m[hr] = fmaxf(m[hr], red_s[w * ROWS + r0 + hr * 8]);
+    }
 #pragma unroll
     for (int kg = 0; kg < 4; kg++)
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++)
+        for (int nt = 0; nt < NT1; nt++)
 #pragma unroll
             for (int hr = 0; hr < 2; hr++) {
                 const int row = r0 + hr * 8;
-                const int j = kg * TC_KSLAB + half * 64 + nt * 8 + 2 * (lane & 3);
+                const int j = kg * TC_KSLAB + kw * KPW + nt * 8 + 2 * (lane & 3);
                 float v0 = sc[kg][nt][2 * hr], v1 = sc[kg][nt][2 * hr + 1];
                 uint16_t b0 = v0 == -INFINITY ? (uint16_t)0 : f2bf(exp2f(v0 - m[hr]));
                 uint16_t b1 = v1 == -INFINITY ? (uint16_t)0 : f2bf(exp2f(v1 - m[hr]));
                 *(uint32_t *)(p_s + row * TC_PLD + j) = (uint32_t)b0 | ((uint32_t)b1 << 16);
-                ls[hr] += bf2f(b0);
-                ls[hr] += bf2f(b1);
+                if (KW == 2) {   /* the l order, summed as it goes (KW = 8: from p_s below) */
+                    ls[hr] += bf2f(b0);
+                    ls[hr] += bf2f(b1);
+                }
             }
+    if (KW == 2) {
 #pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
-        ls[hr] += shfl_xor(ls[hr], 1);
-        ls[hr] += shfl_xor(ls[hr], 2);
-        if ((lane & 3) == 0) red_s[2 * ROWS + half * ROWS + r0 + hr * 8] = ls[hr];
+        for (int hr = 0; hr < 2; hr++) {
+            ls[hr] += shfl_xor(ls[hr], 1);
+            ls[hr] += shfl_xor(ls[hr], 2);
+            if ((lane & 3) == 0) lred_s[kw * ROWS + r0 + hr * 8] = ls[hr];
+        }
+    } else {
+        /* the same sums in the same order, from P in shared memory: thread i < 8 * ROWS (whole
+         * warps) takes quad position q = i & 3 of half h = (i >> 2) & 1 of row i >> 3 */
+        __syncthreads();
+        if (tid < 8 * ROWS) {
+            const int q = tid & 3, h = (tid >> 2) & 1, row = tid >> 3;
+            const uint16_t *pr = p_s + row * TC_PLD + h * 64 + 2 * q;
+            float v = 0.0f;
+#pragma unroll 4
+            for (int kg = 0; kg < 4; kg++)
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++) {
+                    const uint32_t w = *(const uint32_t *)(pr + kg * TC_KSLAB + nt * 8);
+                    v += bf2f((uint16_t)(w & 0xffffu));
+                    v += bf2f((uint16_t)(w >> 16));
+                }
+            v += shfl_xor(v, 1);
+            v += shfl_xor(v, 2);
+            if (q == 0) lred_s[h * ROWS + row] = v;
+        }
     }
 
-    /* ---- phase 2: O = P V; warp (rg, half) owns rows rg*16.. and value dims half*DVP/2 + [0, DVP/2) ---- */
+    /* ---- phase 2: O = P V; warp (rg, kw) owns rows rg*16.. and value dims sl*DVS + kw*DW + [0, DW) ---- */
     float oacc[NT2][4];
 #pragma unroll
     for (int nt = 0; nt < NT2; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) oacc[nt][e] = 0.0f;
     const uint16_t *pa = p_s + (rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * TC_PLD + (lane >> 4) * 8;
-    const int vb_off = (((lane >> 3) & 1) * 8 + (lane & 7)) * (DVP + 8) + half * (DVP / 2) + (lane >> 4) * 8;
-    for (int ks = 0; ks < TC_KSTEPS; ks++, s++) {
+    const int vb_off = (((lane >> 3) & 1) * 8 + (lane & 7)) * (DVS + 8) + kw * DW + (lane >> 4) * 8;
+    for (int k2 = 0; k2 < KS2; k2++, s++) {
         cp_wait<TC_STAGES - 2>();
-        __syncthreads();   /* also publishes P (written above) before the first step */
-        if (s + TC_STAGES - 1 < ns)
-            tc_load_slab<DVP, ASYNC, NTH>(a, TC_STAGE(s + TC_STAGES - 1), s + TC_STAGES - 1, ns1, nds, row_s, n_load, g);
+        __syncthreads();   /* also publishes P and l (written above) before the first step */
+        if (s + TC_STAGES - 1 < ns) TC_LOAD(s + TC_STAGES - 1);
         cp_commit();
         const uint16_t *vs = TC_STAGE(s);
-        uint32_t af[4];
-        ldsm_x4(af, pa + ks * 16);
 #pragma unroll
-        for (int np = 0; np < NT2 / 2; np++) {
-            uint32_t bfr[4];
-            ldsm_x4_trans(bfr, vs + vb_off + np * 16);
-            mma16816(oacc[2 * np], af, bfr);
-            mma16816(oacc[2 * np + 1], af, bfr + 2);
+        for (int kk = 0; kk < VS; kk++) {   /* the 16-key steps k2 * VS + kk, ascending */
+            uint32_t af[4];
+            ldsm_x4(af, pa + (k2 * VS + kk) * 16);
+#pragma unroll
+            for (int np = 0; np < NT2 / 2; np++) {
+                uint32_t bfr[4];
+                ldsm_x4_trans(bfr, vs + vb_off + kk * 16 * (DVS + 8) + np * 16);
+                mma16816(oacc[2 * np], af, bfr);
+                mma16816(oacc[2 * np + 1], af, bfr + 2);
+            }
         }
     }
     cp_wait<0>();
+#undef TC_LOAD
 #undef TC_STAGE
 
-    /* ---- partials (m, l, o) of this chunk for the block's live rows ---- */
+    /* ---- partials (m, l, o) of this chunk for the block's live rows (m, l: slice 0) ---- */
 #pragma unroll
     for (int hr = 0; hr < 2; hr++) {
         const int row = r0 + hr * 8, t = t_s[row];
         if (t < 0) continue;
         const size_t slot = ((size_t)(t - a.t0) * a.Hq + h_s[row]) * a.nc_max + c;
-        if (half == 0 && (lane & 3) == 0) {
+        if (sl == 0 && kw == 0 && (lane & 3) == 0) {
             a.pm[slot] = m[hr];
-            a.pl[slot] = red_s[2 * ROWS + row] + red_s[3 * ROWS + row];
+            a.pl[slot] = lred_s[row] + lred_s[ROWS + row];
         }
         float *po = a.po + slot * a.dv;
 #pragma unroll
         for (int nt = 0; nt < NT2; nt++)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                int d = half * (DVP / 2) + nt * 8 + 2 * (lane & 3) + e;
+                int d = sl * DVS + kw * DW + nt * 8 + 2 * (lane & 3) + e;
                 if (d < a.dv) po[d] = oacc[nt][2 * hr + e];
             }
     }

@@ -9,7 +9,9 @@
 --      NaN never passes.
 --   2. batch invariance on CUDA, bit for bit: a token's output decoded alone (T=1) == the
 --      same token as row p of a T=64 causal prefill == the same token as a node of a 64-node
---      tree (its ancestors at scattered rows), at 64 heads and at 8 heads.
+--      tree (its ancestors at scattered rows), at 64 heads and at 8 heads; and decode (16-row
+--      blocks of 8 warps, value-split) == the same rows of a T=64 prefill (64-row blocks) at
+--      1K, 20K and 40K context.
 -- KDTREE_OPS_OTHER=cpu runs it CPU against CPU (a check of the harness on machines without a GPU).
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local O = require("helpers.ops")
@@ -149,5 +151,30 @@ describe("MLA attention on tensor cores at K2.6 dims #gpu", function()
   it("the same with 8 heads (several queries per block)", function()
     O.seed(23)
     invariance(8)
+  end)
+
+  -- decode takes 16-row blocks of 8 warps split into value slices (4 up to 16K context, 2 up
+  -- to ~33K, 1 up to ~67K on 132 SMs; KDTREE_MLA_TC_VSPLIT=0: the 2-warp blocks), a T=64
+  -- prefill the 64-row blocks: a token alone == the same token as a prefill row, bit for bit
+  it("decode at 1K / 20K / 40K context (4 / 2 / 1 value slices) == the same rows of a T=64 prefill", function()
+    O.seed(24)
+    local H = 64
+    for _, P in ipairs({ 1100, 20000, 40000 }) do
+      local T = 64
+      local S = P + T
+      local q = O.rand_floats(T * H * HD)
+      local kv = O.rand_floats(S * HD)
+      local pre = O.floats(T * H * DV)
+      O.check(att(gpu, H, q, T, kv, S, P, 1, nil, pre), "prefill T=64")
+      for _, p in ipairs({ 0, 63 }) do
+        local alone = O.floats(H * DV)
+        O.check(att(gpu, H, q + p * H * HD, 1, kv, P + p + 1, P + p, 1, nil, alone), "alone")
+        local same, at = O.same_bits(alone, pre + p * H * DV, H * DV)
+        assert.is_true(same, string.format("past %d: prefill row %d differs from decoding it alone at %s", P, p,
+          tostring(at)))
+      end
+      note("%-62s bit-identical (2 rows)", string.format("H=%d: decode alone == T=64 prefill row (past %d)", H, P))
+    end
+    compare("decode over 20K context (2 value slices)", H, 1, 20000, 1, nil)
   end)
 end)

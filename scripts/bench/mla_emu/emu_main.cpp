@@ -75,6 +75,7 @@ template <class F> static void launch(int gx, int gy, int gz, int block, F f) {
             }
 }
 
+static int last_kw, last_vs;   /* the kernel shape run_tc picked last */
 static uint64_t rs = 88172645463325252ull;
 static double urand() { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (rs >> 11) * 0x1.0p-53; }
 static uint16_t rbf() { return f2bf((float)((urand() * 2 - 1) * 1.7)); }
@@ -86,6 +87,7 @@ struct Att {
     int bound;                    /* > 0: attention_at with k/v rows = bound, past on the "device" */
     int tbatch;                   /* 0: all T at once */
     int rg = 0;                   /* row groups per block: 1 or 4; 0: attention_tc's rule (132 SMs) */
+    int vs = 0;                   /* value split (KDTREE_MLA_TC_VSPLIT): 0: the rule, -1: off, 1|2|4: forced */
 };
 
 /* q [T][Hq*hd], k [S][Hkv*hd], v [S][Hkv*dv] (v == k: value = first dv cols of k, ld = k's) */
@@ -104,17 +106,28 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
     int dpast = c.past;
     a.d_past = c.bound > 0 ? &dpast : nullptr;
     a.nc_max = (S + TC_CHUNK - 1) / TC_CHUNK;
-    int rg = c.rg;
-    if (!rg) {
-        long long ncq = c.vis || !c.causal || c.bound > 0 ? (S + TC_CHUNK - 1) / TC_CHUNK
-                                                           : (c.past + T + TC_CHUNK - 1) / TC_CHUNK;
-        rg = ncq * (((long long)T * G + TC_ROWS - 1) / TC_ROWS) * c.Hkv < 132 ? 1 : 4;
-    }
-    const int rows = rg * 16, nth = rg * 64;
-    a.rb_per_q = (G + rows - 1) / rows;
-    a.qvec = c.hd % 8 == 0;
     bool async = !force_plain && c.hd % 8 == 0 && c.dv % 8 == 0 && a.kstride % 8 == 0 && a.vstride % 8 == 0;
     const int DVP = c.dv <= 32 ? 32 : c.dv <= 64 ? 64 : c.dv <= 128 ? 128 : c.dv <= 256 ? 256 : 512;
+    const int n_sms = 132;
+    long long ncq = c.vis || !c.causal || c.bound > 0 ? (S + TC_CHUNK - 1) / TC_CHUNK
+                                                       : (c.past + T + TC_CHUNK - 1) / TC_CHUNK;
+    int rg = c.rg;
+    if (!rg) rg = ncq * (((long long)T * G + TC_ROWS - 1) / TC_ROWS) * c.Hkv < n_sms ? 1 : 4;
+    int kw = 2, vs = 1;
+    if (rg == 1 && c.vs >= 0 && async && DVP >= 128) {   /* attention_tc's split rule */
+        kw = 8;
+        const int vs_max = DVP / 128;
+        if (c.vs > 0) vs = c.vs;
+        else {
+            long long blocks1 = ncq * (((long long)T * G + 15) / 16) * c.Hkv;
+            while (vs < vs_max && blocks1 * vs < 2LL * n_sms) vs *= 2;
+        }
+        if (vs > vs_max) vs = vs_max;
+    }
+    last_kw = kw; last_vs = vs;
+    const int rows = rg * 16, nth = rg * 32 * kw;
+    a.rb_per_q = (G + rows - 1) / rows;
+    a.qvec = c.hd % 8 == 0;
     std::vector<int32_t> list, cnt;
     if (c.vis) {
         int words = (T + 63) / 64;
@@ -135,6 +148,14 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
                                            : (async ? tc_chunk_kernel<D, true, 4> : tc_chunk_kernel<D, false, 4>);
     PICK(32) PICK(64) PICK(128) PICK(256) PICK(512)
 #undef PICK
+    if (kw == 8) {
+        if (DVP == 128) fn = tc_chunk_kernel<128, true, 1, 8, 1>;
+        if (DVP == 256) fn = vs == 1 ? tc_chunk_kernel<256, true, 1, 8, 1> : tc_chunk_kernel<256, true, 1, 8, 2>;
+        if (DVP == 512)
+            fn = vs == 1 ? tc_chunk_kernel<512, true, 1, 8, 1>
+               : vs == 2 ? tc_chunk_kernel<512, true, 1, 8, 2> : tc_chunk_kernel<512, true, 1, 8, 4>;
+    }
+    if (tc_smem_bytes(a.HDP, rg, kw) > sizeof emu_smem_buf) { printf("smem\n"); exit(2); }
     const int past_h = c.bound > 0 ? 0 : c.past;
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         int tb = std::min(tbatch, T - t0);
@@ -149,12 +170,12 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
         if (nsh > 0) {
             a.tail = 0;
             TcArgs aa = a;
-            launch(nsh, (tb * G + rows - 1) / rows, c.Hkv, nth, [&] { fn(aa); });
+            launch(nsh, (tb * G + rows - 1) / rows, c.Hkv * vs, nth, [&] { fn(aa); });
         }
         if (c.vis) {
             a.tail = 1;
             TcArgs aa = a;
-            launch((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, c.Hkv, nth, [&] { fn(aa); });
+            launch((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, c.Hkv * vs, nth, [&] { fn(aa); });
         }
         TcArgs aa = a;
         launch(c.Hq, tb, 1, 32, [&] {
@@ -262,6 +283,11 @@ static void accuracy(const char *name, Att c, bool vfromk, bool plain = false) {
 
 /* tree node == decoded alone == last row of a causal prefill; attention_at == attention;
  * batches of queries == one batch */
+/* kernel shapes {row groups, value split}: 16-row 2-warp blocks (the split off), 64-row blocks,
+ * 16-row 8-warp blocks with 1, 2, 4 value slices (capped at dv / 128: the tiny dims fall back
+ * to the 2-warp kernel, so those checks compare it with itself) */
+static const int modes[][2] = {{1, -1}, {4, 0}, {1, 1}, {1, 2}, {1, 4}};
+
 static void invariance(const char *name, int H, int hd, int dv, int P, const std::vector<int> &par, bool full) {
     std::vector<std::vector<int>> paths;
     auto vis = tree_vis(par, paths);
@@ -288,11 +314,13 @@ static void invariance(const char *name, int H, int hd, int dv, int P, const std
         o = run_tc(tb, q.data(), kv.data(), ld, kv.data(), ld, false);
         snprintf(nm, sizeof nm, "%s: tree in batches of 3 queries == one batch", name);
         check_same(nm, o.data(), tree.data(), o.size());
-        for (int rg = 1; rg <= 4; rg += 3) {
+        for (const auto &md : modes) {
             Att tr = tc;
-            tr.rg = rg;
+            tr.rg = md[0];
+            tr.vs = md[1];
             o = run_tc(tr, q.data(), kv.data(), ld, kv.data(), ld, false);
-            snprintf(nm, sizeof nm, "%s: tree with %d row groups per block == default", name, rg);
+            snprintf(nm, sizeof nm, "%s: tree, %d row groups, %d warps/group, %d value slices == default", name, md[0],
+                     last_kw, last_vs);
             check_same(nm, o.data(), tree.data(), o.size());
         }
     }
@@ -303,10 +331,12 @@ static void invariance(const char *name, int H, int hd, int dv, int P, const std
         std::vector<uint16_t> kv2(past);
         for (int j : path) kv2.insert(kv2.end(), nodes.begin() + (size_t)j * hd, nodes.begin() + (size_t)(j + 1) * hd);
         Att al{1, S2, S2 - 1, H, 1, hd, dv, true, 0, 0.1447f, nullptr, 0, 0};
-        for (int rg = 1; rg <= 4; rg += 3) {
-            al.rg = rg;
+        for (const auto &md : modes) {
+            al.rg = md[0];
+            al.vs = md[1];
             auto alone = run_tc(al, q.data() + (size_t)i * H * hd, kv2.data(), ld, kv2.data(), ld, false);
-            snprintf(nm, sizeof nm, "%s: node %d alone (T=1, %d row groups) == tree node", name, i, rg);
+            snprintf(nm, sizeof nm, "%s: node %d alone (T=1; %d rg, %d warps, %d slices) == tree node", name, i, md[0],
+                     last_kw, last_vs);
             check_same(nm, alone.data(), tree.data() + (size_t)i * H * dv, (size_t)H * dv);
         }
         auto qp = rand_bf((size_t)d * H * hd);
@@ -322,6 +352,22 @@ static void invariance(const char *name, int H, int hd, int dv, int P, const std
         auto pre_at = run_tc(pa, qp.data(), kv3.data(), ld, kv3.data(), ld, false);
         snprintf(nm, sizeof nm, "%s: node %d prefill via attention_at == prefill", name, i);
         check_same(nm, pre_at.data(), pre.data(), pre.size());
+        if (full || i == n - 1) {   /* the prefill and its attention_at in the unsplit 16-row and the 64-row kernels */
+            for (int m = 0; m < 2; m++) {
+                Att pu = m ? pa : pf;
+                pu.rg = 1;
+                pu.vs = -1;
+                auto o = run_tc(pu, qp.data(), m ? kv3.data() : kv2.data(), ld, m ? kv3.data() : kv2.data(), ld, false);
+                snprintf(nm, sizeof nm, "%s: node %d prefill%s unsplit (1 rg, 2 warps) == default", name, i,
+                         m ? " via attention_at" : "");
+                check_same(nm, o.data(), pre.data(), pre.size());
+            }
+            Att p4 = pa;
+            p4.rg = 4;
+            auto o = run_tc(p4, qp.data(), kv3.data(), ld, kv3.data(), ld, false);
+            snprintf(nm, sizeof nm, "%s: node %d prefill via attention_at, 4 row groups == default", name, i);
+            check_same(nm, o.data(), pre.data(), pre.size());
+        }
     }
 }
 
@@ -336,6 +382,29 @@ int main(int argc, char **argv) {
     accuracy("GQA odd dims Hq=3 Hkv=1 d=36 (plain loads) T=5 past=7", {5, 12, 7, 3, 1, 36, 36, true, 0, 0.1666667f, nullptr, 0, 0}, false, true);
     accuracy("GQA 8 kv heads Hq=64 d=128 T=3 past=600 full", {3, 603, 600, 64, 8, 128, 128, false, 0, 0.0883883f, nullptr, 0, 0}, false);
     accuracy("MQA G=80 (2 row blocks per query) d=64/64 T=2 past=30", {2, 32, 30, 80, 1, 64, 64, true, 0, 0.125f, nullptr, 0, 0}, true);
+    /* the value split (16-row blocks of 8 warps), forced shapes, against float64 */
+    for (int vs = 1; vs <= 4; vs *= 2) {
+        Att c{1, 1100, 1099, 64, 1, 576, 512, true, 0, 0.1447f, nullptr, 0, 0};
+        c.rg = 1;
+        c.vs = vs;
+        char nm[120];
+        snprintf(nm, sizeof nm, "MLA dims H=64 decode T=1 past=1099 (3 chunks), %d value slices", vs);
+        accuracy(nm, c, true);
+    }
+    {
+        Att c{3, 700, 697, 16, 1, 576, 500, true, 0, 0.1447f, nullptr, 0, 0};   /* dv 500: padded slice 3 */
+        c.rg = 1;
+        c.vs = 4;
+        accuracy("MQA H=16 key 576 value 500 (zero-padded last slice) T=3, 4 slices", c, false);
+        Att g{4, 530, 526, 8, 2, 256, 256, true, 0, 0.0625f, nullptr, 0, 0};
+        g.rg = 1;
+        g.vs = 2;
+        accuracy("GQA Hq=8 Hkv=2 d=256 T=4 past=526, 2 slices (DVP 256)", g, false);
+        Att w{6, 16, 10, 4, 2, 128, 128, true, 5, 0.0883883f, nullptr, 0, 0};
+        w.rg = 1;
+        w.vs = 1;
+        accuracy("GQA window=5 Hq=4 Hkv=2 d=128 T=6, 8 warps (DVP 128)", w, false);
+    }
     /* batch invariance: H=16 puts 4 queries in a block; P > 512 gives shared prefix chunks */
     std::vector<int> par = {-1, 0, 0, 1, 1, 2, 3, 6, 0, 7};
     invariance("MQA H=16 576/512", 16, 576, 512, 600, par, full);
