@@ -35,7 +35,8 @@
 namespace {
 
 constexpr int CHUNK = 256;     /* ordinals per split: fixed, never derived from T or S */
-constexpr int KT = 32;         /* keys per shared-memory tile */
+constexpr int KT = 32;         /* keys per shared-memory tile; 16 where 32 does not fit (sm_120 at
+                                  MLA dims): only the tiling changes, not any sum's order */
 constexpr int HT_MAX = 8;      /* query heads per block */
 constexpr int THREADS = 256;
 constexpr int DV_MAX = 512;
@@ -77,14 +78,14 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool pr
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-/* Load rows row_s[j0 .. j0+KT) (ncols bf16 each, from base + row*ld) into a [KT][kld] tile,
+/* Load rows row_s[j0 .. j0+KTT) (ncols bf16 each, from base + row*ld) into a [KTT][kld] tile,
  * zero-filling missing rows and the columns past ncols (up to kld). ASYNC: 16-byte cp.async
  * (needs 16-byte aligned rows and ncols % 8 == 0), else plain loads; same tile either way. */
-template <bool ASYNC>
+template <bool ASYNC, int KTT>
 __device__ __forceinline__ void load_tile(bf16 *dst, int kld, const bf16 *base, long long ld, int ncols,
                                           const int *row_s, int j0, int n_in) {
     const int chunks = kld / 8;
-    for (int i = threadIdx.x; i < KT * chunks; i += THREADS) {
+    for (int i = threadIdx.x; i < KTT * chunks; i += THREADS) {
         int j = i / chunks, cc = (i % chunks) * 8;
         int r = j0 + j < n_in ? row_s[j0 + j] : -1;
         bf16 *d = dst + j * kld + cc;
@@ -99,7 +100,7 @@ __device__ __forceinline__ void load_tile(bf16 *dst, int kld, const bf16 *base, 
 }
 
 /* grid: x = chunk, y = query within the batch, z = kv head * n_tiles + head tile */
-template <bool ASYNC>
+template <bool ASYNC, int KTT>
 __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int c = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
     float *q_s = (float *)smem;                                /* [HT][hd8], zero padded */
     float *s_s = q_s + HT_MAX * hd8;                           /* [HT][CHUNK] */
     int *row_s = (int *)(s_s + HT_MAX * CHUNK);                /* [CHUNK] */
-    bf16 *kv_s = (bf16 *)(row_s + CHUNK);                      /* [2][KT][kld] */
+    bf16 *kv_s = (bf16 *)(row_s + CHUNK);                      /* [2][KTT][kld] */
     __shared__ float m_s[HT_MAX], l_s[HT_MAX];
 
     const bf16 *kbase = (const bf16 *)a.k + (size_t)g * a.kstride;
@@ -132,22 +133,22 @@ __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
     __syncthreads();
 
     const int qrow = past + t;
-    const int ntiles = (n_in + KT - 1) / KT;
-    const int stage = KT * kld;
+    const int ntiles = (n_in + KTT - 1) / KTT;
+    const int stage = KTT * kld;
     /* pass 1: scores, thread = (head hh, key jj); K tiles double-buffered */
-    load_tile<ASYNC>(kv_s, kld, kbase, a.ldk, a.hd, row_s, 0, n_in);
+    load_tile<ASYNC, KTT>(kv_s, kld, kbase, a.ldk, a.hd, row_s, 0, n_in);
     if (ASYNC) cp_async_commit();
     for (int ti = 0; ti < ntiles; ti++) {
         if (ti + 1 < ntiles) {
-            load_tile<ASYNC>(kv_s + ((ti + 1) & 1) * stage, kld, kbase, a.ldk, a.hd, row_s, (ti + 1) * KT, n_in);
+            load_tile<ASYNC, KTT>(kv_s + ((ti + 1) & 1) * stage, kld, kbase, a.ldk, a.hd, row_s, (ti + 1) * KTT, n_in);
             if (ASYNC) { cp_async_commit(); cp_async_wait<1>(); }
         } else if (ASYNC) {
             cp_async_wait<0>();
         }
         __syncthreads();
         const bf16 *ks = kv_s + (ti & 1) * stage;
-        for (int i = tid; i < HT_MAX * KT; i += THREADS) {
-            int hh = i / KT, jj = i % KT, j = ti * KT + jj;
+        for (int i = tid; i < HT_MAX * KTT; i += THREADS) {
+            int hh = i / KTT, jj = i % KTT, j = ti * KTT + jj;
             if (hh >= nh || j >= n_in) continue;
             int r = row_s[j];
             float s = -INFINITY;
@@ -174,7 +175,7 @@ __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
         __syncthreads();
     }
     /* prefetch the first V tile while the softmax runs */
-    load_tile<ASYNC>(kv_s, kld, vbase, a.ldv, a.dv, row_s, 0, n_in);
+    load_tile<ASYNC, KTT>(kv_s, kld, vbase, a.ldv, a.dv, row_s, 0, n_in);
     if (ASYNC) cp_async_commit();
     /* per head: chunk max, p = exp(s - m), l = sum p (warp hh owns head hh; fixed order) */
     const int warp = tid >> 5, lane = tid & 31;
@@ -200,18 +201,18 @@ __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
     for (int ti = 0; ti < ntiles; ti++) {
         if (ti + 1 < ntiles) {
             __syncthreads();   /* the buffer being refilled was read two tiles ago */
-            load_tile<ASYNC>(kv_s + ((ti + 1) & 1) * stage, kld, vbase, a.ldv, a.dv, row_s, (ti + 1) * KT, n_in);
+            load_tile<ASYNC, KTT>(kv_s + ((ti + 1) & 1) * stage, kld, vbase, a.ldv, a.dv, row_s, (ti + 1) * KTT, n_in);
             if (ASYNC) { cp_async_commit(); cp_async_wait<1>(); }
         } else if (ASYNC) {
             cp_async_wait<0>();
         }
         __syncthreads();
         const bf16 *vs = kv_s + (ti & 1) * stage;
-        int jn = min(KT, n_in - ti * KT);
+        int jn = min(KTT, n_in - ti * KTT);
         if (d0 < a.dv) {
             for (int jj = 0; jj < jn; jj++) {
                 float2 vv = __bfloat1622float2(*(const __nv_bfloat162 *)(vs + jj * kld + d0));
-                const float *pj = s_s + ti * KT + jj;
+                const float *pj = s_s + ti * KTT + jj;
 #pragma unroll
                 for (int h = 0; h < HT_MAX; h++) {
                     float p = pj[h * CHUNK];
@@ -511,15 +512,20 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
     if (units % 2 == 0) units++;
     a.kld = units * 8;
     int hd8 = (head_dim + 7) & ~7;
-    size_t smem = (size_t)HT_MAX * hd8 * 4 + (size_t)HT_MAX * CHUNK * 4 + CHUNK * 4 + (size_t)2 * KT * a.kld * 2;
+    auto smem_for = [&](int kt) {
+        return (size_t)HT_MAX * hd8 * 4 + (size_t)HT_MAX * CHUNK * 4 + CHUNK * 4 + (size_t)2 * kt * a.kld * 2;
+    };
+    const int kt = smem_for(KT) <= c->smem_optin ? KT : KT / 2;   /* the device decides, never T */
+    size_t smem = smem_for(kt);
     if (smem > c->smem_optin)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: key dim %d needs %zu bytes of shared memory (device has %zu)",
                        head_dim, smem, c->smem_optin);
     auto al16 = [](const void *p) { return ((uintptr_t)p & 15) == 0; };
     bool async = head_dim % 8 == 0 && dv % 8 == 0 && k.ld % 8 == 0 && v.ld % 8 == 0 && kstride % 8 == 0 &&
                  vstride % 8 == 0 && al16(k.data) && al16(v.data);
-    if (async) KD_CUDA(cudaFuncSetAttribute(attn_chunk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    else KD_CUDA(cudaFuncSetAttribute(attn_chunk_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    void (*chunk_fn)(AttnArgs) = kt == KT ? (async ? attn_chunk_kernel<true, KT> : attn_chunk_kernel<false, KT>)
+                                          : (async ? attn_chunk_kernel<true, KT / 2> : attn_chunk_kernel<false, KT / 2>);
+    KD_CUDA(cudaFuncSetAttribute(chunk_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
 
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         int tb = T - t0 < tbatch ? T - t0 : tbatch;
@@ -530,8 +536,7 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
         int nc = (max_vis + CHUNK - 1) / CHUNK;
         if (nc < 1) nc = 1;
         dim3 grid(nc, tb, n_kv_heads * a.n_tiles);
-        if (async) attn_chunk_kernel<true><<<grid, THREADS, smem, c->stream>>>(a);
-        else attn_chunk_kernel<false><<<grid, THREADS, smem, c->stream>>>(a);
+        chunk_fn<<<grid, THREADS, smem, c->stream>>>(a);
         KD_CUDA_LAUNCH("attn_chunk_kernel");
         int mt = dv < 256 ? ((dv + 31) / 32) * 32 : 256;
         attn_merge_kernel<<<dim3(n_heads, tb), mt, 0, c->stream>>>(a, out.data, out.dtype, out.ld);
