@@ -267,6 +267,50 @@ __global__ void vis_list_kernel(const uint64_t *visible, int T, int32_t *list, i
     if (lane == 0) cnt[t] = n;
 }
 
+/* One call's workspace (KD_WS_ATTN), shared by both kernels: the ordered visible new rows of
+ * each of the T queries (tree masks only; built here on the device) and the (m, l, o)
+ * partials of a batch of up to `tbatch` queries, the batch bounded by 512 MB of partials and
+ * by max_batch (the grid's y limit). */
+struct AttnWork {
+    const int32_t *vis_list, *vis_cnt;
+    float *pm, *pl, *po;
+    int tbatch;
+};
+static kd_status attn_work(kd_backend *be, const uint64_t *visible, int T, int n_heads, int nc_max, int dv,
+                           int max_batch, AttnWork *w) {
+    kd_cuda *c = kd_cuda_of(be);
+    size_t list_bytes = visible ? ((size_t)T * T + T) * sizeof(int32_t) : 0;
+    list_bytes = (list_bytes + 255) & ~(size_t)255;
+    size_t per_q = (size_t)n_heads * nc_max * (dv + 2) * sizeof(float);
+    size_t cap = (size_t)512 << 20;
+    int tbatch = (int)(cap / per_q);
+    if (tbatch < 1) tbatch = 1;
+    if (tbatch > T) tbatch = T;
+    if (tbatch > max_batch) tbatch = max_batch;
+    void *ws;
+    KD_TRY(kd_cuda_ws(be, KD_WS_ATTN, list_bytes + per_q * tbatch + 256, &ws));
+    char *p = (char *)ws;
+    w->vis_list = w->vis_cnt = NULL;
+    if (visible) {
+        int32_t *list = (int32_t *)p, *cnt = list + (size_t)T * T;
+        vis_list_kernel<<<(T + 7) / 8, 256, 0, c->stream>>>(visible, T, list, cnt);
+        KD_CUDA_LAUNCH("vis_list_kernel");
+        w->vis_list = list;
+        w->vis_cnt = cnt;
+    }
+    w->pm = (float *)(p + list_bytes);
+    w->pl = w->pm + (size_t)tbatch * n_heads * nc_max;
+    w->po = w->pl + (size_t)tbatch * n_heads * nc_max;
+    w->tbatch = tbatch;
+    return KD_OK;
+}
+
+/* k and v rows can be fetched with 16-byte cp.async (both kernels' ASYNC path) */
+static bool kv_async(kd_act k, kd_act v, int head_dim, int dv, int kstride, int vstride) {
+    return head_dim % 8 == 0 && dv % 8 == 0 && k.ld % 8 == 0 && v.ld % 8 == 0 && kstride % 8 == 0 &&
+           vstride % 8 == 0 && ((uintptr_t)k.data & 15) == 0 && ((uintptr_t)v.data & 15) == 0;
+}
+
 static kd_status check_act(const char *arg, kd_act a) {
     if (!kd_cuda_float_dtype(a.dtype))
         return kd_fail(KD_ERR_ARG, "cuda attention: %s: expected f32/bf16 activations, got %s", arg,
@@ -320,34 +364,15 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     a.scale2 = scale * 1.4426950408889634f;
     a.d_past = d_past;
     a.nc_max = (S + TC_CHUNK - 1) / TC_CHUNK;
-    auto al16 = [](const void *p) { return ((uintptr_t)p & 15) == 0; };
-    a.qvec = head_dim % 8 == 0 && q.ld % 8 == 0 && al16(q.data);
-    const bool async = head_dim % 8 == 0 && dv % 8 == 0 && k.ld % 8 == 0 && v.ld % 8 == 0 && kstride % 8 == 0 &&
-                       vstride % 8 == 0 && al16(k.data) && al16(v.data);
+    a.qvec = head_dim % 8 == 0 && q.ld % 8 == 0 && ((uintptr_t)q.data & 15) == 0;
+    const bool async = kv_async(k, v, head_dim, dv, kstride, vstride);
     const int DVP = dv <= 32 ? 32 : dv <= 64 ? 64 : dv <= 128 ? 128 : dv <= 256 ? 256 : 512;
 
-    /* workspace: [visible lists] + partials for a batch of queries, bounded */
-    size_t list_bytes = visible ? ((size_t)T * T + T) * sizeof(int32_t) : 0;
-    list_bytes = (list_bytes + 255) & ~(size_t)255;
-    size_t per_q = (size_t)n_heads * a.nc_max * (dv + 2) * sizeof(float);
-    size_t cap = (size_t)512 << 20;
-    int tbatch = (int)(cap / per_q);
-    if (tbatch < 1) tbatch = 1;
-    if (tbatch > T) tbatch = T;
-    if (tbatch > 65535 / ((G + 15) / 16)) tbatch = 65535 / ((G + 15) / 16);   /* grid y (16-row blocks) */
-    void *ws;
-    KD_TRY(kd_cuda_ws(be, KD_WS_ATTN, list_bytes + per_q * tbatch + 256, &ws));
-    char *p = (char *)ws;
-    if (visible) {
-        a.vis_list = (int32_t *)p;
-        a.vis_cnt = a.vis_list + (size_t)T * T;
-        vis_list_kernel<<<(T + 7) / 8, 256, 0, c->stream>>>(visible, T, (int32_t *)a.vis_list, (int32_t *)a.vis_cnt);
-        KD_CUDA_LAUNCH("vis_list_kernel");
-    }
-    p += list_bytes;
-    a.pm = (float *)p;
-    a.pl = a.pm + (size_t)tbatch * n_heads * a.nc_max;
-    a.po = a.pl + (size_t)tbatch * n_heads * a.nc_max;
+    AttnWork w;
+    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, 65535 / ((G + 15) / 16), &w));   /* grid y: 16-row blocks */
+    const int tbatch = w.tbatch;
+    a.vis_list = w.vis_list; a.vis_cnt = w.vis_cnt;
+    a.pm = w.pm; a.pl = w.pl; a.po = w.po;
 
     /* row groups per block: 4 (64 rows share a tile) unless that leaves most SMs idle (decode
      * at short context); then, unless KDTREE_MLA_TC_VSPLIT=0, 16-row blocks of 8 warps (256
@@ -483,28 +508,11 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
     a.d_past = d_past;
     a.nc_max = (S + CHUNK - 1) / CHUNK;
 
-    /* workspace: [visible lists] + partials for a batch of queries, bounded */
-    size_t list_bytes = visible ? ((size_t)T * T + T) * sizeof(int32_t) : 0;
-    list_bytes = (list_bytes + 255) & ~(size_t)255;
-    size_t per_q = (size_t)n_heads * a.nc_max * (dv + 2) * sizeof(float);
-    size_t cap = (size_t)512 << 20;
-    int tbatch = (int)(cap / per_q);
-    if (tbatch < 1) tbatch = 1;
-    if (tbatch > T) tbatch = T;
-    if (tbatch > 65535) tbatch = 65535;
-    void *ws;
-    KD_TRY(kd_cuda_ws(be, KD_WS_ATTN, list_bytes + per_q * tbatch + 256, &ws));
-    char *p = (char *)ws;
-    if (visible) {
-        a.vis_list = (int32_t *)p;
-        a.vis_cnt = a.vis_list + (size_t)T * T;
-        vis_list_kernel<<<(T + 7) / 8, 256, 0, c->stream>>>(visible, T, (int32_t *)a.vis_list, (int32_t *)a.vis_cnt);
-        KD_CUDA_LAUNCH("vis_list_kernel");
-    }
-    p += list_bytes;
-    a.pm = (float *)p;
-    a.pl = a.pm + (size_t)tbatch * n_heads * a.nc_max;
-    a.po = a.pl + (size_t)tbatch * n_heads * a.nc_max;
+    AttnWork w;
+    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, 65535, &w));
+    const int tbatch = w.tbatch;
+    a.vis_list = w.vis_list; a.vis_cnt = w.vis_cnt;
+    a.pm = w.pm; a.pl = w.pl; a.po = w.po;
 
     /* smem rows of kld bf16: a multiple of 8 with an odd count of 16-byte units, so the
      * 16-byte fragment reads of 8 consecutive rows hit 8 different bank groups */
@@ -520,9 +528,7 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
     if (smem > c->smem_optin)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: key dim %d needs %zu bytes of shared memory (device has %zu)",
                        head_dim, smem, c->smem_optin);
-    auto al16 = [](const void *p) { return ((uintptr_t)p & 15) == 0; };
-    bool async = head_dim % 8 == 0 && dv % 8 == 0 && k.ld % 8 == 0 && v.ld % 8 == 0 && kstride % 8 == 0 &&
-                 vstride % 8 == 0 && al16(k.data) && al16(v.data);
+    const bool async = kv_async(k, v, head_dim, dv, kstride, vstride);
     void (*chunk_fn)(AttnArgs) = kt == KT ? (async ? attn_chunk_kernel<true, KT> : attn_chunk_kernel<false, KT>)
                                           : (async ? attn_chunk_kernel<true, KT / 2> : attn_chunk_kernel<false, KT / 2>);
     KD_CUDA(cudaFuncSetAttribute(chunk_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
