@@ -64,6 +64,39 @@ function G.verify_round(s, tree, o, tm, context)
   return { tau = acc.tau, size = tree.n, tokens = new, ns = tm.ns }, acc.bonus
 end
 
+-- the loop of a tree-speculative policy: prefill, then rounds until n tokens or an eos.
+-- A round is propose(s, tree, bonus, context, tm), which fills `tree` under `bonus` from the
+-- drafter (timing its stages with tm), then verify_round. The drafter is attached to the
+-- sequence when it is a DFlash drafter (native); the sequence holds the prompt, n tokens and
+-- `spare` more rows (one tree of pending nodes and the drafter's block).
+function G.speculate(m, prompt, o, native, spare, propose)
+  local t_start = kd.now_ns()
+  local s = m:new_seq(#prompt + o.n + spare)
+  if native then s:attach_drafter(o.drafter) end
+  local tm = G.timer()
+  s:forward(prompt)
+  local bonus = G.last_token(s, o.sampler)
+  tm("prefill")
+  local prefill_ns = tm.ns.prefill
+  local out, rounds = {}, {}
+  local context = {}                                  -- committed tokens, for Lua drafters
+  for i, t in ipairs(prompt) do context[i] = t end
+  local done = G.push(out, { bonus }, o)
+  local tree = kd.tree.new()                          -- one tree, rebuilt every round (its device buffers stay)
+  while not done do
+    tm = G.timer()
+    propose(s, tree, bonus, context, tm)
+    local r
+    r, bonus = G.verify_round(s, tree, o, tm, context)
+    rounds[#rounds + 1] = r
+    done = G.push(out, r.tokens, o)
+    if o.on_round then o.on_round(r, out) end
+  end
+  tree:close()
+  s:close()
+  return G.result(out, rounds, prefill_ns, t_start)
+end
+
 -- a tiny stage timer: local tm = G.timer(); ...; tm("draft"); ...; tm("verify"); tm.ns
 function G.timer()
   local t0 = kd.now_ns()

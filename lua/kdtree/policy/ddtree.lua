@@ -11,8 +11,6 @@ local G = require("kdtree.generate")
 
 local P = {}
 
-local function is_native(d) return getmetatable(d) == kd.Drafter end
-
 -- opts: drafter (required), budget (default 16), n, sampler, eos, on_round(round, out)
 function P.generate(m, prompt, opts)
   local o = G.options(m, prompt, opts)
@@ -21,43 +19,20 @@ function P.generate(m, prompt, opts)
   if type(budget) ~= "number" or budget < 0 then
     error("kdtree: ddtree: budget: expected a non-negative integer, got " .. tostring(budget), 2)
   end
-  local native = is_native(d)
-  local t_start = kd.now_ns()
-  local s = m:new_seq(#prompt + o.n + budget + 2 + (native and d.info.block_size or 0))
-  if native then s:attach_drafter(d) end
-
-  local tm = G.timer()
-  s:forward(prompt)
-  local bonus = G.last_token(s, o.sampler)
-  tm("prefill")
-  local prefill_ns = tm.ns.prefill
-  local out, rounds = {}, {}
-  local context = {}                                  -- committed tokens, for Lua drafters
-  for i, t in ipairs(prompt) do context[i] = t end
-  local done = G.push(out, { bonus }, o)
-  local tree = kd.tree.new()                          -- one tree, rebuilt every round (its device buffers stay)
-
-  while not done do
-    tm = G.timer()
-    if native then
-      s:draft(bonus, false)                           -- log-probs stay on the backend
-      tm("draft")
-      tree:build_drafted(s, budget)
-    else
-      local rows = d:draft(context, bonus)
-      tm("draft")
-      tree:build(rows, budget, { logprobs = true, root = bonus })
-    end
-    tm("build")
-    local r
-    r, bonus = G.verify_round(s, tree, o, tm, context)
-    rounds[#rounds + 1] = r
-    done = G.push(out, r.tokens, o)
-    if o.on_round then o.on_round(r, out) end
-  end
-  tree:close()
-  s:close()
-  return G.result(out, rounds, prefill_ns, t_start)
+  local native = getmetatable(d) == kd.Drafter
+  return G.speculate(m, prompt, o, native, budget + 2 + (native and d.info.block_size or 0),
+    function(s, tree, bonus, context, tm)
+      if native then
+        s:draft(bonus, false)                         -- log-probs stay on the backend
+        tm("draft")
+        tree:build_drafted(s, budget)
+      else
+        local rows = d:draft(context, bonus)
+        tm("draft")
+        tree:build(rows, budget, { logprobs = true, root = bonus })
+      end
+      tm("build")
+    end)
 end
 
 return P

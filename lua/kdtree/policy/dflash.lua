@@ -27,35 +27,12 @@ function P.generate(m, prompt, opts)
   local d = o.drafter or error("kdtree: dflash: opts.drafter: expected a drafter", 2)
   local native = getmetatable(d) == kd.Drafter
   local depth = native and d.info.block_size - 1 or d.depth
-  local t_start = kd.now_ns()
-  local s = m:new_seq(#prompt + o.n + 2 * depth + 4)
-  if native then s:attach_drafter(d) end
-
-  local tm = G.timer()
-  s:forward(prompt)
-  local bonus = G.last_token(s, o.sampler)
-  tm("prefill")
-  local prefill_ns = tm.ns.prefill
-  local out, rounds, context = {}, {}, {}
-  for i, t in ipairs(prompt) do context[i] = t end
-  local done = G.push(out, { bonus }, o)
-  local tree = kd.tree.new()                          -- one tree, reset to a chain every round
-
-  while not done do
-    tm = G.timer()
+  return G.speculate(m, prompt, o, native, 2 * depth + 4, function(s, tree, bonus, context, tm)
     local lp = native and s:draft(bonus) or kd.tree.rows(d:draft(context, bonus))
     tm("draft")
-    tree:set_chain(bonus, argmax_rows(lp))
+    tree:set_chain(bonus, argmax_rows(lp))          -- one tree, reset to a chain every round
     tm("build")
-    local r
-    r, bonus = G.verify_round(s, tree, o, tm, context)
-    rounds[#rounds + 1] = r
-    done = G.push(out, r.tokens, o)
-    if o.on_round then o.on_round(r, out) end
-  end
-  tree:close()
-  s:close()
-  return G.result(out, rounds, prefill_ns, t_start)
+  end)
 end
 
 return P
