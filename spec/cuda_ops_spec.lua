@@ -23,19 +23,11 @@ local function big(f) if not SMALL then f() end end
 
 describe("CUDA ops against the CPU twins #gpu", function()
   local cpu, gpu
-  local lines = {}
-  local function note(fmt, ...)
-    local s = string.format(fmt, ...)
-    lines[#lines + 1] = s
-  end
-
+  local note, print_notes = O.notes("[cuda_ops] measured errors (cuda vs cpu):")
+  teardown(print_notes)
   setup(function()
     cpu = O.backend("cpu")
     gpu = O.backend(O.other_kind())
-  end)
-  teardown(function()
-    io.stderr:write("\n[cuda_ops] measured errors (cuda vs cpu):\n")
-    for _, s in ipairs(lines) do io.stderr:write("  ", s, "\n") end
   end)
 
   -- run f(tb, out) on both backends; returns (cpu out, gpu out)

@@ -22,16 +22,11 @@ local HD, DV, SCALE = 576, 512, 0.1447
 
 describe("MLA attention on tensor cores at K2.6 dims #gpu", function()
   local cpu, gpu
-  local lines = {}
-  local function note(fmt, ...) lines[#lines + 1] = string.format(fmt, ...) end
-
+  local note, print_notes = O.notes("[mla] measured (cuda vs cpu twin; bit identity on cuda):")
+  teardown(print_notes)
   setup(function()
     cpu = O.backend("cpu")
     gpu = O.backend(O.other_kind())
-  end)
-  teardown(function()
-    io.stderr:write("\n[mla] measured (cuda vs cpu twin; bit identity on cuda):\n")
-    for _, s in ipairs(lines) do io.stderr:write("  ", s, "\n") end
   end)
 
   -- attention of T queries (H heads) over S = past + T cache rows of the MLA layout

@@ -21,16 +21,11 @@ local SMALL = os.getenv("KDTREE_OPS_SMALL") == "1"
 
 describe("W4A16 INT4 kernels against the CPU twin #gpu", function()
   local cpu, gpu
-  local lines = {}
-  local function note(fmt, ...) lines[#lines + 1] = string.format(fmt, ...) end
-
+  local note, print_notes = O.notes("[w4a16] measured errors (cuda vs cpu):")
+  teardown(print_notes)
   setup(function()
     cpu = O.backend("cpu")
     gpu = O.backend(O.other_kind())
-  end)
-  teardown(function()
-    io.stderr:write("\n[w4a16] measured errors (cuda vs cpu):\n")
-    for _, s in ipairs(lines) do io.stderr:write("  ", s, "\n") end
   end)
 
   local function linear(tb, x, M, w, f32)

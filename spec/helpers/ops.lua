@@ -25,8 +25,17 @@ end
 -- the backend compared with the CPU: KDTREE_OPS_OTHER=cpu runs the whole spec CPU vs CPU
 -- (a check of the harness itself on machines without a GPU)
 function M.other_kind() return os.getenv("KDTREE_OPS_OTHER") or "cuda" end
-
--- ---- random data (deterministic per seed) ----
+-- a note(fmt, ...) collecting measured lines, and the function that prints them to stderr under
+-- `title` (a spec passes it to teardown: the spec's log of errors and bit-identity results)
+function M.notes(title)
+  local lines = {}
+  local function note(fmt, ...) lines[#lines + 1] = string.format(fmt, ...) end
+  local function print_notes()
+    io.stderr:write("\n" .. title .. "\n")
+    for _, l in ipairs(lines) do io.stderr:write("  ", l, "\n") end
+  end
+  return note, print_notes
+end
 function M.seed(s) math.randomseed(s) end
 function M.randn()
   local u1, u2 = math.random(), math.random()
