@@ -39,6 +39,20 @@ static const char *ws_name(int which) {
     return which >= 0 && which < KD_WS_COUNT ? names[which] : "workspace";
 }
 
+kd_status kd_cuda_smem(kd_cuda *c, const void *fn, size_t smem) {
+    int i = 0;
+    while (i < c->n_smem_set && c->smem_set[i].fn != fn) i++;
+    if (i < c->n_smem_set && c->smem_set[i].smem >= smem) return KD_OK;
+    KD_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (i == c->n_smem_set) {
+        if (i == (int)(sizeof c->smem_set / sizeof c->smem_set[0])) return KD_OK;   /* table full: ask every time */
+        c->n_smem_set++;
+    }
+    c->smem_set[i].fn = fn;
+    c->smem_set[i].smem = smem;
+    return KD_OK;
+}
+
 kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr) {
     kd_cuda *c = kd_cuda_of(be);
     if (bytes <= c->ws_bytes[which] && c->ws[which]) {

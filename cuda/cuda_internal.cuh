@@ -63,6 +63,9 @@ typedef struct kd_cuda {
     unsigned long long ws_epoch;   /* bumped whenever a workspace is reallocated (graphs point into them) */
     struct kd_cuda_buf *bufs;      /* the alloc() buffers and their sizes, so free() can subtract */
     int n_bufs, cap_bufs;
+    /* the dynamic shared memory each kernel has been allowed on this device (kd_cuda_smem) */
+    struct { const void *fn; size_t smem; } smem_set[32];
+    int n_smem_set;
 } kd_cuda;
 typedef struct kd_cuda_buf { void *ptr; size_t bytes; } kd_cuda_buf;
 
@@ -82,6 +85,9 @@ kd_status kd_cublas_fail(cublasStatus_t e, const char *call, const char *file, i
 
 /* a workspace of at least `bytes` (grows: waits for the stream, frees, reallocates) */
 kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr);
+/* allow kernel `fn` `smem` bytes of dynamic shared memory on this device: the driver is asked
+ * only when a kernel needs more than it was last allowed, not at every launch */
+kd_status kd_cuda_smem(kd_cuda *c, const void *fn, size_t smem);
 
 /* ---- dtype helpers (device) ---- */
 __device__ __forceinline__ float kd_ld(const void *p, int dt, size_t i) {

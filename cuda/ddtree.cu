@@ -577,7 +577,7 @@ extern "C" kd_status kd_cuda_tree_select(kd_backend *be, const kd_dtree *t, int 
     if (budget > SEL_MAX_BUDGET || smem > c->smem_optin)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda tree_select: budget %d needs %zu bytes of shared memory (at most %d "
                        "nodes, %zu bytes here)", budget, smem, SEL_MAX_BUDGET, c->smem_optin);
-    KD_CUDA(cudaFuncSetAttribute(tree_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    KD_TRY(kd_cuda_smem(c, (const void *)tree_select_kernel, smem));
     tree_select_kernel<<<1, SEL_THREADS, smem, c->stream>>>(*t, L, K, budget);
     KD_CUDA_LAUNCH("tree_select_kernel");
     return KD_OK;

@@ -425,7 +425,7 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
                : vs == 2 ? tc_chunk_kernel<512, true, 1, 8, 2> : tc_chunk_kernel<512, true, 1, 8, 4>;
     }
     if (!fn) return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: no tensor-core kernel for value dim %d (padded %d)", dv, DVP);
-    KD_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    KD_TRY(kd_cuda_smem(c, (const void *)fn, smem));
     const int rows = rg * 16, nth = rg * 32 * kw;
 
     for (int t0 = 0; t0 < T; t0 += tbatch) {
@@ -531,7 +531,7 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
     const bool async = kv_async(k, v, head_dim, dv, kstride, vstride);
     void (*chunk_fn)(AttnArgs) = kt == KT ? (async ? attn_chunk_kernel<true, KT> : attn_chunk_kernel<false, KT>)
                                           : (async ? attn_chunk_kernel<true, KT / 2> : attn_chunk_kernel<false, KT / 2>);
-    KD_CUDA(cudaFuncSetAttribute(chunk_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    KD_TRY(kd_cuda_smem(c, (const void *)chunk_fn, smem));
 
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         int tb = T - t0 < tbatch ? T - t0 : tbatch;

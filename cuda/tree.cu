@@ -200,7 +200,7 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
     int kp = 1;
     while (kp < k) kp <<= 1;
     size_t smem = (size_t)kp * sizeof(unsigned long long);
-    KD_CUDA(cudaFuncSetAttribute(topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    KD_TRY(kd_cuda_smem(c, (const void *)topk_kernel, smem));
     topk_kernel<<<x.rows, ROW_THREADS, smem, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, kp, vals, ids);
     KD_CUDA_LAUNCH("topk_kernel");
     return KD_OK;
