@@ -19,14 +19,27 @@
  *   part order 0..parts-1 (no workspace, no atomics).
  * Work items (token tile, n-block) are walked by a grid-stride loop over clusters, so the MoE
  *   can launch a fixed grid while the number of tiles is known only on the device.
- * The skinny kernel (w4a16_skinny.cu; plain GEMM, M <= 8): the same arithmetic with one 16-row
- *   tile per block and one or two warps per part, its weights fetched whole by bulk copies at
- *   entry. config_for picks it where the H200 timings say it is faster. The helpers both files
+ * The skinny kernel (w4a16_skinny.cu; plain GEMM, M <= 16): the same arithmetic with one warp
+ *   per (16-row tile, part), the weights loaded into registers before the wait on the previous
+ *   grid. config_for picks it where the H200 timings say it is faster. The helpers both files
  *   use are in w4a16_device.cuh.
  */
 #include "w4a16_device.cuh"
 #include <pthread.h>
 #include <string.h>
+
+namespace kd_w4a16_impl {
+int sm_count() {
+    static int dev_cached = -1, count = 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+    if (dev != dev_cached) {
+        if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) count = 132;
+        dev_cached = dev;
+    }
+    return count;
+}
+}  // namespace kd_w4a16_impl
 
 namespace {
 using namespace kd_w4a16_impl;
@@ -106,26 +119,6 @@ struct W4Shape {
     static constexpr int SMEM = STAGES * STAGE_BYTES > PART_BYTES ? STAGES * STAGE_BYTES : PART_BYTES;
 };
 
-__device__ __forceinline__ float ld_cluster(uint32_t addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-    return v;
-}
-/* mapa: the shared::cluster address of the same variable in block `rank` of the cluster */
-__device__ __forceinline__ uint32_t cluster_addr(const float *p, unsigned rank) {
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-    return remote;
-}
-__device__ __forceinline__ void cluster_sync_all() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-
 /* small-M configurations ask for 16 resident warps per SM at least (at most 128 registers):
  * latency hiding is what limits them; shared memory allows ~5 blocks */
 template <int MT8, int NT, int WN>
@@ -191,7 +184,7 @@ __device__ __forceinline__ void store_tile(const W4Args &a, const float (&acc)[N
         }
         store_out(a.y, a.y_f32, (size_t)(row0 + t) * a.ldy + n, DUAL ? silu_mul(v, u) : v);
     }
-    cluster_sync_all();   /* peers are done reading this block's partials */
+    cluster_sync_exit();   /* peers are done reading this block's partials */
 }
 
 /* Grid: clusters of `parts` blocks (one block per part of K, rank = part); a cluster walks
@@ -509,15 +502,16 @@ __global__ void moe_combine_kernel(const float *__restrict__ y, const int *__res
 struct W4Config {
     const char *name;
     int mt8, nt, wn, sc, stages;
-    int skinny;   /* > 0: w4a16_skinny_kernel with this many warps per part (plain GEMM, M <= 8, where
-                   * skinny_plan takes it) */
+    int skinny;   /* 0: the pipelined kernel; else w4a16_skinny_kernel (plain GEMM, M <= 16, where
+                   * skinny_plan takes it) with this many warps (tiles) per block, -1: chosen by shape */
 };
 /* index = config id; dual (MoE gate+up) kernels use the same MT8 with NT = 2, WN = 4, and the
  * MoE never takes a skinny configuration (it uses the pipelined kernel of the same MT8) */
 const W4Config CONFIGS[] = {
     {"m8_nt2_w4", 1, 2, 4, 2, 3, 0},      {"m8_nt1_w8", 1, 1, 8, 2, 3, 0},      {"m16_nt2_w4", 2, 2, 4, 2, 3, 0},
     {"m16_nt1_w8", 2, 1, 8, 2, 3, 0},     {"m32_nt2_w4", 4, 2, 4, 1, 6, 0},     {"m64_nt2_w4", 8, 2, 4, 1, 4, 0},
-    {"skinny_m8", 1, 1, 0, 0, 0, 1},      {"skinny_m8_h2", 1, 1, 0, 0, 0, 2},
+    {"skinny", 1, 1, 0, 0, 0, -1},        {"skinny_w2", 1, 1, 0, 0, 0, 2},      {"skinny_w4", 1, 1, 0, 0, 0, 4},
+    {"skinny_w8", 1, 1, 0, 0, 0, 8},
 };
 constexpr int N_CONFIGS = sizeof(CONFIGS) / sizeof(CONFIGS[0]);
 int g_force_config = -1;
@@ -529,16 +523,11 @@ int pipelined_config_for_m(int m) {
     if (m <= 32) return 4;
     return 5;
 }
-int sm_count();
-/* chosen from the H200 timings of 2026-11-30 (docs/performance.md); every configuration gives
- * the same bits, so this choice is free to change. The skinny kernel with two warps per part
- * wins at M = 1, and up to M = 8 when the weight has few 16-row tiles: each of its blocks
- * stages all of the M activation rows, so their traffic grows with tiles x M (2048 x 7168,
- * 128 tiles: faster to M = 8; 7168 x 2048, 448 tiles: at M = 1 only). */
-int config_for(int m, int n_tiles) {
+/* every configuration gives the same bits, so this choice is free to change: the skinny
+ * kernel to M = 16 (where skinny_plan takes the launch), the pipelined kernel above */
+int config_for(int m) {
     if (g_force_config >= 0 && g_force_config < N_CONFIGS) return g_force_config;
-    if (m == 1 || (m <= 8 && n_tiles <= sm_count())) return 7;
-    return pipelined_config_for_m(m);
+    return m <= 16 ? 6 : pipelined_config_for_m(m);
 }
 
 
@@ -546,6 +535,7 @@ struct Launch {
     KernelFn fn;
     int threads, smem, bm, slots_per_block;
     bool skinny;   /* fn, threads and smem are then set per launch (skinny_plan) */
+    int skinny_warps;
 };
 
 template <int MT8, int NT, int WN, int SC, int STAGES, bool DUAL>
@@ -560,11 +550,10 @@ Launch make_launch() {
     return l;
 }
 
-Launch make_skinny() {
+Launch make_skinny(int warps) {
     Launch l = {};
-    l.bm = 8;
-    l.slots_per_block = 1;
     l.skinny = true;
+    l.skinny_warps = warps > 0 ? warps : 0;
     return l;
 }
 
@@ -584,7 +573,9 @@ Launch get_launch(int cfg, bool dual) {
     case 3: return make_launch<2, 1, 8, 2, 3, false>();
     case 4: return make_launch<4, 2, 4, 1, 6, false>();
     case 6:
-    case 7: return make_skinny();
+    case 7:
+    case 8:
+    case 9: return make_skinny(CONFIGS[cfg].skinny);
     default: return make_launch<8, 2, 4, 1, 4, false>();
     }
 }
@@ -655,8 +646,7 @@ kd_status launch(const Launch &l, int clusters, const W4Args &args, bool pdl, cu
     KD_TRY(prepare_kernel(l.fn, l.skinny ? skinny_smem_max() : l.smem));
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr[2];
-    if (l.skinny) fill_config(&cfg, attr, l, clusters, 1, pdl, st);   /* blocks = tiles, no cluster */
-    else fill_config(&cfg, attr, l, clusters * args.parts, args.parts, pdl, st);
+    fill_config(&cfg, attr, l, clusters * args.parts, args.parts, pdl, st);
     W4_CUDA(cudaLaunchKernelEx(&cfg, l.fn, args));
     return KD_OK;
 }
@@ -684,17 +674,6 @@ void split_of(int k, int group, long long warp_tiles, long long target, int *par
     *parts = (kc + *cpp - 1) / *cpp;
 }
 const long long TARGET_GEMM = 1536, TARGET_MOE = 1024;
-
-int sm_count() {
-    static int dev_cached = -1, count = 0;
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 132;
-    if (dev != dev_cached) {
-        if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) count = 132;
-        dev_cached = dev;
-    }
-    return count;
-}
 
 size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
@@ -789,10 +768,17 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
         return kd_fail(KD_ERR_ARG, "w4a16 gemm: codes/scales must be 16-byte aligned");
     int parts, cpp;
     split_of(k, group, tiles_of(n), TARGET_GEMM, &parts, &cpp);
-    const int cfg = config_for(m, tiles_of(n));
-    Launch l = get_launch(cfg, false);
-    if (l.skinny && !skinny_plan(CONFIGS[cfg].skinny, m, kc_of(k), parts, cpp, log2_of(group), &l.fn, &l.threads, &l.smem))
-        l = get_launch(pipelined_config_for_m(m), false);
+    Launch l = get_launch(config_for(m), false);
+    SkinnyPlan sp = {};
+    if (l.skinny) {
+        if (skinny_plan(l.skinny_warps, m, tiles_of(n), kc_of(k), parts, cpp, log2_of(group), &sp)) {
+            l.fn = sp.fn;
+            l.threads = sp.threads;
+            l.smem = sp.smem;
+        } else {
+            l = get_launch(pipelined_config_for_m(m), false);
+        }
+    }
     W4Args a = {};
     a.x = (const bf16 *)x;
     a.ldx = ldx;
@@ -800,12 +786,13 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
     a.mat.s = (const uint32_t *)scales;
     a.n = n; a.k = k; a.kc = kc_of(k); a.groups = groups_pad_of(k, group); a.gshift = log2_of(group);
     a.parts = parts; a.cpp = cpp; a.n_tiles = tiles_of(n);
-    a.nb = (a.n_tiles + l.slots_per_block - 1) / l.slots_per_block;
     a.m = m;
     a.y = y; a.ldy = ldy; a.y_f32 = y_f32;
+    if (l.skinny) return launch(l, sp.clusters, a, (flags & KD_W4A16_PDL) != 0, st);
+    a.nb = (a.n_tiles + l.slots_per_block - 1) / l.slots_per_block;
     long long items = (long long)((m + l.bm - 1) / l.bm) * a.nb;
     if (items * parts > 0x7fffffffLL) return kd_fail(KD_ERR_ARG, "w4a16 gemm: m %d is too large for one launch", m);
-    return launch(l, l.skinny ? a.n_tiles : (int)items, a, (flags & KD_W4A16_PDL) != 0, st);
+    return launch(l, (int)items, a, (flags & KD_W4A16_PDL) != 0, st);
 }
 
 /* ---------------------------------------------------------------- MoE */

@@ -17,10 +17,10 @@
  * the weight alone: K is cut into `parts` contiguous ranges (kd_w4a16_parts(N, K, group):
  * a function of the shape, never of M); inside a part the scale groups are summed in k
  * order (each group: the mma k16 steps chained from zero, then acc = fma(sum, scale, acc));
- * the parts are added in order 0..parts-1, with no atomics and no workspace: in the pipelined
- * kernel the parts are the blocks of one thread-block cluster (partials through distributed
- * shared memory); in the small-M "skinny" kernel they are the warps of one block (partials
- * through shared memory). The kernels and tile shapes chosen for
+ * the parts are added in order 0..parts-1, with no atomics and no workspace: in both kernels
+ * the parts are the blocks of one thread-block cluster (partials through distributed shared
+ * memory: read by the pipelined kernel, sent with st.async by the small-M "skinny" one).
+ * The kernels and tile shapes chosen for
  * different M change only which rows share a launch, never that order, and the tensor core
  * result of one output element depends only on its own row of A and column of B. So row r
  * of y is bit-identical whether it is computed with M = 1 or inside M = 37 (checked by

@@ -95,50 +95,101 @@ struct W4Args {
 
 typedef void (*KernelFn)(const W4Args);
 
-/* mbarrier + bulk copy (TMA, sm_90+): one thread starts a copy global -> shared that
- * completes a transaction count on an mbarrier; the warp then waits on the barrier's phase 0 */
+/* thread-block clusters (sm_90+): the split-K parts of a tile are the blocks of one cluster */
+__device__ __forceinline__ float ld_cluster(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+/* mapa: the shared::cluster address of the same variable in block `rank` of the cluster */
+__device__ __forceinline__ uint32_t cluster_addr(const void *p, unsigned rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+    return remote;
+}
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+/* the end of a kernel whose peers read this block's shared memory: they have used what they
+ * read before arriving, so no release (a release here waits for every earlier global store) */
+__device__ __forceinline__ void cluster_sync_exit() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+/* split arrive/wait: arrive after initialising barriers peers will use (relaxed: the mbarrier
+ * init fence orders them), wait before the first access to a peer's shared memory */
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+/* a 16-byte store into a peer block's shared memory that completes on the peer's mbarrier
+ * (addresses from cluster_addr): no cluster barrier, no fence */
+__device__ __forceinline__ void st_async_v4(uint32_t addr, const float (&v)[4], uint32_t bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
+                 ::"r"(addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(bar) : "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+
+/* mbarrier (sm_90+): the skinny kernel's split-K reduction waits on one, completed by the
+ * bytes its peers store into this block with st_async_v4 */
 __device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbar_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *bar) {
+/* the one arrival of a count-1 barrier, announcing `bytes` that peers will deliver */
+__device__ __forceinline__ void mbar_arrive_expect(uint64_t *bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void mbar_wait0(uint64_t *bar) {
     asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
                  "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)) : "memory");
 }
-__device__ __forceinline__ void mbar_inval(uint64_t *bar) {
-    asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+/* 16 bytes of a weight stream, read once: not kept in L1 */
+__device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
 }
 
-/* shared memory of the skinny kernel, in bytes from the start: the barriers (one per chunk of
- * each part), the weights of every part, their scale words, the activations */
+/* shared memory of the skinny kernel, in bytes from the start: the block's reduction barrier,
+ * every warp's scale words, the block's slice of the activations (M rows, the part's k) and
+ * (split K) the partial tiles the peers send for the tiles this block reduces:
+ * [tile / parts][part][lane][MT8][4] floats. The weights never pass through it. */
 struct SkinnyLayout {
-    int bars, w, s, x, total;
+    int s, x, red, total;
 };
-__host__ __device__ inline SkinnyLayout skinny_layout(int m, int kc, int parts, int nch, int groups_per_part) {
+__host__ __device__ inline SkinnyLayout skinny_layout(int m, int warps, int parts, int cpp, int groups_per_part) {
     SkinnyLayout L;
-    L.bars = 0;
-    L.w = (parts * nch * 8 + 15) & ~15;
-    L.s = L.w + parts * nch * 512;
-    L.x = L.s + parts * groups_per_part * 32;
-    L.total = L.x + m * (kc * CHUNK_K + 8) * 2;
+    L.s = 16;
+    L.x = L.s + warps * groups_per_part * 32;
+    L.red = L.x + ((m * (cpp * CHUNK_K + 8) * 2 + 15) & ~15);
+    L.total = L.red + (parts > 1 ? (warps + parts - 1) / parts * parts * 32 * (m > 8 ? 32 : 16) : 0);
     return L;
 }
 
-/* the small-M kernel (w4a16_skinny.cu) for one plain GEMM launch: its function, threads and
- * shared memory, or false when it does not take the launch (then the pipelined kernel does) */
-bool skinny_plan(int warps_per_part, int m, int kc, int parts, int cpp, int gshift, KernelFn *fn, int *threads,
-                 int *smem);
+/* the small-M kernel (w4a16_skinny.cu) for one plain GEMM launch */
+struct SkinnyPlan {
+    KernelFn fn;
+    int threads, smem, clusters;   /* grid = clusters x parts blocks, clusters of `parts` */
+};
+/* false when it does not take the launch (M above 16, a part longer than 16 chunks of 64, or
+ * shared memory that does not fit even with one warp per block; then the pipelined kernel
+ * does). warps: tiles per block (at most 8), 0 = chosen from the shape (about one block per SM) */
+bool skinny_plan(int warps, int m, int n_tiles, int kc, int parts, int cpp, int gshift, SkinnyPlan *plan);
 /* the shared memory the skinny kernel may take on the current device (its attribute is set to this) */
 int skinny_smem_max();
+/* the current device's SM count (cached per device) */
+int sm_count();
 
 }  // namespace kd_w4a16_impl
 #endif

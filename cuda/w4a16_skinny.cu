@@ -1,184 +1,208 @@
-/* w4a16_skinny.cu: the small-M W4A16 GEMM (plain GEMM, M <= 8): one 16-row weight tile per
- * block, one or two warps per part of K, the weights fetched whole by bulk copies at entry.
- * Its arithmetic order is the pipelined kernel's (w4a16.cu), so both give the same bits; the
- * configuration code there picks it (config_for) where the H200 timings say it is faster. */
+/* w4a16_skinny.cu: the small-M W4A16 GEMM (plain GEMM, M <= 16), built so that back-to-back
+ * launches keep the memory busy. Its arithmetic order is the pipelined kernel's (w4a16.cu),
+ * so both give the same bits; config_for there picks it where the H200 timings say so.
+ *
+ * Why its shape: at M <= 16 a launch is one stream of weight bytes (8 MB at K2.6's expert
+ * shapes, 2 us at the H200's copy rate) plus a serial tail once the previous grid has
+ * finished: read the activations, dequantise and multiply, reduce, store. Under programmatic
+ * dependent launch the next launch's blocks load their weights during that tail, if they fit
+ * on the SMs beside the running ones. So:
+ *  - a lane loads the 16 bytes of each chunk it will use straight into registers (the device
+ *    form puts a lane's four mma fragments of a chunk together), before the wait on the
+ *    previous grid: plain streaming loads, no shared memory, no barriers to poll;
+ *  - a block is one part of K for a few 16-row tiles (one warp per tile), so it stages only
+ *    its part's slice of the activations and stays small: two launches fit per SM;
+ *  - the parts of a tile are the blocks of one cluster; the reduction sends each warp's fp32
+ *    fragments to the reducing block with st.async (no cluster barrier after the math).
+ * The H200 traces that led here (trigger points, bulk copies, where the time went) are in
+ * docs/performance.md. */
 #include "w4a16_device.cuh"
 
 namespace kd_w4a16_impl {
 
-/* Plain GEMM with M <= 8, one 16-row weight tile per block and H warps per part of K (H = 1
- * or 2: 2 gives a K2.6 tile 16 warps where its 8 parts alone would give 8): the arithmetic
- * order of w4a16_gemm_kernel exactly (same bits: per part the scale groups in k order, then
- * the parts added in order 0..parts-1, here through shared memory instead of a cluster).
- * With H = 2 the second warp of a part computes its groups' sums but does not fold them: it
- * keeps them in registers until the first warp's acc is in shared memory, then continues
- * the same chain of acc = fma(sum, scale, acc) from there.
- * How the bytes arrive: at entry, before waiting for the previous grid, one lane per warp
- * starts a bulk copy (TMA) of each of the NCH chunks of its range, each on its own mbarrier:
- * every weight byte of the launch is requested at once, by the copy engine, while the
- * load/store path stays free for the activations (all M rows, all of K) and the scale words.
- * The warp then walks its chunks, waiting for each chunk's barrier just before using it.
- * The group size (1 << GSHIFT) and NCH are compile-time, so the walk is straight-line code
- * the compiler can interleave across scale groups. No clusters: blocks are placed freely. */
-template <int GSHIFT, int NCH, int H>
-__global__ void __launch_bounds__(512) w4a16_skinny_kernel(const W4Args a) {
-    constexpr int BM = 8, NG = (NCH * CHUNK_K) >> GSHIFT;   /* scale groups per warp */
-    static_assert(NG >= 1 && (NCH * CHUNK_K) % (1 << GSHIFT) == 0, "a warp's range holds whole scale groups");
-    static_assert(H == 1 || H == 2, "one or two warps per part");
+/* Grid: clusters of `parts` blocks (rank = part of K); cluster c owns tiles [c*W, c*W + W) for
+ * W = warps per block, warp w of each block the tile c*W + w over the block's part.
+ * NCH: the most chunks of 64 k a part holds (its weights live in NCH x 4 registers a lane).
+ * Per scale group, tmp = the chain of mma k16 steps from zero, then acc = fma(tmp, scale, acc)
+ * (w4a16.cuh: the order that makes every configuration bit-identical).
+ * Split K: tile slot w is reduced by block w % parts, which adds the parts in order
+ * 0..parts-1 and stores. One relaxed cluster barrier, arrived at before the wait on the
+ * previous grid, orders each block's reduction barrier set-up before its peers' stores. */
+template <int NCH, int MT8>
+__global__ void __launch_bounds__(256, 2) w4a16_skinny_kernel(const W4Args a) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
-    const int part = warp / H, half = warp % H;
-    const int tile = blockIdx.x;
-    griddep_launch_dependents();
-    const int c0 = part * a.cpp + half * NCH;
-    const int XR = a.kc * CHUNK_K + 8;    /* +16 bytes per row: conflict-free ldmatrix */
-    const SkinnyLayout L = skinny_layout(a.m, a.kc, a.parts * H, NCH, NG);
-    uint64_t *bar = (uint64_t *)(smem + L.bars) + warp * NCH;
-    const uint4 *sw = (const uint4 *)(smem + L.w) + warp * NCH * 32 + lane;
-    uint32_t *ss = (uint32_t *)(smem + L.s) + warp * NG * 8;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
+    const int P = a.parts, part = P > 1 ? (int)cluster_rank() : 0, cluster = blockIdx.x / P;
+    const int tile = cluster * warps + warp;
+    const bool live = tile < a.n_tiles;
+    const int gshift = a.gshift, gmask = (1 << gshift) - 1;
+    const int c0 = part * a.cpp, nch = min(a.kc, c0 + a.cpp) - c0;
+    const int gpp = (a.cpp * CHUNK_K) >> gshift;   /* scale groups of a whole part (the layout's stride) */
+    const int ng = (nch * CHUNK_K) >> gshift;      /* ... of this part (the last may be short) */
+    const SkinnyLayout L = skinny_layout(a.m, warps, P, a.cpp, gpp);
+    const int XR = a.cpp * CHUNK_K + 8;            /* +16 bytes per row: conflict-free ldmatrix */
+    uint64_t *rbar = (uint64_t *)smem;
+    const uint32_t *ss = (const uint32_t *)(smem + L.s) + warp * gpp * 8 + (lane >> 2);
     bf16 *sx = (bf16 *)(smem + L.x);
+    float *red = (float *)(smem + L.red);
+    /* live tile slots this block reduces: part, part + P, ... below the cluster's live count */
+    const int live_slots = min(warps, a.n_tiles - cluster * warps);
+    const int owned = part < live_slots ? (live_slots - part + P - 1) / P : 0;
+    griddep_launch_dependents();
 
-    if (lane == 0) {
+    uint4 wq[NCH];
+    if (live) {
+        const uint4 *src = a.mat.q + ((size_t)tile * a.kc + c0) * 32 + lane;
 #pragma unroll
-        for (int j = 0; j < NCH; j++) mbar_init(&bar[j], 1);
-        mbar_init_fence();
-        const uint4 *src = a.mat.q + ((size_t)tile * a.kc + c0) * 32;
-#pragma unroll
-        for (int j = 0; j < NCH; j++) bulk_load((uint4 *)(smem + L.w) + (warp * NCH + j) * 32, src + j * 32, 512, &bar[j]);
+        for (int c = 0; c < NCH; c++)
+            if (c < nch) wq[c] = ld_stream(src + c * 32);
+        /* the scale words of the part: 32 bytes per group */
+        const uint4 *s = (const uint4 *)(a.mat.s + ((size_t)tile * a.groups + ((c0 * CHUNK_K) >> gshift)) * 8);
+        for (int p = lane; p < 2 * ng; p += 32) cp_async16((uint4 *)(smem + L.s) + warp * gpp * 2 + p, s + p, true);
     }
-    {   /* the scale words of this warp's range: 32 bytes per group, 16 per copy */
-        const uint4 *src = (const uint4 *)(a.mat.s + ((size_t)tile * a.groups + ((c0 * CHUNK_K) >> GSHIFT)) * 8);
-        for (int p = lane; p < 2 * NG; p += 32) cp_async16((uint4 *)ss + p, src + p, true);
-    }
-
-    /* the M activation rows, all of K (k past K zero-filled) */
-    griddep_wait();
-    const int pieces = a.kc * (CHUNK_K / 8);
-    for (int row = 0; row < a.m; row++)
-        for (int kp = tid; kp < pieces; kp += threads) {
-            int k = kp * 8;
-            bool v = k < a.k;
-            cp_async16(sx + row * XR + k, v ? (const void *)(a.x + (size_t)row * a.ldx + k) : (const void *)a.x, v);
+    if (P > 1) {
+        if (tid == 0) {
+            mbar_init(rbar, 1);
+            mbar_init_fence();
+            mbar_arrive_expect(rbar, (unsigned)(owned * P * 32 * MT8 * 16));
         }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();   /* also orders the barrier inits before every lane's wait */
+        cluster_arrive_relaxed();
+    }
 
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float kept[H == 2 ? NG : 1][4];   /* H = 2, second warp: its groups' sums, folded later */
-    const uint32_t *sl = ss + (lane >> 2);
-    /* acc = fma(group sum, scale, acc) for group g of this warp's range */
-    auto fold = [&](const float (&sum)[4], int g) {
-        uint32_t sw2 = sl[g * 8];
-        float slo = __uint_as_float(sw2 << 16), shi = __uint_as_float(sw2 & 0xFFFF0000u);
-        acc[0] = fmaf(sum[0], slo, acc[0]);
-        acc[1] = fmaf(sum[1], slo, acc[1]);
-        acc[2] = fmaf(sum[2], shi, acc[2]);
-        acc[3] = fmaf(sum[3], shi, acc[3]);
-    };
-    /* ldmatrix row addresses; rows past M read row M-1 (their output columns are never stored,
-     * and an mma column depends on its own B column alone) */
-    const bf16 *xl = sx + min(lane & 7, a.m - 1) * XR + ((lane >> 3) & 1) * 8 + c0 * CHUNK_K;
+    griddep_wait();
+    {   /* the activation slice; rows past M are never staged (their mma columns are not stored) */
+        const int pieces = nch * (CHUNK_K / 8);
+        for (int e = tid; e < a.m * pieces; e += blockDim.x) {
+            const int row = e / pieces, kp = e - row * pieces, k = c0 * CHUNK_K + kp * 8;
+            const bool v = k < a.k;
+            cp_async16(sx + row * XR + kp * 8, v ? (const void *)(a.x + (size_t)row * a.ldx + k) : (const void *)a.x, v);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    float acc[MT8][4], tmp[MT8][4];
 #pragma unroll
-    for (int j = 0; j < NCH; j++) {
-        mbar_wait0(&bar[j]);
-        const uint4 wq = sw[j * 32];
+    for (int j = 0; j < MT8; j++)
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            uint32_t b0, b1;
-            ldmatrix_x2(b0, b1, xl + j * CHUNK_K + kk * 16);
-            uint32_t av[4];
-            dequant4(kk == 0 ? wq.x : kk == 1 ? wq.y : kk == 2 ? wq.z : wq.w, av);
-            mma_bf16(tmp, av, b0, b1);
-            const int k_end = j * CHUNK_K + kk * 16 + 16;        /* within the range (ranges start on a group) */
-            if ((k_end & ((1 << GSHIFT) - 1)) == 0) {
-                const int g = (k_end - 1) >> GSHIFT;
-                if (H == 2 && half == 1) {
+        for (int r = 0; r < 4; r++) acc[j][r] = tmp[j][r] = 0.0f;
+    if (live) {
+        /* ldmatrix row addresses; rows past M read row M-1 (an mma column depends on its own
+         * column of B alone, and those columns are never stored) */
+        const bf16 *xl[MT8];
 #pragma unroll
-                    for (int r = 0; r < 4; r++) kept[H == 2 ? g : 0][r] = tmp[r];
-                } else {
-                    fold(tmp, g);
+        for (int j = 0; j < MT8; j++) xl[j] = sx + min(j * 8 + (lane & 7), a.m - 1) * XR + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int c = 0; c < NCH; c++) {
+            if (c >= nch) break;
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                uint32_t b[MT8][2], av[4];
+#pragma unroll
+                for (int j = 0; j < MT8; j++) ldmatrix_x2(b[j][0], b[j][1], xl[j] + c * CHUNK_K + kk * 16);
+                dequant4(kk == 0 ? wq[c].x : kk == 1 ? wq[c].y : kk == 2 ? wq[c].z : wq[c].w, av);
+#pragma unroll
+                for (int j = 0; j < MT8; j++) mma_bf16(tmp[j], av, b[j][0], b[j][1]);
+                const int k_end = c * CHUNK_K + kk * 16 + 16;   /* parts start on a scale group */
+                if ((k_end & gmask) == 0) {
+                    const uint32_t s2 = ss[((k_end - 1) >> gshift) * 8];
+                    const float slo = __uint_as_float(s2 << 16), shi = __uint_as_float(s2 & 0xFFFF0000u);
+#pragma unroll
+                    for (int j = 0; j < MT8; j++) {
+                        acc[j][0] = fmaf(tmp[j][0], slo, acc[j][0]);
+                        acc[j][1] = fmaf(tmp[j][1], slo, acc[j][1]);
+                        acc[j][2] = fmaf(tmp[j][2], shi, acc[j][2]);
+                        acc[j][3] = fmaf(tmp[j][3], shi, acc[j][3]);
+#pragma unroll
+                        for (int r = 0; r < 4; r++) tmp[j][r] = 0.0f;
+                    }
                 }
-#pragma unroll
-                for (int r = 0; r < 4; r++) tmp[r] = 0.0f;
             }
         }
     }
 
-    /* over the weights, which every warp has finished reading after the barrier: the hand-off
-     * of the first warps' acc [part][lane][4], then the parts' partial tiles [part][16][BM] */
-    float *hand = (float *)(smem + L.w), *pbuf = hand + a.parts * 128;
-    __syncthreads();
-    if (lane == 0)
+    /* fragment (j, r) of lane L: row L/4 (+8 for r >= 2), token 8j + 2(L%4) (+1 for odd r) */
+    if (P == 1) {
+        if (live)
 #pragma unroll
-        for (int j = 0; j < NCH; j++) mbar_inval(&bar[j]);
-    if (H == 2) {
-        if (half == 0)
+            for (int j = 0; j < MT8; j++)
 #pragma unroll
-            for (int r = 0; r < 4; r++) hand[(part * 32 + lane) * 4 + r] = acc[r];
-        __syncthreads();
-        if (half == 1) {
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[r] = hand[(part * 32 + lane) * 4 + r];
-#pragma unroll
-            for (int g = 0; g < NG; g++) fold(kept[H == 2 ? g : 0], g);
-        }
+                for (int r = 0; r < 4; r++) {
+                    const int n = tile * 16 + (lane >> 2) + (r >= 2 ? 8 : 0), t = j * 8 + (lane & 3) * 2 + (r & 1);
+                    if (n < a.n && t < a.m) store_out(a.y, a.y_f32, (size_t)t * a.ldy + n, acc[j][r]);
+                }
+        return;
     }
-    const int gr = lane >> 2, tq = (lane & 3) * 2;
-    if (half == H - 1)
+    cluster_wait();   /* every peer's reduction barrier is set up */
+    if (live) {
+        const unsigned owner = (unsigned)(warp % P);
+        const int slot = (warp / P * P + part) * 32 * MT8 + lane * MT8;   /* in 16-byte units */
+        const uint32_t dst = cluster_addr(red, owner) + slot * 16, rb = cluster_addr(rbar, owner);
 #pragma unroll
-        for (int r = 0; r < 4; r++) pbuf[(part * 16 + gr + (r >= 2 ? 8 : 0)) * BM + tq + (r & 1)] = acc[r];
-    __syncthreads();
-    for (int e = tid; e < 16 * a.m; e += threads) {
-        int row = e / a.m, t = e - row * a.m, n = tile * 16 + row;
-        if (n >= a.n) continue;
-        float v = 0.0f;
-        for (int p = 0; p < a.parts; p++) {
-            float pv = pbuf[(p * 16 + row) * BM + t];
-            v = p == 0 ? pv : v + pv;
+        for (int j = 0; j < MT8; j++) st_async_v4(dst + j * 16, acc[j], rb);
+    }
+    if (owned > 0) {
+        mbar_wait0(rbar);
+        const int per_slot = 16 * a.m;
+        for (int e = tid; e < owned * per_slot; e += blockDim.x) {
+            const int o = e / per_slot, rt = e - o * per_slot, row = rt / a.m, t = rt - row * a.m;
+            const int n = (cluster * warps + o * P + part) * 16 + row;
+            if (n >= a.n) continue;
+            const int l = (row & 7) * 4 + ((t & 7) >> 1), r = (row >> 3) * 2 + (t & 1), j = t >> 3;
+            const float *pv = red + ((o * P) * 32 * MT8 + l * MT8 + j) * 4 + r;
+            float v = pv[0];
+            for (int q = 1; q < P; q++) v += pv[q * 32 * MT8 * 4];
+            store_out(a.y, a.y_f32, (size_t)t * a.ldy + n, v);
         }
-        store_out(a.y, a.y_f32, (size_t)t * a.ldy + n, v);
     }
 }
 
-/* the shared memory a skinny kernel may take: 200 KB, or the device's opt-in limit where that
- * is lower (sm_120: about 99 KB); a launch that needs more (many rows of a long K) takes the
- * pipelined kernel */
+/* the shared memory a skinny block may take: 100 KB, so that two launches' blocks fit on an
+ * SM (the point of the kernel), or the device's opt-in limit where that is lower */
 int skinny_smem_max() {
     static int dev_cached = -1, limit = 0;
     int dev = 0, optin = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) return 0;
     if (dev != dev_cached) {
         if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) optin = 0;
-        limit = optin < 200 * 1024 ? optin : 200 * 1024;
+        limit = optin < 100 * 1024 ? optin : 100 * 1024;
         dev_cached = dev;
     }
     return limit;
 }
 
-/* The skinny kernel for (group, chunks per warp, warps per part); NULL where none is built:
- * group 32 (Kimi K2.6's) with 2, 4, 7 or 8 chunks per warp (the K2.6 expert shapes: parts of
- * 14 chunks in two warps of 7, and of 8 chunks in one warp) */
-template <int GSHIFT, int H>
-KernelFn skinny_fn(int nch) {
-    switch (nch) {
-    case 2: return w4a16_skinny_kernel<GSHIFT, 2, H>;
-    case 4: return w4a16_skinny_kernel<GSHIFT, 4, H>;
-    case 7: return w4a16_skinny_kernel<GSHIFT, 7, H>;
-    case 8: return w4a16_skinny_kernel<GSHIFT, 8, H>;
-    default: return nullptr;
-    }
+/* the instance whose registers hold a part of cpp chunks: the fewest of 2, 4, 8, 14 (K2.6's
+ * 2048 x 7168 in 8 parts) or 16; NULL past 16 */
+template <int MT8>
+KernelFn skinny_fn(int cpp) {
+    if (cpp <= 2) return w4a16_skinny_kernel<2, MT8>;
+    if (cpp <= 4) return w4a16_skinny_kernel<4, MT8>;
+    if (cpp <= 8) return w4a16_skinny_kernel<8, MT8>;
+    if (cpp <= 14) return w4a16_skinny_kernel<14, MT8>;
+    if (cpp <= 16) return w4a16_skinny_kernel<16, MT8>;
+    return nullptr;
 }
-/* false when the skinny kernel does not take the launch: M above 8, a group other than 32, a
- * part that does not split into h equal ranges with a kernel, a short last part, more than 16
- * warps, or more shared memory than skinny_smem_max() */
-bool skinny_plan(int h, int m, int kc, int parts, int cpp, int gshift, KernelFn *fn, int *threads, int *smem) {
-    if (m > 8 || gshift != 5 || kc != parts * cpp || cpp % h || parts * h > 16) return false;
-    int nch = cpp / h;
-    *fn = h == 1 ? skinny_fn<5, 1>(nch) : skinny_fn<5, 2>(nch);
-    *smem = skinny_layout(m, kc, parts * h, nch, (nch * CHUNK_K) >> gshift).total;
-    *threads = 32 * parts * h;
-    return *fn && *smem <= skinny_smem_max();
+
+bool skinny_plan(int warps, int m, int n_tiles, int kc, int parts, int cpp, int gshift, SkinnyPlan *plan) {
+    if (m < 1 || m > 16 || gshift < 5 || gshift > 7 || parts > 8 || kc > parts * cpp) return false;
+    const KernelFn fn = m > 8 ? skinny_fn<2>(cpp) : skinny_fn<1>(cpp);
+    if (!fn) return false;
+    if (warps <= 0) {   /* about one block per SM: the fewest warps whose blocks cover the SMs */
+        long long want = ((long long)n_tiles * parts + sm_count() - 1) / sm_count();
+        warps = 1;
+        while (warps < 8 && warps < want) warps *= 2;
+    }
+    if (warps > 8) warps = 8;
+    const int gpp = (cpp * CHUNK_K) >> gshift;
+    while (warps > 1 && skinny_layout(m, warps, parts, cpp, gpp).total > skinny_smem_max()) warps /= 2;
+    const int smem = skinny_layout(m, warps, parts, cpp, gpp).total;
+    if (smem > skinny_smem_max()) return false;
+    plan->fn = fn;
+    plan->threads = warps * 32;
+    plan->smem = smem;
+    plan->clusters = (n_tiles + warps - 1) / warps;
+    return true;
 }
 
 }  // namespace kd_w4a16_impl

@@ -3,11 +3,14 @@
 # compute-sanitizer memcheck + racecheck on the CUDA driver, and make bench. Logs go to $OUT
 # (the device tool's folder) or ./gpu-logs; summary.log has one line per step.
 # Usage (repo root, after `source .device/env.sh`): scripts/bench/gpu_run.sh [steps]
-# steps: any of build test sanitize bench (default: all, in that order)
+# steps: any of build test sanitize spec-memcheck bench (default: all but spec-memcheck, in that
+# order; spec-memcheck = GPU spec files under compute-sanitizer memcheck, one process each)
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 steps=${*:-"build test sanitize bench"}
+BUSTED_BIN=${KDROOT:+$KDROOT/usr/bin/busted}   # the device's unpacked busted (.device/env.sh), else Debian's
+BUSTED_BIN=${BUSTED_BIN:-/usr/bin/busted}
 has() { case " $steps " in *" $1 "*) return 0 ;; esac; return 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; nvcc --version | tail -1; } \
   > "$OUT/summary.log" 2>&1
@@ -26,6 +29,14 @@ if has sanitize; then
     -o build/cuda_sanitize > "$OUT/sanitize-build.log" 2>&1
   step memcheck 90 compute-sanitizer --tool memcheck --leak-check full --print-limit 20 build/cuda_sanitize
   step racecheck 90 compute-sanitizer --tool racecheck --print-limit 20 build/cuda_sanitize
+fi
+if has spec-memcheck; then   # one spec file per sanitizer process (SPEC_MEMCHECK: the files, default the GPU op specs)
+  for f in ${SPEC_MEMCHECK:-spec/cuda_ops_spec.lua spec/w4a16_spec.lua spec/mla_spec.lua spec/gpu_round_spec.lua}; do
+    n=$(basename "$f" .lua)
+    KDTREE_LIB=build/libkdtree.so KDTREE_BACKEND=cuda step "memcheck-$n" 150 compute-sanitizer --tool memcheck \
+      --leak-check full --print-limit 20 --error-exitcode 3 luajit "$BUSTED_BIN" "$f"
+    grep -aE "ERROR SUMMARY" "$OUT/memcheck-$n.log" | tail -1 | sed "s|^|  $n: |" >> "$OUT/summary.log"
+  done
 fi
 if has bench; then
   step bench 240 make bench

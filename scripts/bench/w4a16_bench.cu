@@ -544,8 +544,8 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
         std::vector<V> vs = {{"auto", -1, 0, false, 0}, {"auto+pdl", -1, KD_W4A16_PDL, false, 0},
                              {"graph+pdl", -1, KD_W4A16_PDL, true, 0}};
         if (!quick) {
-            std::vector<int> cfgs = m <= 8 ? std::vector<int>{0, 1, 6, 7} : m <= 16 ? std::vector<int>{2, 3}
-                                                                            : std::vector<int>{4, 5};
+            std::vector<int> cfgs = m <= 8 ? std::vector<int>{0, 1, 7, 8, 9} : m <= 16 ? std::vector<int>{2, 3, 7, 8, 9}
+                                                                                : std::vector<int>{4, 5};
             std::vector<int> ps = m <= 16 ? std::vector<int>{2, 4, 8} : std::vector<int>{0};
             for (int c : cfgs)
                 for (int p : ps)
