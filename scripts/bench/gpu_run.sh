@@ -3,7 +3,7 @@
 # compute-sanitizer memcheck + racecheck on the CUDA driver, and make bench. Logs go to $OUT
 # (the device tool's folder) or ./gpu-logs; summary.log has one line per step.
 # Usage (repo root, after `source .device/env.sh`): scripts/bench/gpu_run.sh [steps]
-# steps: any of build test sanitize spec-memcheck bench (default: all but spec-memcheck, in that
+# steps: any of build test sanitize bench spec-memcheck (default: all but spec-memcheck, in that
 # order; spec-memcheck = GPU spec files under compute-sanitizer memcheck, one process each)
 set -u
 OUT=${OUT:-gpu-logs}
@@ -30,16 +30,16 @@ if has sanitize; then
   step memcheck 90 compute-sanitizer --tool memcheck --leak-check full --print-limit 20 build/cuda_sanitize
   step racecheck 90 compute-sanitizer --tool racecheck --print-limit 20 build/cuda_sanitize
 fi
-if has spec-memcheck; then   # one spec file per sanitizer process (SPEC_MEMCHECK: the files, default the GPU op specs)
-  for f in ${SPEC_MEMCHECK:-spec/cuda_ops_spec.lua spec/w4a16_spec.lua spec/mla_spec.lua spec/gpu_round_spec.lua}; do
-    n=$(basename "$f" .lua)
-    KDTREE_LIB=build/libkdtree.so KDTREE_BACKEND=cuda step "memcheck-$n" 150 compute-sanitizer --tool memcheck \
-      --leak-check full --print-limit 20 --error-exitcode 3 luajit "$BUSTED_BIN" "$f"
-    grep -aE "ERROR SUMMARY" "$OUT/memcheck-$n.log" | tail -1 | sed "s|^|  $n: |" >> "$OUT/summary.log"
-  done
-fi
 if has bench; then
   step bench 240 make bench
   cp build/bench/*.md "$OUT/" 2>/dev/null
+fi
+if has spec-memcheck; then   # one spec file per sanitizer process (SPEC_MEMCHECK: the files, default the GPU op specs)
+  for f in ${SPEC_MEMCHECK:-spec/cuda_ops_spec.lua spec/w4a16_spec.lua spec/mla_spec.lua spec/gpu_round_spec.lua}; do
+    n=$(basename "$f" .lua)
+    KDTREE_LIB=build/libkdtree.so KDTREE_BACKEND=cuda step "memcheck-$n" 120 compute-sanitizer --tool memcheck \
+      --leak-check full --print-limit 20 --error-exitcode 3 luajit "$BUSTED_BIN" "$f"
+    grep -aE "ERROR SUMMARY" "$OUT/memcheck-$n.log" | tail -1 | sed "s|^|  $n: |" >> "$OUT/summary.log"
+  done
 fi
 cat "$OUT/summary.log"
