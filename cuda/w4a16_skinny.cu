@@ -20,22 +20,73 @@
 
 namespace kd_w4a16_impl {
 
+/* One warp's math over its part: per scale group, tmp = the chain of mma k16 steps from zero,
+ * then acc = fma(tmp, scale, acc) (w4a16.cuh: the order that makes every configuration
+ * bit-identical). With the chunk count (FULL: nch == NCH) and the group size (GSHIFT > 0)
+ * known at compile time this is straight-line code, so the loads, dequantisation and mma of
+ * different groups interleave; a run-time group size puts a branch after every k16 step (a
+ * run-time bound, one per chunk), and the H200 traces of that form showed 3-4 us of math per
+ * launch. GSHIFT = 0: the group size is gshift (64 or 128). */
+template <int NCH, int MT8, int GSHIFT, bool FULL>
+__device__ __forceinline__ void skinny_math(const uint4 (&wq)[NCH], const bf16 *const (&xl)[MT8], const uint32_t *ss,
+                                            int nch, int gshift, float (&acc)[MT8][4]) {
+    const int gs = GSHIFT ? GSHIFT : gshift, gmask = (1 << gs) - 1;
+    float tmp[MT8][4];
+#pragma unroll
+    for (int j = 0; j < MT8; j++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) tmp[j][r] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < NCH; c++) {
+        if (!FULL && c >= nch) break;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            uint32_t b[MT8][2], av[4];
+#pragma unroll
+            for (int j = 0; j < MT8; j++) ldmatrix_x2(b[j][0], b[j][1], xl[j] + c * CHUNK_K + kk * 16);
+            dequant4(kk == 0 ? wq[c].x : kk == 1 ? wq[c].y : kk == 2 ? wq[c].z : wq[c].w, av);
+#pragma unroll
+            for (int j = 0; j < MT8; j++) mma_bf16(tmp[j], av, b[j][0], b[j][1]);
+            const int k_end = c * CHUNK_K + kk * 16 + 16;   /* parts start on a scale group */
+            if ((k_end & gmask) == 0) {
+                const uint32_t s2 = ss[((k_end - 1) >> gs) * 8];
+                const float slo = __uint_as_float(s2 << 16), shi = __uint_as_float(s2 & 0xFFFF0000u);
+#pragma unroll
+                for (int j = 0; j < MT8; j++) {
+                    acc[j][0] = fmaf(tmp[j][0], slo, acc[j][0]);
+                    acc[j][1] = fmaf(tmp[j][1], slo, acc[j][1]);
+                    acc[j][2] = fmaf(tmp[j][2], shi, acc[j][2]);
+                    acc[j][3] = fmaf(tmp[j][3], shi, acc[j][3]);
+#pragma unroll
+                    for (int r = 0; r < 4; r++) tmp[j][r] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
+/* blocks of 8 warps per SM the registers must allow: two launches side by side. Short parts
+ * (NCH <= 8, e.g. 7168 x 2048 in 4 parts: 224 blocks, 1.7 a launch per SM) need 4 (64
+ * registers, as measured); long ones (2048 x 7168: 128 blocks, one a launch per SM) need 2
+ * and leave the compiler 128 registers to hoist loads across groups */
+template <int NCH>
+struct SkinnyMinBlocks { static constexpr int value = NCH <= 8 ? 4 : 2; };
+
 /* Grid: clusters of `parts` blocks (rank = part of K); cluster c owns tiles [c*W, c*W + W) for
  * W = warps per block, warp w of each block the tile c*W + w over the block's part.
- * NCH: the most chunks of 64 k a part holds (its weights live in NCH x 4 registers a lane).
- * Per scale group, tmp = the chain of mma k16 steps from zero, then acc = fma(tmp, scale, acc)
- * (w4a16.cuh: the order that makes every configuration bit-identical).
+ * NCH: the most chunks of 64 k a part holds (its weights live in NCH x 4 registers a lane);
+ * GSHIFT: log2 of the group size when it is compiled in (5: Kimi K2.6's 32), else 0.
  * Split K: tile slot w is reduced by block w % parts, which adds the parts in order
  * 0..parts-1 and stores. One relaxed cluster barrier, arrived at before the wait on the
  * previous grid, orders each block's reduction barrier set-up before its peers' stores. */
-template <int NCH, int MT8>
-__global__ void __launch_bounds__(256, 2) w4a16_skinny_kernel(const W4Args a) {
+template <int NCH, int MT8, int GSHIFT>
+__global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skinny_kernel(const W4Args a) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
     const int P = a.parts, part = P > 1 ? (int)cluster_rank() : 0, cluster = blockIdx.x / P;
     const int tile = cluster * warps + warp;
     const bool live = tile < a.n_tiles;
-    const int gshift = a.gshift, gmask = (1 << gshift) - 1;
+    const int gshift = a.gshift;
     const int c0 = part * a.cpp, nch = min(a.kc, c0 + a.cpp) - c0;
     const int gpp = (a.cpp * CHUNK_K) >> gshift;   /* scale groups of a whole part (the layout's stride) */
     const int ng = (nch * CHUNK_K) >> gshift;      /* ... of this part (the last may be short) */
@@ -85,44 +136,19 @@ __global__ void __launch_bounds__(256, 2) w4a16_skinny_kernel(const W4Args a) {
     }
     __syncthreads();
 
-    float acc[MT8][4], tmp[MT8][4];
+    float acc[MT8][4];
 #pragma unroll
     for (int j = 0; j < MT8; j++)
 #pragma unroll
-        for (int r = 0; r < 4; r++) acc[j][r] = tmp[j][r] = 0.0f;
+        for (int r = 0; r < 4; r++) acc[j][r] = 0.0f;
     if (live) {
         /* ldmatrix row addresses; rows past M read row M-1 (an mma column depends on its own
          * column of B alone, and those columns are never stored) */
         const bf16 *xl[MT8];
 #pragma unroll
         for (int j = 0; j < MT8; j++) xl[j] = sx + min(j * 8 + (lane & 7), a.m - 1) * XR + ((lane >> 3) & 1) * 8;
-#pragma unroll
-        for (int c = 0; c < NCH; c++) {
-            if (c >= nch) break;
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                uint32_t b[MT8][2], av[4];
-#pragma unroll
-                for (int j = 0; j < MT8; j++) ldmatrix_x2(b[j][0], b[j][1], xl[j] + c * CHUNK_K + kk * 16);
-                dequant4(kk == 0 ? wq[c].x : kk == 1 ? wq[c].y : kk == 2 ? wq[c].z : wq[c].w, av);
-#pragma unroll
-                for (int j = 0; j < MT8; j++) mma_bf16(tmp[j], av, b[j][0], b[j][1]);
-                const int k_end = c * CHUNK_K + kk * 16 + 16;   /* parts start on a scale group */
-                if ((k_end & gmask) == 0) {
-                    const uint32_t s2 = ss[((k_end - 1) >> gshift) * 8];
-                    const float slo = __uint_as_float(s2 << 16), shi = __uint_as_float(s2 & 0xFFFF0000u);
-#pragma unroll
-                    for (int j = 0; j < MT8; j++) {
-                        acc[j][0] = fmaf(tmp[j][0], slo, acc[j][0]);
-                        acc[j][1] = fmaf(tmp[j][1], slo, acc[j][1]);
-                        acc[j][2] = fmaf(tmp[j][2], shi, acc[j][2]);
-                        acc[j][3] = fmaf(tmp[j][3], shi, acc[j][3]);
-#pragma unroll
-                        for (int r = 0; r < 4; r++) tmp[j][r] = 0.0f;
-                    }
-                }
-            }
-        }
+        if (nch == NCH) skinny_math<NCH, MT8, GSHIFT, true>(wq, xl, ss, nch, a.gshift, acc);
+        else skinny_math<NCH, MT8, GSHIFT, false>(wq, xl, ss, nch, a.gshift, acc);
     }
 
     /* fragment (j, r) of lane L: row L/4 (+8 for r >= 2), token 8j + 2(L%4) (+1 for odd r) */
@@ -176,20 +202,21 @@ int skinny_smem_max() {
 }
 
 /* the instance whose registers hold a part of cpp chunks: the fewest of 2, 4, 8, 14 (K2.6's
- * 2048 x 7168 in 8 parts) or 16; NULL past 16 */
-template <int MT8>
+ * 2048 x 7168 in 8 parts) or 16, NULL past 16; the group size compiled in for 32 */
+template <int MT8, int GSHIFT>
 KernelFn skinny_fn(int cpp) {
-    if (cpp <= 2) return w4a16_skinny_kernel<2, MT8>;
-    if (cpp <= 4) return w4a16_skinny_kernel<4, MT8>;
-    if (cpp <= 8) return w4a16_skinny_kernel<8, MT8>;
-    if (cpp <= 14) return w4a16_skinny_kernel<14, MT8>;
-    if (cpp <= 16) return w4a16_skinny_kernel<16, MT8>;
+    if (cpp <= 2) return w4a16_skinny_kernel<2, MT8, GSHIFT>;
+    if (cpp <= 4) return w4a16_skinny_kernel<4, MT8, GSHIFT>;
+    if (cpp <= 8) return w4a16_skinny_kernel<8, MT8, GSHIFT>;
+    if (cpp <= 14) return w4a16_skinny_kernel<14, MT8, GSHIFT>;
+    if (cpp <= 16) return w4a16_skinny_kernel<16, MT8, GSHIFT>;
     return nullptr;
 }
 
 bool skinny_plan(int warps, int m, int n_tiles, int kc, int parts, int cpp, int gshift, SkinnyPlan *plan) {
     if (m < 1 || m > 16 || gshift < 5 || gshift > 7 || parts > 8 || kc > parts * cpp) return false;
-    const KernelFn fn = m > 8 ? skinny_fn<2>(cpp) : skinny_fn<1>(cpp);
+    const KernelFn fn = gshift == 5 ? (m > 8 ? skinny_fn<2, 5>(cpp) : skinny_fn<1, 5>(cpp))
+                                    : (m > 8 ? skinny_fn<2, 0>(cpp) : skinny_fn<1, 0>(cpp));
     if (!fn) return false;
     if (warps <= 0) {   /* about one block per SM: the fewest warps whose blocks cover the SMs */
         long long want = ((long long)n_tiles * parts + sm_count() - 1) / sm_count();
