@@ -33,7 +33,7 @@ LUAJIT  := luajit
 BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/busted)
 DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libreadline8
 
-.PHONY: all test test-gpu run bench deps install clean
+.PHONY: all test test-gpu run bench bench-trace deps install clean
 all: $(BUILD)/libkdtree.so
 
 $(BUILD)/libkdtree.so: $(OBJ)
@@ -85,6 +85,19 @@ $(BENCH_SLICE): scripts/bench/model_slice_bench.c scripts/bench/slice_cuda.cu sc
 	$(CC) -O2 -g -std=c11 -D_GNU_SOURCE -DKD_SLICE_EVENTS -Icore -Iscripts/bench scripts/bench/model_slice_bench.c \
 	  $(BUILD)/bench/slice_cuda.o -L$(BUILD) -lkdtree -Wl,-rpath,$(abspath $(BUILD)) \
 	  -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ -ldl -lm -o $@
+
+# The small-M INT4 kernel's launch timeline (%globaltimer per block at five points, 32 launches
+# in a graph with PDL): the kernels built again with KD_W4A16_TRACE, apart from the library.
+BENCH_TRACE := $(BUILD)/bench/w4a16_trace
+$(BENCH_TRACE): scripts/bench/w4a16_bench.cu cuda/w4a16.cu cuda/w4a16_skinny.cu cuda/w4a16.cuh cuda/w4a16_device.cuh \
+                $(BUILD)/core/error.o
+	@mkdir -p $(BUILD)/bench/trace
+	$(NVCC) $(NVFLAGS) -DKD_W4A16_TRACE -c -o $(BUILD)/bench/trace/w4a16.o cuda/w4a16.cu
+	$(NVCC) $(NVFLAGS) -DKD_W4A16_TRACE -c -o $(BUILD)/bench/trace/w4a16_skinny.o cuda/w4a16_skinny.cu
+	$(NVCC) $(NVFLAGS) -DKD_W4A16_TRACE -Xcompiler -fopenmp -o $@ $< $(BUILD)/bench/trace/w4a16.o \
+	  $(BUILD)/bench/trace/w4a16_skinny.o $(BUILD)/core/error.o -lcublas -lgomp
+bench-trace: $(BENCH_TRACE)
+	$(BENCH_TRACE) --trace
 
 bench: $(BENCH_W4)
 	$(BENCH_W4) --md $(BUILD)/bench/w4a16.md

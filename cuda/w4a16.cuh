@@ -100,6 +100,14 @@ kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *shape, const kd_w4a16_expert *t
                        int T, const int32_t *ids, const float *weights, void *out, long long ldo, int out_f32,
                        void *ws, size_t ws_bytes, cudaStream_t st);
 
+#ifdef KD_W4A16_TRACE
+/* bench-trace builds only (the small-M kernel's launch timeline, see w4a16_skinny.cu):
+ * out [KD_W4A16_TRACE_LAUNCHES][256 blocks][KD_W4A16_TRACE_POINTS] %globaltimer ns, counts
+ * [256] launches seen per block index; reset = 1 restarts the counts. 0, or -1 on a CUDA error. */
+enum { KD_W4A16_TRACE_LAUNCHES = 64, KD_W4A16_TRACE_POINTS = 5 };
+int kd_w4a16_trace_read(unsigned long long *out, unsigned *counts, int reset);
+#endif
+
 /* ---------------------------------------------------------------------------------------
  * Backend layer (cuda/w4a16_backend.cu): what the CUDA backend's table calls. */
 

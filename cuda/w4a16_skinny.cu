@@ -65,6 +65,33 @@ __device__ __forceinline__ void skinny_math(const uint4 (&wq)[NCH], const bf16 *
     }
 }
 
+#ifdef KD_W4A16_TRACE
+/* Launch timeline (bench builds only: `make bench-trace`): thread 0 of each of the first 256
+ * blocks stamps %globaltimer at entry, after the wait on the previous grid, once the
+ * activations are in, after the math and at the end, for the last 64 launches of each block
+ * index (kd_w4a16_trace_read in w4a16.cuh). */
+__device__ unsigned long long g_trace[KD_W4A16_TRACE_LAUNCHES][256][KD_W4A16_TRACE_POINTS];
+__device__ unsigned g_trace_count[256];
+__device__ __forceinline__ unsigned trace_slot() {
+    __shared__ unsigned slot;
+    if (threadIdx.x == 0 && blockIdx.x < 256) slot = atomicAdd(&g_trace_count[blockIdx.x], 1u) % KD_W4A16_TRACE_LAUNCHES;
+    __syncthreads();
+    return slot;
+}
+__device__ __forceinline__ void trace_point(unsigned slot, int point) {
+    if (threadIdx.x == 0 && blockIdx.x < 256) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        g_trace[slot][blockIdx.x][point] = t;
+    }
+}
+#define SKINNY_TRACE_START const unsigned trace_slot_ = trace_slot(); trace_point(trace_slot_, 0)
+#define SKINNY_TRACE(point) trace_point(trace_slot_, point)
+#else
+#define SKINNY_TRACE_START do {} while (0)
+#define SKINNY_TRACE(point) do {} while (0)
+#endif
+
 /* blocks of 8 warps per SM the registers must allow: two launches side by side. Short parts
  * (NCH <= 8, e.g. 7168 x 2048 in 4 parts: 224 blocks, 1.7 a launch per SM) need 4 (64
  * registers, as measured); long ones (2048 x 7168: 128 blocks, one a launch per SM) need 2
@@ -99,6 +126,7 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
     /* live tile slots this block reduces: part, part + P, ... below the cluster's live count */
     const int live_slots = min(warps, a.n_tiles - cluster * warps);
     const int owned = part < live_slots ? (live_slots - part + P - 1) / P : 0;
+    SKINNY_TRACE_START;
 
     uint4 wq[NCH];
     if (live) {
@@ -120,6 +148,7 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
     }
 
     griddep_wait();
+    SKINNY_TRACE(1);
     /* the next launch may start now, not at entry: then only it loads weights beside this one
      * (at entry, a third launch's blocks took SM slots too: 1-1.5 us slower per launch at
      * 7168 x 2048 on the H200) */
@@ -135,6 +164,7 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
         cp_async_wait<0>();
     }
     __syncthreads();
+    SKINNY_TRACE(2);
 
     float acc[MT8][4];
 #pragma unroll
@@ -151,6 +181,7 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
         else skinny_math<NCH, MT8, GSHIFT, false>(wq, xl, ss, nch, a.gshift, acc);
     }
 
+    SKINNY_TRACE(3);
     /* fragment (j, r) of lane L: row L/4 (+8 for r >= 2), token 8j + 2(L%4) (+1 for odd r) */
     if (P == 1) {
         if (live)
@@ -161,6 +192,7 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
                     const int n = tile * 16 + (lane >> 2) + (r >= 2 ? 8 : 0), t = j * 8 + (lane & 3) * 2 + (r & 1);
                     if (n < a.n && t < a.m) store_out(a.y, a.y_f32, (size_t)t * a.ldy + n, acc[j][r]);
                 }
+        SKINNY_TRACE(4);
         return;
     }
     cluster_wait();   /* every peer's reduction barrier is set up */
@@ -185,6 +217,7 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
             store_out(a.y, a.y_f32, (size_t)t * a.ldy + n, v);
         }
     }
+    SKINNY_TRACE(4);
 }
 
 /* the shared memory a skinny block may take: 100 KB, so that two launches' blocks fit on an
@@ -236,3 +269,16 @@ bool skinny_plan(int warps, int m, int n_tiles, int kc, int parts, int cpp, int 
 }
 
 }  // namespace kd_w4a16_impl
+
+#ifdef KD_W4A16_TRACE
+extern "C" int kd_w4a16_trace_read(unsigned long long *out, unsigned *counts, int reset) {
+    using namespace kd_w4a16_impl;
+    if (cudaMemcpyFromSymbol(out, g_trace, sizeof g_trace) != cudaSuccess) return -1;
+    if (cudaMemcpyFromSymbol(counts, g_trace_count, sizeof g_trace_count) != cudaSuccess) return -1;
+    if (reset) {
+        static const unsigned zero[256] = {0};
+        if (cudaMemcpyToSymbol(g_trace_count, zero, sizeof zero) != cudaSuccess) return -1;
+    }
+    return 0;
+}
+#endif

@@ -490,10 +490,10 @@ static void check_moe(int E, int topk, int H, int I, int g, const std::vector<in
 struct BenchRow { int n, k, m; std::string variant; double us, gbs, ratio, tflops; };
 static std::vector<BenchRow> g_rows;
 
-static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool quick) {
-    const int COPIES = 32;
-    std::vector<DevW> w(COPIES);
-    for (int i = 0; i < COPIES; i++) {
+/* `copies` distinct random weights in device form: launches rotate over them so none stays in L2 */
+static std::vector<DevW> random_dev_weights(int n, int k, int g, int copies) {
+    std::vector<DevW> w(copies);
+    for (int i = 0; i < copies; i++) {
         void *rc, *rs;
         size_t nc = (size_t)n * k / 8, ns = (size_t)n * k / g;
         CK(cudaMalloc(&rc, nc * 4)); CK(cudaMalloc(&rs, ns * 2));
@@ -506,6 +506,12 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
         CK(cudaDeviceSynchronize());
         cudaFree(rc); cudaFree(rs);
     }
+    return w;
+}
+
+static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool quick) {
+    const int COPIES = 32;
+    std::vector<DevW> w = random_dev_weights(n, k, g, COPIES);
     int mmax = *std::max_element(ms.begin(), ms.end());
     void *x, *y, *ws;
     CK(cudaMalloc(&x, (size_t)mmax * k * 2)); CK(cudaMalloc(&y, (size_t)mmax * n * 4));
@@ -722,6 +728,59 @@ static int run_profile() {
     return 0;
 }
 
+#ifdef KD_W4A16_TRACE
+/* --trace (make bench-trace): the small-M kernel's launch timeline. 32 launches over distinct
+ * weights in a graph with PDL, as the graph+pdl rows; for four launches in the middle, the
+ * earliest..latest block at each point, in us from the first block's entry. */
+static int run_trace() {
+    warm_clocks();
+    const char *point[KD_W4A16_TRACE_POINTS] = {"entry", "wait released", "activations in", "math done", "end"};
+    std::vector<unsigned long long> tr((size_t)KD_W4A16_TRACE_LAUNCHES * 256 * KD_W4A16_TRACE_POINTS);
+    std::vector<unsigned> counts(256);
+    for (int shape = 0; shape < 2; shape++) {
+        const int n = shape ? 7168 : 2048, k = shape ? 2048 : 7168, g = 32, COPIES = 32;
+        std::vector<DevW> w = random_dev_weights(n, k, g, COPIES);
+        void *x, *y;
+        CK(cudaMalloc(&x, (size_t)16 * k * 2)); CK(cudaMalloc(&y, (size_t)16 * n * 4));
+        dev_fill_bf16(x, (size_t)16 * k, 7, -2, 2);
+        cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+        for (int m : {1, 8, 16}) {
+            cudaGraph_t gr; cudaGraphExec_t ge;
+            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+            for (int i = 0; i < COPIES; i++)
+                KT(kd_w4a16_gemm(w[i].codes, w[i].scales, n, k, g, x, k, m, y, n, 0, nullptr, 0, KD_W4A16_PDL, st));
+            CK(cudaStreamEndCapture(st, &gr));
+            CK(cudaGraphInstantiate(&ge, gr, 0));
+            for (int r = 0; r < 3; r++) CK(cudaGraphLaunch(ge, st));
+            CK(cudaStreamSynchronize(st));
+            CK(kd_w4a16_trace_read(tr.data(), counts.data(), 1) == 0 ? cudaSuccess : cudaErrorUnknown);
+            double ms = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 0, 1, st);
+            CK(kd_w4a16_trace_read(tr.data(), counts.data(), 1) == 0 ? cudaSuccess : cudaErrorUnknown);
+            int blocks = 0;
+            while (blocks < 256 && counts[blocks] == (unsigned)COPIES) blocks++;
+            auto at = [&](int l, int b, int p) { return tr[((size_t)l * 256 + b) * KD_W4A16_TRACE_POINTS + p]; };
+            unsigned long long t0 = ~0ull;
+            for (int b = 0; b < blocks; b++) t0 = std::min(t0, at(0, b, 0));
+            printf("trace N %d K %d M %d: %.2f us per launch, %d blocks traced\n", n, k, m, ms * 1e3 / COPIES, blocks);
+            for (int l = 12; l < 16 && blocks > 0; l++) {
+                printf("  launch %2d:", l);
+                for (int p = 0; p < KD_W4A16_TRACE_POINTS; p++) {
+                    unsigned long long lo = ~0ull, hi = 0;
+                    for (int b = 0; b < blocks; b++) { lo = std::min(lo, at(l, b, p)); hi = std::max(hi, at(l, b, p)); }
+                    printf("  %s %.2f..%.2f", point[p], (lo - t0) * 1e-3, (hi - t0) * 1e-3);
+                }
+                printf("\n");
+            }
+            cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
+        }
+        cudaStreamDestroy(st);
+        cudaFree(x); cudaFree(y);
+        for (auto &d : w) free_w(d);
+    }
+    return 0;
+}
+#endif
+
 int main(int argc, char **argv) {
     bool quick = false, bench = true, check = true, small = false, profile = false;
     std::string md_path = "build/bench/w4a16.md";
@@ -730,6 +789,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--no-bench")) bench = false;
         else if (!strcmp(argv[i], "--small")) small = true, bench = false, g_check_parts = false;
         else if (!strcmp(argv[i], "--profile")) profile = true;
+#ifdef KD_W4A16_TRACE
+        else if (!strcmp(argv[i], "--trace")) return run_trace();
+#endif
         else if (!strcmp(argv[i], "--no-check")) check = false;
         else if (!strcmp(argv[i], "--md") && i + 1 < argc) md_path = argv[++i];
     }
