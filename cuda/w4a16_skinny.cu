@@ -12,10 +12,12 @@
  *    previous grid: plain streaming loads, no shared memory, no barriers to poll;
  *  - a block is one part of K for a few 16-row tiles (one warp per tile), so it stages only
  *    its part's slice of the activations and stays small: two launches fit per SM;
+ *  - a warp's math over its part is straight-line code (chunk count and group size compiled
+ *    in), so the groups' loads, dequantisation and mma interleave;
  *  - the parts of a tile are the blocks of one cluster; the reduction sends each warp's fp32
  *    fragments to the reducing block with st.async (no cluster barrier after the math).
  * The H200 traces that led here (trigger points, bulk copies, where the time went) are in
- * docs/performance.md. */
+ * docs/performance.md; `make bench-trace` takes them again. */
 #include "w4a16_device.cuh"
 
 namespace kd_w4a16_impl {
