@@ -741,10 +741,6 @@ extern "C" kd_status kd_w4a16_repack(const int32_t *raw_codes, const uint16_t *r
     return KD_OK;
 }
 
-/* the split-K partials live in the clusters' shared memory: no workspace */
-extern "C" size_t kd_w4a16_gemm_counter_bytes(int n, int k, int group, int m) { return 0; }
-extern "C" size_t kd_w4a16_gemm_ws_bytes(int n, int k, int group, int m) { return 0; }
-
 extern "C" void kd_w4a16_force_config(int cfg) { g_force_config = cfg; }
 extern "C" void kd_w4a16_force_parts(int parts) { g_force_parts = parts; }
 extern "C" int kd_w4a16_n_configs(void) { return N_CONFIGS; }
@@ -753,9 +749,8 @@ extern "C" const char *kd_w4a16_config_name(int cfg) {
 }
 
 extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n, int k, int group, const void *x,
-                                   long long ldx, int m, void *y, long long ldy, int y_f32, void *ws, size_t ws_bytes,
-                                   int flags, cudaStream_t st) {
-    (void)ws; (void)ws_bytes;
+                                   long long ldx, int m, void *y, long long ldy, int y_f32, int flags,
+                                   cudaStream_t st) {
     KD_TRY(kd_w4a16_check(n, k, group, "gemm"));
     if (m < 0 || ldx < k || ldy < n)
         return kd_fail(KD_ERR_ARG, "w4a16 gemm: m %d, ldx %lld (k %d), ldy %lld (n %d)", m, ldx, k, ldy, n);

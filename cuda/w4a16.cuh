@@ -52,7 +52,7 @@ int kd_w4a16_group_supported(int group);
 kd_status kd_w4a16_check(int n, int k, int group, const char *name);
 size_t kd_w4a16_codes_bytes(int n, int k);
 size_t kd_w4a16_scales_bytes(int n, int k, int group);
-/* the fixed split-K of a weight (1..16); a function of the weight's shape only */
+/* the fixed split-K of a weight (1..8); a function of the weight's shape only */
 int kd_w4a16_parts(int n, int k, int group);
 
 /* checkpoint layout (already on the device) -> device form */
@@ -60,17 +60,13 @@ kd_status kd_w4a16_repack(const int32_t *raw_codes, const uint16_t *raw_scales, 
                           void *codes, void *scales, cudaStream_t st);
 
 /* y[m, n] = x[m, :] . W[n, :]   x bf16 rows (ldx elements, 16-byte aligned rows),
- * y bf16 (y_f32 = 0) or f32 (y_f32 = 1) with row stride ldy.
- * ws: kd_w4a16_gemm_ws_bytes(...) bytes (now 0: the split-K partials stay in the clusters'
- * shared memory; the argument and kd_w4a16_gemm_counter_bytes remain for callers).
+ * y bf16 (y_f32 = 0) or f32 (y_f32 = 1) with row stride ldy. No workspace: the split-K
+ * partials stay in the clusters' shared memory.
  * flags: KD_W4A16_PDL launches with programmatic dependent launch (the weights of the first
  * stages are fetched before the previous kernel on the stream has finished). */
 enum { KD_W4A16_PDL = 1 };
-size_t kd_w4a16_gemm_ws_bytes(int n, int k, int group, int m);
-size_t kd_w4a16_gemm_counter_bytes(int n, int k, int group, int m);
 kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n, int k, int group, const void *x, long long ldx,
-                        int m, void *y, long long ldy, int y_f32, void *ws, size_t ws_bytes, int flags,
-                        cudaStream_t st);
+                        int m, void *y, long long ldy, int y_f32, int flags, cudaStream_t st);
 /* for tests and the bench: force a kernel configuration (-1 = choose from M) */
 void kd_w4a16_force_config(int cfg);
 /* for the bench only: override the split of K (0 = the shape's own); changes the bits */

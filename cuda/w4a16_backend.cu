@@ -141,18 +141,14 @@ extern "C" kd_status kd_cuda_w4a16_linear(kd_backend *be, kd_act x, const kd_wei
         return kd_fail(KD_ERR_ARG, "cuda w4a16 linear '%s': x must be bf16 or f32, got %s", name, kd_dtype_name(x.dtype));
     if (x.rows == 0) return KD_OK;
     int n = (int)w->rows, k = (int)w->cols, m = x.rows;
-    size_t xb = bf16_view_bytes(x), gb = kd_w4a16_gemm_ws_bytes(n, k, w->group, m);
-    size_t cb = kd_w4a16_gemm_counter_bytes(n, k, w->group, m);
     void *ws;
-    KD_TRY(kd_cuda_ws(be, KD_WS_W4A16, xb + gb + 256, &ws));
+    KD_TRY(kd_cuda_ws(be, KD_WS_W4A16, bf16_view_bytes(x) + 256, &ws));
     const bf16 *xv;
     long long ldx;
     size_t used;
     KD_TRY(bf16_view(be, x, ws, &xv, &ldx, &used));
-    char *g = (char *)ws + used;
-    if (cb) KD_CUDA(cudaMemsetAsync(g, 0, cb, c->stream));
     kd_status s = kd_w4a16_gemm(w->dev, w->dev_scale, n, k, w->group, xv, ldx, m, out.data, out.ld,
-                                out.dtype == KD_F32, g, gb, 0, c->stream);
+                                out.dtype == KD_F32, 0, c->stream);
     if (s != KD_OK) return kd_fail_context(s, "linear '%s'", name);
     return KD_OK;
 }

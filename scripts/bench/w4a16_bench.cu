@@ -226,11 +226,8 @@ static std::vector<float> download_y(const void *y, int m, int n, int f32) {
     return out;
 }
 
-static void run_gemm(const DevW &w, const void *x, int m, void *y, int f32, void *ws, size_t wsb, int flags) {
-    /* the tile counters' place depends on m: zero them (every call leaves them zero again) */
-    size_t cb = kd_w4a16_gemm_counter_bytes(w.n, w.k, w.g, m);
-    if (cb) CK(cudaMemset(ws, 0, cb));
-    KT(kd_w4a16_gemm(w.codes, w.scales, w.n, w.k, w.g, x, w.k, m, y, w.n, f32, ws, wsb, flags, 0));
+static void run_gemm(const DevW &w, const void *x, int m, void *y, int f32, int flags) {
+    KT(kd_w4a16_gemm(w.codes, w.scales, w.n, w.k, w.g, x, w.k, m, y, w.n, f32, flags, 0));
 }
 
 static void check_gemm_shape(int n, int k, int g, const std::vector<int> &ms) {
@@ -239,13 +236,10 @@ static void check_gemm_shape(int n, int k, int g, const std::vector<int> &ms) {
     int mmax = *std::max_element(ms.begin(), ms.end());
     std::vector<uint16_t> xh((size_t)mmax * k);
     for (auto &v : xh) v = f2bf((float)nrand());
-    void *x, *y, *y2, *ws;
+    void *x, *y, *y2;
     CK(cudaMalloc(&x, xh.size() * 2));
     CK(cudaMemcpy(x, xh.data(), xh.size() * 2, cudaMemcpyHostToDevice));
     CK(cudaMalloc(&y, (size_t)mmax * n * 4)); CK(cudaMalloc(&y2, (size_t)mmax * n * 4));
-    size_t wsb = kd_w4a16_gemm_ws_bytes(n, k, g, mmax);
-    CK(cudaMalloc(&ws, wsb + 256));
-    CK(cudaMemset(ws, 0, wsb + 256));
     /* reference: all rows, sampled columns */
     std::vector<int> cols;
     if (n <= 96) for (int c = 0; c < n; c++) cols.push_back(c);
@@ -275,7 +269,7 @@ static void check_gemm_shape(int n, int k, int g, const std::vector<int> &ms) {
             for (int f32 = 1; f32 >= 0; f32--) {
                 if (cfg >= 0 && !f32) continue;
                 poison(y, (size_t)mmax * n * 4);
-                run_gemm(w, x, m, y, f32, ws, wsb, 0);
+                run_gemm(w, x, m, y, f32, 0);
                 CK(cudaDeviceSynchronize());
                 std::vector<float> out = download_y(y, m, n, f32);
                 size_t nan = 0;
@@ -306,7 +300,7 @@ static void check_gemm_shape(int n, int k, int g, const std::vector<int> &ms) {
         kd_w4a16_force_config(-1);
         /* PDL launch: same bits */
         poison(y2, (size_t)mmax * n * 4);
-        run_gemm(w, x, m, y2, 1, ws, wsb, KD_W4A16_PDL);
+        run_gemm(w, x, m, y2, 1, KD_W4A16_PDL);
         CK(cudaDeviceSynchronize());
         std::vector<float> pd = download_y(y2, m, n, 1);
         CHECK(!memcmp(pd.data(), base.data(), pd.size() * 4), "gemm N%d K%d g%d M%d: PDL launch differs", n, k, g, m);
@@ -315,7 +309,7 @@ static void check_gemm_shape(int n, int k, int g, const std::vector<int> &ms) {
             for (int p : {2, 4, 8}) {
                 kd_w4a16_force_parts(p);
                 poison(y2, (size_t)mmax * n * 4);
-                run_gemm(w, x, m, y2, 1, ws, wsb, 0);
+                run_gemm(w, x, m, y2, 1, 0);
                 CK(cudaDeviceSynchronize());
                 kd_w4a16_force_parts(0);
                 std::vector<float> o = download_y(y2, m, n, 1);
@@ -335,7 +329,7 @@ static void check_gemm_shape(int n, int k, int g, const std::vector<int> &ms) {
         for (int ri = 0; ri < 3; ri++) {
             int r = rows_to_try[ri];
             poison(y2, (size_t)n * 4);
-            run_gemm(w, (const char *)x + (size_t)r * k * 2, 1, y2, 1, ws, wsb, 0);
+            run_gemm(w, (const char *)x + (size_t)r * k * 2, 1, y2, 1, 0);
             CK(cudaDeviceSynchronize());
             std::vector<float> one = download_y(y2, 1, n, 1);
             CHECK(!memcmp(one.data(), &base[(size_t)r * n], (size_t)n * 4),
@@ -346,7 +340,7 @@ static void check_gemm_shape(int n, int k, int g, const std::vector<int> &ms) {
     for (int m : ms) printf(" %d", m);
     printf(" } x %d configs: max rel err f32 %.2e, bf16 %.2e\n", ncfg + 1, worst_f32, worst_bf16);
     MD("| %d | %d | %d | %d | %.2e | %.2e |\n", n, k, g, parts, worst_f32, worst_bf16);
-    cudaFree(x); cudaFree(y); cudaFree(y2); cudaFree(ws);
+    cudaFree(x); cudaFree(y); cudaFree(y2);
     free_w(w);
 }
 
@@ -513,11 +507,11 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
     const int COPIES = 32;
     std::vector<DevW> w = random_dev_weights(n, k, g, COPIES);
     int mmax = *std::max_element(ms.begin(), ms.end());
-    void *x, *y, *ws;
+    void *x, *y;
+    unsigned *sink;   /* the stream kernel's (practically never written) output */
     CK(cudaMalloc(&x, (size_t)mmax * k * 2)); CK(cudaMalloc(&y, (size_t)mmax * n * 4));
+    CK(cudaMalloc(&sink, 16));
     dev_fill_bf16(x, (size_t)mmax * k, 7, -2, 2);
-    size_t wsb = kd_w4a16_gemm_ws_bytes(n, k, g, mmax);
-    CK(cudaMalloc(&ws, wsb + 256)); CK(cudaMemset(ws, 0, wsb + 256));
     cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     {   /* the stream row: the weights' bytes alone, read-only, same rotation, graph + PDL */
         int sms;
@@ -532,7 +526,7 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
         for (int i = 0; i < COPIES; i++)
             CK(cudaLaunchKernelEx(&lc, stream_kernel, (const uint4 *)w[i].codes, nc, (const uint4 *)w[i].scales, ns,
-                                  (unsigned *)ws));
+                                  sink));
         CK(cudaStreamEndCapture(st, &gr));
         CK(cudaGraphInstantiate(&ge, gr, 0));
         double t = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 3, quick ? 5 : 15, st) * 1e-3 / COPIES;
@@ -561,11 +555,9 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
         for (auto &v : vs) {
             kd_w4a16_force_config(v.cfg);
             kd_w4a16_force_parts(v.parts);
-            if (kd_w4a16_gemm_ws_bytes(n, k, g, m) > wsb) { kd_w4a16_force_parts(0); continue; }
-            if (kd_w4a16_gemm_counter_bytes(n, k, g, m)) CK(cudaMemset(ws, 0, kd_w4a16_gemm_counter_bytes(n, k, g, m)));
             auto round = [&] {
                 for (int i = 0; i < COPIES; i++)
-                    KT(kd_w4a16_gemm(w[i].codes, w[i].scales, n, k, g, x, k, m, y, n, 0, ws, wsb, v.flags, st));
+                    KT(kd_w4a16_gemm(w[i].codes, w[i].scales, n, k, g, x, k, m, y, n, 0, v.flags, st));
             };
             double ms_;
             if (v.graph) {
@@ -590,7 +582,7 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
         kd_w4a16_force_config(-1);
     }
     cudaStreamDestroy(st);
-    cudaFree(x); cudaFree(y); cudaFree(ws);
+    cudaFree(x); cudaFree(y); cudaFree(sink);
     for (auto &d : w) free_w(d);
 }
 
@@ -706,7 +698,7 @@ static int run_profile() {
         CK(cudaMalloc(&x, (size_t)16 * k * 2)); CK(cudaMalloc(&y, (size_t)16 * n * 4));
         dev_fill_bf16(x, (size_t)16 * k, 5, -1, 1);
         for (int m : {1, 16})
-            for (int rep = 0; rep < 2; rep++) run_gemm(w, x, m, y, 0, nullptr, 0, 0);
+            for (int rep = 0; rep < 2; rep++) run_gemm(w, x, m, y, 0, 0);
         CK(cudaDeviceSynchronize());
         cudaFree(x); cudaFree(y); free_w(w);
     }
@@ -748,7 +740,7 @@ static int run_trace() {
             cudaGraph_t gr; cudaGraphExec_t ge;
             CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
             for (int i = 0; i < COPIES; i++)
-                KT(kd_w4a16_gemm(w[i].codes, w[i].scales, n, k, g, x, k, m, y, n, 0, nullptr, 0, KD_W4A16_PDL, st));
+                KT(kd_w4a16_gemm(w[i].codes, w[i].scales, n, k, g, x, k, m, y, n, 0, KD_W4A16_PDL, st));
             CK(cudaStreamEndCapture(st, &gr));
             CK(cudaGraphInstantiate(&ge, gr, 0));
             for (int r = 0; r < 3; r++) CK(cudaGraphLaunch(ge, st));
