@@ -677,8 +677,23 @@ const long long TARGET_GEMM = 1536, TARGET_MOE = 1024;
 
 size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
-/* how many clusters of `parts` blocks fit on the device at once (for the grid-stride MoE grid) */
+/* how many clusters of `parts` blocks fit on the device at once (for the grid-stride MoE grid);
+ * an occupancy query is a driver call, so the answer is kept per (kernel, parts, device): the
+ * MoE asks twice per layer and step */
 int resident_clusters(const Launch &l, int parts) {
+    struct Known { KernelFn fn; int parts, dev, n; };
+    static Known known[64];
+    static int n_known = 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) { cudaGetLastError(); return sm_count() / parts + 1; }
+    pthread_mutex_lock(&g_prep_lock);
+    for (int i = 0; i < n_known; i++)
+        if (known[i].fn == l.fn && known[i].parts == parts && known[i].dev == dev) {
+            int n = known[i].n;
+            pthread_mutex_unlock(&g_prep_lock);
+            return n;
+        }
+    pthread_mutex_unlock(&g_prep_lock);
     if (prepare_kernel(l.fn, l.smem) != KD_OK) return sm_count() / parts + 1;
     int n = 0;
     if (parts > 1) {
@@ -694,7 +709,11 @@ int resident_clusters(const Launch &l, int parts) {
         }
         n = per_sm * sm_count();
     }
-    return n > 0 ? n : sm_count() / parts + 1;
+    if (n <= 0) return sm_count() / parts + 1;   /* not kept: the query may succeed next time */
+    pthread_mutex_lock(&g_prep_lock);
+    if (n_known < 64) known[n_known++] = {l.fn, parts, dev, n};
+    pthread_mutex_unlock(&g_prep_lock);
+    return n;
 }
 
 }  // namespace
