@@ -29,16 +29,26 @@
 #include <string.h>
 
 namespace kd_w4a16_impl {
-int sm_count() {
-    static int dev_cached = -1, count = 0;
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 132;
-    if (dev != dev_cached) {
-        if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) count = 132;
-        dev_cached = dev;
-    }
-    return count;
+int device_attr(cudaDeviceAttr attr, int fallback) {
+    struct Known { int dev; cudaDeviceAttr attr; int value; };
+    static Known known[32];
+    static int n_known = 0;
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    int dev = 0, value = fallback;
+    if (cudaGetDevice(&dev) != cudaSuccess) { cudaGetLastError(); return fallback; }
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < n_known; i++)
+        if (known[i].dev == dev && known[i].attr == attr) {
+            value = known[i].value;
+            pthread_mutex_unlock(&lock);
+            return value;
+        }
+    if (cudaDeviceGetAttribute(&value, attr, dev) != cudaSuccess) { cudaGetLastError(); value = fallback; }
+    else if (n_known < 32) known[n_known++] = {dev, attr, value};
+    pthread_mutex_unlock(&lock);
+    return value;
 }
+int sm_count() { return device_attr(cudaDevAttrMultiProcessorCount, 132); }
 }  // namespace kd_w4a16_impl
 
 namespace {

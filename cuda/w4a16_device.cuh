@@ -188,7 +188,10 @@ struct SkinnyPlan {
 bool skinny_plan(int warps, int m, int n_tiles, int kc, int parts, int cpp, int gshift, SkinnyPlan *plan);
 /* the shared memory the skinny kernel may take on the current device (its attribute is set to this) */
 int skinny_smem_max();
-/* the current device's SM count (cached per device) */
+/* an attribute of the current device, asked once per (device, attribute); fallback when the
+ * driver does not answer */
+int device_attr(cudaDeviceAttr attr, int fallback);
+/* the current device's SM count */
 int sm_count();
 
 }  // namespace kd_w4a16_impl

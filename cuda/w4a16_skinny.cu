@@ -225,15 +225,8 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
 /* the shared memory a skinny block may take: 100 KB, so that two launches' blocks fit on an
  * SM (the point of the kernel), or the device's opt-in limit where that is lower */
 int skinny_smem_max() {
-    static int dev_cached = -1, limit = 0;
-    int dev = 0, optin = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    if (dev != dev_cached) {
-        if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) optin = 0;
-        limit = optin < 100 * 1024 ? optin : 100 * 1024;
-        dev_cached = dev;
-    }
-    return limit;
+    const int optin = device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
+    return optin < 100 * 1024 ? optin : 100 * 1024;
 }
 
 /* the instance whose registers hold a part of cpp chunks: the fewest of 2, 4, 8, 14 (K2.6's
