@@ -9,8 +9,7 @@ set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 steps=${*:-"build test sanitize bench"}
-BUSTED_BIN=${KDROOT:+$KDROOT/usr/bin/busted}   # the device's unpacked busted (.device/env.sh), else Debian's
-BUSTED_BIN=${BUSTED_BIN:-/usr/bin/busted}
+BUSTED_BIN=$(type -P busted || echo /usr/bin/busted)   # the script on PATH (as the Makefile finds it), run by luajit
 has() { case " $steps " in *" $1 "*) return 0 ;; esac; return 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; nvcc --version | tail -1; } \
   > "$OUT/summary.log" 2>&1
