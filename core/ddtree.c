@@ -276,22 +276,6 @@ kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accept
     return st;
 }
 
-/* slots start+nodes[i] -> start+i in every layer, nodes read from the tree's backend copy */
-static kd_status compact_on_backend(kd_seq *s, const kd_tree *t, int tau) {
-    kd_model *m = s->model;
-    kd_backend *be = m->be;
-    int start = s->len, written = s->pending, cols = m->cfg.kv_lora_rank + m->cfg.qk_rope_dim;
-    const int32_t *d_nodes = t->dev.result + KD_DTREE_HDR;
-    kd_fwd_plan p;
-    kd_fwd_plan_make(m, s->out_cap, &p);
-    kd_act tmp = kd_act_rows(kd_fwd_act(s, p.tmp, s->out_cap, cols, be->act_dtype), 0, tau);
-    for (int l = 0; l < m->cfg.n_layers; l++) {
-        KD_TRY(be->ops->gather_rows(be, tmp, kd_act_rows(s->cache[l], start, written), d_nodes, tau));
-        KD_TRY(be->ops->copy(be, kd_act_rows(s->cache[l], start, tau), tmp));
-    }
-    return KD_OK;
-}
-
 kd_status kd_commit(kd_seq *s, kd_tree *t) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_commit: sequence is NULL");
     if (!t) return kd_fail(KD_ERR_ARG, "kd_commit: tree is NULL");
@@ -309,7 +293,8 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
         kd_status st = kd_draft_context_append(s, s->accepted, tau);
         if (st != KD_OK) return kd_fail_context(st, "kd_commit: appending %d accepted rows to the drafter context", tau);
     }
-    kd_status st = on_device ? compact_on_backend(s, t, tau) : kd_seq_compact(s, start, s->accepted, tau);
+    kd_status st = on_device ? kd_seq_compact_staged(s, start, t->dev.result + KD_DTREE_HDR, tau)
+                             : kd_seq_compact(s, start, s->accepted, tau);
     if (st != KD_OK) {
         if (s->drafter) {
             char msg[1024];
@@ -318,12 +303,6 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
             kd_fail(st, "%s", msg);
         }
         return kd_fail_context(st, "kd_commit: compacting %d accepted rows at %d", tau, start);
-    }
-    if (on_device) {                  /* kd_seq_compact advances the sequence itself */
-        s->len = start + tau;
-        s->pending = 0;
-        s->n_accepted = 0;
-        s->phase = KD_PHASE_IDLE;
     }
     t->verified_by = NULL;
     return KD_OK;

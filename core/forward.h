@@ -33,6 +33,9 @@ typedef struct kd_fwd_plan {
 void kd_fwd_plan_make(const kd_model *m, int rows, kd_fwd_plan *p);
 /* the scratch region at byte offset off as an activation view [rows, cols] (ld = cols) */
 kd_act kd_fwd_act(const kd_seq *s, size_t off, int rows, int cols, kd_dtype dt);
+/* kd_seq_compact with the kept slots' offsets from start already in backend memory
+ * (d_keep[0..n_keep), n_keep <= out_cap, valid: kd_accept's walk on the backend made them) */
+kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int n_keep);
 
 /* Step graphs (model.c). Mode from env KDTREE_CUDA_GRAPHS, read by kd_seq_new:
  * 0 / off: every step as before; 1 / on: decode (causal T = 1) and verify (masked) steps

@@ -178,6 +178,30 @@ kd_status kd_seq_truncate(kd_seq *s, int len) {
     return KD_OK;
 }
 
+/* slots start+d_keep[i] -> slot to+i (i < n <= out_cap) in every layer, d_keep in backend
+ * memory: gathered into the staging area, then copied back */
+static kd_status move_slots(kd_seq *s, const kd_fwd_plan *p, int start, const int32_t *d_keep, int n, int to) {
+    kd_model *m = s->model;
+    kd_backend *be = m->be;
+    kd_act tmp = kd_act_rows(kd_fwd_act(s, p->tmp, s->out_cap, cache_cols(m), be->act_dtype), 0, n);
+    int written = s->len + s->pending;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        KD_TRY(be->ops->gather_rows(be, tmp, kd_act_rows(s->cache[l], start, written - start), d_keep, n));
+        KD_TRY(be->ops->copy(be, kd_act_rows(s->cache[l], to, n), tmp));
+    }
+    return KD_OK;
+}
+
+/* the kept slots are in place: the sequence ends at start + n_keep and the round is over */
+static kd_status compacted(kd_seq *s, int start, int n_keep) {
+    int old_len = s->len;
+    s->len = start + n_keep;
+    end_round(s);
+    /* committed rows from `start` on changed: the drafter's context of them is stale */
+    if (s->drafter && start < old_len) KD_TRY(kd_draft_context_truncate(s, start));
+    return KD_OK;
+}
+
 kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_seq_compact: sequence is NULL");
     int written = s->len + s->pending;
@@ -193,31 +217,25 @@ kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep) 
             return kd_fail(KD_ERR_ARG, "kd_seq_compact: keep[%d] = %d after keep[%d] = %d: expected strictly increasing",
                            i, keep[i], i - 1, keep[i - 1]);
     }
-    kd_model *m = s->model;
-    kd_backend *be = m->be;
+    kd_backend *be = s->model->be;
     kd_fwd_plan p;
-    kd_fwd_plan_make(m, s->out_cap, &p);
+    kd_fwd_plan_make(s->model, s->out_cap, &p);
     int32_t *d_idx = (int32_t *)((char *)s->scratch + p.idx);
-    kd_act tmp = kd_fwd_act(s, p.tmp, s->out_cap, cache_cols(m), be->act_dtype);
-    int32_t idx[KD_SEQ_MAX_ROWS];
     /* chunks in increasing order: slot start+keep[i] >= start+i, so a chunk reads only
-     * slots no earlier chunk wrote; within a chunk, gather to tmp, then copy back */
+     * slots no earlier chunk wrote */
     for (int c0 = 0; c0 < n_keep; c0 += s->out_cap) {
         int n = n_keep - c0 < s->out_cap ? n_keep - c0 : s->out_cap;
-        for (int i = 0; i < n; i++) idx[i] = start + keep[c0 + i];
-        KD_TRY(be->ops->upload(be, d_idx, idx, sizeof(int32_t) * (size_t)n));
-        for (int l = 0; l < m->cfg.n_layers; l++) {
-            kd_act t = kd_act_rows(tmp, 0, n);
-            KD_TRY(be->ops->gather_rows(be, t, kd_act_rows(s->cache[l], 0, written), d_idx, n));
-            KD_TRY(be->ops->copy(be, kd_act_rows(s->cache[l], start + c0, n), t));
-        }
+        KD_TRY(be->ops->upload(be, d_idx, keep + c0, sizeof(int32_t) * (size_t)n));
+        KD_TRY(move_slots(s, &p, start, d_idx, n, start + c0));
     }
-    int old_len = s->len;
-    s->len = start + n_keep;
-    end_round(s);
-    /* committed rows from `start` on changed: the drafter's context of them is stale */
-    if (s->drafter && start < old_len) KD_TRY(kd_draft_context_truncate(s, start));
-    return KD_OK;
+    return compacted(s, start, n_keep);
+}
+
+kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int n_keep) {
+    kd_fwd_plan p;
+    kd_fwd_plan_make(s->model, s->out_cap, &p);
+    KD_TRY(move_slots(s, &p, start, d_keep, n_keep, start));
+    return compacted(s, start, n_keep);
 }
 
 kd_status kd_seq_read_cache(kd_seq *s, int layer, int row0, int n, float *dst) {
