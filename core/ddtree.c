@@ -155,7 +155,8 @@ static kd_status target_of(targets *g, int node, int32_t *tok) {
     return KD_OK;
 }
 
-static kd_status accept_host(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *acc, int *tau_out, int32_t *bonus) {
+static kd_status accept_host(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *acc, int32_t *toks, int *tau_out,
+                             int32_t *bonus) {
     KD_TRY(kd_tree_host(t, "kd_accept"));
     targets g = { s, t, sp, NULL, NULL, NULL, NULL };
     int V = s->model->cfg.vocab, T = t->n + 1;
@@ -186,40 +187,18 @@ static kd_status accept_host(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_
     }
     free(g.greedy); free(g.row); free(g.q); free(g.a);
     if (st != KD_OK) return st;
+    for (int i = 0; i < tau; i++) toks[i] = t->token[acc[i]];
     *tau_out = tau;
     *bonus = next;
     return KD_OK;
 }
 
-kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accepted_nodes,
-                    int32_t *accepted_tokens, int *n_accepted, int32_t *bonus) {
-    if (!s) return kd_fail(KD_ERR_ARG, "kd_accept: sequence is NULL");
-    if (!t) return kd_fail(KD_ERR_ARG, "kd_accept: tree is NULL");
-    KD_TRY(kd_sampler_check(sp, "kd_accept"));
-    if (s->phase == KD_PHASE_IDLE)
-        return kd_fail(KD_ERR_STATE, "kd_accept: accept before verify (no verified tree on this sequence)");
-    if (s->phase == KD_PHASE_ACCEPTED)
-        return kd_fail(KD_ERR_STATE, "kd_accept: this round was already accepted: commit it first");
-    KD_TRY(check_round_tree(s, t, "kd_accept"));
-    if (!kd_ddtree_on_device(s->model->be)) {
-        int32_t acc[ACCEPT_MAX], next = -1;
-        int tau = 0;
-        KD_TRY(accept_host(s, t, sp, acc, &tau, &next));
-        for (int i = 0; i < tau; i++) {
-            s->accepted[i] = acc[i];
-            if (accepted_nodes) accepted_nodes[i] = acc[i];
-            if (accepted_tokens) accepted_tokens[i] = t->token[acc[i]];
-        }
-        s->n_accepted = tau;
-        s->phase = KD_PHASE_ACCEPTED;
-        t->accepted_on_device = false;
-        if (n_accepted) *n_accepted = tau;
-        if (bonus) *bonus = next;
-        return KD_OK;
-    }
+/* ---- accept on the backend: targets (argmax / sample_rows) and the walk run there; one
+ * download brings the result (header, accepted nodes, their tokens), checked here ---- */
+static kd_status accept_device(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *acc, int32_t *toks,
+                               int *tau_out, int32_t *bonus) {
     if (!t->dev_valid || t->model != s->model)
         return kd_fail(KD_ERR_STATE, "kd_accept: the verified tree has no copy on the sequence's backend");
-
     kd_backend *be = s->model->be;
     const kd_dtree *d = &t->dev;
     int n = t->n, T = n + 1;
@@ -231,11 +210,11 @@ kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accept
     else KD_TRY(be->ops->sample_rows(be, rows, sp, d->pos, 1, d->target, d->row_status));
     KD_TRY(be->ops->tree_walk(be, d, n, greedy ? 0 : 1));
 
-    /* the one download of the round: header, accepted nodes, their tokens */
+    /* the one download of the round: header, nodes[N] (the first tau used), tokens[bound] */
     int N = d->cap + 1, bound = t->depth_bound + 1;
     if (bound > T) bound = T;
     size_t words = (size_t)KD_DTREE_HDR + (size_t)N + (size_t)bound;
-    int32_t stack[KD_DTREE_HDR + 2 * 1100];
+    int32_t stack[KD_DTREE_HDR + KD_SEQ_MAX_ROWS + ACCEPT_MAX];
     int32_t *r = words <= sizeof stack / sizeof stack[0] ? stack : malloc(words * sizeof(int32_t));
     if (!r) return kd_fail(KD_ERR_NOMEM, "kd_accept: cannot allocate %zu bytes for the result", words * 4);
     kd_status st = be->ops->download(be, r, d->result, words * sizeof(int32_t));
@@ -260,20 +239,40 @@ kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accept
                          (int)v, i, n);
     }
     if (st == KD_OK) {
-        const int32_t *nodes = r + KD_DTREE_HDR, *toks = r + KD_DTREE_HDR + N;
-        for (int i = 0; i < tau; i++) {
-            s->accepted[i] = nodes[i];
-            if (accepted_nodes) accepted_nodes[i] = nodes[i];
-            if (accepted_tokens) accepted_tokens[i] = toks[i];
-        }
-        s->n_accepted = tau;
-        s->phase = KD_PHASE_ACCEPTED;
-        t->accepted_on_device = true;
-        if (n_accepted) *n_accepted = tau;
-        if (bonus) *bonus = r[KD_DTREE_R_BONUS];
+        memcpy(acc, r + KD_DTREE_HDR, sizeof(int32_t) * (size_t)tau);
+        memcpy(toks, r + KD_DTREE_HDR + N, sizeof(int32_t) * (size_t)tau);
+        *tau_out = tau;
+        *bonus = r[KD_DTREE_R_BONUS];
     }
     if (r != stack) free(r);
     return st;
+}
+
+kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accepted_nodes,
+                    int32_t *accepted_tokens, int *n_accepted, int32_t *bonus) {
+    if (!s) return kd_fail(KD_ERR_ARG, "kd_accept: sequence is NULL");
+    if (!t) return kd_fail(KD_ERR_ARG, "kd_accept: tree is NULL");
+    KD_TRY(kd_sampler_check(sp, "kd_accept"));
+    if (s->phase == KD_PHASE_IDLE)
+        return kd_fail(KD_ERR_STATE, "kd_accept: accept before verify (no verified tree on this sequence)");
+    if (s->phase == KD_PHASE_ACCEPTED)
+        return kd_fail(KD_ERR_STATE, "kd_accept: this round was already accepted: commit it first");
+    KD_TRY(check_round_tree(s, t, "kd_accept"));
+    int32_t acc[ACCEPT_MAX], toks[ACCEPT_MAX], next = -1;
+    int tau = 0;
+    bool on_device = kd_ddtree_on_device(s->model->be);
+    KD_TRY(on_device ? accept_device(s, t, sp, acc, toks, &tau, &next) : accept_host(s, t, sp, acc, toks, &tau, &next));
+    for (int i = 0; i < tau; i++) {
+        s->accepted[i] = acc[i];
+        if (accepted_nodes) accepted_nodes[i] = acc[i];
+        if (accepted_tokens) accepted_tokens[i] = toks[i];
+    }
+    s->n_accepted = tau;
+    s->phase = KD_PHASE_ACCEPTED;
+    t->accepted_on_device = on_device;
+    if (n_accepted) *n_accepted = tau;
+    if (bonus) *bonus = next;
+    return KD_OK;
 }
 
 kd_status kd_commit(kd_seq *s, kd_tree *t) {
