@@ -236,23 +236,24 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
     if (!kd_ddtree_on_device(be)) return seq_sample_host(s, sp, positions, dst);
     if (m->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_seq_sample: vocabulary %d above %d", m->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
-    int32_t pos[KD_SEQ_MAX_ROWS], code[KD_SEQ_MAX_ROWS];
+    int32_t pos[KD_SEQ_MAX_ROWS], res[2 * KD_SEQ_MAX_ROWS];
     for (int i = 0; i < n; i++) pos[i] = positions ? positions[i] : s->out_positions[i] + 1;
-    /* scratch regions free after a forward: ids (positions in), idx (tokens out), pos (row codes) */
+    /* scratch regions free after a forward: ids (positions in), vis (tokens, then row codes,
+     * out in one download; vis holds at least 2 int32 per row) */
     kd_fwd_plan p;
     kd_fwd_plan_make(m, s->out_cap, &p);
     int32_t *d_pos = (int32_t *)((char *)s->scratch + p.ids);
-    int32_t *d_out = (int32_t *)((char *)s->scratch + p.idx);
-    int32_t *d_code = (int32_t *)((char *)s->scratch + p.pos);
+    int32_t *d_out = (int32_t *)((char *)s->scratch + p.vis), *d_code = d_out + n;
     KD_TRY(be->ops->upload(be, d_pos, pos, sizeof(int32_t) * (size_t)n));
     KD_TRY(be->ops->sample_rows(be, kd_act_rows(s->logits, 0, n), sp, d_pos, 0, d_out, d_code));
-    KD_TRY(be->ops->download(be, code, d_code, sizeof(int32_t) * (size_t)n));
+    KD_TRY(be->ops->download(be, res, d_out, sizeof(int32_t) * 2 * (size_t)n));
+    const int32_t *code = res + n;
     for (int i = 0; i < n; i++)
         if (code[i]) {
             kd_sample_fail(code[i]);
             return kd_fail_context(KD_ERR_ARG, "kd_seq_sample: row %d (position %d)", i, (int)pos[i]);
         }
-    KD_TRY(be->ops->download(be, dst, d_out, sizeof(int32_t) * (size_t)n));
+    memcpy(dst, res, sizeof(int32_t) * (size_t)n);
     for (int i = 0; i < n; i++)
         if (dst[i] < 0 || dst[i] >= m->cfg.vocab)
             return kd_fail(KD_ERR_BACKEND, "kd_seq_sample: row %d: the backend drew token %d (vocabulary %d)", i,
