@@ -82,7 +82,7 @@ struct kd_draft_state {
     kd_act kn, vt;              /* device-length path: the block's normed+roped K and its V */
     int32_t *in;                /* backend memory: [dlen | pad | ids | pos], see IN_* */
     int32_t *ids, *pos;         /* into in: max(bs, chunk) ints each */
-    int32_t *host_in;           /* host image of in[0 .. in_pos(nid) + bs) (graph modes) */
+    int32_t *host_in;           /* host image of in[0 .. in_pos(nid) + bs) */
     int nid;                    /* ints of ids / pos */
     kd_act logprobs;            /* [bs-1, vocab] f32 */
     int32_t bonus;              /* the root token of the last draft */
@@ -701,18 +701,16 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
     if (st != KD_OK) { kd_fail_context(st, "kd_seq_attach_drafter: draft buffers"); goto fail; }
     ds->ids = ds->in + IN_IDS;
     ds->pos = ds->in + in_pos(nid);
+    ds->host_in = calloc((size_t)in_pos(nid) + bs, sizeof(int32_t));
+    if (!ds->host_in) {
+        st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: out of host memory for the draft input staging");
+        goto fail;
+    }
     ds->graph_mode = kd_graphs_mode_from_env(be);
     const char *dg = getenv("KDTREE_CUDA_DRAFT_GRAPHS");
     if (dg && (!strcmp(dg, "0") || !strcmp(dg, "off"))) ds->graph_mode = KD_GRAPHS_OFF;
     const char *vb = getenv("KDTREE_CUDA_GRAPHS_VERBOSE");
     ds->graph_verbose = vb && *vb && strcmp(vb, "0");
-    if (ds->graph_mode != KD_GRAPHS_OFF) {
-        ds->host_in = calloc((size_t)in_pos(nid) + bs, sizeof(int32_t));
-        if (!ds->host_in) {
-            st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: out of host memory for the draft graph staging");
-            goto fail;
-        }
-    }
     ds->logprobs.rows = bs - 1;
     ds->logprobs.cols = ds->logprobs.ld = V;
     ds->logprobs.dtype = KD_F32;
@@ -876,47 +874,34 @@ static kd_status draft_body_at(void *ctx) {
 kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_draft: argument 's' is NULL");
     if (!s->draft) return kd_fail(KD_ERR_STATE, "kd_draft: no drafter attached to this sequence (kd_seq_attach_drafter)");
-    kd_drafter *d = s->drafter;
     kd_draft_state *ds = s->draft;
     kd_model *m = s->model;
     kd_backend *be = m->be;
-    const kd_backend_ops *op = be->ops;
-    const kd_dcfg *c = &d->cfg;
+    const kd_dcfg *c = &s->drafter->cfg;
     int V = m->cfg.vocab;
     if (bonus < 0 || bonus >= V)
         return kd_fail(KD_ERR_ARG, "kd_draft: bonus token %d is outside the vocabulary [0, %d)", bonus, V);
     if (ds->ctx_len != s->len)
         return kd_fail(KD_ERR_STATE, "kd_draft: the drafter context holds %d tokens but the sequence has %d "
                        "committed: the target forward did not hand over its tap features", ds->ctx_len, s->len);
-    int bs = c->block_size, p0 = ds->ctx_len;
+    int bs = c->block_size, p0 = ds->ctx_len, ip = in_pos(ds->nid);
     ds->have_logprobs = false;
-    if (bs > ds->nid) return kd_fail(KD_ERR_STATE, "kd_draft: block_size %d > %d staged ids", bs, ds->nid);
     kd_status st;
 #define T(expr, what) do { st = (expr); if (st != KD_OK) return kd_fail_context(st, "kd_draft: %s", what); } while (0)
-    if (ds->graph_mode == KD_GRAPHS_OFF) {
-        int32_t ids[1024], pos[1024];
-        if (bs > 1024) return kd_fail(KD_ERR_UNSUPPORTED, "kd_draft: block_size %d > 1024", bs);
-        for (int i = 0; i < bs; i++) { ids[i] = i ? c->mask_token_id : bonus; pos[i] = p0 + i; }
-        T(op->upload(be, ds->ids, ids, (size_t)bs * sizeof(int32_t)), "upload ids");
-        T(op->upload(be, ds->pos, pos, (size_t)bs * sizeof(int32_t)), "upload positions");
-        KD_TRY(draft_body(s, p0, NULL));
-    } else {
-        /* the length, ids and positions up in one copy, then the pass reads them on the device */
-        int32_t *h = ds->host_in;
-        int ip = in_pos(ds->nid);
-        h[IN_DLEN] = p0;
-        for (int i = 0; i < bs; i++) { h[IN_IDS + i] = i ? c->mask_token_id : bonus; h[ip + i] = p0 + i; }
-        T(op->upload(be, ds->in, h, (size_t)(ip + bs) * sizeof(int32_t)), "upload inputs");
-        if (ds->graph_mode == KD_GRAPHS_EAGER) {
-            KD_TRY(draft_body(s, p0, ds->in + IN_DLEN));
-        } else {
-            char what[64];
-            if (ds->graph_verbose) snprintf(what, sizeof what, "draft pass (%d rows)", bs);
-            KD_TRY(kd_graph_run(m, &ds->graph, draft_body_at, s, ds->graph_verbose ? what : NULL));
-        }
+    /* the length, the block [bonus, MASK x (bs-1)] and its positions up in one copy */
+    int32_t *h = ds->host_in;
+    h[IN_DLEN] = p0;
+    for (int i = 0; i < bs; i++) { h[IN_IDS + i] = i ? c->mask_token_id : bonus; h[ip + i] = p0 + i; }
+    T(be->ops->upload(be, ds->in, h, (size_t)(ip + bs) * sizeof(int32_t)), "upload inputs");
+    if (ds->graph_mode == KD_GRAPHS_ON) {
+        char what[64];
+        if (ds->graph_verbose) snprintf(what, sizeof what, "draft pass (%d rows)", bs);
+        KD_TRY(kd_graph_run(m, &ds->graph, draft_body_at, s, ds->graph_verbose ? what : NULL));
+    } else {             /* off: the host-length path; eager: the device-length path, not captured */
+        KD_TRY(draft_body(s, p0, ds->graph_mode == KD_GRAPHS_EAGER ? ds->in + IN_DLEN : NULL));
     }
     if (logprobs_dst)
-        T(op->download(be, logprobs_dst, ds->logprobs.data, (size_t)(bs - 1) * V * sizeof(float)), "download");
+        T(be->ops->download(be, logprobs_dst, ds->logprobs.data, (size_t)(bs - 1) * V * sizeof(float)), "download");
 #undef T
     ds->bonus = bonus;
     ds->have_logprobs = true;
