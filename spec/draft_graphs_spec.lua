@@ -12,102 +12,23 @@
 -- run of draft passes with no target step in between). The #gpu part runs on CUDA; the rest
 -- runs the same checks on the CPU under the host emulation of the graph ops
 -- (core/testing_graphs.h), which proves the core's draft-graph path on any machine.
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
-local ffi = require("ffi")
 local gen = require("kdtree.generate")
-
-pcall(ffi.cdef, [[
-int setenv(const char *name, const char *value, int overwrite);
-int unsetenv(const char *name);
-]])
+local G = require("helpers.graphs")
+local with_env, with_mode, recorder, keep_draft, same_run, prompt_of =
+  G.with_env, G.with_mode, G.recorder, G.keep_draft, G.same_run, G.prompt_of
 
 local TARGET, DRAFT = "models/tiny-k2.6", "models/tiny-k2.6-dflash"
 local MODES = { "eager", "1" }   -- each compared with "0"
 
--- run fn with the environment variables of vars set (KDTREE_CUDA_GRAPHS, ...), then unset
-local function with_env(vars, fn)
-  for k, v in pairs(vars) do ffi.C.setenv(k, v, 1) end
-  local ok, res = pcall(fn)
-  for k in pairs(vars) do ffi.C.unsetenv(k) end
-  if not ok then error(res, 0) end
-  return res
-end
-local function with_mode(mode, fn, verbose)
-  return with_env({ KDTREE_CUDA_GRAPHS = mode, KDTREE_CUDA_GRAPHS_VERBOSE = verbose and "1" or "0" }, fn)
-end
-
--- a recording: tokens, and float buffers (copies) in order with their sizes and names
-local function recorder() return { tokens = {}, bufs = {}, sizes = {}, what = {} } end
-local function keep(rec, buf, n, what)
-  rec.bufs[#rec.bufs + 1] = buf
-  rec.sizes[#rec.sizes + 1] = n
-  rec.what[#rec.what + 1] = what
-end
-local function keep_draft(rec, s, bonus)
-  local dr = s:draft(bonus)                   -- the log-probs, copied to the host
-  keep(rec, dr.data, dr.L * dr.V, "draft")
-end
-local function keep_logits(rec, s)
-  local buf, n = s:logits_cdata()
-  keep(rec, buf, n, "logits")
-end
-
-local function same_run(a, b, what)
-  assert.are.same(a.tokens, b.tokens, what .. ": tokens")
-  assert.are.equal(#a.bufs, #b.bufs, what .. ": recorded buffers")
-  for i = 1, #a.bufs do
-    assert.are.equal(a.sizes[i], b.sizes[i], what .. ": buffer " .. i .. " size")
-    local ua, ub = ffi.cast("uint32_t*", a.bufs[i]), ffi.cast("uint32_t*", b.bufs[i])
-    for j = 0, a.sizes[i] - 1 do
-      if ua[j] ~= ub[j] then
-        error(string.format("%s: buffer %d (%s), entry %d: %.9g vs %.9g (bits %08x vs %08x)", what, i, a.what[i], j,
-          a.bufs[i][j], b.bufs[i][j], ua[j], ub[j]), 0)
-      end
-    end
-    -- a draft row is a log-softmax: finite, <= 0, and not all equal (a real distribution)
-    if a.what[i] == "draft" then
-      local lo, hi = math.huge, -math.huge
-      for j = 0, a.sizes[i] - 1 do
-        local v = a.bufs[i][j]
-        assert(v == v and v <= 0, what .. ": draft log-prob not finite or > 0")
-        if v < lo then lo = v end
-        if v > hi then hi = v end
-      end
-      assert(hi - lo > 1e-3, what .. ": a flat draft")
-    end
-  end
-end
-
-local function prompt_of(n, V, seed)
-  math.randomseed(seed)
-  local p = {}
-  for i = 1, n do p[i] = math.random(3, math.min(990, V - 1)) end
-  return p
-end
-
 -- greedy DDTree rounds with the native drafter until n tokens: each round's draft log-probs
 -- (copied) and verify logits are recorded
 local function rounds_run(m, d, prompt, budget, n)
-  local rec = recorder()
-  local s = m:new_seq(#prompt + n + budget + 2 + d.info.block_size)
-  s:attach_drafter(d)
-  s:forward(prompt)
-  local bonus = s:argmax()[#prompt]
-  while #rec.tokens < n do
+  return G.rounds_run(m, d, prompt, budget, n, function(rec, s, bonus)
     keep_draft(rec, s, bonus)
-    local t = kd.tree.build_drafted(s, budget)
-    s:verify(t)
-    keep_logits(rec, s)
-    local acc = s:accept(t)
-    s:commit(t)
-    for i = 2, acc.tau do rec.tokens[#rec.tokens + 1] = acc.tokens[i] end
-    rec.tokens[#rec.tokens + 1] = acc.bonus
-    bonus = acc.bonus
-    t:close()
-  end
-  s:close()
-  return rec
+    return kd.tree.build_drafted(s, budget)
+  end)
 end
 
 -- k draft passes in a row on one context (no target step between them): the counters of
@@ -281,20 +202,10 @@ describe("the draft pass as a CUDA graph #gpu", function()
   end)
 end)
 
--- the host emulation of the graph ops (core/testing_graphs.h): a capture records op calls
--- with their arguments and a launch replays them, so a host value baked into the draft pass
--- (the context length, a cache row offset) replays wrong
-local TG = {}
-do
-  local K = require("kdtree.ffi")
-  K.cdef_sibling("testing_graphs.h")
-  TG.C = K.C
-end
-
 describe("the draft pass as a graph, emulated on the CPU (the core's draft-graph path)", function()
   draft_graph_checks("cpu", {
-    setup = function(m) kd.check(TG.C.kd_testing_emulate_graphs(m:handle()), "kd_testing_emulate_graphs") end,
-    replayed_ops = function() return tonumber(TG.C.kd_testing_graphs_replayed_ops()) end,
+    setup = G.emulate,
+    replayed_ops = function() return tonumber(G.C.kd_testing_graphs_replayed_ops()) end,
   })
 end)
 
@@ -302,7 +213,7 @@ describe("draft graph recapture and fallback (emulated on the CPU)", function()
   local m, d, V
   setup(function()
     m = kd.open_model(TARGET, { backend = "cpu" })
-    kd.check(TG.C.kd_testing_emulate_graphs(m:handle()), "kd_testing_emulate_graphs")
+    G.emulate(m)
     d = kd.open_drafter(DRAFT, m)
     V = m.info.vocab
   end)
@@ -316,7 +227,7 @@ describe("draft graph recapture and fallback (emulated on the CPU)", function()
     local ref = with_mode("0", function() return drafts_run(m, d, prompt, 8) end)
     local c0 = m:memory()
     local got = with_mode("1", function()
-      return drafts_run(m, d, prompt, 8, function(i) if i == 5 then TG.C.kd_testing_graphs_bump_epoch(m:handle()) end end)
+      return drafts_run(m, d, prompt, 8, function(i) if i == 5 then G.C.kd_testing_graphs_bump_epoch(m:handle()) end end)
     end)
     same_run(ref, got, "epoch bump")
     local c1 = m:memory()
@@ -325,7 +236,7 @@ describe("draft graph recapture and fallback (emulated on the CPU)", function()
     assert.are.equal(7, c1.graph_launches - c0.graph_launches)
     assert.are.equal(0, c1.graph_fallbacks - c0.graph_fallbacks)
     -- two refused captures: the draft pass falls back to eager and stays there
-    TG.C.kd_testing_graphs_refuse(2)
+    G.C.kd_testing_graphs_refuse(2)
     got = with_mode("1", function() return drafts_run(m, d, prompt, 8) end)
     same_run(ref, got, "refused captures")
     local c2 = m:memory()
@@ -333,7 +244,7 @@ describe("draft graph recapture and fallback (emulated on the CPU)", function()
     assert.are.equal(0, c2.graph_captures - c1.graph_captures)
     assert.are.equal(0, c2.graph_launches - c1.graph_launches)
     -- one refused capture: pass 2 falls back, pass 3 captures and launches, 4-8 launch
-    TG.C.kd_testing_graphs_refuse(1)
+    G.C.kd_testing_graphs_refuse(1)
     got = with_mode("1", function() return drafts_run(m, d, prompt, 8) end)
     same_run(ref, got, "one refused capture")
     local c3 = m:memory()

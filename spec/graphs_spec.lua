@@ -9,14 +9,11 @@
 -- that move backwards (truncate) and across attention chunk boundaries, two sequences
 -- interleaved on one model. Mode 1 must really replay graphs (counters of kd_model_memory).
 -- The CPU part checks that the switch is inert on the CPU backend.
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
-local ffi = require("ffi")
-
-pcall(ffi.cdef, [[
-int setenv(const char *name, const char *value, int overwrite);
-int unsetenv(const char *name);
-]])
+local G = require("helpers.graphs")
+local with_mode, recorder, keep_logits, same_run, prompt_of =
+  G.with_mode, G.recorder, G.keep_logits, G.same_run, G.prompt_of
 
 local TARGETS = {
   { dir = "models/tiny-k2.6", draft = "models/tiny-k2.6-dflash" },   -- INT4 experts (W4A16)
@@ -25,46 +22,15 @@ local TARGETS = {
 local BUDGETS = { 4, 16, 40 }
 local MODES = { "eager", "1" }   -- each compared with "0"
 
--- run fn with KDTREE_CUDA_GRAPHS = mode for the sequences it creates; on the GPU a failed
--- capture says why on stderr (KDTREE_CUDA_GRAPHS_VERBOSE)
-local function with_mode(mode, fn, verbose)
-  ffi.C.setenv("KDTREE_CUDA_GRAPHS", mode, 1)
-  if verbose then ffi.C.setenv("KDTREE_CUDA_GRAPHS_VERBOSE", "1", 1) end
-  local ok, res = pcall(fn)
-  ffi.C.unsetenv("KDTREE_CUDA_GRAPHS")
-  ffi.C.unsetenv("KDTREE_CUDA_GRAPHS_VERBOSE")
-  if not ok then error(res, 0) end
-  return res
-end
-
--- a recording: tokens and the logits (copied) of every forward, in order
-local function recorder() return { tokens = {}, logits = {}, sizes = {} } end
-local function keep_logits(rec, s)
-  local buf, n = s:logits_cdata()
-  rec.logits[#rec.logits + 1] = buf
-  rec.sizes[#rec.sizes + 1] = n
-end
-
-local function same_run(a, b, what)
-  assert.are.same(a.tokens, b.tokens, what .. ": tokens")
-  assert.are.equal(#a.logits, #b.logits, what .. ": forwards")
-  for i = 1, #a.logits do
-    assert.are.equal(a.sizes[i], b.sizes[i], what .. ": forward " .. i .. " size")
-    local ua, ub = ffi.cast("uint32_t*", a.logits[i]), ffi.cast("uint32_t*", b.logits[i])
-    for j = 0, a.sizes[i] - 1 do
-      if ua[j] ~= ub[j] then
-        error(string.format("%s: forward %d, logit %d: %.9g vs %.9g (bits %08x vs %08x)", what, i, j,
-          a.logits[i][j], b.logits[i][j], ua[j], ub[j]), 0)
-      end
-    end
+-- k pseudo-random rows of V scores (from the current math.random state)
+local function random_rows(k, V)
+  local rows = {}
+  for i = 1, k do
+    local r = {}
+    for j = 1, V do r[j] = (math.random() - 0.5) * 6 end
+    rows[i] = r
   end
-end
-
-local function prompt_of(n, V, seed)
-  math.randomseed(seed)
-  local p = {}
-  for i = 1, n do p[i] = math.random(3, math.min(990, V - 1)) end
-  return p
+  return rows
 end
 
 -- greedy autoregressive decoding of n tokens, one forward per token
@@ -86,40 +52,14 @@ end
 -- greedy DDTree rounds until n tokens: drafted by the native drafter d, or (d nil) trees
 -- built on the host from pseudo-random rows (seeded per round: the same in every mode)
 local function ddtree_run(m, d, prompt, budget, n)
-  local rec = recorder()
-  local V = m.info.vocab
-  local s = m:new_seq(#prompt + n + budget + 2 + (d and d.info.block_size or 0))
-  if d then s:attach_drafter(d) end
-  s:forward(prompt)
-  local bonus = s:argmax()[#prompt]
-  local round = 0
-  while #rec.tokens < n do
-    round = round + 1
-    local t
+  return G.rounds_run(m, d, prompt, budget, n, function(_, s, bonus, round)
     if d then
       s:draft(bonus, false)
-      t = kd.tree.build_drafted(s, budget)
-    else
-      math.randomseed(1000 * budget + round)
-      local rows = {}
-      for k = 1, 4 do
-        local r = {}
-        for j = 1, V do r[j] = (math.random() - 0.5) * 6 end
-        rows[k] = r
-      end
-      t = kd.tree.build(rows, budget, { root = bonus })
+      return kd.tree.build_drafted(s, budget)
     end
-    s:verify(t)
-    keep_logits(rec, s)
-    local acc = s:accept(t)
-    s:commit(t)
-    for i = 2, acc.tau do rec.tokens[#rec.tokens + 1] = acc.tokens[i] end
-    rec.tokens[#rec.tokens + 1] = acc.bonus
-    bonus = acc.bonus
-    t:close()
-  end
-  s:close()
-  return rec
+    math.randomseed(1000 * budget + round)
+    return kd.tree.build(random_rows(4, m.info.vocab), budget, { root = bonus })
+  end)
 end
 
 -- lengths that move: a prefill of 250 (decode then crosses the 256-key attention chunk),
@@ -144,12 +84,7 @@ local function moving_run(m, V)
     a:forward({ ta }); keep_logits(rec, a); ta = a:argmax()[1]
   end
   math.randomseed(5)
-  local rows = {}
-  for k = 1, 3 do
-    local r = {}
-    for j = 1, V do r[j] = (math.random() - 0.5) * 6 end
-    rows[k] = r
-  end
+  local rows = random_rows(3, V)
   local function verify_here()                     -- one tree shape (T = 9) at the current length
     local t = kd.tree.build(rows, 8, { root = prompt[1 + a:len() % 200] })
     a:verify(t)
@@ -219,7 +154,7 @@ describe("step graphs on the GPU #gpu", function()
               d and "drafted" or "host", mode))
             local after = m:memory()
             assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks, "no capture fell back to eager")
-            if mode == "1" and #ref.logits > 2 then
+            if mode == "1" and #ref.bufs > 2 then
               assert.is_true(after.graph_launches - before.graph_launches >= 1, "verify steps replay a graph")
             end
           end
@@ -246,20 +181,13 @@ end)
 -- a host value baked into a step (a length, a row offset) replays wrong. This proves the
 -- core's graph path (model.c: staging, device length, warm-up, capture, replay, epochs,
 -- fallback) on any machine; the #gpu part above proves the CUDA kernels and capture.
-local T = {}
-do
-  local K = require("kdtree.ffi")
-  K.cdef_sibling("testing_graphs.h")
-  T.C = K.C
-end
-
 describe("step graphs emulated on the CPU (the core's graph path)", function()
   for _, TG in ipairs(TARGETS) do
     describe(TG.dir, function()
       local m, d, V
       setup(function()
         m = kd.open_model(TG.dir, { backend = "cpu" })
-        kd.check(T.C.kd_testing_emulate_graphs(m:handle()), "kd_testing_emulate_graphs")
+        G.emulate(m)
         V = m.info.vocab
         if TG.draft then d = kd.open_drafter(TG.draft, m) end
       end)
@@ -277,13 +205,13 @@ describe("step graphs emulated on the CPU (the core's graph path)", function()
         end
         assert.are.equal(0, m:memory().graph_launches)
         for _, mode in ipairs(MODES) do
-          local before, ops0 = m:memory(), tonumber(T.C.kd_testing_graphs_replayed_ops())
+          local before, ops0 = m:memory(), tonumber(G.C.kd_testing_graphs_replayed_ops())
           same_run(ref, with_mode(mode, function() return ar_run(m, prompt, 24) end), TG.dir .. " ar " .. mode)
           for _, B in ipairs({ 4, 16 }) do
             same_run(refs[B], with_mode(mode, function() return ddtree_run(m, d, prompt, B, 24) end),
               string.format("%s ddtree %d %s", TG.dir, B, mode))
           end
-          local after, ops1 = m:memory(), tonumber(T.C.kd_testing_graphs_replayed_ops())
+          local after, ops1 = m:memory(), tonumber(G.C.kd_testing_graphs_replayed_ops())
           assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks)
           if mode == "1" then
             -- ar: 1 warm-up, 1 capture, 22 replays; each budget: warm-up, capture, replays
@@ -317,7 +245,7 @@ describe("step graphs emulated on the CPU (the core's graph path)", function()
           s:forward(prompt)
           local tok = s:argmax()[#prompt]
           for i = 1, 12 do
-            if i == 6 then T.C.kd_testing_graphs_bump_epoch(m:handle()) end
+            if i == 6 then G.C.kd_testing_graphs_bump_epoch(m:handle()) end
             rec.tokens[#rec.tokens + 1] = tok
             s:forward({ tok }); keep_logits(rec, s); tok = s:argmax()[1]
           end
@@ -331,7 +259,7 @@ describe("step graphs emulated on the CPU (the core's graph path)", function()
         assert.are.equal(11, mid.graph_launches - before.graph_launches)
         assert.are.equal(0, mid.graphs)
         -- two refused captures: the shape falls back to eager and stays there
-        T.C.kd_testing_graphs_refuse(2)
+        G.C.kd_testing_graphs_refuse(2)
         got = with_mode("1", function() return ar_run(m, prompt, 12) end)
         same_run(ref, got, "refused captures")
         local after = m:memory()
@@ -340,7 +268,7 @@ describe("step graphs emulated on the CPU (the core's graph path)", function()
         assert.are.equal(0, after.graph_launches - mid.graph_launches)
         -- one refused capture: step 1 warms up, step 2 falls back, step 3 captures and launches,
         -- steps 4..12 launch
-        T.C.kd_testing_graphs_refuse(1)
+        G.C.kd_testing_graphs_refuse(1)
         got = with_mode("1", function() return ar_run(m, prompt, 12) end)
         same_run(ref, got, "one refused capture")
         local last = m:memory()
