@@ -11,22 +11,19 @@
 --     on the backend's ops (forced) and on the host.
 -- Tagged #gpu: `make test-gpu` runs it against CUDA. KDTREE_OPS_OTHER=cpu runs it against the
 -- CPU backend (a check of the spec and the CPU twins on a machine without a GPU).
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
+local gen = require("kdtree.generate")
+local O = require("helpers.ops")
 local K = require("kdtree.ffi")
 local ffi, C = K.ffi, K.C
 local bit = require("bit")
+local check = O.check
 
 K.cdef_sibling("kdtree_testing_ddtree.h")
 
-local OTHER = os.getenv("KDTREE_OPS_OTHER") or "cuda"
+local OTHER = O.other_kind()
 local KIND = OTHER == "cpu" and C.KD_BACKEND_CPU or C.KD_BACKEND_CUDA
-
-local function check(st, what)
-  if st ~= 0 then
-    error(string.format("%s failed (%s): %s", what, ffi.string(C.kd_status_name(st)), ffi.string(C.kd_last_error())), 2)
-  end
-end
 
 -- a deterministic generator (LCG), uniform in [0, 1)
 local function lcg(seed)
@@ -300,11 +297,9 @@ describe("a DDTree round on the " .. OTHER .. " backend equals the CPU rule on t
   -- the host rule (argmax / kd_sample_logits at len + depth + 1), the walk in Lua
   local function host_accept(s, t, sp, len)
     local V = s.model.info.vocab
-    local row = ffi.new("float[?]", V)
     local out = ffi.new("int32_t[1]")
     local function target(node)
-      local x = s:logits(node + 1)
-      for i = 1, V do row[i - 1] = x[i] end
+      local row = s:logits_cdata(node + 1, 1)
       local depth = node == 0 and 0 or t.depths[node]
       check(C.kd_sample_logits(row, V, sp and kd.sampler(sp) or nil, len + depth + 1, out), "kd_sample_logits")
       return out[0]
@@ -318,23 +313,6 @@ describe("a DDTree round on the " .. OTHER .. " backend equals the CPU rule on t
       if not child then return { nodes = nodes, tokens = toks, tau = #nodes, bonus = nxt } end
       cur = child
     end
-  end
-
-  -- autoregressive tokens on the same backend (the lossless reference of the rounds)
-  local function ar_tokens(m, sp, n)
-    local s = m:new_seq(256)
-    s:forward(PROMPT)
-    local function next_tok()
-      local a = sp and s:sample(sp) or s:argmax()
-      return a[#a]
-    end
-    local out = { next_tok() }
-    while #out < n do
-      s:forward({ out[#out] })
-      out[#out + 1] = next_tok()
-    end
-    s:close()
-    return out
   end
 
   -- L x V log-probs with the future tokens planted at ranks 0..3 (or missing) among decoys
@@ -363,7 +341,8 @@ describe("a DDTree round on the " .. OTHER .. " backend equals the CPU rule on t
       local m = kd.open_model("models/tiny-k2.6", { backend = OTHER })
       local d = kd.open_drafter("models/tiny-k2.6-dflash", m)
       local N = 40
-      local fut = ar_tokens(m, sp or nil, N + 10)
+      -- autoregressive tokens on the same backend: the lossless reference of the rounds
+      local fut = gen.run(m, PROMPT, { policy = "ar", n = N + 10, sampler = sp or nil, eos = false }).tokens
       local s = m:new_seq(256)
       s:attach_drafter(d)
       s:forward(PROMPT)
