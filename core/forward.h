@@ -48,6 +48,7 @@ enum { KD_GRAPHS_OFF = 0, KD_GRAPHS_ON = 1, KD_GRAPHS_EAGER = 2 };
  * (2026-11-30) showed graph replay bit-identical to eager steps (docs/architecture.md "Step graphs") */
 enum { KD_GRAPHS_DEFAULT = KD_GRAPHS_ON };
 int kd_graphs_mode_from_env(const kd_backend *be);
+/* s->graphs: the host staging of every forward's inputs, and the step graphs in graph mode */
 kd_status kd_seq_graphs_new(kd_seq *s, int mode);
 void kd_seq_graphs_free(kd_seq *s);
 #endif

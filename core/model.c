@@ -258,18 +258,16 @@ int kd_graphs_mode_from_env(const kd_backend *be) {
 
 kd_status kd_seq_graphs_new(kd_seq *s, int mode) {
     s->graphs = NULL;
-    if (mode == KD_GRAPHS_OFF) return KD_OK;
     kd_fwd_plan p;
     kd_fwd_plan_make(s->model, s->out_cap, &p);
     kd_seq_graphs *g = calloc(1, sizeof *g);
     size_t bytes = p.vis - p.dlen + (size_t)p.rows * p.words * sizeof(uint64_t);
-    char *host = malloc(bytes);
+    char *host = calloc(1, bytes);
     if (!g || !host) {
         free(g);
         free(host);
-        return kd_fail(KD_ERR_NOMEM, "kd_seq_new: out of host memory for the step graph staging (%zu bytes)", bytes);
+        return kd_fail(KD_ERR_NOMEM, "kd_seq_new: out of host memory for the step input staging (%zu bytes)", bytes);
     }
-    memset(host, 0, bytes);
     g->mode = mode;
     g->host = host;
     g->host_bytes = bytes;
@@ -325,60 +323,45 @@ static kd_status step_body(void *ctx) {
     return forward_body(c->s, c->p, c->T, c->d_ids, c->d_pos, c->d_vis, c->d_len, true);
 }
 
-static kd_status forward_step_graph(kd_seq *s, const kd_fwd_plan *p, const int32_t *tokens, int T, const int32_t *pos,
-                                    const uint64_t *visible) {
-    kd_model *m = s->model;
-    kd_backend *be = m->be;
-    kd_seq_graphs *g = s->graphs;
-    size_t words = (size_t)(T + 63) / 64;
-    /* the inputs, laid out as in the scratch, up in one copy; tokens NULL (kd_verify of a
-     * device tree): ids, pos and vis are already there, only the length goes up */
-    size_t span = !tokens ? sizeof(int32_t) : p->vis - p->dlen + (visible ? (size_t)T * words * sizeof(uint64_t) : 0);
-    if (span > g->host_bytes)
-        return kd_fail(KD_ERR_STATE, "forward: a step of %d rows needs %zu staging bytes, the sequence has %zu", T, span,
-                       g->host_bytes);
-    int32_t len = s->len;
-    memcpy(g->host, &len, sizeof len);
-    if (tokens) {
-        memcpy(g->host + (p->ids - p->dlen), tokens, sizeof(int32_t) * (size_t)T);
-        memcpy(g->host + (p->pos - p->dlen), pos, sizeof(int32_t) * (size_t)T);
-        if (visible) memcpy(g->host + (p->vis - p->dlen), visible, (size_t)T * words * sizeof(uint64_t));
-    }
-    char *base = (char *)s->scratch;
-    KD_TRY(be->ops->upload(be, base + p->dlen, g->host, span));
-    const int32_t *d_len = (const int32_t *)(base + p->dlen), *d_ids = (const int32_t *)(base + p->ids);
-    const int32_t *d_pos = (const int32_t *)(base + p->pos);
-    const uint64_t *d_vis = visible ? (const uint64_t *)(base + p->vis) : NULL;
-    if (g->mode != KD_GRAPHS_ON) return forward_body(s, p, T, d_ids, d_pos, d_vis, d_len, true);
-
-    kd_graph_entry *e = graph_entry(s, T, visible != NULL);
-    e->stamp = ++g->clock;
-    step_body_ctx ctx = {s, p, T, d_ids, d_pos, d_vis, d_len};
-    char what[64];
-    if (g->verbose) snprintf(what, sizeof what, "step (%d rows, %s)", T, visible ? "masked" : "causal");
-    return kd_graph_run(m, &e->g, step_body, &ctx, g->verbose ? what : NULL);
-}
-
-/* one chunk of T <= out_cap tokens at cache rows [len, len+T); pos: host positions */
+/* one chunk of T <= out_cap tokens at cache rows [len, len+T); pos: host positions.
+ * tokens NULL: ids, pos and vis are staged in the scratch already (kd_verify of a tree on the
+ * backend). The inputs go up in one copy, laid out as in the scratch: [dlen | ids | pos | vis]. */
 static kd_status forward_chunk(kd_seq *s, const int32_t *tokens, int T, const int32_t *pos,
                                const uint64_t *visible, bool want_logits) {
     kd_model *m = s->model;
     kd_backend *be = m->be;
+    kd_seq_graphs *g = s->graphs;
     kd_fwd_plan p;
     kd_fwd_plan_make(m, s->out_cap, &p);
-    /* tokens NULL: the inputs are staged in the scratch (ids, pos, vis) by the caller (kd_verify
-     * of a tree on the backend); both paths below then upload nothing but (graphs) the length */
-    if (s->graphs && s->graphs->mode != KD_GRAPHS_OFF && want_logits && (visible || T == 1))
-        return forward_step_graph(s, &p, tokens, T, pos, visible);
-    int32_t *d_ids = (int32_t *)((char *)s->scratch + p.ids), *d_pos = (int32_t *)((char *)s->scratch + p.pos);
-    uint64_t *d_vis = visible ? (uint64_t *)((char *)s->scratch + p.vis) : NULL;
-    if (tokens) {       /* else (kd_verify of a device tree) the inputs are already in ids, pos, vis */
-        KD_TRY(be->ops->upload(be, d_ids, tokens, sizeof(int32_t) * (size_t)T));
-        KD_TRY(be->ops->upload(be, d_pos, pos, sizeof(int32_t) * (size_t)T));
-        if (visible)
-            KD_TRY(be->ops->upload(be, d_vis, visible, sizeof(uint64_t) * (size_t)T * (size_t)((T + 63) / 64)));
+    /* decode (causal, T = 1) and verify (masked) steps in graph mode read the length on the device */
+    bool step = g->mode != KD_GRAPHS_OFF && want_logits && (visible || T == 1);
+    char *base = (char *)s->scratch;
+    const int32_t *d_len = step ? (const int32_t *)(base + p.dlen) : NULL, *d_ids = (const int32_t *)(base + p.ids);
+    const int32_t *d_pos = (const int32_t *)(base + p.pos);
+    const uint64_t *d_vis = visible ? (const uint64_t *)(base + p.vis) : NULL;
+    size_t words = (size_t)(T + 63) / 64;
+    size_t span = !tokens ? sizeof(int32_t) : p.vis - p.dlen + (visible ? (size_t)T * words * sizeof(uint64_t) : 0);
+    if (span > g->host_bytes)
+        return kd_fail(KD_ERR_STATE, "forward: a step of %d rows needs %zu staging bytes, the sequence has %zu", T, span,
+                       g->host_bytes);
+    if (tokens || step) {            /* (staged inputs on the host-length path: nothing to send) */
+        int32_t len = s->len;
+        memcpy(g->host, &len, sizeof len);
+        if (tokens) {
+            memcpy(g->host + (p.ids - p.dlen), tokens, sizeof(int32_t) * (size_t)T);
+            memcpy(g->host + (p.pos - p.dlen), pos, sizeof(int32_t) * (size_t)T);
+            if (visible) memcpy(g->host + (p.vis - p.dlen), visible, (size_t)T * words * sizeof(uint64_t));
+        }
+        KD_TRY(be->ops->upload(be, base + p.dlen, g->host, span));
     }
-    return forward_body(s, &p, T, d_ids, d_pos, d_vis, NULL, want_logits);
+    if (!step || g->mode != KD_GRAPHS_ON) return forward_body(s, &p, T, d_ids, d_pos, d_vis, d_len, want_logits);
+
+    kd_graph_entry *e = graph_entry(s, T, visible != NULL);
+    e->stamp = ++g->clock;
+    step_body_ctx ctx = {s, &p, T, d_ids, d_pos, d_vis, d_len};
+    char what[64];
+    if (g->verbose) snprintf(what, sizeof what, "step (%d rows, %s)", T, visible ? "masked" : "causal");
+    return kd_graph_run(m, &e->g, step_body, &ctx, g->verbose ? what : NULL);
 }
 
 kd_status kd_model_forward(kd_seq *s, const int32_t *tokens, int n, const int32_t *positions,

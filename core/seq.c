@@ -6,7 +6,7 @@
  *   logits        [out_cap, vocab] fp32
  *   scratch       the forward's plan for out_cap rows (forward.h)
  *   out_positions out_cap int32 on the host
- *   graphs        step graphs and their host staging, in graph mode (model.c)
+ *   graphs        the forward inputs' host staging, and step graphs in graph mode (model.c)
  * out_cap = min(capacity, 1024) rows per forward chunk (env KDTREE_SEQ_ROWS lowers it,
  * for tests of the chunked path). A longer causal forward runs in chunks; a masked
  * (tree) forward must fit in out_cap rows. */
