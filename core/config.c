@@ -341,15 +341,13 @@ static kd_status parse_generation(const char *dir, kd_config *cfg) {
     cJSON *g;
     kd_status st = kd_json_load(path, &g, &missing);
     if (st != KD_OK || missing) return st;
-    {
-        const cJSON *e = cJSON_GetObjectItemCaseSensitive(g, "eos_token_id");
-        if (e && !cJSON_IsNull(e)) st = get_ids(path, "eos_token_id", e, &cfg->n_eos, cfg->eos, 8);
-        const cJSON *b = cJSON_GetObjectItemCaseSensitive(g, "bos_token_id");
-        if (st == KD_OK && b && !cJSON_IsNull(b)) {
-            if (!is_int(b)) st = kd_fail(KD_ERR_CONFIG, "%s: field 'bos_token_id': expected an integer, got %s", path,
-                                         json_type_name(b));
-            else cfg->bos = (int)b->valuedouble;
-        }
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(g, "eos_token_id");
+    if (e && !cJSON_IsNull(e)) st = get_ids(path, "eos_token_id", e, &cfg->n_eos, cfg->eos, 8);
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(g, "bos_token_id");
+    if (st == KD_OK && b && !cJSON_IsNull(b)) {
+        if (!is_int(b)) st = kd_fail(KD_ERR_CONFIG, "%s: field 'bos_token_id': expected an integer, got %s", path,
+                                     json_type_name(b));
+        else cfg->bos = (int)b->valuedouble;
     }
     cJSON_Delete(g);
     return st;

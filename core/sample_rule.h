@@ -109,7 +109,6 @@ KD_RULE_FN kd_u128 kd_u128_sub(kd_u128 a, kd_u128 b) {   /* a >= b */
     return r;
 }
 KD_RULE_FN int kd_u128_lt(kd_u128 a, kd_u128 b) { return a.hi < b.hi || (a.hi == b.hi && a.lo < b.lo); }
-KD_RULE_FN int kd_u128_eq(kd_u128 a, kd_u128 b) { return a.hi == b.hi && a.lo == b.lo; }
 /* the full product of two 64-bit numbers */
 KD_RULE_FN kd_u128 kd_u128_mul64x64(uint64_t a, uint64_t b) {
     uint64_t a0 = a & 0xffffffffu, a1 = a >> 32, b0 = b & 0xffffffffu, b1 = b >> 32;
