@@ -66,8 +66,8 @@ static kd_status check_staged(const kd_seq *s, int T) {
     return KD_OK;
 }
 
-/* a tree built on the host: kd_forward with host arrays (it validates the tokens), and the
- * tree uploaded for accept */
+/* a tree with a host copy: kd_forward with host arrays (it validates the tokens), and the
+ * nodes uploaded for accept */
 static kd_status verify_host_tree(kd_seq *s, kd_tree *t, int T) {
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)T);
     int words = (T + 63) / 64;
@@ -95,7 +95,6 @@ static kd_status verify_host_tree(kd_seq *s, kd_tree *t, int T) {
 /* a tree on the backend: staged into the forward's input regions, no host round trip */
 static kd_status verify_dev_tree(kd_seq *s, kd_tree *t, int T) {
     KD_TRY(check_staged(s, T));
-    if (t->model != s->model) KD_TRY(kd_tree_to_backend(t, s->model, "kd_verify"));
     kd_backend *be = s->model->be;
     kd_fwd_plan p;
     kd_fwd_plan_make(s->model, s->out_cap, &p);
@@ -124,6 +123,7 @@ kd_status kd_verify(kd_seq *s, kd_tree *t) {
         return kd_fail(KD_ERR_ARG, "kd_verify: tree depth %d: expected at most %d (longest accepted path)",
                        t->depth_bound, ACCEPT_MAX - 1);
     int T = t->n + 1;
+    if (!t->host_valid && t->model != s->model) KD_TRY(kd_tree_host(t, "kd_verify"));   /* built on another backend */
     kd_status st = t->host_valid ? verify_host_tree(s, t, T) : verify_dev_tree(s, t, T);
     if (st != KD_OK) return st;
     s->phase = KD_PHASE_VERIFIED;

@@ -253,28 +253,20 @@ kd_status kd_tree_host(kd_tree *t, const char *fn) {
 
 kd_status kd_tree_to_backend(kd_tree *t, kd_model *m, const char *fn) {
     if (t->dev_valid && t->model == m) return KD_OK;
-    KD_TRY(kd_tree_host(t, fn));         /* a copy on another model's backend comes through the host */
+    KD_TRY(kd_tree_host(t, fn));
     KD_TRY(tree_dev_reserve(t, m, t->n, 1, fn));
-    int n = t->n, N = t->dev.cap + 1, words = (n + 1 + 63) / 64;
+    int n = t->n, N = t->dev.cap + 1;
     size_t cnt = 8 + 3 * (size_t)N;
     int32_t *buf = calloc(cnt, sizeof(int32_t));
-    uint64_t *vis = malloc(sizeof(uint64_t) * (size_t)(n + 1) * (size_t)words);
-    kd_status st = KD_OK;
-    if (!buf || !vis) st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate the upload of %d tree nodes", fn, n + 1);
-    if (st == KD_OK) {
-        buf[2] = n;                       /* status: no bad value, n nodes */
-        memcpy(buf + 8, t->token, sizeof(int32_t) * (size_t)(n + 1));
-        memcpy(buf + 8 + N, t->parent, sizeof(int32_t) * (size_t)(n + 1));
-        memcpy(buf + 8 + 2 * N, t->depth, sizeof(int32_t) * (size_t)(n + 1));
-        kd_tree_mask(t->parent, n, vis);
-        kd_backend *be = m->be;
-        st = be->ops->upload(be, t->dev.status, buf, cnt * sizeof(int32_t));
-        if (st == KD_OK) st = be->ops->upload(be, t->dev.vis, vis, sizeof(uint64_t) * (size_t)(n + 1) * (size_t)words);
-        if (st != KD_OK) kd_fail_context(st, "%s: uploading the tree", fn);
-    }
+    if (!buf) return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate the upload of %d tree nodes", fn, n + 1);
+    buf[2] = n;                       /* status: no bad value, n nodes */
+    memcpy(buf + 8, t->token, sizeof(int32_t) * (size_t)(n + 1));
+    memcpy(buf + 8 + N, t->parent, sizeof(int32_t) * (size_t)(n + 1));
+    memcpy(buf + 8 + 2 * N, t->depth, sizeof(int32_t) * (size_t)(n + 1));
+    kd_backend *be = m->be;
+    kd_status st = be->ops->upload(be, t->dev.status, buf, cnt * sizeof(int32_t));
     free(buf);
-    free(vis);
-    if (st != KD_OK) return st;
+    if (st != KD_OK) return kd_fail_context(st, "%s: uploading the tree", fn);
     t->dev_valid = true;
     return KD_OK;
 }

@@ -9,10 +9,10 @@
  * prefix, double; 0 for the root and for nodes built on the backend).
  *
  * Two copies: the host arrays below and a backend copy (dev, in the backend memory of
- * `model`). kd_tree_build / kd_tree_set_chain write the host copy; kd_verify uploads it
- * once. kd_tree_build_drafted builds on the backend and leaves the host copy stale
- * until someone asks for it (kd_tree_nodes, kd_tree_visibility): a DDTree round on a
- * drafted tree moves no tree data to the host. The root token (token[0]) always lives on
+ * `model`). kd_tree_build / kd_tree_set_chain write the host copy; kd_verify uploads its
+ * nodes once (for accept on the backend). kd_tree_build_drafted builds on the backend and
+ * leaves the host copy stale until someone asks for it (kd_tree_nodes, kd_tree_visibility):
+ * a DDTree round on a drafted tree moves no tree data to the host. The root token (token[0]) always lives on
  * the host and is written to the backend copy by kd_verify.
  */
 #ifndef KD_TREE_H
@@ -40,7 +40,8 @@ struct kd_tree {
     void *dev_buf;         /* the one backend allocation dev points into */
     kd_dtree dev;
     bool host_valid;       /* the host arrays hold nodes 1..n (token[0] is always valid) */
-    bool dev_valid;        /* dev holds nodes 0..n (token[0] is staged by kd_verify) and the mask */
+    bool dev_valid;        /* dev holds nodes 0..n (token[0] is staged by kd_verify), and the mask
+                              when it was built there (host_valid false) */
     int dev_K;             /* the build's K (to name a bad draft value) */
     int depth_bound;       /* max_depth when host_valid, else an upper bound of it */
     bool accepted_on_device;   /* the last kd_accept of this tree ran on the backend (its result is there) */
@@ -75,7 +76,8 @@ void kd_tree_mask(const int32_t *parent, int n, uint64_t *dst);
 size_t kd_dtree_layout(kd_dtree *d, void *base, int cap, int topk_cap);
 /* make the host arrays hold the tree (downloads a tree built on the backend) */
 kd_status kd_tree_host(kd_tree *t, const char *fn);
-/* make t->dev hold the tree on m's backend (uploads a host tree when needed) */
+/* make t->dev hold the tree's nodes on m's backend for kd_accept (uploads the host copy when
+ * needed; not the mask: a tree with a host copy is verified from the host arrays) */
 kd_status kd_tree_to_backend(kd_tree *t, kd_model *m, const char *fn);
 /* report a bad value the backend build saw (status word 0 set), or an unexpected node count */
 kd_status kd_tree_build_error(const kd_tree *t, const int32_t *status, const char *fn);
