@@ -110,14 +110,18 @@ static void tree_dev_release(kd_tree *t) {
 
 static size_t align256(size_t v) { return (v + 255u) & ~(size_t)255u; }
 
-/* the layout of the backend copy (backend.h kd_dtree): status, token, parent and depth
- * contiguous (kd_tree_host downloads them in one piece), then the rest 256-byte aligned */
+/* the layout of the backend copy (backend.h kd_dtree): status (KD_DTREE_STATUS words, padded
+ * to STATUS_WORDS), token, parent and depth contiguous (kd_tree_host downloads them in one
+ * piece, kd_tree_to_backend uploads them in one), then the rest 256-byte aligned */
+enum { STATUS_WORDS = 8 };
+static size_t head_words(int cap) { return STATUS_WORDS + 3 * ((size_t)cap + 1); }
+
 size_t kd_dtree_layout(kd_dtree *d, void *base_ptr, int cap, int topk_cap) {
     char *base = (char *)base_ptr;
     size_t N = (size_t)cap + 1, words = (N + 63) / 64, off = 0;
     d->cap = cap;
     d->topk_cap = topk_cap;
-    d->status = (int32_t *)(base + off); off += 8 * sizeof(int32_t);
+    d->status = (int32_t *)(base + off); off += STATUS_WORDS * sizeof(int32_t);
     d->token = (int32_t *)(base + off); off += N * sizeof(int32_t);
     d->parent = (int32_t *)(base + off); off += N * sizeof(int32_t);
     d->depth = (int32_t *)(base + off); off = align256(off + N * sizeof(int32_t));
@@ -221,7 +225,7 @@ kd_status kd_tree_host(kd_tree *t, const char *fn) {
     if (!t->dev_valid || !t->model)
         return kd_fail(KD_ERR_STATE, "%s: the tree has neither a host nor a backend copy", fn);
     KD_TRY(tree_reserve(t, t->n));
-    size_t N = (size_t)t->dev.cap + 1, words = 8 + 3 * N;
+    size_t N = (size_t)t->dev.cap + 1, words = head_words(t->dev.cap);
     int32_t *buf = malloc(words * sizeof(int32_t));
     if (!buf) return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %zu bytes to read the tree", fn, words * 4);
     kd_backend *be = t->model->be;
@@ -229,7 +233,7 @@ kd_status kd_tree_host(kd_tree *t, const char *fn) {
     if (st != KD_OK) kd_fail_context(st, "%s: reading the tree from the backend", fn);
     if (st == KD_OK) st = kd_tree_build_error(t, buf, fn);
     if (st == KD_OK) {
-        const int32_t *tok = buf + 8, *par = tok + N, *dep = par + N;
+        const int32_t *tok = buf + STATUS_WORDS, *par = tok + N, *dep = par + N;
         for (int i = 1; i <= t->n; i++) {   /* token[0] (the root) lives on the host */
             t->token[i] = tok[i];
             t->parent[i] = par[i];
@@ -256,13 +260,14 @@ kd_status kd_tree_to_backend(kd_tree *t, kd_model *m, const char *fn) {
     KD_TRY(kd_tree_host(t, fn));
     KD_TRY(tree_dev_reserve(t, m, t->n, 1, fn));
     int n = t->n, N = t->dev.cap + 1;
-    size_t cnt = 8 + 3 * (size_t)N;
+    size_t cnt = head_words(t->dev.cap);
     int32_t *buf = calloc(cnt, sizeof(int32_t));
     if (!buf) return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate the upload of %d tree nodes", fn, n + 1);
     buf[2] = n;                       /* status: no bad value, n nodes */
-    memcpy(buf + 8, t->token, sizeof(int32_t) * (size_t)(n + 1));
-    memcpy(buf + 8 + N, t->parent, sizeof(int32_t) * (size_t)(n + 1));
-    memcpy(buf + 8 + 2 * N, t->depth, sizeof(int32_t) * (size_t)(n + 1));
+    int32_t *tok = buf + STATUS_WORDS, *par = tok + N, *dep = par + N;
+    memcpy(tok, t->token, sizeof(int32_t) * (size_t)(n + 1));
+    memcpy(par, t->parent, sizeof(int32_t) * (size_t)(n + 1));
+    memcpy(dep, t->depth, sizeof(int32_t) * (size_t)(n + 1));
     kd_backend *be = m->be;
     kd_status st = be->ops->upload(be, t->dev.status, buf, cnt * sizeof(int32_t));
     free(buf);
