@@ -578,12 +578,10 @@ static kd_status build_on_host(kd_tree *t, kd_backend *be, int L, int K, int bud
     if (!vals || !ids) st = kd_fail(KD_ERR_NOMEM, "kd_tree_build_drafted: cannot allocate %d x %d top-K lists", L, K);
     if (st == KD_OK) st = be->ops->download(be, vals, t->dev.vals, n * sizeof(float));
     if (st == KD_OK) st = be->ops->download(be, ids, t->dev.ids, n * sizeof(int32_t));
-    for (size_t i = 0; i < n && st == KD_OK; i++) {
+    for (size_t i = 0; i < n && st == KD_OK; i++)     /* -inf is fine: Algorithm 1 reads it as -FLT_MAX */
         if (isnan(vals[i]) || (isinf(vals[i]) && vals[i] > 0))
             st = kd_fail(KD_ERR_BACKEND, "kd_tree_build_drafted: draft log-prob at depth %d rank %d is %s",
                          (int)(i / K) + 1, (int)(i % K), isnan(vals[i]) ? "NaN" : "+inf");
-        else if (vals[i] < -FLT_MAX) vals[i] = -FLT_MAX;
-    }
     if (st == KD_OK) st = kd_tree_build_topk(t, vals, ids, L, K, budget);
     free(vals);
     free(ids);
