@@ -40,10 +40,7 @@ describe("CUDA ops against the CPU twins #gpu", function()
   end
   local function close(name, n, f, tol)
     local a, b = both(n, f)
-    local err = O.rel_err(b, a, n)
-    note("%-58s err %.2e (tol %.0e)", name, err, tol)
-    assert.is_false(O.has_nan(b, n), name .. ": NaN in the CUDA output")
-    assert.is_true(err <= tol, string.format("%s: relative error %.3e > %.0e", name, err, tol))
+    O.assert_close(note, name, a, b, n, tol)
     return a, b
   end
   local function exact(name, n, f, ctype)

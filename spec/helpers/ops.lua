@@ -4,6 +4,8 @@
 local K = require("kdtree.ffi")
 local ffi, C = K.ffi, K.C
 
+local assert = require("luassert")   -- busted's assert (a module does not see the spec's environment)
+
 local M = { ffi = ffi, C = C }
 
 K.cdef_sibling("kdtree_testing.h")
@@ -132,6 +134,14 @@ end
 function M.has_nan(a, n)
   for i = 0, n - 1 do if a[i] ~= a[i] then return true end end
   return false
+end
+-- the compared backend's n outputs b against the CPU's a: the error is noted (note from M.notes),
+-- b holds no NaN and max |b - a| / max |a| <= tol
+function M.assert_close(note, name, a, b, n, tol)
+  local err = M.rel_err(b, a, n)
+  note("%-62s err %.2e (tol %.0e)", name, err, tol)
+  assert.is_false(M.has_nan(b, n), name .. ": NaN in the CUDA output")
+  assert.is_true(err <= tol, string.format("%s: relative error %.3e > %.0e", name, err, tol))
 end
 
 return M
