@@ -2,16 +2,11 @@
 -- sm_120 (RTX PRO 6000 Blackwell) machine code, plus compute_120 PTX for later GPUs, for every
 -- CUDA translation unit. Read from the ELF section .nv_fatbin of the library under test (no GPU
 -- needed, so CI checks it); a library built with CUDA=0 has no such section and is skipped.
+package.path = "spec/?.lua;" .. package.path
 local ffi = require("ffi")
+local ck = require("helpers.checkpoint")
 
 local lib_path = os.getenv("KDTREE_LIB") or "build/libkdtree.so"
-
-local function read_file(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("*a")
-  f:close()
-  return s
-end
 
 local function u16(s, off) return ffi.cast("const uint16_t *", ffi.cast("const char *", s) + off)[0] end
 local function u32(s, off) return ffi.cast("const uint32_t *", ffi.cast("const char *", s) + off)[0] end
@@ -60,7 +55,7 @@ end
 
 describe("fat binary", function()
   it("holds sm_90 and sm_120 machine code and compute_120 PTX for every CUDA source", function()
-    local sec = elf_section(read_file(lib_path), ".nv_fatbin")
+    local sec = elf_section(ck.read(lib_path), ".nv_fatbin")
     if not sec then
       pending(lib_path .. " was built without CUDA (no .nv_fatbin section)")
       return

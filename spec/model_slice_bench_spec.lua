@@ -35,9 +35,11 @@ local function build()
   return exe
 end
 
-local function run(exe, backend)
-  local md = os.tmpname()
+-- build the bench and run it on a backend: (exit status, its output, the markdown it wrote)
+local function run(backend)
+  local exe, md = build(), os.tmpname()
   local rc, out = sh(string.format("'%s' --tiny --backend %s --steps 3 --md '%s'", exe, backend, md))
+  os.remove(exe)
   local f = io.open(md)
   local text = f and f:read("*a") or ""
   if f then f:close() end
@@ -87,18 +89,12 @@ end
 
 describe("model slice bench: random model in memory, tiny dims, CPU", function()
   it("builds, decodes with finite logits, tree rows equal causal rows, writes the tables", function()
-    local exe = build()
-    local rc, out, md = run(exe, "cpu")
-    os.remove(exe)
-    check_output(rc, out, md)
+    check_output(run("cpu"))
   end)
 end)
 
 describe("model slice bench: random model in memory, tiny dims, CUDA #gpu", function()
   it("builds (INT4 experts through the W4A16 repack), decodes, tree rows bit-identical, writes the tables", function()
-    local exe = build()
-    local rc, out, md = run(exe, "cuda")
-    os.remove(exe)
-    check_output(rc, out, md)
+    check_output(run("cuda"))
   end)
 end)
