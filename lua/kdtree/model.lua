@@ -64,7 +64,6 @@ local MEMORY_FIELDS = { "weights_attention", "weights_dense_mlp", "weights_share
   "weights_total", "weights_allocated", "drafter_weights", "kv_cache", "activations", "drafter_cache",
   "workspace", "other", "total", "mapped", "device_free", "device_total", "n_seqs", "graphs",
   "graph_captures", "graph_launches", "graph_fallbacks" }
-Model.MEMORY_FIELDS = MEMORY_FIELDS
 
 function Model:memory()
   local r = ffi.new("kd_memory_report")

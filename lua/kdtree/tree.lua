@@ -1,5 +1,5 @@
 -- tree.lua: draft trees (kd_tree). Node 0 is the root (the bonus token); drafted nodes
--- are 1..n in pop order. After every change the Lua fields are refreshed:
+-- are 1..n in pop order. The Lua fields follow every change:
 --   t.n, t.root (root token, -1 until set), t.tokens[i], t.parents[i] (node id, 0 = root),
 --   t.depths[i] for i = 1..n.
 local K = require("kdtree.ffi")
@@ -9,10 +9,11 @@ local ffi, C, check = K.ffi, K.C, K.check
 
 local Tree = {}
 -- tokens / parents / depths / root are read from C on first access after a change (a tree
--- built on the backend stays there until someone looks at its nodes)
+-- built on the backend stays there until someone looks at its nodes): a change clears them,
+-- and a read of a cleared one loads all four
 local LAZY = { tokens = true, parents = true, depths = true, root = true }
 Tree.__index = function(t, k)
-  if LAZY[k] and rawget(t, "_h") ~= nil and not rawget(t, "_loaded") then
+  if LAZY[k] and rawget(t, "_h") ~= nil then
     t:_load()
     return rawget(t, k)
   end
@@ -44,8 +45,7 @@ function Tree:close() H.close(self) end
 function Tree:_sync()
   local h = H.get(self, "tree")
   self.n = tonumber(C.kd_tree_size(h))
-  rawset(self, "_loaded", nil)
-  rawset(self, "tokens", nil); rawset(self, "parents", nil); rawset(self, "depths", nil); rawset(self, "root", nil)
+  for k in pairs(LAZY) do rawset(self, k, nil) end
   return self
 end
 
@@ -61,7 +61,6 @@ function Tree:_load()
   rawset(self, "tokens", U.list_from(tk, n, 1))
   rawset(self, "parents", U.list_from(pa, n, 1))
   rawset(self, "depths", U.list_from(de, n, 1))
-  rawset(self, "_loaded", true)
   return self
 end
 
@@ -188,9 +187,9 @@ function M.chain(root, tokens)
   return t
 end
 
-function M.build_drafted(s, budget, root)
+function M.build_drafted(s, budget)
   local t = M.new()
-  local ok, err = pcall(t.build_drafted, t, s, budget, root)
+  local ok, err = pcall(t.build_drafted, t, s, budget)
   if not ok then t:close(); error(err, 0) end
   return t
 end
