@@ -333,14 +333,25 @@ static bool tc_enabled(void) {
 }
 
 /* KDTREE_MLA_TC_VSPLIT (read once per process): unset (or any other value): small grids take
- * 16-row blocks of 8 warps split into value slices by the rule in attention_tc; 0: the 2-warp
- * 16-row blocks as before; 1, 2 or 4 (tests, benches): force that many slices (capped at
- * dv / 128) wherever the 16-row blocks are used. Returns 0 (off), 1, 2, 4 (forced) or 8 (rule). */
+ * 16-row blocks of 8 warps split into value slices by tc_shape's rule; 0: the 2-warp 16-row
+ * blocks as before; 1, 2 or 4 (tests, benches): force that many slices (capped at dv / 128)
+ * wherever the 16-row blocks are used. Returns 0 (off), 1, 2, 4 (forced) or 8 (rule). */
 static int vsplit_mode(void) {
     static int mode = -1;
     if (mode < 0) {
         const char *e = getenv("KDTREE_MLA_TC_VSPLIT");
         mode = !e ? 8 : !strcmp(e, "0") ? 0 : !strcmp(e, "1") ? 1 : !strcmp(e, "2") ? 2 : !strcmp(e, "4") ? 4 : 8;
+    }
+    return mode;
+}
+
+/* KDTREE_MLA_TC_RG=1 or 4 (tests, benches; read once per process): force that many row groups
+ * per block; else 0 (tc_shape's rule) */
+static int rg_mode(void) {
+    static int mode = -1;
+    if (mode < 0) {
+        const char *e = getenv("KDTREE_MLA_TC_RG");
+        mode = e && (!strcmp(e, "1") || !strcmp(e, "4")) ? e[0] - '0' : 0;
     }
     return mode;
 }
@@ -352,7 +363,6 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     using namespace mla;
     kd_cuda *c = kd_cuda_of(be);
     const int T = q.rows, S = k.rows, G = n_heads / n_kv_heads;
-    int tc_rg = 4;
     TcArgs a;
     memset(&a, 0, sizeof a);
     a.q = (const uint16_t *)q.data; a.ldq = q.ld;
@@ -366,7 +376,7 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     a.nc_max = (S + TC_CHUNK - 1) / TC_CHUNK;
     a.qvec = head_dim % 8 == 0 && q.ld % 8 == 0 && ((uintptr_t)q.data & 15) == 0;
     const bool async = kv_async(k, v, head_dim, dv, kstride, vstride);
-    const int DVP = dv <= 32 ? 32 : dv <= 64 ? 64 : dv <= 128 ? 128 : dv <= 256 ? 256 : 512;
+    const int DVP = tc_dv_padded(dv);
 
     AttnWork w;
     KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, 65535 / ((G + 15) / 16), &w));   /* grid y: 16-row blocks */
@@ -374,82 +384,36 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     a.vis_list = w.vis_list; a.vis_cnt = w.vis_cnt;
     a.pm = w.pm; a.pl = w.pl; a.po = w.po;
 
-    /* row groups per block: 4 (64 rows share a tile) unless that leaves most SMs idle (decode
-     * at short context); then, unless KDTREE_MLA_TC_VSPLIT=0, 16-row blocks of 8 warps (256
-     * threads) split into VS value slices (up to dv / 128; more while the grid has fewer than
-     * two blocks per SM). The bits depend on none of these (mla_tc.cuh). */
-    int kw = 2, vs = 1;
-    {
-        long long ncq = visible || !causal || d_past ? (S + TC_CHUNK - 1) / TC_CHUNK
-                                                     : (past + T + TC_CHUNK - 1) / TC_CHUNK;
-        long long blocks4 = ncq * (((long long)T * G + TC_ROWS - 1) / TC_ROWS) * n_kv_heads;
-        static int forced = -1;   /* KDTREE_MLA_TC_RG=1 or 4 (tests, benches): read once */
-        if (forced < 0) {
-            const char *e = getenv("KDTREE_MLA_TC_RG");
-            forced = e && (!strcmp(e, "1") || !strcmp(e, "4")) ? e[0] - '0' : 0;
-        }
-        int rg = forced ? forced : (blocks4 < c->n_sms ? 1 : 4);
-        if (rg == 4 && tc_smem_bytes(a.HDP, 4) > c->smem_optin) rg = 1;   /* e.g. sm_120's 99 KB */
-        a.rb_per_q = (G + rg * 16 - 1) / (rg * 16);
-        tc_rg = rg;
-        if (rg == 1 && vsplit_mode() != 0 && async && DVP >= 128 && tc_smem_bytes(a.HDP, 1, 8) <= c->smem_optin) {
-            kw = 8;
-            const int vs_max = DVP / 128;
-            const int vmode = vsplit_mode();
-            if (vmode != 8) vs = vmode;
-            else {
-                long long blocks1 = ncq * (((long long)T * G + 15) / 16) * n_kv_heads;
-                while (vs < vs_max && blocks1 * vs < 2LL * c->n_sms) vs *= 2;
-            }
-            if (vs > vs_max) vs = vs_max;
-        }
-    }
-    const int rg = tc_rg;
-    const size_t smem = tc_smem_bytes(a.HDP, rg, kw);
+    /* the block shape (tc_shape: row groups, warps, value slices); the bits depend on none of it */
+    const long long ncq = tc_max_chunks(S, past, T, causal, visible != NULL, d_past != NULL);
+    const TcShape sh = tc_shape(ncq, T, G, n_kv_heads, DVP, a.HDP, async, c->n_sms, c->smem_optin, rg_mode(),
+                                vsplit_mode());
+    const int rows = sh.rg * 16, nth = sh.rg * 32 * sh.kw;
+    a.rb_per_q = (G + rows - 1) / rows;
+    const size_t smem = tc_smem_bytes(a.HDP, sh.rg, sh.kw);
     if (smem > c->smem_optin)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: key dim %d needs %zu bytes of shared memory (device has %zu)",
                        head_dim, smem, c->smem_optin);
-    typedef void (*tc_fn)(TcArgs);
-    tc_fn fn = NULL;
-#define TC_PICK(D)                                                                                  \
-    if (DVP == D)                                                                                   \
-        fn = rg == 1 ? (async ? tc_chunk_kernel<D, true, 1> : tc_chunk_kernel<D, false, 1>)         \
-                     : (async ? tc_chunk_kernel<D, true, 4> : tc_chunk_kernel<D, false, 4>);
-    TC_PICK(32) TC_PICK(64) TC_PICK(128) TC_PICK(256) TC_PICK(512)
-#undef TC_PICK
-    if (kw == 8) {   /* async, rg 1, DVP >= 128 * vs (checked above) */
-        if (DVP == 128) fn = tc_chunk_kernel<128, true, 1, 8, 1>;
-        if (DVP == 256) fn = vs == 1 ? tc_chunk_kernel<256, true, 1, 8, 1> : tc_chunk_kernel<256, true, 1, 8, 2>;
-        if (DVP == 512)
-            fn = vs == 1 ? tc_chunk_kernel<512, true, 1, 8, 1>
-               : vs == 2 ? tc_chunk_kernel<512, true, 1, 8, 2> : tc_chunk_kernel<512, true, 1, 8, 4>;
-    }
+    const TcKernel fn = tc_kernel(DVP, async, sh);
     if (!fn) return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: no tensor-core kernel for value dim %d (padded %d)", dv, DVP);
     KD_TRY(kd_cuda_smem(c, (const void *)fn, smem));
-    const int rows = rg * 16, nth = rg * 32 * kw;
 
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         const int tb = T - t0 < tbatch ? T - t0 : tbatch;
         a.t0 = t0;
         a.tb = tb;
         /* shared launch: chunks whose ordinals are the same rows for every query */
-        int nsh;
-        if (visible) nsh = d_past ? a.nc_max : past / TC_CHUNK;   /* device past: blocks past it exit */
-        else {
-            int max_vis = d_past ? S : causal ? past + t0 + tb : S;
-            if (max_vis > S) max_vis = S;
-            nsh = (max_vis + TC_CHUNK - 1) / TC_CHUNK;
-        }
+        const int nsh = tc_shared_chunks(S, past, t0, tb, causal, visible != NULL, d_past != NULL);
         if (nsh > 0) {
             a.tail = 0;
-            dim3 grid(nsh, (tb * G + rows - 1) / rows, n_kv_heads * vs);
+            dim3 grid(nsh, (tb * G + rows - 1) / rows, n_kv_heads * sh.vs);
             fn<<<grid, nth, smem, c->stream>>>(a);
             KD_CUDA_LAUNCH("tc_chunk_kernel (shared)");
         }
         /* tail launch (tree mask): chunks reaching into the new rows, one query per block */
         if (visible) {
             a.tail = 1;
-            dim3 grid((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, n_kv_heads * vs);
+            dim3 grid((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, n_kv_heads * sh.vs);
             fn<<<grid, nth, smem, c->stream>>>(a);
             KD_CUDA_LAUNCH("tc_chunk_kernel (tail)");
         }

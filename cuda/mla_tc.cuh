@@ -439,5 +439,69 @@ __global__ void tc_merge_kernel(TcArgs a, void *out, int odt, long long ldo) {
     }
 }
 
+/* ---- the launch plan (host): attention_tc in mla.cu and scripts/bench/mla_emu both take it from here ---- */
+
+/* value dims padded to a kernel instance (32..512, a power of two) */
+static inline int tc_dv_padded(int dv) { return dv <= 32 ? 32 : dv <= 64 ? 64 : dv <= 128 ? 128 : dv <= 256 ? 256 : 512; }
+
+/* chunks of the query that sees the most keys: all S rows unless causal with a host past */
+static inline long long tc_max_chunks(int S, int past, int T, bool causal, bool visible, bool d_past) {
+    return visible || !causal || d_past ? (S + TC_CHUNK - 1) / TC_CHUNK : (past + T + TC_CHUNK - 1) / TC_CHUNK;
+}
+
+/* The block shape of a call: rg row groups of 16 per block (4: 64 rows share a tile) unless
+ * that leaves most SMs idle (decode at short context) or does not fit; then, when async and
+ * vs_mode allow, 16-row blocks of kw = 8 warps split into vs value slices (up to DVP / 128;
+ * more while the grid has fewer than two blocks per SM). rg_forced: 1 or 4, else 0 (the rule);
+ * vs_mode: 0 off, 1, 2 or 4 forced, 8 the rule. The bits depend on none of these (above). */
+struct TcShape { int rg, kw, vs; };
+static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int DVP, int HDP, bool async, int n_sms,
+                               size_t smem_optin, int rg_forced, int vs_mode) {
+    TcShape s = {4, 2, 1};
+    const long long blocks4 = ncq * (((long long)T * G + TC_ROWS - 1) / TC_ROWS) * n_kv_heads;
+    s.rg = rg_forced ? rg_forced : blocks4 < n_sms ? 1 : 4;
+    if (s.rg == 4 && tc_smem_bytes(HDP, 4) > smem_optin) s.rg = 1;   /* e.g. sm_120's 99 KB */
+    if (s.rg == 1 && vs_mode != 0 && async && DVP >= 128 && tc_smem_bytes(HDP, 1, 8) <= smem_optin) {
+        s.kw = 8;
+        const int vs_max = DVP / 128;
+        if (vs_mode != 8) s.vs = vs_mode;
+        else {
+            const long long blocks1 = ncq * (((long long)T * G + 15) / 16) * n_kv_heads;
+            while (s.vs < vs_max && blocks1 * s.vs < 2LL * n_sms) s.vs *= 2;
+        }
+        if (s.vs > vs_max) s.vs = vs_max;
+    }
+    return s;
+}
+
+/* the kernel instance of a shape, or NULL (no instance for that DVP) */
+typedef void (*TcKernel)(TcArgs);
+static inline TcKernel tc_kernel(int DVP, bool async, TcShape s) {
+    if (s.kw == 8) {   /* async, rg 1, DVP >= 128 * vs (tc_shape) */
+        if (DVP == 128) return tc_chunk_kernel<128, true, 1, 8, 1>;
+        if (DVP == 256) return s.vs == 1 ? tc_chunk_kernel<256, true, 1, 8, 1> : tc_chunk_kernel<256, true, 1, 8, 2>;
+        if (DVP == 512)
+            return s.vs == 1 ? tc_chunk_kernel<512, true, 1, 8, 1>
+                 : s.vs == 2 ? tc_chunk_kernel<512, true, 1, 8, 2> : tc_chunk_kernel<512, true, 1, 8, 4>;
+        return NULL;
+    }
+#define TC_PICK(D)                                                                                  \
+    if (DVP == D)                                                                                   \
+        return s.rg == 1 ? (async ? tc_chunk_kernel<D, true, 1> : tc_chunk_kernel<D, false, 1>)     \
+                         : (async ? tc_chunk_kernel<D, true, 4> : tc_chunk_kernel<D, false, 4>);
+    TC_PICK(32) TC_PICK(64) TC_PICK(128) TC_PICK(256) TC_PICK(512)
+#undef TC_PICK
+    return NULL;
+}
+
+/* the shared launch's chunks for queries [t0, t0 + tb): those whose ordinals are the same rows
+ * for every query (tree mask: the committed prefix; device past: all, the blocks past it exit) */
+static inline int tc_shared_chunks(int S, int past, int t0, int tb, bool causal, bool visible, bool d_past) {
+    if (visible) return d_past ? (S + TC_CHUNK - 1) / TC_CHUNK : past / TC_CHUNK;
+    int max_vis = d_past ? S : causal ? past + t0 + tb : S;
+    if (max_vis > S) max_vis = S;
+    return (max_vis + TC_CHUNK - 1) / TC_CHUNK;
+}
+
 }  // namespace mla
 #endif

@@ -5,8 +5,9 @@
  *  - the batch-invariance logic: a tree node's output bit-identical to decoding it alone and
  *    to the last row of a causal prefill, and attention_at (device past, larger bound) equal
  *    to attention, and several query batches (t0 > 0) equal to one.
- * The launch logic below mirrors attention_tc() in cuda/mla.cu (grids, shared/tail launches,
- * visible lists, partial slots). Usage: run.sh (builds and runs this). */
+ * The launch below takes its block shape, kernel and shared chunks from mla_tc.cuh's launch
+ * plan, as attention_tc() in cuda/mla.cu does, and mirrors its grids, visible lists and partial
+ * slots. Usage: run.sh (builds and runs this). */
 #include "mla_mma.cuh"
 #include <functional>
 #include <vector>
@@ -107,25 +108,14 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
     a.d_past = c.bound > 0 ? &dpast : nullptr;
     a.nc_max = (S + TC_CHUNK - 1) / TC_CHUNK;
     bool async = !force_plain && c.hd % 8 == 0 && c.dv % 8 == 0 && a.kstride % 8 == 0 && a.vstride % 8 == 0;
-    const int DVP = c.dv <= 32 ? 32 : c.dv <= 64 ? 64 : c.dv <= 128 ? 128 : c.dv <= 256 ? 256 : 512;
-    const int n_sms = 132;
-    long long ncq = c.vis || !c.causal || c.bound > 0 ? (S + TC_CHUNK - 1) / TC_CHUNK
-                                                       : (c.past + T + TC_CHUNK - 1) / TC_CHUNK;
-    int rg = c.rg;
-    if (!rg) rg = ncq * (((long long)T * G + TC_ROWS - 1) / TC_ROWS) * c.Hkv < n_sms ? 1 : 4;
-    int kw = 2, vs = 1;
-    if (rg == 1 && c.vs >= 0 && async && DVP >= 128) {   /* attention_tc's split rule */
-        kw = 8;
-        const int vs_max = DVP / 128;
-        if (c.vs > 0) vs = c.vs;
-        else {
-            long long blocks1 = ncq * (((long long)T * G + 15) / 16) * c.Hkv;
-            while (vs < vs_max && blocks1 * vs < 2LL * n_sms) vs *= 2;
-        }
-        if (vs > vs_max) vs = vs_max;
-    }
-    last_kw = kw; last_vs = vs;
-    const int rows = rg * 16, nth = rg * 32 * kw;
+    const int DVP = tc_dv_padded(c.dv);
+    const int past_h = c.bound > 0 ? 0 : c.past;
+    /* attention_tc's shape rule on 132 SMs, this emulator's shared memory as the limit */
+    const long long ncq = tc_max_chunks(S, past_h, T, c.causal, c.vis != nullptr, c.bound > 0);
+    const TcShape sh = tc_shape(ncq, T, G, c.Hkv, DVP, a.HDP, async, 132, sizeof emu_smem_buf, c.rg,
+                                c.vs < 0 ? 0 : c.vs == 0 ? 8 : c.vs);
+    last_kw = sh.kw; last_vs = sh.vs;
+    const int rows = sh.rg * 16, nth = sh.rg * 32 * sh.kw;
     a.rb_per_q = (G + rows - 1) / rows;
     a.qvec = c.hd % 8 == 0;
     std::vector<int32_t> list, cnt;
@@ -143,39 +133,21 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
     std::vector<float> pm((size_t)tbatch * c.Hq * a.nc_max, NAN), pl(pm.size(), NAN), po(pm.size() * c.dv, NAN);
     a.pm = pm.data(); a.pl = pl.data(); a.po = po.data();
     std::vector<float> out((size_t)T * c.Hq * c.dv, NAN);
-    void (*fn)(TcArgs) = nullptr;
-#define PICK(D) if (DVP == D) fn = rg == 1 ? (async ? tc_chunk_kernel<D, true, 1> : tc_chunk_kernel<D, false, 1>) \
-                                           : (async ? tc_chunk_kernel<D, true, 4> : tc_chunk_kernel<D, false, 4>);
-    PICK(32) PICK(64) PICK(128) PICK(256) PICK(512)
-#undef PICK
-    if (kw == 8) {
-        if (DVP == 128) fn = tc_chunk_kernel<128, true, 1, 8, 1>;
-        if (DVP == 256) fn = vs == 1 ? tc_chunk_kernel<256, true, 1, 8, 1> : tc_chunk_kernel<256, true, 1, 8, 2>;
-        if (DVP == 512)
-            fn = vs == 1 ? tc_chunk_kernel<512, true, 1, 8, 1>
-               : vs == 2 ? tc_chunk_kernel<512, true, 1, 8, 2> : tc_chunk_kernel<512, true, 1, 8, 4>;
-    }
-    if (tc_smem_bytes(a.HDP, rg, kw) > sizeof emu_smem_buf) { printf("smem\n"); exit(2); }
-    const int past_h = c.bound > 0 ? 0 : c.past;
+    const TcKernel fn = tc_kernel(DVP, async, sh);
+    if (tc_smem_bytes(a.HDP, sh.rg, sh.kw) > sizeof emu_smem_buf) { printf("smem\n"); exit(2); }
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         int tb = std::min(tbatch, T - t0);
         a.t0 = t0; a.tb = tb;
-        int nsh;
-        if (c.vis) nsh = c.bound > 0 ? a.nc_max : past_h / TC_CHUNK;
-        else {
-            int max_vis = c.bound > 0 ? S : c.causal ? past_h + t0 + tb : S;
-            if (max_vis > S) max_vis = S;
-            nsh = (max_vis + TC_CHUNK - 1) / TC_CHUNK;
-        }
+        const int nsh = tc_shared_chunks(S, past_h, t0, tb, c.causal, c.vis != nullptr, c.bound > 0);
         if (nsh > 0) {
             a.tail = 0;
             TcArgs aa = a;
-            launch(nsh, (tb * G + rows - 1) / rows, c.Hkv * vs, nth, [&] { fn(aa); });
+            launch(nsh, (tb * G + rows - 1) / rows, c.Hkv * sh.vs, nth, [&] { fn(aa); });
         }
         if (c.vis) {
             a.tail = 1;
             TcArgs aa = a;
-            launch((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, c.Hkv * vs, nth, [&] { fn(aa); });
+            launch((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, c.Hkv * sh.vs, nth, [&] { fn(aa); });
         }
         TcArgs aa = a;
         launch(c.Hq, tb, 1, 32, [&] {
