@@ -156,6 +156,20 @@ static void cuda_free(kd_backend *be, void *ptr) {
     cudaFree(ptr);   /* waits for the device; frees are rare (sequence close) */
 }
 
+extern "C" void kd_cuda_mem_usage(kd_backend *be, kd_mem_usage *out) {
+    kd_cuda *c = kd_cuda_of(be);
+    memset(out, 0, sizeof *out);
+    out->weights = c->bytes_weights;
+    out->buffers = c->bytes_alloc;
+    out->workspace = c->bytes_workspace;
+    size_t fr = 0, tot = 0;
+    if (cudaSetDevice(be->device) == cudaSuccess && cudaMemGetInfo(&fr, &tot) == cudaSuccess) {
+        out->device_free = fr;
+        out->device_total = tot;
+    }
+    cudaGetLastError();
+}
+
 static kd_status cuda_upload(kd_backend *be, void *dst, const void *src, size_t bytes) {
     kd_cuda *c = kd_cuda_of(be);
     if (!bytes) return KD_OK;
@@ -206,6 +220,20 @@ static kd_status dev_copy_of(kd_backend *be, const void *src, size_t bytes, cons
     return KD_OK;
 }
 
+/* bytes a weight holds on the device, 0 without a device copy: what weight_load adds to
+ * bytes_weights and weight_free takes off (INT4: codes and bf16 scales, as repacked) */
+extern "C" uint64_t kd_cuda_weight_bytes(kd_backend *be, const kd_weight *w) {
+    (void)be;
+    if (!w || !w->dev) return 0;
+    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
+    switch (w->format) {
+    case KD_W_BF16: return 2 * n;
+    case KD_W_F32: return 4 * n;
+    case KD_W_INT4: return n / 2 + (w->group > 0 ? n / (uint64_t)w->group * 2 : 0);
+    }
+    return 0;
+}
+
 static kd_status cuda_weight_load(kd_backend *be, kd_weight *w) {
     kd_cuda *c = kd_cuda_of(be);
     const char *name = w && w->name ? w->name : "(unnamed)";
@@ -218,12 +246,10 @@ static kd_status cuda_weight_load(kd_backend *be, kd_weight *w) {
     switch (w->format) {
     case KD_W_BF16:
         KD_TRY(dev_copy_of(be, w->src, n * 2, "the bf16 values", name, &w->dev));
-        c->bytes_weights += n * 2;
-        return KD_OK;
+        break;
     case KD_W_F32:
         KD_TRY(dev_copy_of(be, w->src, n * 4, "the f32 values", name, &w->dev));
-        c->bytes_weights += n * 4;
-        return KD_OK;
+        break;
     case KD_W_INT4:
         if (!w->src_scale) return kd_fail(KD_ERR_ARG, "cuda weight_load: INT4 weight '%s' has no scales", name);
         if (w->group <= 0 || w->cols % 8 || w->cols % w->group)
@@ -231,33 +257,30 @@ static kd_status cuda_weight_load(kd_backend *be, kd_weight *w) {
                            w->group, (long long)w->cols);
 #if KD_HAVE_W4A16
         KD_TRY(kd_cuda_w4a16_repack(be, w));
-        c->bytes_weights += n / 2 + (n / w->group) * 2;
-        return KD_OK;
+        break;
 #else
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda weight_load: INT4 weight '%s': this build has no W4A16 kernels", name);
 #endif
+    default:
+        return kd_fail(KD_ERR_ARG, "cuda weight_load: weight '%s': unknown format %d", name, (int)w->format);
     }
-    return kd_fail(KD_ERR_ARG, "cuda weight_load: weight '%s': unknown format %d", name, (int)w->format);
+    c->bytes_weights += kd_cuda_weight_bytes(be, w);
+    return KD_OK;
 }
 
 static void cuda_weight_free(kd_backend *be, kd_weight *w) {
     if (!w) return;
     kd_cuda *c = kd_cuda_of(be);
     cudaSetDevice(be->device);
-    size_t n = (size_t)w->rows * (size_t)w->cols;
+    const uint64_t b = kd_cuda_weight_bytes(be, w);
     if (w->format == KD_W_INT4) {
 #if KD_HAVE_W4A16
-        if (w->dev) {
-            kd_cuda_w4a16_free(be, w);
-            size_t b = n / 2 + (w->group > 0 ? (n / w->group) * 2 : 0);
-            c->bytes_weights = c->bytes_weights > b ? c->bytes_weights - b : 0;
-        }
+        kd_cuda_w4a16_free(be, w);
 #endif
     } else if (w->dev) {
         cudaFree(w->dev);
-        size_t b = n * (w->format == KD_W_F32 ? 4 : 2);
-        c->bytes_weights = c->bytes_weights > b ? c->bytes_weights - b : 0;
     }
+    c->bytes_weights = c->bytes_weights > b ? c->bytes_weights - b : 0;
     w->dev = NULL;
     w->dev_scale = NULL;
 }

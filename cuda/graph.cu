@@ -1,5 +1,4 @@
-/* graph.cu: what makes a forward step capturable as a CUDA graph, and the backend's
- * memory totals.
+/* graph.cu: what makes a forward step capturable as a CUDA graph.
  *
  * A captured graph freezes every kernel argument. A decode or verify step is replayed at
  * a different sequence length each time, so the length must be read on the device: the
@@ -13,7 +12,6 @@
  * sync, an allocation) fails during the capture instead of running, the capture is then
  * discarded (graph_end reports it) and the model runs the step eagerly. */
 #include "cuda_internal.cuh"
-#include <string.h>
 
 namespace {
 
@@ -114,31 +112,3 @@ extern "C" void kd_cuda_graph_free(kd_backend *be, void *graph) {
 }
 
 extern "C" uint64_t kd_cuda_graph_epoch(kd_backend *be) { return kd_cuda_of(be)->ws_epoch; }
-
-/* ---- memory totals ---- */
-
-extern "C" uint64_t kd_cuda_weight_bytes(kd_backend *be, const kd_weight *w) {
-    (void)be;
-    if (!w || !w->dev) return 0;
-    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
-    switch (w->format) {   /* as cuda_weight_load counts them */
-    case KD_W_BF16: return 2 * n;
-    case KD_W_F32: return 4 * n;
-    case KD_W_INT4: return n / 2 + (w->group > 0 ? n / (uint64_t)w->group * 2 : 0);
-    }
-    return 0;
-}
-
-extern "C" void kd_cuda_mem_usage(kd_backend *be, kd_mem_usage *out) {
-    kd_cuda *c = kd_cuda_of(be);
-    memset(out, 0, sizeof *out);
-    out->weights = c->bytes_weights;
-    out->buffers = c->bytes_alloc;
-    out->workspace = c->bytes_workspace;
-    size_t fr = 0, tot = 0;
-    if (cudaSetDevice(be->device) == cudaSuccess && cudaMemGetInfo(&fr, &tot) == cudaSuccess) {
-        out->device_free = fr;
-        out->device_total = tot;
-    }
-    cudaGetLastError();
-}
