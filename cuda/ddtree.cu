@@ -589,7 +589,6 @@ extern "C" kd_status kd_cuda_tree_stage(kd_backend *be, const kd_dtree *t, int n
     if (!t || n < 0 || n > t->cap) return kd_fail(KD_ERR_ARG, "cuda tree_stage: %d nodes in a tree of %d", n, t ? t->cap : 0);
     if (ids && (!pos_out || !vis_out)) return kd_fail(KD_ERR_ARG, "cuda tree_stage: ids without positions or mask");
     size_t words = (size_t)(n + 1 + 63) / 64, work = ids ? (size_t)(n + 1) * words : (size_t)n + 1;
-    if (work < (size_t)n + 1) work = (size_t)n + 1;
     int blocks = (int)((work + 255) / 256);
     if (blocks > 1024) blocks = 1024;
     tree_stage_kernel<<<blocks, 256, 0, c->stream>>>(*t, n, root, pos0, ids, pos_out, ids ? vis_out : NULL);
