@@ -201,8 +201,11 @@ __device__ __forceinline__ void store_tile(const W4Args &a, const float (&acc)[N
  * work items (token tile, n-block) with a grid-stride loop over clusters.
  * Per element the arithmetic is the same in every configuration: for each scale group in k
  * order, tmp = the chain of mma k16 steps from zero, acc = fma(tmp, scale, acc); then the
- * parts' acc added in part order. SC (chunks per stage) only changes how loads are batched. */
-template <int MT8, int NT, int WN, int SC, int STAGES, bool DUAL>
+ * parts' acc added in part order. SC (chunks per stage) only changes how loads are batched.
+ * GSHIFT: log2 of the group size compiled in (5: Kimi K2.6's 32; the fold points of a stage
+ * are then constants and its math straight-line code: the MoE on the H200 went from 56% to
+ * 64% of copy at T = 1 and from 72-74% to 78-79% at T = 4..64), or 0: a.gshift at run time. */
+template <int MT8, int NT, int WN, int SC, int STAGES, bool DUAL, int GSHIFT>
 __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4a16_gemm_kernel(const W4Args a) {
     typedef W4Shape<MT8, NT, WN, SC, STAGES> S;
     constexpr int BM = S::BM, THREADS = S::THREADS, SLOTS = S::SLOTS, XR = S::XR, XPT = S::XPT;
@@ -224,7 +227,7 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
     }
     bool waited = moe;
     const long long total = (long long)tiles_m * a.nb;
-    const int gshift = a.gshift, gmask = (1 << gshift) - 1;
+    const int gshift = GSHIFT ? GSHIFT : a.gshift, gmask = (1 << gshift) - 1;
 
     for (long long item = cluster; item < total; item += n_clusters) {
         const int nbi = (int)(item % a.nb);
@@ -549,9 +552,10 @@ struct Launch {
 };
 
 template <int MT8, int NT, int WN, int SC, int STAGES, bool DUAL>
-Launch make_launch() {
+Launch make_launch(int gshift) {
     Launch l;
-    l.fn = w4a16_gemm_kernel<MT8, NT, WN, SC, STAGES, DUAL>;
+    l.fn = gshift == 5 ? w4a16_gemm_kernel<MT8, NT, WN, SC, STAGES, DUAL, 5>
+                       : w4a16_gemm_kernel<MT8, NT, WN, SC, STAGES, DUAL, 0>;
     l.threads = WN * 32;
     l.smem = W4Shape<MT8, NT, WN, SC, STAGES>::SMEM;
     l.bm = MT8 * 8;
@@ -567,32 +571,32 @@ Launch make_skinny(int warps) {
     return l;
 }
 
-Launch get_launch(int cfg, bool dual) {
+Launch get_launch(int cfg, bool dual, int gshift) {
     if (dual) {
         switch (CONFIGS[cfg].mt8) {
-        case 1: return make_launch<1, 2, 4, 2, 3, true>();
-        case 2: return make_launch<2, 2, 4, 2, 3, true>();
-        case 4: return make_launch<4, 2, 4, 1, 6, true>();
-        default: return make_launch<8, 2, 4, 1, 4, true>();
+        case 1: return make_launch<1, 2, 4, 2, 3, true>(gshift);
+        case 2: return make_launch<2, 2, 4, 2, 3, true>(gshift);
+        case 4: return make_launch<4, 2, 4, 1, 6, true>(gshift);
+        default: return make_launch<8, 2, 4, 1, 4, true>(gshift);
         }
     }
     switch (cfg) {
-    case 0: return make_launch<1, 2, 4, 2, 3, false>();
-    case 1: return make_launch<1, 1, 8, 2, 3, false>();
-    case 2: return make_launch<2, 2, 4, 2, 3, false>();
-    case 3: return make_launch<2, 1, 8, 2, 3, false>();
-    case 4: return make_launch<4, 2, 4, 1, 6, false>();
+    case 0: return make_launch<1, 2, 4, 2, 3, false>(gshift);
+    case 1: return make_launch<1, 1, 8, 2, 3, false>(gshift);
+    case 2: return make_launch<2, 2, 4, 2, 3, false>(gshift);
+    case 3: return make_launch<2, 1, 8, 2, 3, false>(gshift);
+    case 4: return make_launch<4, 2, 4, 1, 6, false>(gshift);
     case 6:
     case 7:
     case 8:
     case 9: return make_skinny(CONFIGS[cfg].skinny);
-    default: return make_launch<8, 2, 4, 1, 4, false>();
+    default: return make_launch<8, 2, 4, 1, 4, false>(gshift);
     }
 }
 /* the MoE's kernels for a configuration (a skinny one maps to the pipelined one of its MT8) */
-Launch moe_launch(int cfg, bool dual) {
+Launch moe_launch(int cfg, bool dual, int gshift) {
     if (CONFIGS[cfg].skinny) cfg = 0;
-    return get_launch(cfg, dual);
+    return get_launch(cfg, dual, gshift);
 }
 
 /* the most parts of K: 8, the portable cluster size (16-block clusters are placed poorly: the
@@ -792,7 +796,7 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
         return kd_fail(KD_ERR_ARG, "w4a16 gemm: codes/scales must be 16-byte aligned");
     int parts, cpp;
     split_of(k, group, tiles_of(n), TARGET_GEMM, &parts, &cpp);
-    Launch l = get_launch(config_for(m), false);
+    Launch l = get_launch(config_for(m), false, log2_of(group));
     SkinnyPlan sp = {};
     if (l.skinny) {
         if (skinny_plan(l.skinny_warps, m, tiles_of(n), kc_of(k), parts, cpp, log2_of(group), &sp)) {
@@ -800,7 +804,7 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
             l.threads = sp.threads;
             l.smem = sp.smem;
         } else {
-            l = get_launch(pipelined_config_for_m(m), false);
+            l = get_launch(pipelined_config_for_m(m), false, log2_of(group));
         }
     }
     W4Args a = {};
@@ -839,7 +843,7 @@ int moe_config(const kd_w4a16_moe_shape *s, int T) {
 MoeLayout moe_layout(const kd_w4a16_moe_shape *s, int T) {
     MoeLayout L = {};
     L.cfg = moe_config(s, T);
-    Launch gu = moe_launch(L.cfg, true), dn = moe_launch(L.cfg, false);
+    Launch gu = moe_launch(L.cfg, true, log2_of(s->group)), dn = moe_launch(L.cfg, false, log2_of(s->group));
     L.tk = T * s->top_k;
     L.tiles_max = (L.tk + gu.bm - 1) / gu.bm + (L.tk < s->n_experts ? L.tk : s->n_experts);
     split_of(s->hidden, s->group, (long long)tiles_of(s->inter) * s->top_k, TARGET_MOE, &L.parts_gu, &L.cpp_gu);
@@ -890,7 +894,7 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     bf16 *act = (bf16 *)(b + L.o_act);
     float *yv = (float *)(b + L.o_y);
 
-    Launch gu = moe_launch(L.cfg, true), dn = moe_launch(L.cfg, false);
+    Launch gu = moe_launch(L.cfg, true, log2_of(s->group)), dn = moe_launch(L.cfg, false, log2_of(s->group));
     if (plan_smem > 48 * 1024)
         W4_CUDA(cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan_smem));
     moe_plan_kernel<<<1, PLAN_THREADS, plan_smem, st>>>(ids, L.tk, s->top_k, s->n_experts, gu.bm, slot_of, row_tok,

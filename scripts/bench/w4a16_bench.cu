@@ -1,8 +1,9 @@
 /* w4a16_bench.cu: validation and benchmark of the W4A16 kernels (cuda/w4a16.cu), standalone
  * (links cuda/w4a16.cu and core/error.c only, plus cuBLAS for the GEMM ceiling).
  *
- *   w4a16_bench [--quick] [--small] [--no-bench] [--no-check] [--md FILE]
+ *   w4a16_bench [--quick] [--small] [--no-bench] [--no-check] [--moe-only T] [--md FILE]
  *   --small: small shapes only, no ceilings or timings (for compute-sanitizer)
+ *   --moe-only T: the K2.6 MoE layer timing at T tokens alone (to run under a profiler)
  *
  * 1. ceilings measured in this run: cudaMemcpy device-to-device (2 GiB, bytes read + written),
  *    a read-only kernel (2 GiB of 16-byte loads), cuBLAS bf16 GEMM 8192^3 (fp32 accumulate);
@@ -775,6 +776,7 @@ static int run_trace() {
 
 int main(int argc, char **argv) {
     bool quick = false, bench = true, check = true, small = false, profile = false;
+    int moe_only = 0;
     std::string md_path = "build/bench/w4a16.md";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = true;
@@ -786,6 +788,7 @@ int main(int argc, char **argv) {
 #endif
         else if (!strcmp(argv[i], "--no-check")) check = false;
         else if (!strcmp(argv[i], "--md") && i + 1 < argc) md_path = argv[++i];
+        else if (!strcmp(argv[i], "--moe-only") && i + 1 < argc) moe_only = atoi(argv[++i]);
     }
     cudaDeviceProp p;
     CK(cudaGetDeviceProperties(&p, 0));
@@ -795,6 +798,10 @@ int main(int argc, char **argv) {
     MD("GPU: %s, %d SMs, L2 %d MB, %.0f GB; CUDA driver %d.%d, runtime %d.%d\n\n", p.name, p.multiProcessorCount,
        p.l2CacheSize >> 20, p.totalGlobalMem / 1e9, drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
     if (profile) return run_profile();
+    if (moe_only > 0) {
+        bench_moe({moe_only}, true);
+        return 0;
+    }
     double mhz_idle = sm_mhz();
     if (!small) ceilings(quick);
     double mhz_ceil = sm_mhz();
