@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # gpu_run.sh: one pass on the GPU machine: build, the whole suite on CUDA (make test-gpu),
-# compute-sanitizer memcheck + racecheck on the CUDA driver, and make bench. Logs go to $OUT
+# compute-sanitizer memcheck + racecheck on the CUDA driver and on the W4A16 checks at small
+# shapes (w4a16_bench --small), and make bench. Logs go to $OUT
 # (the device tool's folder) or ./gpu-logs; summary.log has one line per step.
 # Usage (repo root, after `source .device/env.sh`): scripts/bench/gpu_run.sh [steps]
 # steps: any of build test sanitize bench spec-memcheck (default: all but spec-memcheck, in that
@@ -28,6 +29,13 @@ if has sanitize; then
     -o build/cuda_sanitize > "$OUT/sanitize-build.log" 2>&1
   step memcheck 90 compute-sanitizer --tool memcheck --leak-check full --print-limit 20 build/cuda_sanitize
   step racecheck 90 compute-sanitizer --tool racecheck --print-limit 20 build/cuda_sanitize
+  # every W4A16 configuration and the MoE grouped form (split K included) at small shapes
+  make build/bench/w4a16_bench > "$OUT/w4a16-bench-build.log" 2>&1
+  step memcheck-w4a16 120 compute-sanitizer --tool memcheck --print-limit 20 build/bench/w4a16_bench --small
+  step racecheck-w4a16 180 compute-sanitizer --tool racecheck --print-limit 20 build/bench/w4a16_bench --small
+  for t in memcheck-w4a16 racecheck-w4a16; do
+    grep -aE "ERROR SUMMARY|RACECHECK SUMMARY|check failures" "$OUT/$t.log" | sed "s|^|  $t: |" >> "$OUT/summary.log"
+  done
 fi
 if has bench; then
   step bench 240 make bench
