@@ -41,11 +41,16 @@ if has bench; then
   step bench 240 make bench
   cp build/bench/*.md "$OUT/" 2>/dev/null
 fi
-if has spec-memcheck; then   # one spec file per sanitizer process (SPEC_MEMCHECK: the files, default the GPU op specs)
-  for f in ${SPEC_MEMCHECK:-spec/cuda_ops_spec.lua spec/w4a16_spec.lua spec/mla_spec.lua spec/gpu_round_spec.lua}; do
+# one spec file per sanitizer process (SPEC_MEMCHECK: the files, default the GPU op specs and
+# the whole-model GPU specs). LuaJIT runs with its JIT off (-joff): with the JIT on, the process
+# aborts under compute-sanitizer with no report (rc 6; after 12 tests of cuda_ops_spec, or at
+# once with a --filter; H200, 2026-11-30), and with it off the same specs run clean
+if has spec-memcheck; then
+  for f in ${SPEC_MEMCHECK:-spec/cuda_ops_spec.lua spec/w4a16_spec.lua spec/mla_spec.lua spec/gpu_round_spec.lua \
+             spec/graphs_spec.lua spec/batch_invariance_spec.lua spec/bad_input_spec.lua}; do
     n=$(basename "$f" .lua)
     KDTREE_LIB=build/libkdtree.so KDTREE_BACKEND=cuda step "memcheck-$n" 120 compute-sanitizer --tool memcheck \
-      --leak-check full --print-limit 20 --error-exitcode 3 luajit "$BUSTED_BIN" "$f"
+      --leak-check full --print-limit 20 --error-exitcode 3 luajit -joff "$BUSTED_BIN" "$f"
     grep -aE "ERROR SUMMARY" "$OUT/memcheck-$n.log" | tail -1 | sed "s|^|  $n: |" >> "$OUT/summary.log"
   done
 fi
