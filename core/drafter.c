@@ -85,6 +85,7 @@ struct kd_draft_state {
     int32_t *host_in;           /* host image of in[0 .. in_pos(nid) + bs) */
     int nid;                    /* ints of ids / pos */
     kd_act logprobs;            /* [bs-1, vocab] f32 */
+    int32_t *argmax;            /* backend memory: bs-1 ids, kd_draft_argmax */
     int32_t bonus;              /* the root token of the last draft */
     bool have_logprobs;
     int graph_mode;             /* KD_GRAPHS_* (forward.h), read at attach */
@@ -618,6 +619,7 @@ void kd_draft_state_free(kd_seq *s) {
     if (ds->in) be->ops->free(be, ds->in);
     free(ds->host_in);
     if (ds->logprobs.data) be->ops->free(be, ds->logprobs.data);
+    if (ds->argmax) be->ops->free(be, ds->argmax);
     free(ds);
     s->draft = NULL;
     if (s->taps.data) be->ops->free(be, s->taps.data);
@@ -698,6 +700,7 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
     size_t in_ints = (size_t)in_pos(nid) + nid;
     st = be->ops->alloc(be, in_ints * sizeof(int32_t), (void **)&ds->in);
     if (st == KD_OK) st = be->ops->alloc(be, (size_t)(bs - 1) * V * sizeof(float), &ds->logprobs.data);
+    if (st == KD_OK) st = be->ops->alloc(be, (size_t)(bs - 1) * sizeof(int32_t), (void **)&ds->argmax);
     if (st != KD_OK) { kd_fail_context(st, "kd_seq_attach_drafter: draft buffers"); goto fail; }
     ds->ids = ds->in + IN_IDS;
     ds->pos = ds->in + in_pos(nid);
@@ -906,6 +909,17 @@ kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst) {
     ds->bonus = bonus;
     ds->have_logprobs = true;
     return KD_OK;
+}
+
+kd_status kd_draft_argmax(kd_seq *s, int32_t *ids_dst) {
+    if (!s || !ids_dst) return kd_fail(KD_ERR_ARG, "kd_draft_argmax: argument '%s' is NULL", s ? "ids_dst" : "s");
+    if (!s->draft) return kd_fail(KD_ERR_STATE, "kd_draft_argmax: no drafter attached to this sequence");
+    kd_draft_state *ds = s->draft;
+    if (!ds->have_logprobs)
+        return kd_fail(KD_ERR_STATE, "kd_draft_argmax: no draft since the context last changed (call kd_draft)");
+    kd_backend *be = s->model->be;
+    KD_TRY(be->ops->argmax(be, ds->logprobs, ds->argmax));
+    return be->ops->download(be, ids_dst, ds->argmax, (size_t)ds->logprobs.rows * sizeof(int32_t));
 }
 
 kd_status kd_draft_logprobs(kd_seq *s, kd_act *out, int32_t *bonus) {

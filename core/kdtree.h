@@ -164,6 +164,9 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d);
 /* one draft pass over [bonus, MASK x (bs-1)] at positions len..len+bs-1;
  * writes (bs-1) x vocab log-probs to dst when dst is not NULL */
 kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst);
+/* the argmax of each of the last draft's bs-1 log-prob rows (ties: the lower id), computed
+ * on the backend: bs-1 ids to ids_dst, the only bytes that come back (DFlash's chain) */
+kd_status kd_draft_argmax(kd_seq *s, int32_t *ids_dst);
 /* build the DDTree from the last draft's log-probs, on the backend */
 kd_status kd_tree_build_drafted(kd_tree *t, kd_seq *s, int budget);
 

@@ -244,6 +244,22 @@ describe("DFlash drafter", function()
     s2:close()
   end)
 
+  it("takes each draft row's argmax on the backend: the host argmax of the same log-probs", function()
+    local s = m:new_seq(64)
+    s:attach_drafter(d)
+    assert.matches("no draft since the context last changed", err_of(s.draft_argmax, s))
+    local c = cases.prompt
+    s:forward(c.context_tokens)
+    local lp = s:draft(c.bonus)
+    local ids = s:draft_argmax()
+    assert.are.same(require("kdtree.policy.dflash").argmax_rows(lp), ids)
+    assert.are.equal(lp.L, #ids)
+    -- a truncate voids the draft
+    s:truncate(#c.context_tokens - 1)
+    assert.matches("no draft since the context last changed", err_of(s.draft_argmax, s))
+    s:close()
+  end)
+
   it("keeps the context within the sequence capacity", function()
     local s = m:new_seq(8)
     s:attach_drafter(d)

@@ -195,4 +195,15 @@ function Seq:draft(bonus, copy)
     __index = { row = function(r, i) return U.list_from(r.data, r.V, (i - 1) * r.V) end } })
 end
 
+-- the argmax of each row of the last draft (ties: the lower id), taken on the backend: a Lua
+-- list of bs-1 ids; only those come back (s:draft(bonus) copies bs-1 x vocab floats)
+function Seq:draft_argmax()
+  local h = H.get(self, "seq")
+  if self.drafter == nil then error("kdtree: draft_argmax: no drafter attached (use s:attach_drafter(d))", 2) end
+  local L = self.drafter.info.block_size - 1
+  local buf = ffi.new("int32_t[?]", L)
+  check(C.kd_draft_argmax(h, buf), "kd_draft_argmax")
+  return U.list_from(buf, L, 0)
+end
+
 return Seq

@@ -28,9 +28,16 @@ function P.generate(m, prompt, opts)
   local native = getmetatable(d) == kd.Drafter
   local depth = native and d.info.block_size - 1 or d.depth
   return G.speculate(m, prompt, o, native, 2 * depth + 4, function(s, tree, bonus, context, tm)
-    local lp = native and s:draft(bonus) or kd.tree.rows(d:draft(context, bonus))
-    tm("draft")
-    tree:set_chain(bonus, argmax_rows(lp))          -- one tree, reset to a chain every round
+    local chain
+    if native then                                  -- the argmax on the backend: bs-1 ids come back
+      s:draft(bonus, false)
+      tm("draft")
+      chain = s:draft_argmax()
+    else
+      chain = argmax_rows(kd.tree.rows(d:draft(context, bonus)))
+      tm("draft")
+    end
+    tree:set_chain(bonus, chain)                    -- one tree, reset to a chain every round
     tm("build")
   end)
 end
