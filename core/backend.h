@@ -81,6 +81,8 @@ typedef struct kd_dtree {
     float *vals;                   /* a build's per-depth top-K lists, topk_cap entries */
     int32_t *ids;
 } kd_dtree;
+/* the depth limit L of a tree build (the backends' walks keep a path of this many entries) */
+enum { KD_TREE_MAX_DEPTH = 64 };
 /* the accept result's header words */
 enum { KD_DTREE_HDR = 8, KD_DTREE_STATUS = 4 };
 enum { KD_DTREE_R_STATUS = 0,   /* 0, or the sampling error code of the failing node's row */

@@ -21,7 +21,6 @@
 #include "backend.h"
 #include <stdbool.h>
 
-enum { KD_TREE_MAX_DEPTH = 64 };   /* L (the depth limit) at most this */
 
 struct kd_tree {
     int n;                 /* drafted nodes (root excluded) */

@@ -29,7 +29,6 @@ namespace {
 
 constexpr int SEL_THREADS = 256;
 constexpr int SEL_MAX_BUDGET = 4096;      /* heap + node arrays in shared memory: ~180 KB at 4096 */
-constexpr int MAX_DEPTH = 64;             /* KD_TREE_MAX_DEPTH (tree.h) */
 constexpr int SMP_THREADS = 512;
 constexpr int SMP_WARPS = SMP_THREADS / 32;
 constexpr int WALK_THREADS = 256;
@@ -62,7 +61,7 @@ __device__ int entry_ranks(const sel_heap &h, int e, int *out) {
 /* entry a pops before entry b */
 __device__ bool entry_before(const sel_heap &h, int a, int b) {
     if (h.score[a] != h.score[b]) return h.score[a] > h.score[b];
-    int ra[MAX_DEPTH], rb[MAX_DEPTH];
+    int ra[KD_TREE_MAX_DEPTH], rb[KD_TREE_MAX_DEPTH];
     int na = entry_ranks(h, a, ra), nb = entry_ranks(h, b, rb);
     int n = na < nb ? na : nb;
     for (int i = 0; i < n; i++)
@@ -569,7 +568,7 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_rows_kernel(const float *x
 
 extern "C" kd_status kd_cuda_tree_select(kd_backend *be, const kd_dtree *t, int L, int K, int budget) {
     kd_cuda *c = kd_cuda_of(be);
-    if (!t || L <= 0 || L > MAX_DEPTH || K <= 0 || K > 0xffff || budget < 0 || budget > t->cap ||
+    if (!t || L <= 0 || L > KD_TREE_MAX_DEPTH || K <= 0 || K > 0xffff || budget < 0 || budget > t->cap ||
         (long long)L * K > t->topk_cap)
         return kd_fail(KD_ERR_ARG, "cuda tree_select: L = %d, K = %d, budget = %d do not fit the tree (%d nodes, %d list "
                        "entries)", L, K, budget, t ? t->cap : 0, t ? t->topk_cap : 0);
