@@ -3,7 +3,8 @@
  *
  *   w4a16_bench [--quick] [--small] [--no-bench] [--no-check] [--moe-only T] [--md FILE]
  *   --small: small shapes only, no ceilings or timings (for compute-sanitizer)
- *   --moe-only T: the K2.6 MoE layer timing at T tokens alone (to run under a profiler)
+ *   --moe-only T: the ceilings and the K2.6 MoE layer timing at T tokens, nothing else (A/B
+ *   runs, profilers)
  *
  * 1. ceilings measured in this run: cudaMemcpy device-to-device (2 GiB, bytes read + written),
  *    a read-only kernel (2 GiB of 16-byte loads), cuBLAS bf16 GEMM 8192^3 (fp32 accumulate);
@@ -799,6 +800,7 @@ int main(int argc, char **argv) {
        p.l2CacheSize >> 20, p.totalGlobalMem / 1e9, drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
     if (profile) return run_profile();
     if (moe_only > 0) {
+        ceilings(true);
         bench_moe({moe_only}, true);
         return 0;
     }
