@@ -21,7 +21,6 @@
 #include "backend.h"
 #include <stdbool.h>
 
-
 struct kd_tree {
     int n;                 /* drafted nodes (root excluded) */
     int cap;               /* allocated entries (>= 1 + n) */
