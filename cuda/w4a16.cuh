@@ -90,6 +90,9 @@ typedef struct kd_w4a16_moe_shape {
  * Grouping per expert happens on the device (no host round trip): count, offsets and
  * scatter in one small kernel, then the fused gate+up GEMM (silu(gate)*up, bf16), the down
  * GEMM (f32 per (token, expert) row), and the combine. Graph-capturable (fixed shapes per T).
+ * The grouping kernel waits for all earlier work on the stream, as a plain launch does; the
+ * gate+up GEMM and the combine use programmatic dependent launch behind the kernel before
+ * them inside the call (each waits for it before its first read).
  * ws: kd_w4a16_moe_ws_bytes(shape, T) bytes, no initial content needed. */
 size_t kd_w4a16_moe_ws_bytes(const kd_w4a16_moe_shape *shape, int T);
 kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *shape, const kd_w4a16_expert *table, const void *x, long long ldx,
