@@ -82,7 +82,7 @@ struct kd_draft_state {
     kd_act kn, vt;              /* device-length path: the block's normed+roped K and its V */
     int32_t *in;                /* backend memory: [dlen | pad | ids | pos], see IN_* */
     int32_t *ids, *pos;         /* into in: max(bs, chunk) ints each */
-    int32_t *host_in;           /* host image of in[0 .. in_pos(nid) + bs) */
+    int32_t *host_in;           /* host image of in[0 .. in_pos(nid) + nid) */
     int nid;                    /* ints of ids / pos */
     kd_act logprobs;            /* [bs-1, vocab] f32 */
     int32_t *argmax;            /* backend memory: bs-1 ids, kd_draft_argmax */
@@ -704,7 +704,7 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
     if (st != KD_OK) { kd_fail_context(st, "kd_seq_attach_drafter: draft buffers"); goto fail; }
     ds->ids = ds->in + IN_IDS;
     ds->pos = ds->in + in_pos(nid);
-    ds->host_in = calloc((size_t)in_pos(nid) + bs, sizeof(int32_t));
+    ds->host_in = calloc((size_t)in_pos(nid) + nid, sizeof(int32_t));
     if (!ds->host_in) {
         st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: out of host memory for the draft input staging");
         goto fail;
@@ -735,29 +735,45 @@ fail:
     return st;
 }
 
-/* project n feature rows (a view with ld) into every layer's context K/V at positions p0.. */
-static kd_status append_run(kd_seq *s, kd_act feats, int p0) {
+/* project n feature rows into every layer's context K/V at positions p0..p0+n-1: the rows
+ * pick[0..n) of `span` (a view of consecutive rows), or all of them in order (pick NULL). The
+ * whole span goes through fc as one view and the picked rows are gathered after it: the fc
+ * weight (n_taps x hidden x hidden, 616 MB at K2.6) is read once a window of accepted rows,
+ * not once a run of adjacent ones. A row's bits do not depend on the others in the view. */
+static kd_status append_rows(kd_seq *s, kd_act span, const int32_t *pick, int n, int p0) {
     kd_drafter *d = s->drafter;
     kd_draft_state *ds = s->draft;
     kd_backend *be = s->model->be;
     const kd_backend_ops *op = be->ops;
     const kd_dcfg *c = &d->cfg;
-    int n = feats.rows, kvh = c->n_kv_heads, hd = c->head_dim;
-    int32_t pos[KD_DRAFT_CHUNK];
-    for (int i = 0; i < n; i++) pos[i] = p0 + i;
-    KD_TRY(op->upload(be, ds->pos, pos, (size_t)n * sizeof(int32_t)));
-    kd_act f = kd_act_rows(ds->f, 0, n), fn = kd_act_rows(ds->fn, 0, n), kt = kd_act_rows(ds->kt, 0, n);
-    KD_TRY(op->linear(be, feats, &d->fc, f));
-    KD_TRY(op->rmsnorm(be, f, &d->hidden_norm, c->eps, fn));
+    int kvh = c->n_kv_heads, hd = c->head_dim, ip = in_pos(ds->nid);
+    int32_t *h = ds->host_in;   /* positions (and picks) up in one copy, laid out as ds->in */
+    for (int i = 0; i < n; i++) {
+        h[ip + i] = p0 + i;
+        if (pick) h[IN_IDS + i] = pick[i];
+    }
+    if (pick) KD_TRY(op->upload(be, ds->ids, h + IN_IDS, (size_t)(ip + n - IN_IDS) * sizeof(int32_t)));
+    else KD_TRY(op->upload(be, ds->pos, h + ip, (size_t)n * sizeof(int32_t)));
+    kd_act f = kd_act_rows(ds->f, 0, span.rows), kt = kd_act_rows(ds->kt, 0, n), xn;   /* xn: the n normed rows */
+    KD_TRY(op->linear(be, span, &d->fc, f));
+    if (pick) {
+        kd_act g = kd_act_rows(ds->fn, 0, n);
+        KD_TRY(op->gather_rows(be, g, f, ds->ids, n));
+        xn = kd_act_rows(ds->f, 0, n);
+        KD_TRY(op->rmsnorm(be, g, &d->hidden_norm, c->eps, xn));
+    } else {
+        xn = kd_act_rows(ds->fn, 0, n);
+        KD_TRY(op->rmsnorm(be, f, &d->hidden_norm, c->eps, xn));
+    }
     for (int l = 0; l < c->n_layers; l++) {
         kd_dlayer *L = &d->layers[l];
         kd_act kc = kd_act_rows(ds->k[l], p0, n), vc = kd_act_rows(ds->v[l], p0, n);
-        KD_TRY(op->linear(be, fn, &L->k_proj, kt));
+        KD_TRY(op->linear(be, xn, &L->k_proj, kt));
         kd_act kt_h = {.data = kt.data, .rows = n * kvh, .cols = hd, .ld = hd, .dtype = kt.dtype};
         kd_act kc_h = {.data = kc.data, .rows = n * kvh, .cols = hd, .ld = hd, .dtype = kc.dtype};
         KD_TRY(op->rmsnorm(be, kt_h, &L->k_norm, c->eps, kc_h));
         KD_TRY(op->rope(be, kc, kvh, hd, 0, ds->pos, &d->rope));
-        KD_TRY(op->linear(be, fn, &L->v_proj, vc));
+        KD_TRY(op->linear(be, xn, &L->v_proj, vc));
     }
     return KD_OK;
 }
@@ -777,16 +793,22 @@ kd_status kd_draft_context_append(kd_seq *s, const int32_t *rows, int n) {
                            "%d rows", i, r, s->out_rows);
     }
     ds->have_logprobs = false;
-    /* contiguous runs of rows go through fc as one view, in chunks */
+    /* windows of increasing rows within KD_DRAFT_CHUNK of their first (an accepted path is
+     * one window); a window of adjacent rows needs no gather */
+#define ROW(k) (rows ? rows[k] : (k))
     int i = 0;
     while (i < n) {
-        int r0 = rows ? rows[i] : i, len = 1;
-        while (i + len < n && len < KD_DRAFT_CHUNK && (rows ? rows[i + len] : i + len) == r0 + len) len++;
-        kd_status st = append_run(s, kd_act_rows(s->taps, r0, len), ds->ctx_len);
-        if (st != KD_OK) return kd_fail_context(st, "drafter context append (rows %d..%d)", r0, r0 + len - 1);
-        ds->ctx_len += len;
-        i += len;
+        int r0 = ROW(i), j = i + 1;
+        while (j < n && ROW(j) > ROW(j - 1) && ROW(j) - r0 < KD_DRAFT_CHUNK) j++;
+        int cnt = j - i, span = ROW(j - 1) - r0 + 1;
+        int32_t pick[KD_DRAFT_CHUNK];
+        for (int k = 0; k < cnt; k++) pick[k] = ROW(i + k) - r0;
+        kd_status st = append_rows(s, kd_act_rows(s->taps, r0, span), span == cnt ? NULL : pick, cnt, ds->ctx_len);
+        if (st != KD_OK) return kd_fail_context(st, "drafter context append (rows %d..%d)", r0, ROW(j - 1));
+        ds->ctx_len += cnt;
+        i = j;
     }
+#undef ROW
     return KD_OK;
 }
 
