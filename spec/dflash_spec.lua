@@ -180,50 +180,45 @@ describe("DFlash drafter", function()
     s:close()
   end)
 
-  it("matches the reference when the accepted path arrives through verify/accept/commit", function()
+  -- after the prompt, verify/accept/commit the tree make_tree(bonus, g1, g2) builds, whose accepted
+  -- path is bonus, g1, g2: the next draft must match the reference of that context
+  local function through_commit(make_tree, check_accepted)
     local s = m:new_seq(64)
     s:attach_drafter(d)
     local c, a = cases.prompt, cases.accepted
     s:forward(c.context_tokens)
-    local g1, g2 = a.context_tokens[#c.context_tokens + 2], a.context_tokens[#c.context_tokens + 3]
-    local wrong = (a.bonus + 1) % golden.vocab                 -- the third draft misses
-    local t = kd.tree.chain(c.bonus, { g1, g2, wrong })
+    local t = make_tree(c.bonus, a.context_tokens[#c.context_tokens + 2], a.context_tokens[#c.context_tokens + 3])
     s:verify(t)
     local r = s:accept(t)
-    assert.are.equal(3, r.tau)
+    check_accepted(r)
     assert.are.equal(a.bonus, r.bonus)
     s:commit(t)
     assert.are.equal(#a.context_tokens, s:len())
     compare(s:draft(a.bonus), a)
     t:close()
     s:close()
+  end
+
+  it("matches the reference when the accepted path arrives through verify/accept/commit", function()
+    through_commit(function(bonus, g1, g2)
+      return kd.tree.chain(bonus, { g1, g2, (cases.accepted.bonus + 1) % golden.vocab })   -- the third draft misses
+    end, function(r) assert.are.equal(3, r.tau) end)
   end)
 
   it("matches the reference when the accepted path skips drafted nodes (rows 0, 3, 4 of the verify)", function()
-    local s = m:new_seq(64)
-    s:attach_drafter(d)
-    local c, a = cases.prompt, cases.accepted
-    s:forward(c.context_tokens)
-    local g1, g2 = a.context_tokens[#c.context_tokens + 2], a.context_tokens[#c.context_tokens + 3]
-    local V = golden.vocab
-    local wrong = (g1 + 1) % V
-    -- depth 1: wrong ahead of g1; depth 2: g2 first. Pop order: 1 wrong, 2 wrong>g2, 3 g1, 4 g1>g2
-    local rows = { {}, {} }
-    for j = 1, V do rows[1][j], rows[2][j] = -30, -30 end
-    rows[1][wrong + 1], rows[1][g1 + 1], rows[2][g2 + 1] = -0.1, -0.3, -0.05
-    local t = kd.tree.build(rows, 4, { logprobs = true, root = c.bonus })
-    assert.are.equal(c.bonus, t.root)
-    assert.are.same({ wrong, g2, g1, g2 }, t.tokens)
-    assert.are.same({ 0, 1, 0, 3 }, t.parents)
-    s:verify(t)
-    local r = s:accept(t)
-    assert.are.same({ 0, 3, 4 }, r.nodes)
-    assert.are.equal(a.bonus, r.bonus)
-    s:commit(t)
-    assert.are.equal(#a.context_tokens, s:len())
-    compare(s:draft(a.bonus), a)
-    t:close()
-    s:close()
+    through_commit(function(bonus, g1, g2)
+      local V = golden.vocab
+      local wrong = (g1 + 1) % V
+      -- depth 1: wrong ahead of g1; depth 2: g2 first. Pop order: 1 wrong, 2 wrong>g2, 3 g1, 4 g1>g2
+      local rows = { {}, {} }
+      for j = 1, V do rows[1][j], rows[2][j] = -30, -30 end
+      rows[1][wrong + 1], rows[1][g1 + 1], rows[2][g2 + 1] = -0.1, -0.3, -0.05
+      local t = kd.tree.build(rows, 4, { logprobs = true, root = bonus })
+      assert.are.equal(bonus, t.root)
+      assert.are.same({ wrong, g2, g1, g2 }, t.tokens)
+      assert.are.same({ 0, 1, 0, 3 }, t.parents)
+      return t
+    end, function(r) assert.are.same({ 0, 3, 4 }, r.nodes) end)
   end)
 
   for _, name in ipairs({ "window", "rope_no_mscale" }) do
