@@ -30,6 +30,14 @@ typedef struct kd_weight {
     void *dev;               /* the backend's form; CPU uses src directly */
     void *dev_scale;
 } kd_weight;
+/* a weight's bytes as the checkpoint stores them: its values, and (INT4) its bf16 scales */
+static inline uint64_t kd_weight_value_bytes(const kd_weight *w) {
+    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
+    return w->format == KD_W_INT4 ? n / 2 : w->format == KD_W_F32 ? 4 * n : 2 * n;
+}
+static inline uint64_t kd_weight_scale_bytes(const kd_weight *w) {
+    return w->format == KD_W_INT4 && w->group > 0 ? (uint64_t)w->rows * (uint64_t)w->cols / (uint64_t)w->group * 2 : 0;
+}
 
 /* A row-major activation view: element (r, c) at data + (r*ld + c)*size(dtype). */
 typedef struct kd_act {

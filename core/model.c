@@ -425,25 +425,11 @@ static bool in_files(const kd_st_set *set, const void *p) {
     return false;
 }
 
-/* a weight's values and its INT4 scales, in bytes, as the checkpoint stores them */
-static uint64_t value_bytes(const kd_weight *w) {
-    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
-    switch (w->format) {
-    case KD_W_BF16: return 2 * n;
-    case KD_W_F32: return 4 * n;
-    case KD_W_INT4: return n / 2;
-    }
-    return 0;
-}
-static uint64_t scale_bytes(const kd_weight *w) {
-    return w->format == KD_W_INT4 && w->group > 0 ? (uint64_t)w->rows * (uint64_t)w->cols / (uint64_t)w->group * 2 : 0;
-}
-
 /* bytes of a weight in the form its backend holds it (CPU: the bytes it reads) */
 static uint64_t weight_held(const kd_model *m, const kd_weight *w) {
     if (!w->dev && !w->src) return 0;
     if (m->be->ops->weight_bytes) return m->be->ops->weight_bytes(m->be, w);
-    return value_bytes(w) + scale_bytes(w);
+    return kd_weight_value_bytes(w) + kd_weight_scale_bytes(w);
 }
 
 /* of those, the bytes outside the mapped checkpoint (device copies, or CPU host copies) */
@@ -451,8 +437,8 @@ static uint64_t weight_allocated(const kd_model *m, const kd_weight *w) {
     uint64_t b = weight_held(m, w);
     if (!b || m->be->kind != KD_BACKEND_CPU) return b;
     uint64_t a = 0;
-    if (w->src && !in_files(&m->files, w->src)) a += value_bytes(w);
-    if (w->src_scale && !in_files(&m->files, w->src_scale)) a += scale_bytes(w);
+    if (w->src && !in_files(&m->files, w->src)) a += kd_weight_value_bytes(w);
+    if (w->src_scale && !in_files(&m->files, w->src_scale)) a += kd_weight_scale_bytes(w);
     return a;
 }
 

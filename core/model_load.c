@@ -556,13 +556,7 @@ void kd_model_unref(kd_model *m) {
 
 static uint64_t weight_bytes(const kd_weight *w) {
     if (!w->name) return 0;
-    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
-    switch (w->format) {
-    case KD_W_BF16: return 2 * n;
-    case KD_W_F32: return 4 * n;
-    case KD_W_INT4: return n / 2 + 2 * (n / (uint64_t)w->group);
-    }
-    return 0;
+    return kd_weight_value_bytes(w) + kd_weight_scale_bytes(w);
 }
 
 static void fill_info(const kd_config *c, kd_model_info *o) {

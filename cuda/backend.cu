@@ -221,17 +221,12 @@ static kd_status dev_copy_of(kd_backend *be, const void *src, size_t bytes, cons
 }
 
 /* bytes a weight holds on the device, 0 without a device copy: what weight_load adds to
- * bytes_weights and weight_free takes off (INT4: codes and bf16 scales, as repacked) */
+ * bytes_weights and weight_free takes off (INT4: the codes and bf16 scales at the checkpoint's
+ * size; the repacked form pads them to 16-row tiles and 64-column chunks) */
 extern "C" uint64_t kd_cuda_weight_bytes(kd_backend *be, const kd_weight *w) {
     (void)be;
     if (!w || !w->dev) return 0;
-    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
-    switch (w->format) {
-    case KD_W_BF16: return 2 * n;
-    case KD_W_F32: return 4 * n;
-    case KD_W_INT4: return n / 2 + (w->group > 0 ? n / (uint64_t)w->group * 2 : 0);
-    }
-    return 0;
+    return kd_weight_value_bytes(w) + kd_weight_scale_bytes(w);
 }
 
 static kd_status cuda_weight_load(kd_backend *be, kd_weight *w) {

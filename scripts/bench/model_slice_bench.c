@@ -360,11 +360,7 @@ static const char *human(double bytes, char *buf, size_t cap) {
     return buf;
 }
 
-static uint64_t weight_bytes(const kd_weight *w) {
-    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
-    if (w->format == KD_W_INT4) return n / 2 + 2 * (n / (uint64_t)w->group);
-    return n * (w->format == KD_W_F32 ? 4 : 2);
-}
+static uint64_t weight_bytes(const kd_weight *w) { return kd_weight_value_bytes(w) + kd_weight_scale_bytes(w); }
 
 static void write_config(const char *dir, const dims *d) {
     char path[512];
