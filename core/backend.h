@@ -89,7 +89,7 @@ typedef struct kd_dtree {
     float *vals;                   /* a build's per-depth top-K lists, topk_cap entries */
     int32_t *ids;
 } kd_dtree;
-/* the depth limit L of a tree build (the backends' walks keep a path of this many entries) */
+/* the depth limit L of a tree build (tree_select's rank tuples, entry_before, hold this many) */
 enum { KD_TREE_MAX_DEPTH = 64 };
 /* the accept result's header words */
 enum { KD_DTREE_HDR = 8, KD_DTREE_STATUS = 4 };

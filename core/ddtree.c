@@ -218,7 +218,7 @@ static kd_status accept_device(kd_seq *s, kd_tree *t, const kd_sampler *sp, int3
     int32_t *r = words <= sizeof stack / sizeof stack[0] ? stack : malloc(words * sizeof(int32_t));
     if (!r) return kd_fail(KD_ERR_NOMEM, "kd_accept: cannot allocate %zu bytes for the result", words * 4);
     kd_status st = be->ops->download(be, r, d->result, words * sizeof(int32_t));
-    int tau = r[KD_DTREE_R_TAU];
+    int tau = st == KD_OK ? r[KD_DTREE_R_TAU] : 0;
     if (st == KD_OK && r[KD_DTREE_R_BUILD]) {
         int32_t status[3] = { r[KD_DTREE_R_BUILD], r[KD_DTREE_R_BUILD + 1], n };
         st = kd_tree_build_error(t, status, "kd_accept");
@@ -285,7 +285,7 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
     KD_TRY(check_round_tree(s, t, "kd_commit"));
     int start = s->len, tau = s->n_accepted;
     bool on_device = t->accepted_on_device;   /* else accepted on the host: the ids go up for the compaction */
-    if (on_device && (!t->dev_valid || t->model != s->model || tau > s->pending || tau > s->out_cap))
+    if (on_device && (!t->dev_valid || t->model != s->model))
         return kd_fail(KD_ERR_STATE, "kd_commit: the accepted round's tree is not on the sequence's backend");
     /* drafter context first: if compaction then fails, roll the context back */
     if (s->drafter) {
@@ -295,12 +295,7 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
     kd_status st = on_device ? kd_seq_compact_staged(s, start, t->dev.result + KD_DTREE_HDR, tau)
                              : kd_seq_compact(s, start, s->accepted, tau);
     if (st != KD_OK) {
-        if (s->drafter) {
-            char msg[1024];
-            snprintf(msg, sizeof msg, "%s", kd_last_error());
-            kd_draft_context_truncate(s, start);
-            kd_fail(st, "%s", msg);
-        }
+        if (s->drafter) kd_draft_context_truncate(s, start);   /* sets no error: the compaction's stays */
         return kd_fail_context(st, "kd_commit: compacting %d accepted rows at %d", tau, start);
     }
     t->verified_by = NULL;

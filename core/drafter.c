@@ -796,6 +796,7 @@ kd_status kd_draft_context_append(kd_seq *s, const int32_t *rows, int n) {
     /* windows of increasing rows within KD_DRAFT_CHUNK of their first (an accepted path is
      * one window); a window of adjacent rows needs no gather */
 #define ROW(k) (rows ? rows[k] : (k))
+    const int ctx0 = ds->ctx_len;
     int i = 0;
     while (i < n) {
         int r0 = ROW(i), j = i + 1;
@@ -804,7 +805,10 @@ kd_status kd_draft_context_append(kd_seq *s, const int32_t *rows, int n) {
         int32_t pick[KD_DRAFT_CHUNK];
         for (int k = 0; k < cnt; k++) pick[k] = ROW(i + k) - r0;
         kd_status st = append_rows(s, kd_act_rows(s->taps, r0, span), span == cnt ? NULL : pick, cnt, ds->ctx_len);
-        if (st != KD_OK) return kd_fail_context(st, "drafter context append (rows %d..%d)", r0, ROW(j - 1));
+        if (st != KD_OK) {
+            ds->ctx_len = ctx0;   /* the windows already appended go too: all rows or none */
+            return kd_fail_context(st, "drafter context append (rows %d..%d)", r0, ROW(j - 1));
+        }
         ds->ctx_len += cnt;
         i = j;
     }

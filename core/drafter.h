@@ -9,8 +9,9 @@
 
 /* the target layers whose outputs the drafter reads, in config order */
 int kd_drafter_taps(const struct kd_drafter *d, const int **taps);
-/* rows[i] of s->taps (the last forward) join the drafter context, in order;
- * their positions continue the context (context length before the call + i) */
+/* rows[i] of s->taps (the last forward; rows NULL: rows 0..n-1) join the drafter context, in
+ * order; their positions continue the context (context length before the call + i). On an
+ * error the context is as it was. */
 kd_status kd_draft_context_append(kd_seq *s, const int32_t *rows, int n);
 /* drop context entries at positions >= len (the sequence was truncated) */
 kd_status kd_draft_context_truncate(kd_seq *s, int len);

@@ -14,8 +14,8 @@ enum { KD_SEQ_MAX_ROWS = 1024 };
 typedef struct kd_fwd_plan {
     int rows;                 /* tokens per forward chunk (the sequence's out_cap) */
     int words;                /* uint64 words per visibility row: ceil(rows / 64) */
-    /* byte offsets into s->scratch; dlen, ids, pos, vis come first and in this order: a
-     * graph step uploads them as one span (model.c) */
+    /* byte offsets into s->scratch; dlen, ids, pos, vis come first and in this order: every
+     * forward chunk uploads them as one span (forward_chunk, model.c) */
     size_t dlen;                          /* int32: the sequence length a step starts at (graph steps) */
     size_t ids, pos, vis, idx;            /* int32 [rows], int32 [rows], uint64 [rows*words], int32 [rows] */
     size_t x, h, t1, t2;                  /* [rows, hidden]: residual, normed input, two block outputs */

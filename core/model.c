@@ -395,9 +395,7 @@ kd_status kd_model_forward(kd_seq *s, const int32_t *tokens, int n, const int32_
         s->len += T;
         s->out_rows = T;                     /* the taps of these rows are valid (logits only when last) */
         if (s->drafter) {
-            int32_t rows[KD_SEQ_MAX_ROWS];
-            for (int i = 0; i < T; i++) rows[i] = i;
-            st = kd_draft_context_append(s, rows, T);
+            st = kd_draft_context_append(s, NULL, T);   /* rows 0..T-1 */
             if (st != KD_OK) { kd_fail_context(st, "forward: drafter context"); break; }
         }
         done += T;
@@ -405,12 +403,7 @@ kd_status kd_model_forward(kd_seq *s, const int32_t *tokens, int n, const int32_
     if (st != KD_OK) {                       /* leave the sequence as it was */
         s->len = len0;
         s->out_rows = 0;
-        if (s->drafter) {
-            char msg[1024];
-            snprintf(msg, sizeof msg, "%s", kd_last_error());
-            kd_draft_context_truncate(s, len0);
-            kd_fail(st, "%s", msg);
-        }
+        if (s->drafter) kd_draft_context_truncate(s, len0);   /* sets no error: the failure's stays */
     }
     return st;
 }

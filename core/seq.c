@@ -232,6 +232,9 @@ kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep) 
 }
 
 kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int n_keep) {
+    if (start < 0 || start > s->len || n_keep < 0 || n_keep > s->pending || n_keep > s->out_cap)
+        return kd_fail(KD_ERR_ARG, "kd_seq_compact_staged: %d kept slots at %d: expected at most %d (the pending "
+                       "rows, within the staging of %d) at 0..%d", n_keep, start, s->pending, s->out_cap, s->len);
     kd_fwd_plan p;
     kd_fwd_plan_make(s->model, s->out_cap, &p);
     KD_TRY(move_slots(s, &p, start, d_keep, n_keep, start));

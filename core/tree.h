@@ -39,7 +39,7 @@ struct kd_tree {
     kd_dtree dev;
     bool host_valid;       /* the host arrays hold nodes 1..n (token[0] is always valid) */
     bool dev_valid;        /* dev holds nodes 0..n (token[0] is staged by kd_verify), and the mask
-                              when it was built there (host_valid false) */
+                              when the tree was built there (a drafted build) */
     int dev_K;             /* the build's K (to name a bad draft value) */
     int depth_bound;       /* max_depth when host_valid, else an upper bound of it */
     bool accepted_on_device;   /* the last kd_accept of this tree ran on the backend (its result is there) */
