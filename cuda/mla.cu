@@ -334,8 +334,9 @@ static bool tc_enabled(void) {
 
 /* KDTREE_MLA_TC_VSPLIT (read once per process): unset (or any other value): small grids take
  * 16-row blocks of 8 warps split into value slices by tc_shape's rule; 0: the 2-warp 16-row
- * blocks as before; 1, 2 or 4 (tests, benches): force that many slices (capped at dv / 128)
- * wherever the 16-row blocks are used. Returns 0 (off), 1, 2, 4 (forced) or 8 (rule). */
+ * blocks as before; 1, 2 or 4 (tests, benches): force that many slices (capped at DVP / 128,
+ * DVP = dv padded to a power of two) where tc_shape takes the 16-row blocks of 8 warps (cp.async
+ * loads, DVP >= 128, the shared memory fits). Returns 0 (off), 1, 2, 4 (forced) or 8 (rule). */
 static int vsplit_mode(void) {
     static int mode = -1;
     if (mode < 0) {
@@ -472,12 +473,6 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
     a.d_past = d_past;
     a.nc_max = (S + CHUNK - 1) / CHUNK;
 
-    AttnWork w;
-    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, 65535, &w));
-    const int tbatch = w.tbatch;
-    a.vis_list = w.vis_list; a.vis_cnt = w.vis_cnt;
-    a.pm = w.pm; a.pl = w.pl; a.po = w.po;
-
     /* smem rows of kld bf16: a multiple of 8 with an odd count of 16-byte units, so the
      * 16-byte fragment reads of 8 consecutive rows hit 8 different bank groups */
     int units = ((head_dim > dv ? head_dim : dv) + 7) / 8;
@@ -496,6 +491,13 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
     void (*chunk_fn)(AttnArgs) = kt == KT ? (async ? attn_chunk_kernel<true, KT> : attn_chunk_kernel<false, KT>)
                                           : (async ? attn_chunk_kernel<true, KT / 2> : attn_chunk_kernel<false, KT / 2>);
     KD_TRY(kd_cuda_smem(c, (const void *)chunk_fn, smem));
+
+    /* the workspace and the visibility lists once the launch is known to fit */
+    AttnWork w;
+    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, 65535, &w));
+    const int tbatch = w.tbatch;
+    a.vis_list = w.vis_list; a.vis_cnt = w.vis_cnt;
+    a.pm = w.pm; a.pl = w.pl; a.po = w.po;
 
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         int tb = T - t0 < tbatch ? T - t0 : tbatch;

@@ -17,7 +17,7 @@
  * Block shape: 64 rows (4 groups of 16, the mma M dimension) x one chunk x one kv head, 2
  * warps per 16 rows. When few blocks would run (decode, small T at short context): 16 rows
  * of 8 warps, and the value dims split over up to 4 blocks ("value slices": each block
- * computes the chunk's S and softmax, and its 128 value dims of O), so a decode step at 1K
+ * computes the chunk's S and softmax, and its DVP / VS value dims of O), so a decode step at 1K
  * runs 32 blocks of 8 warps instead of 8 blocks of 2.
  * Rows are (query, head) pairs: 64 heads of one query for MLA, 8 queries x 8 heads for
  * 8 heads, etc. All rows of a block share one staged key/value tile when their ordinals
@@ -54,14 +54,13 @@ namespace mla {
 
 constexpr int TC_CHUNK = 512;              /* ordinals per chunk: fixed, never from T or S */
 constexpr int TC_ROWS = 64;                /* (query, head) rows per block at most (RG = 4 row groups) */
-constexpr int TC_THREADS = 256;            /* threads at RG = 4, KW = 2 and at RG = 1, KW = 8 */
 constexpr int TC_STAGES = 4;               /* cp.async pipeline depth (slabs) */
 constexpr int TC_KSLAB = 128;              /* phase 1 slab: 128 keys x 64 key dims */
 constexpr int TC_P1LD = 64 + 8;            /* its row stride (bf16): 9 x 16 bytes, conflict-free */
 constexpr int TC_PLD = TC_CHUNK + 8;       /* P row stride (bf16): 65 x 16 bytes */
-constexpr int TC_KSTEPS = TC_CHUNK / 16;   /* phase 2: one slab = 16 keys x DVP value dims */
+constexpr int TC_KSTEPS = TC_CHUNK / 16;   /* phase 2: 16-key steps a chunk (a slab: VS steps x DVP / VS dims) */
 constexpr int TC_HD_MAX = 576, TC_DV_MAX = 512;
-constexpr int TC_STAGE_BYTES = TC_KSLAB * TC_P1LD * 2;   /* 18432 >= 16 * (512 + 8) * 2 */
+constexpr int TC_STAGE_BYTES = TC_KSLAB * TC_P1LD * 2;   /* phase 1's slab; phase 2's fit (tc_chunk_kernel) */
 
 struct TcArgs {
     const uint16_t *q; long long ldq;
@@ -171,6 +170,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
     constexpr int DVS = DVP / VS;                  /* value dims of this block's slice */
     constexpr int DW = DVS / KW;                   /* phase 2: value dims per warp */
     static_assert(DW >= 16, "a warp's phase-2 tile is at least two n-tiles");
+    static_assert(16 * VS * (DVS + 8) * 2 <= TC_STAGE_BYTES, "a phase-2 slab fits one pipeline stage");
     constexpr int NT2 = DW / 8;                    /* phase 2 n-tiles per warp */
     constexpr int KPW = TC_KSLAB / KW;             /* phase 1: keys per warp per 128-key group */
     constexpr int NT1 = KPW / 8;                   /* phase 1 n-tiles per warp per key group */

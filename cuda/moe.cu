@@ -347,8 +347,7 @@ extern "C" kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, 
     KD_TRY(kd_cuda_linear(be, x, e->router, lg));
     int ng = e->n_group > 1 ? e->n_group : 1;
     size_t smem = (size_t)(2 * n + ng) * sizeof(float) + (size_t)(n > ng ? n : ng) + 16;
-    if (smem > 48 * 1024)
-        KD_TRY(kd_cuda_smem(c, (const void *)route_kernel, smem));
+    KD_TRY(kd_cuda_smem(c, (const void *)route_kernel, smem));
     route_kernel<<<T, ROUTE_THREADS, smem, c->stream>>>(logits, n, e->bias, e->n_group, e->topk_group, K,
                                                         e->norm_topk_prob, e->routed_scaling_factor, ids, wsel);
     KD_CUDA_LAUNCH("route_kernel");

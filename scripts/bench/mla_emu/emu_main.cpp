@@ -256,7 +256,7 @@ static void accuracy(const char *name, Att c, bool vfromk, bool plain = false) {
 /* tree node == decoded alone == last row of a causal prefill; attention_at == attention;
  * batches of queries == one batch */
 /* kernel shapes {row groups, value split}: 16-row 2-warp blocks (the split off), 64-row blocks,
- * 16-row 8-warp blocks with 1, 2, 4 value slices (capped at dv / 128: the tiny dims fall back
+ * 16-row 8-warp blocks with 1, 2, 4 value slices (capped at DVP / 128: the tiny dims fall back
  * to the 2-warp kernel, so those checks compare it with itself) */
 static const int modes[][2] = {{1, -1}, {4, 0}, {1, 1}, {1, 2}, {1, 4}};
 
