@@ -66,7 +66,7 @@ run: deps all
 
 # bench (GPU machine, one run): the W4A16 program first (ceilings measured in the same run:
 # D2D copy, a read-only kernel, cuBLAS bf16 8192^3; fp64 checks; GEMM and MoE timings; it
-# needs only cuda/w4a16.cu, core/error.c and cuBLAS), then the backend's op timings
+# needs only cuda/w4a16.cu, cuda/w4a16_skinny.cu, core/error.c and cuBLAS), then the backend's op timings
 # (dense linear, MLA attention, tree top-k) when the whole library builds.
 # Tables: $(BUILD)/bench/w4a16.md (copied into docs/performance.md by hand, with the date).
 BENCH_W4 := $(BUILD)/bench/w4a16_bench
@@ -87,14 +87,12 @@ $(BENCH_SLICE): scripts/bench/model_slice_bench.c scripts/bench/slice_cuda.cu sc
 	  -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ -ldl -lm -o $@
 
 # The small-M INT4 kernel's launch timeline (%globaltimer per block at five points, 32 launches
-# in a graph with PDL): the kernels built again with KD_W4A16_TRACE, apart from the library.
+# in a graph with PDL): w4a16_skinny.cu built again with KD_W4A16_TRACE, apart from the library.
 BENCH_TRACE := $(BUILD)/bench/w4a16_trace
-$(BENCH_TRACE): scripts/bench/w4a16_bench.cu cuda/w4a16.cu cuda/w4a16_skinny.cu cuda/w4a16.cuh cuda/w4a16_device.cuh \
-                $(BUILD)/core/error.o
+$(BENCH_TRACE): scripts/bench/w4a16_bench.cu cuda/w4a16_skinny.cu $(W4_OBJS) $(wildcard core/*.h cuda/*.cuh)
 	@mkdir -p $(BUILD)/bench/trace
-	$(NVCC) $(NVFLAGS) -DKD_W4A16_TRACE -c -o $(BUILD)/bench/trace/w4a16.o cuda/w4a16.cu
 	$(NVCC) $(NVFLAGS) -DKD_W4A16_TRACE -c -o $(BUILD)/bench/trace/w4a16_skinny.o cuda/w4a16_skinny.cu
-	$(NVCC) $(NVFLAGS) -DKD_W4A16_TRACE -Xcompiler -fopenmp -o $@ $< $(BUILD)/bench/trace/w4a16.o \
+	$(NVCC) $(NVFLAGS) -DKD_W4A16_TRACE -Xcompiler -fopenmp -o $@ $< $(BUILD)/cuda/w4a16.o \
 	  $(BUILD)/bench/trace/w4a16_skinny.o $(BUILD)/core/error.o -lcublas -lgomp
 bench-trace: $(BENCH_TRACE)
 	$(BENCH_TRACE) --trace

@@ -21,8 +21,8 @@
  *   can launch a fixed grid while the number of tiles is known only on the device.
  * The skinny kernel (w4a16_skinny.cu; plain GEMM, M <= 16): the same arithmetic with one warp
  *   per (16-row tile, part), the weights loaded into registers before the wait on the previous
- *   grid. config_for picks it where the H200 timings say it is faster. The helpers both files
- *   use are in w4a16_device.cuh.
+ *   grid. config_for gives it every M <= 16 (skinny_plan may still decline a launch). The
+ *   helpers both files use are in w4a16_device.cuh.
  */
 #include "w4a16_device.cuh"
 #include <pthread.h>
@@ -546,11 +546,12 @@ __global__ void moe_combine_kernel(const float *__restrict__ y, const int *__res
 struct W4Config {
     const char *name;
     int mt8, nt, wn, sc, stages;
-    int skinny;   /* 0: the pipelined kernel; else w4a16_skinny_kernel (plain GEMM, M <= 16, where
-                   * skinny_plan takes it) with this many warps (tiles) per block, -1: chosen by shape */
+    int skinny;   /* 0: the pipelined kernel (the fields above); else w4a16_skinny_kernel (plain
+                   * GEMM, M <= 16, where skinny_plan takes it) with this many warps per block,
+                   * -1: chosen by shape (the fields above are then unused) */
 };
 /* index = config id; dual (MoE gate+up) kernels use the same MT8 with NT = 2, WN = 4, and the
- * MoE never takes a skinny configuration (it uses the pipelined kernel of the same MT8) */
+ * MoE never takes a skinny configuration (it uses config 0) */
 const W4Config CONFIGS[] = {
     {"m8_nt2_w4", 1, 2, 4, 2, 3, 0},      {"m8_nt1_w8", 1, 1, 8, 2, 3, 0},      {"m16_nt2_w4", 2, 2, 4, 2, 3, 0},
     {"m16_nt1_w8", 2, 1, 8, 2, 3, 0},     {"m32_nt2_w4", 4, 2, 4, 1, 6, 0},     {"m64_nt2_w4", 8, 2, 4, 1, 4, 0},
@@ -598,11 +599,12 @@ Launch make_launch(int gshift) {
 Launch make_skinny(int warps) {
     Launch l = {};
     l.skinny = true;
-    l.skinny_warps = warps > 0 ? warps : 0;
+    l.skinny_warps = warps;   /* <= 0: skinny_plan chooses */
     return l;
 }
 
 Launch get_launch(int cfg, bool dual, int gshift) {
+    if (!dual && CONFIGS[cfg].skinny) return make_skinny(CONFIGS[cfg].skinny);
     if (dual) {
         switch (CONFIGS[cfg].mt8) {
         case 1: return make_launch<1, 2, 4, 2, 3, true>(gshift);
@@ -617,14 +619,10 @@ Launch get_launch(int cfg, bool dual, int gshift) {
     case 2: return make_launch<2, 2, 4, 2, 3, false>(gshift);
     case 3: return make_launch<2, 1, 8, 2, 3, false>(gshift);
     case 4: return make_launch<4, 2, 4, 1, 6, false>(gshift);
-    case 6:
-    case 7:
-    case 8:
-    case 9: return make_skinny(CONFIGS[cfg].skinny);
     default: return make_launch<8, 2, 4, 1, 4, false>(gshift);
     }
 }
-/* the MoE's kernels for a configuration (a skinny one maps to the pipelined one of its MT8) */
+/* the MoE's kernels for a configuration (a skinny one maps to config 0) */
 Launch moe_launch(int cfg, bool dual, int gshift) {
     if (CONFIGS[cfg].skinny) cfg = 0;
     return get_launch(cfg, dual, gshift);
@@ -634,8 +632,8 @@ Launch moe_launch(int cfg, bool dual, int gshift) {
  * pipelined kernel at M >= 16 ran 1.4-1.8x slower with 16 parts on the H200) */
 int max_parts() { return 8; }
 
-/* per (kernel, device): the dynamic shared memory limit, the carveout (all shared memory,
- * so several blocks fit per SM) and clusters of 16 */
+/* per (kernel, device): the dynamic shared memory limit and the carveout (all shared memory,
+ * so several blocks fit per SM) */
 pthread_mutex_t g_prep_lock = PTHREAD_MUTEX_INITIALIZER;
 kd_status prepare_kernel(KernelFn fn, int smem) {
     static const int MAXK = 256;
@@ -825,17 +823,18 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
         return kd_fail(KD_ERR_ARG, "w4a16 gemm: x rows must be 16-byte aligned (x %p, ldx %lld elements)", x, ldx);
     if (((uintptr_t)codes & 15) || ((uintptr_t)scales & 15))
         return kd_fail(KD_ERR_ARG, "w4a16 gemm: codes/scales must be 16-byte aligned");
+    const int gshift = log2_of(group), n_tiles = tiles_of(n), kc = kc_of(k);
     int parts, cpp;
-    split_of(k, group, tiles_of(n), TARGET_GEMM, &parts, &cpp);
-    Launch l = get_launch(config_for(m), false, log2_of(group));
+    split_of(k, group, n_tiles, TARGET_GEMM, &parts, &cpp);
+    Launch l = get_launch(config_for(m), false, gshift);
     SkinnyPlan sp = {};
     if (l.skinny) {
-        if (skinny_plan(l.skinny_warps, m, tiles_of(n), kc_of(k), parts, cpp, log2_of(group), &sp)) {
+        if (skinny_plan(l.skinny_warps, m, n_tiles, kc, parts, cpp, gshift, &sp)) {
             l.fn = sp.fn;
             l.threads = sp.threads;
             l.smem = sp.smem;
         } else {
-            l = get_launch(pipelined_config_for_m(m), false, log2_of(group));
+            l = get_launch(pipelined_config_for_m(m), false, gshift);
         }
     }
     W4Args a = {};
@@ -843,8 +842,8 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
     a.ldx = ldx;
     a.mat.q = (const uint4 *)codes;
     a.mat.s = (const uint32_t *)scales;
-    a.n = n; a.k = k; a.kc = kc_of(k); a.groups = groups_pad_of(k, group); a.gshift = log2_of(group);
-    a.parts = parts; a.cpp = cpp; a.n_tiles = tiles_of(n);
+    a.n = n; a.k = k; a.kc = kc; a.groups = groups_pad_of(k, group); a.gshift = gshift;
+    a.parts = parts; a.cpp = cpp; a.n_tiles = n_tiles;
     a.m = m;
     a.y = y; a.ldy = ldy; a.y_f32 = y_f32;
     if (l.skinny) return launch(l, sp.clusters, a, (flags & KD_W4A16_PDL) != 0, st);
@@ -973,16 +972,13 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
 
     size_t n = (size_t)T * s->hidden;
     int cblocks = (int)((n + 255) / 256);
-    if (cblocks > sm_count() * 16) cblocks = sm_count() * 16;
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.gridDim = dim3((unsigned)cblocks);
-    cfg.blockDim = dim3(256);
-    cfg.stream = st;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    const int sms = sm_count();
+    if (cblocks > sms * 16) cblocks = sms * 16;
+    Launch cl = {};
+    cl.threads = 256;
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr[2];
+    fill_config(&cfg, attr, cl, cblocks, 1, true, st);
     W4_CUDA(cudaLaunchKernelEx(&cfg, moe_combine_kernel, (const float *)yv, (const int *)slot_of, weights, s->top_k,
                                s->hidden, T, out, ldo, out_f32));
     return KD_OK;

@@ -2,9 +2,8 @@
  * weight repack at load, linear on an INT4 weight, and the routed experts of a layer.
  *
  * Workspace: everything transient lives in the backend's KD_WS_W4A16 workspace (load-time
- * staging of the raw checkpoint bytes, f32 -> bf16 activation copies, split-K partials,
- * MoE grouping and expert activations). Split-K tile counters are zeroed before each
- * linear that uses them (a memset node, graph-capturable); the MoE zeroes its own. */
+ * staging of the raw checkpoint bytes, f32 -> bf16 activation copies, the MoE's grouping
+ * and expert activations). The GEMMs keep their split-K partials in shared memory. */
 #include "cuda_internal.cuh"
 #include <pthread.h>
 #include <stdlib.h>
@@ -22,10 +21,9 @@ __global__ void to_bf16_kernel(const void *src, int sdt, long long lds, int rows
 }
 
 /* x as bf16 rows the kernels can stream (16-byte aligned, ld % 8 == 0): x itself, or a copy
- * at the front of `scratch` (returns the bytes used there) */
-kd_status bf16_view(kd_backend *be, kd_act x, void *scratch, const bf16 **out, long long *ld, size_t *used) {
+ * at the front of `scratch`, which takes bf16_view_bytes(x) there */
+kd_status bf16_view(kd_backend *be, kd_act x, void *scratch, const bf16 **out, long long *ld) {
     kd_cuda *c = kd_cuda_of(be);
-    *used = 0;
     if (x.dtype == KD_BF16 && ((uintptr_t)x.data & 15) == 0 && (x.ld & 7) == 0) {
         *out = (const bf16 *)x.data;
         *ld = x.ld;
@@ -41,7 +39,6 @@ kd_status bf16_view(kd_backend *be, kd_act x, void *scratch, const bf16 **out, l
     KD_CUDA_LAUNCH("to_bf16_kernel");
     *out = d;
     *ld = ldd;
-    *used = al256((size_t)x.rows * ldd * 2);
     return KD_OK;
 }
 
@@ -141,12 +138,12 @@ extern "C" kd_status kd_cuda_w4a16_linear(kd_backend *be, kd_act x, const kd_wei
         return kd_fail(KD_ERR_ARG, "cuda w4a16 linear '%s': x must be bf16 or f32, got %s", name, kd_dtype_name(x.dtype));
     if (x.rows == 0) return KD_OK;
     int n = (int)w->rows, k = (int)w->cols, m = x.rows;
-    void *ws;
-    KD_TRY(kd_cuda_ws(be, KD_WS_W4A16, bf16_view_bytes(x) + 256, &ws));
+    void *ws = NULL;
+    const size_t xb = bf16_view_bytes(x);
+    if (xb) KD_TRY(kd_cuda_ws(be, KD_WS_W4A16, xb, &ws));
     const bf16 *xv;
     long long ldx;
-    size_t used;
-    KD_TRY(bf16_view(be, x, ws, &xv, &ldx, &used));
+    KD_TRY(bf16_view(be, x, ws, &xv, &ldx));
     kd_status s = kd_w4a16_gemm(w->dev, w->dev_scale, n, k, w->group, xv, ldx, m, out.data, out.ld,
                                 out.dtype == KD_F32, 0, c->stream);
     if (s != KD_OK) return kd_fail_context(s, "linear '%s'", name);
@@ -242,13 +239,12 @@ extern "C" kd_status kd_cuda_w4a16_moe(kd_backend *be, kd_act x, const kd_expert
     if (x.rows == 0) return KD_OK;
     size_t xb = bf16_view_bytes(x), mb = kd_w4a16_moe_ws_bytes(&s, x.rows);
     void *ws;
-    KD_TRY(kd_cuda_ws(be, KD_WS_W4A16, xb + mb + 256, &ws));
+    KD_TRY(kd_cuda_ws(be, KD_WS_W4A16, xb + mb, &ws));   /* xb: a multiple of 256 */
     const bf16 *xv;
     long long ldx;
-    size_t used;
-    KD_TRY(bf16_view(be, x, ws, &xv, &ldx, &used));
+    KD_TRY(bf16_view(be, x, ws, &xv, &ldx));
     kd_status st = kd_w4a16_moe(&s, table, xv, ldx, x.rows, ids, weights, out.data, out.ld, out.dtype == KD_F32,
-                                (char *)ws + used, mb, c->stream);
+                                (char *)ws + xb, mb, c->stream);
     if (st != KD_OK) return kd_fail_context(st, "moe");
     return KD_OK;
 }

@@ -1,7 +1,8 @@
 /* w4a16_device.cuh: what the W4A16 kernels share (w4a16.cu: the pipelined GEMM, the MoE and
  * the configurations; w4a16_skinny.cu: the small-M kernel): the device form's constants, the
- * kernel arguments, the PTX helpers (cp.async, ldmatrix, mma, the INT4 dequantisation, bulk
- * copies on mbarriers) and the skinny kernel's planning entry. Internal to cuda/w4a16*.cu. */
+ * kernel arguments, the PTX helpers (cp.async, ldmatrix, mma, the INT4 dequantisation,
+ * streaming loads, cluster barriers, distributed shared memory, st.async on mbarriers) and the
+ * skinny kernel's planning entry. Internal to cuda/w4a16*.cu. */
 #ifndef KD_W4A16_DEVICE_CUH
 #define KD_W4A16_DEVICE_CUH
 #include "w4a16.cuh"
@@ -110,8 +111,9 @@ __device__ __forceinline__ uint32_t cluster_addr(const void *p, unsigned rank) {
 __device__ __forceinline__ void cluster_sync_all() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-/* the end of a kernel whose peers read this block's shared memory: they have used what they
- * read before arriving, so no release (a release here waits for every earlier global store) */
+/* after the peers have read this block's shared memory (the end of a work item, before the
+ * next item's copies overwrite it): they have used what they read before arriving, so no
+ * release (a release here waits for every earlier global store) */
 __device__ __forceinline__ void cluster_sync_exit() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }

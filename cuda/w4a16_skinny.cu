@@ -1,6 +1,6 @@
 /* w4a16_skinny.cu: the small-M W4A16 GEMM (plain GEMM, M <= 16), built so that back-to-back
  * launches keep the memory busy. Its arithmetic order is the pipelined kernel's (w4a16.cu),
- * so both give the same bits; config_for there picks it where the H200 timings say so.
+ * so both give the same bits; config_for there gives it every M <= 16.
  *
  * Why its shape: at M <= 16 a launch is one stream of weight bytes (8 MB at K2.6's expert
  * shapes, 2 us at the H200's copy rate) plus a serial tail once the previous grid has
@@ -247,15 +247,16 @@ bool skinny_plan(int warps, int m, int n_tiles, int kc, int parts, int cpp, int 
                                     : (m > 8 ? skinny_fn<2, 0>(cpp) : skinny_fn<1, 0>(cpp));
     if (!fn) return false;
     if (warps <= 0) {   /* about one block per SM: the fewest warps whose blocks cover the SMs */
-        long long want = ((long long)n_tiles * parts + sm_count() - 1) / sm_count();
+        const int sms = sm_count();
+        long long want = ((long long)n_tiles * parts + sms - 1) / sms;
         warps = 1;
         while (warps < 8 && warps < want) warps *= 2;
     }
     if (warps > 8) warps = 8;
-    const int gpp = (cpp * CHUNK_K) >> gshift;
-    while (warps > 1 && skinny_layout(m, warps, parts, cpp, gpp).total > skinny_smem_max()) warps /= 2;
+    const int gpp = (cpp * CHUNK_K) >> gshift, smem_max = skinny_smem_max();
+    while (warps > 1 && skinny_layout(m, warps, parts, cpp, gpp).total > smem_max) warps /= 2;
     const int smem = skinny_layout(m, warps, parts, cpp, gpp).total;
-    if (smem > skinny_smem_max()) return false;
+    if (smem > smem_max) return false;
     plan->fn = fn;
     plan->threads = warps * 32;
     plan->smem = smem;

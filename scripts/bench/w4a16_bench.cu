@@ -1,5 +1,6 @@
-/* w4a16_bench.cu: validation and benchmark of the W4A16 kernels (cuda/w4a16.cu), standalone
- * (links cuda/w4a16.cu and core/error.c only, plus cuBLAS for the GEMM ceiling).
+/* w4a16_bench.cu: validation and benchmark of the W4A16 kernels (cuda/w4a16*.cu), standalone
+ * (links cuda/w4a16.cu, cuda/w4a16_skinny.cu and core/error.c only, plus cuBLAS for the GEMM
+ * ceiling).
  *
  *   w4a16_bench [--quick] [--small] [--no-bench] [--no-check] [--moe-only T] [--md FILE]
  *   --small: small shapes only, no ceilings or timings (for compute-sanitizer)
