@@ -275,11 +275,16 @@ describe("DFlash drafter", function()
     local lp = s:draft(c.bonus)
     local ids = s:draft_argmax()
     assert.are.same(require("kdtree.policy.dflash").argmax_rows(lp), ids)
-    assert.are.equal(lp.L, #ids)
+    -- the policy's path: a draft kept on the backend
+    s:draft(c.bonus, false)
+    assert.are.same(ids, s:draft_argmax())
     -- a truncate voids the draft
     s:truncate(#c.context_tokens - 1)
     assert.matches("no draft since the context last changed", err_of(s.draft_argmax, s))
     s:close()
+    local s2 = m:new_seq(16)
+    assert.matches("no drafter attached", err_of(s2.draft_argmax, s2))
+    s2:close()
   end)
 
   it("keeps the context within the sequence capacity", function()

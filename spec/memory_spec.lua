@@ -143,6 +143,8 @@ describe("kdtree generate --stats", function()
     for _, row in ipairs({ "routed experts", "kv cache", "activations", "workspace", "total", "step graphs" }) do
       assert.truthy(out:find("\n  " .. row, 1, true), row)
     end
+    -- what the CPU backend does not count reads so, not 0 B
+    assert.are.equal(BACKEND ~= "cuda", out:find("\n  workspace%s+%-  %(not tallied on the cpu backend%)") ~= nil, out)
     -- whatever capacity the policy gives its sequence, the exact kv bytes are
     -- capacity x layers x (r + dr) x dtype size: a positive multiple of layers x (r + dr) x size
     local kv = tonumber((out:match("\n  kv cache%s+[%d%.]+ %a+%s+[%d%.]+%%%s+([%d ]+)\n") or ""):gsub(" ", ""), 10)

@@ -2,12 +2,13 @@
 # gpu_run.sh: one pass on the GPU machine: build, the whole suite on CUDA (make test-gpu),
 # compute-sanitizer memcheck + racecheck on the CUDA driver and on the W4A16 checks at small
 # shapes (w4a16_bench --small), and make bench. Logs go to $OUT
-# (the device tool's folder) or ./gpu-logs; summary.log has one line per step, the rest is
-# packed into logs.tgz beside it.
+# (the device tool's folder) or ./gpu-logs; summary.log has one line per step, and in $OUT the
+# rest is packed into logs.tgz beside it.
 # Usage (repo root, after `source .device/env.sh`): scripts/bench/gpu_run.sh [steps]
 # steps: any of build test sanitize bench spec-memcheck (default: all but spec-memcheck, in that
 # order; spec-memcheck = GPU spec files under compute-sanitizer memcheck, one process each)
 set -u
+PACK=${GPU_RUN_PACK:-${OUT:+1}}   # pack by default only into the device tool's $OUT
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 steps=${*:-"build test sanitize bench"}
@@ -57,8 +58,8 @@ if has spec-memcheck; then
 fi
 cat "$OUT/summary.log"
 # the device tool brings back at most 8 files from $OUT: the logs and tables go into one
-# archive beside the summary (GPU_RUN_PACK=0 leaves them as they are)
-if [ "${GPU_RUN_PACK:-1}" = 1 ]; then
+# archive beside the summary (GPU_RUN_PACK=0 leaves them as they are; ./gpu-logs is not packed)
+if [ "$PACK" = 1 ]; then
   (cd "$OUT" && tar czf logs.tgz --exclude logs.tgz --exclude summary.log -- * &&
      find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.log -delete)
 fi

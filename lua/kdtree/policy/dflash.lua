@@ -34,10 +34,11 @@ function P.generate(m, prompt, opts)
       tm("draft")
       chain = s:draft_argmax()
     else
-      chain = argmax_rows(kd.tree.rows(d:draft(context, bonus)))
+      local lp = kd.tree.rows(d:draft(context, bonus))
       tm("draft")
+      chain = argmax_rows(lp)
     end
-    tree:set_chain(bonus, chain)                    -- one tree, reset to a chain every round
+    tree:set_chain(bonus, chain)
     tm("build")
   end)
 end
