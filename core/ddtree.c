@@ -287,17 +287,15 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
     bool on_device = t->accepted_on_device;   /* else accepted on the host: the ids go up for the compaction */
     if (on_device && (!t->dev_valid || t->model != s->model))
         return kd_fail(KD_ERR_STATE, "kd_commit: the accepted round's tree is not on the sequence's backend");
-    /* drafter context first: if compaction then fails, roll the context back */
+    /* drafter context first (a failed append leaves it as it was, and the round open); a
+     * compaction that then fails drops the rows from `start` on, the context's with them */
     if (s->drafter) {
         kd_status st = kd_draft_context_append(s, s->accepted, tau);
         if (st != KD_OK) return kd_fail_context(st, "kd_commit: appending %d accepted rows to the drafter context", tau);
     }
     kd_status st = on_device ? kd_seq_compact_staged(s, start, t->dev.result + KD_DTREE_HDR, tau)
                              : kd_seq_compact(s, start, s->accepted, tau);
-    if (st != KD_OK) {
-        if (s->drafter) kd_draft_context_truncate(s, start);   /* sets no error: the compaction's stays */
-        return kd_fail_context(st, "kd_commit: compacting %d accepted rows at %d", tau, start);
-    }
+    if (st != KD_OK) return kd_fail_context(st, "kd_commit: compacting %d accepted rows at %d", tau, start);
     t->verified_by = NULL;
     return KD_OK;
 }

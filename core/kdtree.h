@@ -104,7 +104,9 @@ kd_status kd_seq_argmax(kd_seq *s, int32_t *dst);          /* one id per output 
 /* Cache: keep slots [0, len) and drop everything after. */
 kd_status kd_seq_truncate(kd_seq *s, int len);
 /* Cache compaction: slot start+keep[i] moves to start+i (keep strictly increasing,
- * all inside the written slots), then the sequence length becomes start+n_keep. */
+ * all inside the written slots), then the sequence length becomes start+n_keep. If the
+ * backend fails during the moves, the rows from start on are dropped (length start, any
+ * round over) and the error says so: the sequence stays consistent and usable. */
 kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep);
 /* Read the cached latent rows [row0, row0+n) of one layer as fp32:
  * n x (kv_lora_rank + qk_rope_dim), c_kv then roped k_pe. For tests and tools. */
@@ -147,7 +149,9 @@ kd_status kd_verify(kd_seq *s, kd_tree *t);
 kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accepted_nodes,
                     int32_t *accepted_tokens, int *n_accepted, int32_t *bonus);
 /* compact the KV to the accepted path, hand its tap features to the drafter
- * context, advance the sequence by tau */
+ * context, advance the sequence by tau. A failed drafter append leaves everything as it was
+ * (the commit can be retried); a failed compaction ends at the committed length, as
+ * kd_seq_compact does. */
 kd_status kd_commit(kd_seq *s, kd_tree *t);
 
 /* ---- DFlash drafter ---- */

@@ -192,6 +192,18 @@ static kd_status move_slots(kd_seq *s, const kd_fwd_plan *p, int start, const in
     return KD_OK;
 }
 
+/* a move that failed partway has moved the slots from `start` on in some layers (or chunks)
+ * and not in others: those rows are dropped so that nothing reads them again (a retried
+ * compaction would gather slots already overwritten). The sequence ends at `start`, the round
+ * is over and the drafter's context is cut there too, so the sequence stays usable. */
+static kd_status move_failed(kd_seq *s, int start, kd_status st, const char *what) {
+    s->len = start;
+    end_round(s);
+    if (s->drafter) kd_draft_context_truncate(s, start);   /* a valid length: sets no error */
+    return kd_fail_context(st, "%s: moving the kept slots failed, so the rows from %d on are dropped (the "
+                           "sequence now ends at %d)", what, start, start);
+}
+
 /* the kept slots are in place: the sequence ends at start + n_keep and the round is over */
 static kd_status compacted(kd_seq *s, int start, int n_keep) {
     int old_len = s->len;
@@ -225,8 +237,9 @@ kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep) 
      * slots no earlier chunk wrote */
     for (int c0 = 0; c0 < n_keep; c0 += s->out_cap) {
         int n = n_keep - c0 < s->out_cap ? n_keep - c0 : s->out_cap;
-        KD_TRY(be->ops->upload(be, d_idx, keep + c0, sizeof(int32_t) * (size_t)n));
-        KD_TRY(move_slots(s, &p, start, d_idx, n, start + c0));
+        kd_status st = be->ops->upload(be, d_idx, keep + c0, sizeof(int32_t) * (size_t)n);
+        if (st == KD_OK) st = move_slots(s, &p, start, d_idx, n, start + c0);
+        if (st != KD_OK) return move_failed(s, start, st, "kd_seq_compact");
     }
     return compacted(s, start, n_keep);
 }
@@ -237,7 +250,8 @@ kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int
                        "rows, within the staging of %d) at 0..%d", n_keep, start, s->pending, s->out_cap, s->len);
     kd_fwd_plan p;
     kd_fwd_plan_make(s->model, s->out_cap, &p);
-    KD_TRY(move_slots(s, &p, start, d_keep, n_keep, start));
+    kd_status st = move_slots(s, &p, start, d_keep, n_keep, start);
+    if (st != KD_OK) return move_failed(s, start, st, "kd_seq_compact_staged");
     return compacted(s, start, n_keep);
 }
 

@@ -1,0 +1,66 @@
+/* testing_faults.c: backend failures on demand (kd_test_fail_op in kdtree_testing.h), so the
+ * specs can check what the engine promises after a failed backend op: a clear error, and a
+ * sequence that is consistent and usable (not only the happy path).
+ *
+ * The model's backend keeps its state; only its op table is swapped for a copy in which one
+ * op counts its calls and fails once the count runs out. One injection at a time (a testing
+ * hook, not engine state): a second call moves it, after < 0 restores the backend's table. */
+#include "error.h"
+#include "model.h"
+#include "kdtree_testing.h"
+#include <string.h>
+
+static struct {
+    kd_backend *be;                 /* whose table is swapped (NULL: none) */
+    const kd_backend_ops *orig;
+    kd_backend_ops ops;
+    const char *op;
+    int left;                       /* successful calls still allowed */
+} g_fault;
+
+static kd_status fault_check(void) {
+    if (g_fault.left > 0) {
+        g_fault.left--;
+        return KD_OK;
+    }
+    return kd_fail(KD_ERR_BACKEND, "backend op %s failed (injected by kd_test_fail_op)", g_fault.op);
+}
+static kd_status fault_upload(kd_backend *be, void *dst, const void *src, size_t bytes) {
+    KD_TRY(fault_check());
+    return g_fault.orig->upload(be, dst, src, bytes);
+}
+static kd_status fault_copy(kd_backend *be, kd_act dst, kd_act src) {
+    KD_TRY(fault_check());
+    return g_fault.orig->copy(be, dst, src);
+}
+static kd_status fault_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n) {
+    KD_TRY(fault_check());
+    return g_fault.orig->gather_rows(be, dst, src, rows, n);
+}
+
+static void fault_clear(void) {
+    if (g_fault.be) g_fault.be->ops = g_fault.orig;
+    memset(&g_fault, 0, sizeof g_fault);
+}
+
+kd_status kd_test_fail_op(kd_model *m, const char *op, int after) {
+    if (!m || !m->be) return kd_fail(KD_ERR_ARG, "kd_test_fail_op: model is NULL or has no backend");
+    if (after < 0) {
+        fault_clear();
+        return KD_OK;
+    }
+    if (!op) return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op is NULL");
+    fault_clear();
+    kd_backend_ops ops = *m->be->ops;
+    if (!strcmp(op, "upload")) ops.upload = fault_upload, op = "upload";
+    else if (!strcmp(op, "copy")) ops.copy = fault_copy, op = "copy";
+    else if (!strcmp(op, "gather_rows")) ops.gather_rows = fault_gather_rows, op = "gather_rows";
+    else return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op '%s': expected upload, copy or gather_rows", op);
+    g_fault.be = m->be;
+    g_fault.orig = m->be->ops;
+    g_fault.ops = ops;
+    g_fault.op = op;
+    g_fault.left = after;
+    m->be->ops = &g_fault.ops;
+    return KD_OK;
+}

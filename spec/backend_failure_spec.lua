@@ -1,0 +1,147 @@
+-- backend_failure_spec.lua: what a sequence is after a backend op fails in the middle of a
+-- cache move or a commit (kd_test_fail_op makes one op of the model's backend fail on demand):
+--   * a compaction whose slot moves fail after some layers have moved drops the rows from
+--     `start` on, says so, and the sequence then computes what a fresh one computes;
+--   * a commit whose compaction fails ends the round at the committed length (a second
+--     commit is a state error) and the next round matches the autoregressive reference;
+--   * a commit whose drafter append fails changes nothing: retried, it gives the draft a
+--     clean commit gives, bit for bit.
+-- Runs on the suite's backend (KDTREE_BACKEND, default cpu).
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
+local kd = require("kdtree")
+local O = require("helpers.ops")
+
+local MODEL, DRAFTER = "models/tiny-k2.6", "models/tiny-k2.6-dflash"
+local backend = os.getenv("KDTREE_BACKEND") or "cpu"
+local PROMPT = { 5, 77, 300, 12, 999, 77, 300 }
+
+local function err_of(f, ...)
+  local ok, e = pcall(f, ...)
+  assert.is_false(ok, "expected an error")
+  return tostring(e)
+end
+
+-- the greedy tokens after PROMPT, one at a time (the first from the prompt's last row)
+local function greedy(m, n)
+  local s = m:new_seq(64)
+  s:forward(PROMPT)
+  local a = s:argmax()
+  local out = { a[#a] }
+  while #out < n do
+    s:forward({ out[#out] })
+    a = s:argmax()
+    out[#out + 1] = a[#a]
+  end
+  s:close()
+  return out
+end
+
+local function same_floats(a, b, n, what)
+  for i = 0, n - 1 do
+    if a[i] ~= b[i] then
+      error(string.format("%s: element %d differs: %.9g vs %.9g", what, i, a[i], b[i]), 2)
+    end
+  end
+end
+
+describe("after a failed backend op", function()
+  local m, d, ar
+  setup(function()
+    m = kd.open_model(MODEL, { backend = backend })
+    d = kd.open_drafter(DRAFTER, m)
+    ar = greedy(m, 12)
+  end)
+  after_each(function() O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)") end)
+  teardown(function()
+    d:close()
+    m:close()
+  end)
+
+  it("a compaction that fails after moving some layers drops the rows from start on and the sequence goes on", function()
+    assert.is_true(m.info.n_layers >= 2, "the spec needs a partial move: two layers at least")
+    local s = m:new_seq(64)
+    s:forward(PROMPT)
+    s:forward({ 1, 2, 3, 4, 5, 6 })
+    local start = #PROMPT
+    -- layer 0's gather succeeds, layer 1's fails: layer 0's slots from `start` on have moved
+    O.check(O.C.kd_test_fail_op(m:handle(), "gather_rows", 1), "kd_test_fail_op")
+    local e = err_of(s.compact, s, start, { 1, 3, 5 })
+    assert.matches("injected by kd_test_fail_op", e)
+    assert.matches("rows from " .. start .. " on are dropped", e)
+    assert.are.equal(start, s:len())
+    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+    -- the sequence now computes exactly what one that never saw the extra rows computes
+    local fresh = m:new_seq(64)
+    fresh:forward(PROMPT)
+    s:forward({ 9, 8, 7 })
+    fresh:forward({ 9, 8, 7 })
+    local a, n = s:logits_cdata()
+    local b, nb = fresh:logits_cdata()
+    assert.are.equal(nb, n)
+    same_floats(a, b, n, "logits after the failed compaction")
+    for l = 0, m.info.n_layers - 1 do
+      local ca, cb = s:read_cache(l, 0, s:len()), fresh:read_cache(l, 0, fresh:len())
+      assert.are.same(cb, ca)
+    end
+    s:close(); fresh:close()
+  end)
+
+  it("a commit whose compaction fails ends the round at the committed length; the next round is exact", function()
+    local s = m:new_seq(64)
+    s:forward(PROMPT)
+    local t = kd.tree.chain(ar[1], { ar[2], ar[3], 17 })   -- accepts ar[1..3]: the compaction moves rows
+    s:verify(t)
+    local r = s:accept(t)
+    assert.are.equal(3, r.tau)
+    O.check(O.C.kd_test_fail_op(m:handle(), "gather_rows", 1), "kd_test_fail_op")
+    local e = err_of(s.commit, s, t)
+    assert.matches("kd_commit: compacting 3 accepted rows", e)
+    assert.matches("rows from " .. #PROMPT .. " on are dropped", e)
+    assert.are.equal(#PROMPT, s:len())
+    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+    assert.matches("no accepted round", err_of(s.commit, s, t))
+    -- the same round again, clean: the greedy tokens of the reference
+    local chain = {}
+    for i = 2, 8 do chain[#chain + 1] = ar[i] end
+    local t2 = kd.tree.chain(ar[1], chain)
+    s:verify(t2)
+    r = s:accept(t2)
+    s:commit(t2)
+    assert.are.equal(8, r.tau)
+    assert.are.same({ ar[1], ar[2], ar[3], ar[4], ar[5], ar[6], ar[7], ar[8] }, r.tokens)
+    assert.are.equal(ar[9], r.bonus)
+    assert.are.equal(#PROMPT + 8, s:len())
+    t:close(); t2:close(); s:close()
+  end)
+
+  it("a commit whose drafter append fails changes nothing; retried, it drafts what a clean commit drafts", function()
+    local function round(fail)
+      local s = m:new_seq(64)
+      s:attach_drafter(d)
+      s:forward(PROMPT)
+      local t = kd.tree.chain(ar[1], { ar[2], ar[3], 17 })
+      s:verify(t)
+      local r = s:accept(t)
+      if fail then
+        O.check(O.C.kd_test_fail_op(m:handle(), "upload", 0), "kd_test_fail_op")
+        local e = err_of(s.commit, s, t)
+        assert.matches("injected by kd_test_fail_op", e)
+        assert.matches("appending 3 accepted rows to the drafter context", e)
+        assert.are.equal(#PROMPT, s:len())
+        O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+      end
+      s:commit(t)
+      assert.are.equal(#PROMPT + 3, s:len())
+      local lp = s:draft(r.bonus)
+      t:close(); s:close()
+      return lp
+    end
+    local clean, retried = round(false), round(true)
+    same_floats(retried.data, clean.data, clean.L * clean.V, "draft after the retried commit")
+  end)
+
+  it("names the op it was given, and only the ops it can fail", function()
+    assert.matches("expected upload, copy or gather_rows",
+      err_of(O.check, O.C.kd_test_fail_op(m:handle(), "linear", 0), "kd_test_fail_op"))
+  end)
+end)
