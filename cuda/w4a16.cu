@@ -628,10 +628,6 @@ Launch moe_launch(int cfg, bool dual, int gshift) {
     return get_launch(cfg, dual, gshift);
 }
 
-/* the most parts of K: 8, the portable cluster size (16-block clusters are placed poorly: the
- * pipelined kernel at M >= 16 ran 1.4-1.8x slower with 16 parts on the H200) */
-int max_parts() { return 8; }
-
 /* per (kernel, device): the dynamic shared memory limit and the carveout (all shared memory,
  * so several blocks fit per SM) */
 pthread_mutex_t g_prep_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -701,14 +697,14 @@ int groups_pad_of(int k, int group) { return (kc_of(k) * CHUNK_K + group - 1) / 
 
 /* The fixed split of K: parts (P) and chunks per part (cpp), a function of the shape only.
  * warp_tiles = the 16-row weight tiles one launch streams besides the split (n/16, times
- * top_k for the MoE); P (a power of two, at most 8) brings the launch to `target` warp-tiles
- * (latency hiding at small M), keeping at least two chunks per part. The plain GEMM aims at
- * 1536 (K2.6: 2048 x 7168 -> 8 parts, 7168 x 2048 -> 4), the MoE at 1024 (its expert
- * tiles are many: K2.6 experts take no split; tensor-parallel slices do). */
+ * top_k for the MoE); P (a power of two, at most MAX_PARTS) brings the launch to `target`
+ * warp-tiles (latency hiding at small M), keeping at least two chunks per part. The plain
+ * GEMM aims at 1536 (K2.6: 2048 x 7168 -> 8 parts, 7168 x 2048 -> 4), the MoE at 1024 (its
+ * expert tiles are many: K2.6 experts take no split; tensor-parallel slices do). */
 int g_force_parts = 0;
 void split_of(int k, int group, long long warp_tiles, long long target, int *parts, int *cpp) {
     int kc = kc_of(k), unit = group > CHUNK_K ? group / CHUNK_K : 1, units = kc / unit;
-    int p = 1, pmax = max_parts();
+    int p = 1, pmax = MAX_PARTS;
     while (p < pmax && warp_tiles * p < target) p *= 2;
     if (g_force_parts > 0) p = g_force_parts < pmax ? g_force_parts : pmax;
     while (p > 1 && units < 2 * p) p /= 2;

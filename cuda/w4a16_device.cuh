@@ -13,6 +13,10 @@ typedef __nv_bfloat16 bf16;
 namespace kd_w4a16_impl {
 
 constexpr int CHUNK_K = 64;       /* k per chunk of the device form */
+/* the most parts of K (blocks of a cluster): 8, the portable cluster size (16-block clusters
+ * are placed poorly: the pipelined kernel at M >= 16 ran 1.4-1.8x slower with 16 parts on the
+ * H200) */
+constexpr int MAX_PARTS = 8;
 
 /* ---------------------------------------------------------------- PTX helpers */
 __device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }

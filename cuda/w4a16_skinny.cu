@@ -242,7 +242,7 @@ KernelFn skinny_fn(int cpp) {
 }
 
 bool skinny_plan(int warps, int m, int n_tiles, int kc, int parts, int cpp, int gshift, SkinnyPlan *plan) {
-    if (m < 1 || m > 16 || gshift < 5 || gshift > 7 || parts > 8 || kc > parts * cpp) return false;
+    if (m < 1 || m > 16 || gshift < 5 || gshift > 7 || parts > MAX_PARTS || kc > parts * cpp) return false;
     const KernelFn fn = gshift == 5 ? (m > 8 ? skinny_fn<2, 5>(cpp) : skinny_fn<1, 5>(cpp))
                                     : (m > 8 ? skinny_fn<2, 0>(cpp) : skinny_fn<1, 0>(cpp));
     if (!fn) return false;

@@ -8,7 +8,8 @@
  *   runs, profilers)
  *
  * 1. ceilings measured in this run: cudaMemcpy device-to-device (2 GiB, bytes read + written),
- *    a read-only kernel (2 GiB of 16-byte loads), cuBLAS bf16 GEMM 8192^3 (fp32 accumulate);
+ *    a read-only kernel (2 GiB of 16-byte loads), cuBLAS bf16 GEMM 8192^3 (fp32 accumulate),
+ *    and the kernels' tensor-core instruction (mma.sync m16n8k16 bf16: rate and latency);
  * 2. checks: the W4A16 GEMM against an fp64 host reference of the dequantised weights on
  *    random data (every row, a sample of columns), all kernel configurations, f32 and bf16
  *    outputs, outputs poisoned with NaN first; configurations, M = 1 vs inside M = 37 and the
@@ -182,7 +183,56 @@ template <class F> static double time_ms(F f, int warm, int reps, cudaStream_t s
     return median(v);
 }
 
-static double g_copy_gbs = 0, g_read_gbs = 0, g_gemm_tflops = 0;
+static double g_copy_gbs = 0, g_read_gbs = 0, g_gemm_tflops = 0, g_mma_tflops = 0, g_mma_clk = 0, g_mma_lat = 0;
+
+/* The tensor-core instruction the W4A16 kernels use (mma.sync m16n8k16, bf16 in, fp32
+ * accumulate): CH independent accumulator chains per warp, `iters` rounds; each block's
+ * clock64 cycles go to clk[block]. */
+template <int CH>
+__global__ void mma_probe(int iters, float *sink, long long *clk) {
+    uint32_t a[4] = {0x3F803F80u ^ threadIdx.x, 0x3F803F80u, 0x3F80u, 0x3F800000u};
+    const uint32_t b0 = 0x3F803F80u + threadIdx.x, b1 = 0x3F803F80u;
+    float c[CH][4] = {};
+    __syncthreads();
+    const long long t0 = clock64();
+    for (int it = 0; it < iters; it++)
+#pragma unroll
+        for (int i = 0; i < CH; i++)
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                         "{%0,%1,%2,%3};\n"
+                         : "+f"(c[i][0]), "+f"(c[i][1]), "+f"(c[i][2]), "+f"(c[i][3])
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    __syncthreads();
+    const long long t1 = clock64();
+    float sum = 0;
+    for (int i = 0; i < CH; i++) sum += c[i][0] + c[i][1] + c[i][2] + c[i][3];
+    if (sum == 1234.5f) sink[threadIdx.x] = sum;   /* keeps the chains; practically never stores */
+    if (threadIdx.x == 0) clk[blockIdx.x] = t1 - t0;
+}
+/* the mma.sync ceiling: 8 warps per SM (two per sub-partition), 8 chains each, as TFLOP/s and
+ * cycles per mma per sub-partition; and one warp per sub-partition with one chain: the
+ * latency of a dependent mma */
+static void mma_ceiling() {
+    int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const int iters = 4096;
+    float *sink; long long *clk;
+    CK(cudaMalloc(&sink, 1024 * sizeof(float))); CK(cudaMalloc(&clk, sms * sizeof(long long)));
+    std::vector<long long> h(sms);
+    auto mean_clk = [&] {
+        CK(cudaMemcpy(h.data(), clk, sms * sizeof(long long), cudaMemcpyDeviceToHost));
+        double m = 0;
+        for (long long v : h) m += (double)v;
+        return m / sms;
+    };
+    double ms = time_ms([&] { mma_probe<8><<<sms, 256>>>(iters, sink, clk); }, 1, 5);
+    CK(cudaGetLastError());
+    g_mma_clk = mean_clk() / ((double)iters * 8 * 8 / 4);
+    g_mma_tflops = 2.0 * 16 * 8 * 16 * iters * 8 * 8 * (double)sms / (ms * 1e-3) / 1e12;
+    time_ms([&] { mma_probe<1><<<sms, 128>>>(iters, sink, clk); }, 1, 1);
+    CK(cudaGetLastError());
+    g_mma_lat = mean_clk() / iters;
+    cudaFree(sink); cudaFree(clk);
+}
 
 static void ceilings(bool quick) {
     size_t bytes = (size_t)(quick ? 1 : 2) << 30;
@@ -213,6 +263,7 @@ static void ceilings(bool quick) {
     g_gemm_tflops = 2.0 * n * (double)n * n / (ms * 1e-3) / 1e12;
     cublasDestroy(h);
     cudaFree(A); cudaFree(B); cudaFree(C);
+    mma_ceiling();
 }
 
 /* ---------------------------------------------------------------- GEMM checks */
@@ -549,7 +600,7 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
         if (!quick) {
             std::vector<int> cfgs = m <= 8 ? std::vector<int>{0, 1, 7, 8, 9} : m <= 16 ? std::vector<int>{2, 3, 7, 8, 9}
                                                                                 : std::vector<int>{4, 5};
-            std::vector<int> ps = m <= 16 ? std::vector<int>{2, 4, 8} : std::vector<int>{0};
+            std::vector<int> ps = m <= 16 ? std::vector<int>{2, 4, 8} : std::vector<int>{1, 2, 4, 8};
             for (int c : cfgs)
                 for (int p : ps)
                     vs.push_back({std::string(kd_w4a16_config_name(c)) + (p ? "/P" + std::to_string(p) : ""), c,
@@ -689,7 +740,7 @@ static void warm_clocks() {
     cudaFree(a); cudaFree(o);
 }
 
-/* --profile: a few launches for ncu (-k regex:w4a16_gemm): GEMM M = 1, 16 at both K2.6 shapes,
+/* --profile: a few launches for ncu (-k regex:w4a16_gemm): GEMM M = 1, 16, 64 at both K2.6 shapes,
  * then one MoE call (16 experts, T = 4) */
 static int run_profile() {
     warm_clocks();
@@ -698,9 +749,9 @@ static int run_profile() {
         HostW h = make_host_w(n, k, g, 0.01);
         DevW w = upload_w(h);
         void *x, *y;
-        CK(cudaMalloc(&x, (size_t)16 * k * 2)); CK(cudaMalloc(&y, (size_t)16 * n * 4));
-        dev_fill_bf16(x, (size_t)16 * k, 5, -1, 1);
-        for (int m : {1, 16})
+        CK(cudaMalloc(&x, (size_t)64 * k * 2)); CK(cudaMalloc(&y, (size_t)64 * n * 4));
+        dev_fill_bf16(x, (size_t)64 * k, 5, -1, 1);
+        for (int m : {1, 16, 64})
             for (int rep = 0; rep < 2; rep++) run_gemm(w, x, m, y, 0, 0);
         CK(cudaDeviceSynchronize());
         cudaFree(x); cudaFree(y); free_w(w);
@@ -809,7 +860,9 @@ int main(int argc, char **argv) {
     if (!small) ceilings(quick);
     double mhz_ceil = sm_mhz();
     if (!small) MD("Ceilings (this run): cudaMemcpy D2D %.0f GB/s (read + write), read-only kernel %.0f GB/s, "
-       "cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s\n\n", g_copy_gbs, g_read_gbs, g_gemm_tflops);
+       "cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s; mma.sync m16n8k16 bf16 %.0f TFLOP/s (%.1f cycles per mma per SM "
+       "sub-partition with 16 chains in flight), a dependent mma %.1f cycles\n\n", g_copy_gbs, g_read_gbs,
+       g_gemm_tflops, g_mma_tflops, g_mma_clk, g_mma_lat);
     if (check) {
         MD("Checks against fp64 (max |y - ref| / max |ref|; every configuration, M = 1..256):\n\n"
            "| N | K | group | parts | f32 out | bf16 out |\n|---|---|---|---|---|---|\n");
