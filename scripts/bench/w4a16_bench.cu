@@ -9,7 +9,8 @@
  *
  * 1. ceilings measured in this run: cudaMemcpy device-to-device (2 GiB, bytes read + written),
  *    a read-only kernel (2 GiB of 16-byte loads), cuBLAS bf16 GEMM 8192^3 (fp32 accumulate),
- *    and the kernels' tensor-core instruction (mma.sync m16n8k16 bf16: rate and latency);
+ *    the kernels' tensor-core instruction (mma.sync m16n8k16 bf16: rate and latency), and the
+ *    least a launch costs in a chain of dependent launches;
  * 2. checks: the W4A16 GEMM against an fp64 host reference of the dequantised weights on
  *    random data (every row, a sample of columns), all kernel configurations, f32 and bf16
  *    outputs, outputs poisoned with NaN first; configurations, M = 1 vs inside M = 37 and the
@@ -184,6 +185,7 @@ template <class F> static double time_ms(F f, int warm, int reps, cudaStream_t s
 }
 
 static double g_copy_gbs = 0, g_read_gbs = 0, g_gemm_tflops = 0, g_mma_tflops = 0, g_mma_clk = 0, g_mma_lat = 0;
+static double g_chain_us[2] = {0, 0};
 
 /* The tensor-core instruction the W4A16 kernels use (mma.sync m16n8k16, bf16 in, fp32
  * accumulate): CH independent accumulator chains per warp, `iters` rounds; each block's
@@ -212,6 +214,49 @@ __global__ void mma_probe(int iters, float *sink, long long *clk) {
 /* the mma.sync ceiling: 8 warps per SM (two per sub-partition), 8 chains each, as TFLOP/s and
  * cycles per mma per sub-partition; and one warp per sub-partition with one chain: the
  * latency of a dependent mma */
+/* The least a launch costs in a chain of dependent launches (graph + PDL), whatever it computes:
+ * each launch waits for the previous grid, reads what it wrote and writes for the next one. The
+ * grid is the small-M kernel's at 2048 x 7168 (128 blocks of 256 threads), plain or in clusters
+ * of 8. A W4A16 launch that streams one weight pays this besides its math. */
+__global__ void chain_kernel(const float *x, float *y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    y[i] = x[i] + 1.0f;
+}
+static void chain_ceiling() {
+    const int blocks = 128, threads = 256, launches = 32;
+    float *buf;
+    CK(cudaMalloc(&buf, 2 * blocks * threads * sizeof(float)));
+    CK(cudaMemset(buf, 0, 2 * blocks * threads * sizeof(float)));
+    cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (int clustered = 0; clustered < 2; clustered++) {
+        cudaLaunchAttribute at[2];
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[0].val.programmaticStreamSerializationAllowed = 1;
+        at[1].id = cudaLaunchAttributeClusterDimension;
+        at[1].val.clusterDim.x = 8; at[1].val.clusterDim.y = 1; at[1].val.clusterDim.z = 1;
+        cudaLaunchConfig_t lc = {};
+        lc.gridDim = dim3(blocks); lc.blockDim = dim3(threads); lc.stream = st; lc.attrs = at;
+        lc.numAttrs = clustered ? 2 : 1;
+        cudaGraph_t gr; cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < launches; i++) {
+            const float *x = buf + (i & 1) * blocks * threads;
+            float *y = buf + (~i & 1) * blocks * threads;
+            CK(cudaLaunchKernelEx(&lc, chain_kernel, x, y));
+        }
+        CK(cudaStreamEndCapture(st, &gr));
+        CK(cudaGraphInstantiate(&ge, gr, 0));
+        g_chain_us[clustered] = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 3, 15, st) * 1e3 / launches;
+        cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
+    }
+    cudaStreamDestroy(st);
+    cudaFree(buf);
+}
+
 static void mma_ceiling() {
     int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const int iters = 4096;
@@ -264,6 +309,7 @@ static void ceilings(bool quick) {
     cublasDestroy(h);
     cudaFree(A); cudaFree(B); cudaFree(C);
     mma_ceiling();
+    chain_ceiling();
 }
 
 /* ---------------------------------------------------------------- GEMM checks */
@@ -861,8 +907,9 @@ int main(int argc, char **argv) {
     double mhz_ceil = sm_mhz();
     if (!small) MD("Ceilings (this run): cudaMemcpy D2D %.0f GB/s (read + write), read-only kernel %.0f GB/s, "
        "cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s; mma.sync m16n8k16 bf16 %.0f TFLOP/s (%.1f cycles per mma per SM "
-       "sub-partition with 16 chains in flight), a dependent mma %.1f cycles\n\n", g_copy_gbs, g_read_gbs,
-       g_gemm_tflops, g_mma_tflops, g_mma_clk, g_mma_lat);
+       "sub-partition with 16 chains in flight), a dependent mma %.1f cycles; a launch in a dependent chain "
+       "(graph + PDL, 128 blocks, nothing computed) %.2f us, in clusters of 8 %.2f us\n\n", g_copy_gbs,
+       g_read_gbs, g_gemm_tflops, g_mma_tflops, g_mma_clk, g_mma_lat, g_chain_us[0], g_chain_us[1]);
     if (check) {
         MD("Checks against fp64 (max |y - ref| / max |ref|; every configuration, M = 1..256):\n\n"
            "| N | K | group | parts | f32 out | bf16 out |\n|---|---|---|---|---|---|\n");
