@@ -4,7 +4,8 @@
  *
  * The model's backend keeps its state; only its op table is swapped for a copy in which one
  * op counts its calls and fails once the count runs out. One injection at a time (a testing
- * hook, not engine state): a second call moves it, after < 0 restores the backend's table. */
+ * hook, not engine state): a second call moves it, after < 0 restores the backend's table,
+ * which must happen before the model is closed (the hook keeps a pointer to its backend). */
 #include "error.h"
 #include "model.h"
 #include "kdtree_testing.h"
@@ -52,14 +53,23 @@ kd_status kd_test_fail_op(kd_model *m, const char *op, int after) {
     if (!op) return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op is NULL");
     fault_clear();
     kd_backend_ops ops = *m->be->ops;
-    if (!strcmp(op, "upload")) ops.upload = fault_upload, op = "upload";
-    else if (!strcmp(op, "copy")) ops.copy = fault_copy, op = "copy";
-    else if (!strcmp(op, "gather_rows")) ops.gather_rows = fault_gather_rows, op = "gather_rows";
-    else return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op '%s': expected upload, copy or gather_rows", op);
+    const char *name;   /* a literal: the caller's string need not outlive the injection */
+    if (!strcmp(op, "upload")) {
+        ops.upload = fault_upload;
+        name = "upload";
+    } else if (!strcmp(op, "copy")) {
+        ops.copy = fault_copy;
+        name = "copy";
+    } else if (!strcmp(op, "gather_rows")) {
+        ops.gather_rows = fault_gather_rows;
+        name = "gather_rows";
+    } else {
+        return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op '%s': expected upload, copy or gather_rows", op);
+    }
     g_fault.be = m->be;
     g_fault.orig = m->be->ops;
     g_fault.ops = ops;
-    g_fault.op = op;
+    g_fault.op = name;
     g_fault.left = after;
     m->be->ops = &g_fault.ops;
     return KD_OK;

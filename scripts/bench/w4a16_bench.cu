@@ -211,9 +211,6 @@ __global__ void mma_probe(int iters, float *sink, long long *clk) {
     if (sum == 1234.5f) sink[threadIdx.x] = sum;   /* keeps the chains; practically never stores */
     if (threadIdx.x == 0) clk[blockIdx.x] = t1 - t0;
 }
-/* the mma.sync ceiling: 8 warps per SM (two per sub-partition), 8 chains each, as TFLOP/s and
- * cycles per mma per sub-partition; and one warp per sub-partition with one chain: the
- * latency of a dependent mma */
 /* The least a launch costs in a chain of dependent launches (graph + PDL), whatever it computes:
  * each launch waits for the previous grid, reads what it wrote and writes for the next one. The
  * grid is the small-M kernel's at 2048 x 7168 (128 blocks of 256 threads), plain or in clusters
@@ -257,6 +254,9 @@ static void chain_ceiling() {
     cudaFree(buf);
 }
 
+/* the mma.sync ceiling: 8 warps per SM (two per sub-partition), 8 chains each, as TFLOP/s and
+ * cycles per mma per sub-partition; and one warp per sub-partition with one chain: the
+ * latency of a dependent mma */
 static void mma_ceiling() {
     int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const int iters = 4096;
@@ -786,8 +786,8 @@ static void warm_clocks() {
     cudaFree(a); cudaFree(o);
 }
 
-/* --profile: a few launches for ncu (-k regex:w4a16_gemm): GEMM M = 1, 16, 64 at both K2.6 shapes,
- * then one MoE call (16 experts, T = 4) */
+/* --profile: a few launches for ncu (-k regex:w4a16_gemm): GEMM M = 1, 16, 64 at both K2.6
+ * shapes, then one MoE call (16 experts, T = 4) */
 static int run_profile() {
     warm_clocks();
     for (int shape = 0; shape < 2; shape++) {
