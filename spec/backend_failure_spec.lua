@@ -5,7 +5,9 @@
 --   * a commit whose compaction fails ends the round at the committed length (a second
 --     commit is a state error) and the next round matches the autoregressive reference;
 --   * a commit whose drafter append fails changes nothing: retried, it gives the draft a
---     clean commit gives, bit for bit.
+--     clean commit gives, bit for bit;
+--   * a forward that fails in a middle layer, and a draft that fails, leave the sequence
+--     and its drafter as they were: the same call again computes what a clean run does.
 -- Runs on the suite's backend (KDTREE_BACKEND, default cpu).
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
@@ -138,6 +140,42 @@ describe("after a failed backend op", function()
     end
     local clean, retried = round(false), round(true)
     same_floats(retried.data, clean.data, clean.L * clean.V, "draft after the retried commit")
+  end)
+
+  it("a forward that fails in a middle layer leaves the sequence as it was; the same forward again is exact", function()
+    local s, fresh = m:new_seq(64), m:new_seq(64)
+    s:attach_drafter(d)
+    fresh:attach_drafter(d)
+    s:forward(PROMPT)
+    fresh:forward(PROMPT)
+    -- copy runs a few times in every layer (the absorbed query; the cache row on the CPU path):
+    -- the third call is in layer 0 or 1, with layer 0's cache rows already written
+    O.check(O.C.kd_test_fail_op(m:handle(), "copy", 3), "kd_test_fail_op")
+    assert.matches("injected by kd_test_fail_op", err_of(s.forward, s, { 9, 8, 7 }))
+    assert.are.equal(#PROMPT, s:len())
+    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+    s:forward({ 9, 8, 7 })
+    fresh:forward({ 9, 8, 7 })
+    local a, n = s:logits_cdata()
+    local b = fresh:logits_cdata()
+    same_floats(a, b, n, "logits after the failed forward")
+    local da, db = s:draft(ar[1]), fresh:draft(ar[1])
+    same_floats(da.data, db.data, db.L * db.V, "draft after the failed forward")
+    s:close(); fresh:close()
+  end)
+
+  it("a draft that fails leaves the drafter usable: the next draft is a clean one's", function()
+    local s, fresh = m:new_seq(64), m:new_seq(64)
+    s:attach_drafter(d)
+    fresh:attach_drafter(d)
+    s:forward(PROMPT)
+    fresh:forward(PROMPT)
+    O.check(O.C.kd_test_fail_op(m:handle(), "upload", 0), "kd_test_fail_op")
+    assert.matches("injected by kd_test_fail_op", err_of(s.draft, s, ar[1]))
+    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+    local da, db = s:draft(ar[1]), fresh:draft(ar[1])
+    same_floats(da.data, db.data, db.L * db.V, "draft after the failed draft")
+    s:close(); fresh:close()
   end)
 
   it("names the op it was given, and only the ops it can fail", function()
