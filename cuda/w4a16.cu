@@ -112,6 +112,9 @@ __global__ void repack_scales_kernel(const uint16_t *__restrict__ raw, int n, in
 }
 
 /* ---------------------------------------------------------------- the GEMM kernel */
+/* floats per row of a block's split-K partial tile (store_tile): one more than the BM tokens */
+__host__ __device__ constexpr int partial_row(int bm) { return bm + 1; }
+
 template <int MT8, int NT, int WN, int SC, int STAGES>
 struct W4Shape {
     static constexpr int BM = MT8 * 8;
@@ -125,7 +128,8 @@ struct W4Shape {
     static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + S_BYTES;
     static constexpr int XP = BM * SC * 8;                    /* 16-byte activation pieces per stage */
     static constexpr int XPT = (XP + THREADS - 1) / THREADS;  /* ... per thread */
-    static constexpr int PART_BYTES = SLOTS * 16 * BM * 4;    /* the block's fp32 partial tile (split-K) */
+    static constexpr int PR = partial_row(BM);                /* floats per row of the partial tile */
+    static constexpr int PART_BYTES = SLOTS * 16 * PR * 4;    /* the block's fp32 partial tile (split-K) */
     static constexpr int SMEM = STAGES * STAGE_BYTES > PART_BYTES ? STAGES * STAGE_BYTES : PART_BYTES;
 };
 
@@ -137,13 +141,17 @@ struct W4MinBlocks { static constexpr int value = MT8 <= 2 ? 512 / (WN * 32) : 1
 /* The epilogue of a block's work item: fragment (i, j, r) is weight row 16*tile + lane/4 (+8
  * for r >= 2), token 8j + 2*(lane%4) (+1 for odd r). One part: stored directly. Several: split-K
  * inside the cluster: every block leaves its partial tile in its own shared memory
- * [slot*16 + row][token]; after a cluster barrier, block `rank` adds the parts for its share of
- * the tile in part order 0..parts-1 and stores it. `smem` must hold SLOTS*16*BM floats and be
- * free (every warp has finished reading its stages). Ends with the block synchronised. */
+ * [slot*16 + row][token], rows BM + 1 floats apart; after a cluster barrier, block `rank` adds
+ * the parts for its share of the tile in part order 0..parts-1 and stores it. The adding
+ * threads walk rows, so with rows BM floats apart (a multiple of 32 banks from BM = 32 on) every
+ * lane of a remote load hit one bank: ncu on the H200 showed 32 times the ideal shared
+ * wavefronts on those loads and half of a 7168 x 2048, M = 64 launch's stall samples on them.
+ * `smem` must hold W4Shape::PART_BYTES and be free (every warp has finished reading its
+ * stages). Ends with the block synchronised. */
 template <int MT8, int NT, int WN, bool DUAL>
 __device__ __forceinline__ void store_tile(const W4Args &a, const float (&acc)[NT][MT8][4], const int (&slot_tile)[NT],
                                            int row0, int rows, int nbi, int part, unsigned char *smem) {
-    constexpr int BM = MT8 * 8, THREADS = WN * 32, SLOTS = WN * NT;
+    constexpr int BM = MT8 * 8, PR = partial_row(BM), THREADS = WN * 32, SLOTS = WN * NT;
     constexpr int OUT_SLOTS = DUAL ? WN : SLOTS;    /* 16-row output tiles per block */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gr = lane >> 2, tq = (lane & 3) * 2;
@@ -171,7 +179,7 @@ __device__ __forceinline__ void store_tile(const W4Args &a, const float (&acc)[N
 #pragma unroll
             for (int r = 0; r < 4; r++) {
                 int row = (warp * NT + i) * 16 + gr + (r >= 2 ? 8 : 0), t = j * 8 + tq + (r & 1);
-                pbuf[row * BM + t] = acc[i][j][r];
+                pbuf[row * PR + t] = acc[i][j][r];
             }
     cluster_sync_all();
     const int width = OUT_SLOTS * 16, n0 = (DUAL ? nbi * WN : nbi * SLOTS) * 16;
@@ -182,13 +190,13 @@ __device__ __forceinline__ void store_tile(const W4Args &a, const float (&acc)[N
         int t = e / width, nl = e - t * width, n = n0 + nl;
         if (n >= a.n) continue;
         int rg = DUAL ? (nl >> 4) * 32 + (nl & 15) : nl;   /* gate (or plain) row in pbuf */
-        const float *pg = pbuf + rg * BM + t;
+        const float *pg = pbuf + rg * PR + t;
         float v = 0.0f, u = 0.0f;
         for (int p = 0; p < a.parts; p++) {
             float gv = ld_cluster(cluster_addr(pg, (unsigned)p));
             v = p == 0 ? gv : v + gv;
             if (DUAL) {
-                float uv = ld_cluster(cluster_addr(pg + 16 * BM, (unsigned)p));
+                float uv = ld_cluster(cluster_addr(pg + 16 * PR, (unsigned)p));
                 u = p == 0 ? uv : u + uv;
             }
         }
