@@ -6,8 +6,8 @@
 --     commit is a state error) and the next round matches the autoregressive reference;
 --   * a commit whose drafter append fails changes nothing: retried, it gives the draft a
 --     clean commit gives, bit for bit;
---   * a forward that fails in a middle layer, and a draft that fails, leave the sequence
---     and its drafter as they were: the same call again computes what a clean run does.
+--   * a forward or a verify that fails in a middle layer, and a draft that fails, leave the
+--     sequence and its drafter as they were: the same call again computes what a clean run does.
 -- Runs on the suite's backend (KDTREE_BACKEND, default cpu).
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
@@ -162,6 +162,26 @@ describe("after a failed backend op", function()
     local da, db = s:draft(ar[1]), fresh:draft(ar[1])
     same_floats(da.data, db.data, db.L * db.V, "draft after the failed forward")
     s:close(); fresh:close()
+  end)
+
+  it("a verify that fails in a middle layer leaves no round open; verified again, the round is exact", function()
+    local s = m:new_seq(64)
+    s:forward(PROMPT)
+    local chain = {}
+    for i = 2, 8 do chain[#chain + 1] = ar[i] end
+    local t = kd.tree.chain(ar[1], chain)
+    O.check(O.C.kd_test_fail_op(m:handle(), "copy", 3), "kd_test_fail_op")
+    assert.matches("injected by kd_test_fail_op", err_of(s.verify, s, t))
+    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+    assert.are.equal(#PROMPT, s:len())
+    assert.matches("accept before verify", err_of(s.accept, s, t))
+    s:verify(t)
+    local r = s:accept(t)
+    s:commit(t)
+    assert.are.same({ ar[1], ar[2], ar[3], ar[4], ar[5], ar[6], ar[7], ar[8] }, r.tokens)
+    assert.are.equal(ar[9], r.bonus)
+    assert.are.equal(#PROMPT + 8, s:len())
+    t:close(); s:close()
   end)
 
   it("a draft that fails leaves the drafter usable: the next draft is a clean one's", function()
