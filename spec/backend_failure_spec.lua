@@ -1,5 +1,5 @@
--- backend_failure_spec.lua: what a sequence is after a backend op fails in the middle of a
--- cache move or a commit (kd_test_fail_op makes one op of the model's backend fail on demand):
+-- backend_failure_spec.lua: what a sequence is after a backend op fails partway through an
+-- engine call (kd_test_fail_op makes one op of the model's backend fail on demand):
 --   * a compaction whose slot moves fail after some layers have moved drops the rows from
 --     `start` on, says so, and the sequence then computes what a fresh one computes;
 --   * a commit whose compaction fails ends the round at the committed length (a second
