@@ -82,8 +82,8 @@ kd_status kd_test_topk(kd_test_backend *tb, const float *x, int rows, int cols, 
 
 /* Fault injection (core/testing_faults.c): from now on the backend op `op` of the model's
  * backend ("upload", "copy" or "gather_rows") fails with KD_ERR_BACKEND once `after` more calls
- * of it have succeeded; after < 0 ends the injection (one at a time; a new call moves it; end
- * it before the model is closed). */
+ * of it have succeeded; after < 0 ends the injection (one at a time; a new call moves it;
+ * closing the model ends it too). */
 kd_status kd_test_fail_op(kd_model *m, const char *op, int after);
 
 #ifdef __cplusplus

@@ -4,8 +4,9 @@
  *
  * The model's backend keeps its state; only its op table is swapped for a copy in which one
  * op counts its calls and fails once the count runs out. One injection at a time (a testing
- * hook, not engine state): a second call moves it, after < 0 restores the backend's table,
- * which must happen before the model is closed (the hook keeps a pointer to its backend). */
+ * hook, not engine state): a second call moves it, after < 0 restores the backend's table, and
+ * so does the backend's destroy (as testing_graphs.c's emulation does), so a model closed with
+ * an injection on leaves no pointer behind. */
 #include "error.h"
 #include "model.h"
 #include "kdtree_testing.h"
@@ -43,6 +44,11 @@ static void fault_clear(void) {
     if (g_fault.be) g_fault.be->ops = g_fault.orig;
     memset(&g_fault, 0, sizeof g_fault);
 }
+static void fault_destroy(kd_backend *be) {
+    const kd_backend_ops *orig = g_fault.orig;
+    fault_clear();
+    orig->destroy(be);
+}
 
 kd_status kd_test_fail_op(kd_model *m, const char *op, int after) {
     if (!m || !m->be) return kd_fail(KD_ERR_ARG, "kd_test_fail_op: model is NULL or has no backend");
@@ -53,6 +59,7 @@ kd_status kd_test_fail_op(kd_model *m, const char *op, int after) {
     if (!op) return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op is NULL");
     fault_clear();
     kd_backend_ops ops = *m->be->ops;
+    ops.destroy = fault_destroy;
     const char *name;   /* a literal: the caller's string need not outlive the injection */
     if (!strcmp(op, "upload")) {
         ops.upload = fault_upload;

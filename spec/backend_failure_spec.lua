@@ -11,6 +11,7 @@
 -- Runs on the suite's backend (KDTREE_BACKEND, default cpu).
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
+local gen = require("kdtree.generate")
 local O = require("helpers.ops")
 
 local MODEL, DRAFTER = "models/tiny-k2.6", "models/tiny-k2.6-dflash"
@@ -23,27 +24,11 @@ local function err_of(f, ...)
   return tostring(e)
 end
 
--- the greedy tokens after PROMPT, one at a time (the first from the prompt's last row)
-local function greedy(m, n)
-  local s = m:new_seq(64)
-  s:forward(PROMPT)
-  local a = s:argmax()
-  local out = { a[#a] }
-  while #out < n do
-    s:forward({ out[#out] })
-    a = s:argmax()
-    out[#out + 1] = a[#a]
-  end
-  s:close()
-  return out
-end
-
-local function same_floats(a, b, n, what)
-  for i = 0, n - 1 do
-    if a[i] ~= b[i] then
-      error(string.format("%s: element %d differs: %.9g vs %.9g", what, i, a[i], b[i]), 2)
-    end
-  end
+-- n floats bit-identical, and no NaN among them
+local function same_bits(a, b, n, what)
+  local ok, i = O.same_bits(a, b, n)
+  assert.is_true(ok, string.format("%s: element %s differs", what, tostring(i)))
+  assert.is_false(O.has_nan(a, n), what .. ": NaN")
 end
 
 describe("after a failed backend op", function()
@@ -51,9 +36,36 @@ describe("after a failed backend op", function()
   setup(function()
     m = kd.open_model(MODEL, { backend = backend })
     d = kd.open_drafter(DRAFTER, m)
-    ar = greedy(m, 12)
+    -- the greedy tokens after PROMPT (the first from the prompt's last row)
+    ar = gen.run(m, PROMPT, { policy = "ar", n = 12, eos = false }).tokens
   end)
-  after_each(function() O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)") end)
+  -- op fails once `after` more calls of it have succeeded; heal() ends the injection
+  local function fail(op, after) O.check(O.C.kd_test_fail_op(m:handle(), op, after), "kd_test_fail_op") end
+  local function heal() O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)") end
+  after_each(heal)
+  -- a sequence with the drafter attached after PROMPT, and its twin that sees no failure
+  local function twins()
+    local s, fresh = m:new_seq(64), m:new_seq(64)
+    for _, x in ipairs({ s, fresh }) do
+      x:attach_drafter(d)
+      x:forward(PROMPT)
+    end
+    return s, fresh
+  end
+  -- the chain of the true tokens ar[2..8] under ar[1]
+  local function true_chain() return kd.tree.chain(ar[1], { ar[2], ar[3], ar[4], ar[5], ar[6], ar[7], ar[8] }) end
+  -- a clean round of t (default: a new true_chain()) on s after PROMPT: accepted whole, ar[9] next
+  local function exact_round(s, t)
+    local len, own = s:len(), t == nil
+    t = t or true_chain()
+    s:verify(t)
+    local r = s:accept(t)
+    s:commit(t)
+    assert.are.same({ ar[1], ar[2], ar[3], ar[4], ar[5], ar[6], ar[7], ar[8] }, r.tokens)
+    assert.are.equal(ar[9], r.bonus)
+    assert.are.equal(len + 8, s:len())
+    if own then t:close() end
+  end
   teardown(function()
     d:close()
     m:close()
@@ -66,12 +78,12 @@ describe("after a failed backend op", function()
     s:forward({ 1, 2, 3, 4, 5, 6 })
     local start = #PROMPT
     -- layer 0's gather succeeds, layer 1's fails: layer 0's slots from `start` on have moved
-    O.check(O.C.kd_test_fail_op(m:handle(), "gather_rows", 1), "kd_test_fail_op")
+    fail("gather_rows", 1)
     local e = err_of(s.compact, s, start, { 1, 3, 5 })
     assert.matches("injected by kd_test_fail_op", e)
     assert.matches("rows from " .. start .. " on are dropped", e)
     assert.are.equal(start, s:len())
-    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+    heal()
     -- the sequence now computes exactly what one that never saw the extra rows computes
     local fresh = m:new_seq(64)
     fresh:forward(PROMPT)
@@ -80,7 +92,7 @@ describe("after a failed backend op", function()
     local a, n = s:logits_cdata()
     local b, nb = fresh:logits_cdata()
     assert.are.equal(nb, n)
-    same_floats(a, b, n, "logits after the failed compaction")
+    same_bits(a, b, n, "logits after the failed compaction")
     for l = 0, m.info.n_layers - 1 do
       local ca, cb = s:read_cache(l, 0, s:len()), fresh:read_cache(l, 0, fresh:len())
       assert.are.same(cb, ca)
@@ -95,42 +107,32 @@ describe("after a failed backend op", function()
     s:verify(t)
     local r = s:accept(t)
     assert.are.equal(3, r.tau)
-    O.check(O.C.kd_test_fail_op(m:handle(), "gather_rows", 1), "kd_test_fail_op")
+    fail("gather_rows", 1)
     local e = err_of(s.commit, s, t)
     assert.matches("kd_commit: compacting 3 accepted rows", e)
     assert.matches("rows from " .. #PROMPT .. " on are dropped", e)
     assert.are.equal(#PROMPT, s:len())
-    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+    heal()
     assert.matches("no accepted round", err_of(s.commit, s, t))
-    -- the same round again, clean: the greedy tokens of the reference
-    local chain = {}
-    for i = 2, 8 do chain[#chain + 1] = ar[i] end
-    local t2 = kd.tree.chain(ar[1], chain)
-    s:verify(t2)
-    r = s:accept(t2)
-    s:commit(t2)
-    assert.are.equal(8, r.tau)
-    assert.are.same({ ar[1], ar[2], ar[3], ar[4], ar[5], ar[6], ar[7], ar[8] }, r.tokens)
-    assert.are.equal(ar[9], r.bonus)
-    assert.are.equal(#PROMPT + 8, s:len())
-    t:close(); t2:close(); s:close()
+    exact_round(s)   -- the same round again, clean: the greedy tokens of the reference
+    t:close(); s:close()
   end)
 
   it("a commit whose drafter append fails changes nothing; retried, it drafts what a clean commit drafts", function()
-    local function round(fail)
+    local function round(with_failure)
       local s = m:new_seq(64)
       s:attach_drafter(d)
       s:forward(PROMPT)
       local t = kd.tree.chain(ar[1], { ar[2], ar[3], 17 })
       s:verify(t)
       local r = s:accept(t)
-      if fail then
-        O.check(O.C.kd_test_fail_op(m:handle(), "upload", 0), "kd_test_fail_op")
+      if with_failure then
+        fail("upload", 0)
         local e = err_of(s.commit, s, t)
         assert.matches("injected by kd_test_fail_op", e)
         assert.matches("appending 3 accepted rows to the drafter context", e)
         assert.are.equal(#PROMPT, s:len())
-        O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+        heal()
       end
       s:commit(t)
       assert.are.equal(#PROMPT + 3, s:len())
@@ -139,62 +141,47 @@ describe("after a failed backend op", function()
       return lp
     end
     local clean, retried = round(false), round(true)
-    same_floats(retried.data, clean.data, clean.L * clean.V, "draft after the retried commit")
+    same_bits(retried.data, clean.data, clean.L * clean.V, "draft after the retried commit")
   end)
 
   it("a forward that fails in a middle layer leaves the sequence as it was; the same forward again is exact", function()
-    local s, fresh = m:new_seq(64), m:new_seq(64)
-    s:attach_drafter(d)
-    fresh:attach_drafter(d)
-    s:forward(PROMPT)
-    fresh:forward(PROMPT)
+    local s, fresh = twins()
     -- copy runs a few times in every layer (the absorbed query; the cache row on the CPU path):
     -- the third call is in layer 0 or 1, with layer 0's cache rows already written
-    O.check(O.C.kd_test_fail_op(m:handle(), "copy", 3), "kd_test_fail_op")
+    fail("copy", 3)
     assert.matches("injected by kd_test_fail_op", err_of(s.forward, s, { 9, 8, 7 }))
     assert.are.equal(#PROMPT, s:len())
-    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+    heal()
     s:forward({ 9, 8, 7 })
     fresh:forward({ 9, 8, 7 })
     local a, n = s:logits_cdata()
     local b = fresh:logits_cdata()
-    same_floats(a, b, n, "logits after the failed forward")
+    same_bits(a, b, n, "logits after the failed forward")
     local da, db = s:draft(ar[1]), fresh:draft(ar[1])
-    same_floats(da.data, db.data, db.L * db.V, "draft after the failed forward")
+    same_bits(da.data, db.data, db.L * db.V, "draft after the failed forward")
     s:close(); fresh:close()
   end)
 
   it("a verify that fails in a middle layer leaves no round open; verified again, the round is exact", function()
     local s = m:new_seq(64)
     s:forward(PROMPT)
-    local chain = {}
-    for i = 2, 8 do chain[#chain + 1] = ar[i] end
-    local t = kd.tree.chain(ar[1], chain)
-    O.check(O.C.kd_test_fail_op(m:handle(), "copy", 3), "kd_test_fail_op")
+    local t = true_chain()
+    fail("copy", 3)
     assert.matches("injected by kd_test_fail_op", err_of(s.verify, s, t))
-    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+    heal()
     assert.are.equal(#PROMPT, s:len())
     assert.matches("accept before verify", err_of(s.accept, s, t))
-    s:verify(t)
-    local r = s:accept(t)
-    s:commit(t)
-    assert.are.same({ ar[1], ar[2], ar[3], ar[4], ar[5], ar[6], ar[7], ar[8] }, r.tokens)
-    assert.are.equal(ar[9], r.bonus)
-    assert.are.equal(#PROMPT + 8, s:len())
+    exact_round(s, t)
     t:close(); s:close()
   end)
 
   it("a draft that fails leaves the drafter usable: the next draft is a clean one's", function()
-    local s, fresh = m:new_seq(64), m:new_seq(64)
-    s:attach_drafter(d)
-    fresh:attach_drafter(d)
-    s:forward(PROMPT)
-    fresh:forward(PROMPT)
-    O.check(O.C.kd_test_fail_op(m:handle(), "upload", 0), "kd_test_fail_op")
+    local s, fresh = twins()
+    fail("upload", 0)
     assert.matches("injected by kd_test_fail_op", err_of(s.draft, s, ar[1]))
-    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op(off)")
+    heal()
     local da, db = s:draft(ar[1]), fresh:draft(ar[1])
-    same_floats(da.data, db.data, db.L * db.V, "draft after the failed draft")
+    same_bits(da.data, db.data, db.L * db.V, "draft after the failed draft")
     s:close(); fresh:close()
   end)
 
