@@ -38,6 +38,7 @@ static inline uint64_t kd_weight_value_bytes(const kd_weight *w) {
 static inline uint64_t kd_weight_scale_bytes(const kd_weight *w) {
     return w->format == KD_W_INT4 && w->group > 0 ? (uint64_t)w->rows * (uint64_t)w->cols / (uint64_t)w->group * 2 : 0;
 }
+static inline uint64_t kd_weight_bytes(const kd_weight *w) { return kd_weight_value_bytes(w) + kd_weight_scale_bytes(w); }
 
 /* A row-major activation view: element (r, c) at data + (r*ld + c)*size(dtype). */
 typedef struct kd_act {

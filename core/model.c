@@ -422,7 +422,7 @@ static bool in_files(const kd_st_set *set, const void *p) {
 static uint64_t weight_held(const kd_model *m, const kd_weight *w) {
     if (!w->dev && !w->src) return 0;
     if (m->be->ops->weight_bytes) return m->be->ops->weight_bytes(m->be, w);
-    return kd_weight_value_bytes(w) + kd_weight_scale_bytes(w);
+    return kd_weight_bytes(w);
 }
 
 /* of those, the bytes outside the mapped checkpoint (device copies, or CPU host copies) */

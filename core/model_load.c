@@ -556,7 +556,7 @@ void kd_model_unref(kd_model *m) {
 
 static uint64_t weight_bytes(const kd_weight *w) {
     if (!w->name) return 0;
-    return kd_weight_value_bytes(w) + kd_weight_scale_bytes(w);
+    return kd_weight_bytes(w);
 }
 
 static void fill_info(const kd_config *c, kd_model_info *o) {

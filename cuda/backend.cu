@@ -156,7 +156,7 @@ static void cuda_free(kd_backend *be, void *ptr) {
     cudaFree(ptr);   /* waits for the device; frees are rare (sequence close) */
 }
 
-extern "C" void kd_cuda_mem_usage(kd_backend *be, kd_mem_usage *out) {
+static void cuda_mem_usage(kd_backend *be, kd_mem_usage *out) {
     kd_cuda *c = kd_cuda_of(be);
     memset(out, 0, sizeof *out);
     out->weights = c->bytes_weights;
@@ -223,10 +223,10 @@ static kd_status dev_copy_of(kd_backend *be, const void *src, size_t bytes, cons
 /* bytes a weight holds on the device, 0 without a device copy: what weight_load adds to
  * bytes_weights and weight_free takes off (INT4: the codes and bf16 scales at the checkpoint's
  * size; the repacked form pads them to 16-row tiles and 64-column chunks) */
-extern "C" uint64_t kd_cuda_weight_bytes(kd_backend *be, const kd_weight *w) {
+static uint64_t cuda_weight_bytes(kd_backend *be, const kd_weight *w) {
     (void)be;
     if (!w || !w->dev) return 0;
-    return kd_weight_value_bytes(w) + kd_weight_scale_bytes(w);
+    return kd_weight_bytes(w);
 }
 
 static kd_status cuda_weight_load(kd_backend *be, kd_weight *w) {
@@ -259,7 +259,7 @@ static kd_status cuda_weight_load(kd_backend *be, kd_weight *w) {
     default:
         return kd_fail(KD_ERR_ARG, "cuda weight_load: weight '%s': unknown format %d", name, (int)w->format);
     }
-    c->bytes_weights += kd_cuda_weight_bytes(be, w);
+    c->bytes_weights += cuda_weight_bytes(be, w);
     return KD_OK;
 }
 
@@ -267,14 +267,8 @@ static void cuda_weight_free(kd_backend *be, kd_weight *w) {
     if (!w) return;
     kd_cuda *c = kd_cuda_of(be);
     cudaSetDevice(be->device);
-    const uint64_t b = kd_cuda_weight_bytes(be, w);
-    if (w->format == KD_W_INT4) {
-#if KD_HAVE_W4A16
-        kd_cuda_w4a16_free(be, w);
-#endif
-    } else if (w->dev) {
-        cudaFree(w->dev);
-    }
+    const uint64_t b = cuda_weight_bytes(be, w);
+    if (w->dev) cudaFree(w->dev);   /* one allocation: an INT4 weight's scales live inside it */
     c->bytes_weights = c->bytes_weights > b ? c->bytes_weights - b : 0;
     w->dev = NULL;
     w->dev_scale = NULL;
@@ -371,8 +365,8 @@ static kd_backend_ops make_ops() {
     o.graph_launch = graph_launch_dev;
     o.graph_free = kd_cuda_graph_free;
     o.graph_epoch = kd_cuda_graph_epoch;
-    o.weight_bytes = kd_cuda_weight_bytes;
-    o.mem_usage = kd_cuda_mem_usage;
+    o.weight_bytes = cuda_weight_bytes;
+    o.mem_usage = cuda_mem_usage;
     return o;
 }
 static const kd_backend_ops cuda_ops = make_ops();

@@ -183,9 +183,6 @@ kd_status kd_cuda_graph_end(kd_backend *be, void **graph);
 kd_status kd_cuda_graph_launch(kd_backend *be, void *graph);
 void kd_cuda_graph_free(kd_backend *be, void *graph);
 uint64_t kd_cuda_graph_epoch(kd_backend *be);
-/* memory accounting (backend.cu) */
-uint64_t kd_cuda_weight_bytes(kd_backend *be, const kd_weight *w);
-void kd_cuda_mem_usage(kd_backend *be, kd_mem_usage *out);
 }
 
 /* ---- the GEMM core (linear.cu), shared by linear, head_matmul and the bf16 experts ----

@@ -424,7 +424,7 @@ constexpr int PLAN_THREADS = 512;
 constexpr int PLAN_WARPS = PLAN_THREADS / 32;
 
 /* an exclusive scan of one int per thread over the block (PLAN_THREADS), in thread order;
- * *total gets the sum. Ends with the block synchronised. */
+ * *total (unless NULL) gets the sum. Ends with the block synchronised. */
 __device__ __forceinline__ int plan_block_scan(int v, int *warp_sums, int *total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int x = v;
@@ -444,7 +444,7 @@ __device__ __forceinline__ int plan_block_scan(int v, int *warp_sums, int *total
     }
     __syncthreads();
     const int r = x - v + (warp > 0 ? warp_sums[warp - 1] : 0);
-    *total = warp_sums[PLAN_WARPS - 1];
+    if (total) *total = warp_sums[PLAN_WARPS - 1];
     __syncthreads();   /* warp_sums may be reused */
     return r;
 }
@@ -460,9 +460,9 @@ __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_kernel(const int32_t *_
                                                                 int E, int bm, int *__restrict__ slot_of,
                                                                 int *__restrict__ row_token, int4 *__restrict__ tiles,
                                                                 int *__restrict__ n_tiles) {
-    extern __shared__ int cnt[];          /* [PLAN_WARPS][E] then base[E], tbase[E] */
+    extern __shared__ int cnt[];          /* [PLAN_WARPS][E] then tot[E], ntile[E] */
     __shared__ int warp_sums[PLAN_WARPS];
-    int *base = cnt + PLAN_WARPS * E, *tbase = base + E;
+    int *tot = cnt + PLAN_WARPS * E, *ntile = tot + E;   /* per expert: entries, token tiles */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     griddep_launch_dependents();
     for (int i = tid; i < PLAN_WARPS * E; i += PLAN_THREADS) cnt[i] = 0;
@@ -489,20 +489,20 @@ __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_kernel(const int32_t *_
             cnt[w * E + e] = run;
             run += c;
         }
-        base[e] = run;
-        tbase[e] = (run + bm - 1) / bm;
+        tot[e] = run;
+        ntile[e] = (run + bm - 1) / bm;
         s += run;
-        st += tbase[e];
+        st += ntile[e];
     }
-    int total_slots, total_tiles;
-    int rs = plan_block_scan(s, warp_sums, &total_slots);
+    int total_tiles;
+    int rs = plan_block_scan(s, warp_sums, NULL);
     int rt = plan_block_scan(st, warp_sums, &total_tiles);
     if (tid == 0) *n_tiles = total_tiles;
     for (int e = e0; e < e1; e++) {
-        const int tot = base[e], nt = tbase[e];
-        for (int r = 0; r < nt; r++) tiles[rt + r] = make_int4(e, rs + r * bm, min(bm, tot - r * bm), 0);
+        const int n = tot[e], nt = ntile[e];
+        for (int r = 0; r < nt; r++) tiles[rt + r] = make_int4(e, rs + r * bm, min(bm, n - r * bm), 0);
         for (int w = 0; w < PLAN_WARPS; w++) cnt[w * E + e] += rs;
-        rs += tot;
+        rs += n;
         rt += nt;
     }
     __syncthreads();
@@ -555,8 +555,8 @@ struct W4Config {
     const char *name;
     int mt8, nt, wn, sc, stages;
     int skinny;   /* 0: the pipelined kernel (the fields above); else w4a16_skinny_kernel (plain
-                   * GEMM, M <= 16, where skinny_plan takes it) with this many warps per block,
-                   * -1: chosen by shape (the fields above are then unused) */
+                   * GEMM, M <= 16, where skinny_plan takes it; the fields above are then unused)
+                   * with this many warps per block, -1: chosen by shape */
 };
 /* index = config id; dual (MoE gate+up) kernels use the same MT8 with NT = 2, WN = 4, and the
  * MoE never takes a skinny configuration (it uses config 0) */
@@ -665,12 +665,12 @@ kd_status prepare_kernel(KernelFn fn, int smem) {
     return KD_OK;
 }
 
-void fill_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attr, const Launch &l, int blocks, int parts, bool pdl,
-                 cudaStream_t st) {
+void fill_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attr, int blocks, int threads, int smem, int parts,
+                 bool pdl, cudaStream_t st) {
     memset(cfg, 0, sizeof *cfg);
     cfg->gridDim = dim3((unsigned)blocks);
-    cfg->blockDim = dim3((unsigned)l.threads);
-    cfg->dynamicSmemBytes = (size_t)l.smem;
+    cfg->blockDim = dim3((unsigned)threads);
+    cfg->dynamicSmemBytes = (size_t)smem;
     cfg->stream = st;
     int na = 0;
     if (parts > 1) {
@@ -693,7 +693,7 @@ kd_status launch(const Launch &l, int clusters, const W4Args &args, bool pdl, cu
     KD_TRY(prepare_kernel(l.fn, l.skinny ? skinny_smem_max() : l.smem));
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr[2];
-    fill_config(&cfg, attr, l, clusters * args.parts, args.parts, pdl, st);
+    fill_config(&cfg, attr, clusters * args.parts, l.threads, l.smem, args.parts, pdl, st);
     W4_CUDA(cudaLaunchKernelEx(&cfg, l.fn, args));
     return KD_OK;
 }
@@ -746,7 +746,7 @@ int resident_clusters(const Launch &l, int parts) {
     if (parts > 1) {
         cudaLaunchConfig_t cfg;
         cudaLaunchAttribute attr[2];
-        fill_config(&cfg, attr, l, parts * 64, parts, false, 0);
+        fill_config(&cfg, attr, parts * 64, l.threads, l.smem, parts, false, 0);
         if (cudaOccupancyMaxActiveClusters(&n, l.fn, &cfg) != cudaSuccess) { cudaGetLastError(); n = 0; }
     } else {
         int per_sm = 0;
@@ -860,7 +860,8 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
 /* ---------------------------------------------------------------- MoE */
 namespace {
 struct MoeLayout {
-    int cfg, tk, tiles_max, parts_gu, cpp_gu, parts_d, cpp_d, nb_gu, nb_d;
+    int cfg, gshift, tk, tiles_max, parts_gu, cpp_gu, parts_d, cpp_d, nb_gu, nb_d;
+    Launch gu, dn;                    /* the gate+up and down kernels of cfg */
     size_t o_slot, o_rowtok, o_tiles, o_ntiles, o_act, o_y, total;
 };
 
@@ -877,13 +878,15 @@ int moe_config(const kd_w4a16_moe_shape *s, int T) {
 MoeLayout moe_layout(const kd_w4a16_moe_shape *s, int T) {
     MoeLayout L = {};
     L.cfg = moe_config(s, T);
-    Launch gu = moe_launch(L.cfg, true, log2_of(s->group)), dn = moe_launch(L.cfg, false, log2_of(s->group));
+    L.gshift = log2_of(s->group);
+    L.gu = moe_launch(L.cfg, true, L.gshift);
+    L.dn = moe_launch(L.cfg, false, L.gshift);
     L.tk = T * s->top_k;
-    L.tiles_max = (L.tk + gu.bm - 1) / gu.bm + (L.tk < s->n_experts ? L.tk : s->n_experts);
+    L.tiles_max = (L.tk + L.gu.bm - 1) / L.gu.bm + (L.tk < s->n_experts ? L.tk : s->n_experts);
     split_of(s->hidden, s->group, (long long)tiles_of(s->inter) * s->top_k, TARGET_MOE, &L.parts_gu, &L.cpp_gu);
     split_of(s->inter, s->group, (long long)tiles_of(s->hidden) * s->top_k, TARGET_MOE, &L.parts_d, &L.cpp_d);
-    L.nb_gu = (tiles_of(s->inter) + gu.slots_per_block - 1) / gu.slots_per_block;
-    L.nb_d = (tiles_of(s->hidden) + dn.slots_per_block - 1) / dn.slots_per_block;
+    L.nb_gu = (tiles_of(s->inter) + L.gu.slots_per_block - 1) / L.gu.slots_per_block;
+    L.nb_d = (tiles_of(s->hidden) + L.dn.slots_per_block - 1) / L.dn.slots_per_block;
     size_t o = 0;
     L.o_slot = o; o = align256(o + (size_t)L.tk * 4);
     L.o_rowtok = o; o = align256(o + (size_t)L.tk * 4);
@@ -928,7 +931,7 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     bf16 *act = (bf16 *)(b + L.o_act);
     float *yv = (float *)(b + L.o_y);
 
-    Launch gu = moe_launch(L.cfg, true, log2_of(s->group)), dn = moe_launch(L.cfg, false, log2_of(s->group));
+    const Launch &gu = L.gu, &dn = L.dn;
     if (plan_smem > 48 * 1024)
         W4_CUDA(cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan_smem));
     moe_plan_kernel<<<1, PLAN_THREADS, plan_smem, st>>>(ids, L.tk, s->top_k, s->n_experts, gu.bm, slot_of, row_tok,
@@ -949,7 +952,7 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     a.row_map = row_tok;
     a.table = table;
     a.n = s->inter; a.k = s->hidden; a.kc = kc_of(s->hidden); a.groups = groups_pad_of(s->hidden, s->group);
-    a.gshift = log2_of(s->group);
+    a.gshift = L.gshift;
     a.parts = L.parts_gu; a.cpp = L.cpp_gu; a.n_tiles = tiles_of(s->inter); a.nb = L.nb_gu;
     a.tiles = tiles; a.n_tiles_dev = n_tiles;
     a.y = act; a.ldy = s->inter; a.y_f32 = 0;
@@ -965,7 +968,7 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     d.row_map = nullptr;
     d.table = table;
     d.n = s->hidden; d.k = s->inter; d.kc = kc_of(s->inter); d.groups = groups_pad_of(s->inter, s->group);
-    d.gshift = log2_of(s->group);
+    d.gshift = L.gshift;
     d.parts = L.parts_d; d.cpp = L.cpp_d; d.n_tiles = tiles_of(s->hidden); d.nb = L.nb_d;
     d.tiles = tiles; d.n_tiles_dev = n_tiles;
     d.y = yv; d.ldy = s->hidden; d.y_f32 = 1;
@@ -978,11 +981,9 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     int cblocks = (int)((n + 255) / 256);
     const int sms = sm_count();
     if (cblocks > sms * 16) cblocks = sms * 16;
-    Launch cl = {};
-    cl.threads = 256;
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr[2];
-    fill_config(&cfg, attr, cl, cblocks, 1, true, st);
+    fill_config(&cfg, attr, cblocks, 256, 0, 1, true, st);
     W4_CUDA(cudaLaunchKernelEx(&cfg, moe_combine_kernel, (const float *)yv, (const int *)slot_of, weights, s->top_k,
                                s->hidden, T, out, ldo, out_f32));
     return KD_OK;

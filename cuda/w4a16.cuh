@@ -113,7 +113,6 @@ int kd_w4a16_trace_read(unsigned long long *out, unsigned *counts, int reset);
 /* w->src / w->src_scale (host, the mapped checkpoint) -> w->dev (codes) and w->dev_scale
  * (scales), both inside one device allocation owned by w->dev. */
 kd_status kd_cuda_w4a16_repack(kd_backend *be, kd_weight *w);
-void kd_cuda_w4a16_free(kd_backend *be, kd_weight *w);
 /* out = x w^T for an INT4 weight; x bf16 or f32, out bf16 or f32 */
 kd_status kd_cuda_w4a16_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act out);
 /* a layer's INT4 experts: builds the device table of their device-form pointers (after

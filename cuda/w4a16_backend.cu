@@ -20,11 +20,18 @@ __global__ void to_bf16_kernel(const void *src, int sdt, long long lds, int rows
     }
 }
 
-/* x as bf16 rows the kernels can stream (16-byte aligned, ld % 8 == 0): x itself, or a copy
- * at the front of `scratch`, which takes bf16_view_bytes(x) there */
+/* the bytes of x's bf16 copy for the kernels, 0 when they stream x itself (bf16, 16-byte
+ * aligned, ld % 8 == 0): the one test of whether a copy is needed */
+size_t bf16_view_bytes(kd_act x) {
+    if (x.dtype == KD_BF16 && ((uintptr_t)x.data & 15) == 0 && (x.ld & 7) == 0) return 0;
+    return al256((size_t)x.rows * ((x.cols + 7) & ~7LL) * 2);
+}
+
+/* x as bf16 rows the kernels can stream: x itself, or a copy at the front of `scratch`, which
+ * takes bf16_view_bytes(x) there */
 kd_status bf16_view(kd_backend *be, kd_act x, void *scratch, const bf16 **out, long long *ld) {
     kd_cuda *c = kd_cuda_of(be);
-    if (x.dtype == KD_BF16 && ((uintptr_t)x.data & 15) == 0 && (x.ld & 7) == 0) {
+    if (bf16_view_bytes(x) == 0) {
         *out = (const bf16 *)x.data;
         *ld = x.ld;
         return KD_OK;
@@ -40,11 +47,6 @@ kd_status bf16_view(kd_backend *be, kd_act x, void *scratch, const bf16 **out, l
     *out = d;
     *ld = ldd;
     return KD_OK;
-}
-
-size_t bf16_view_bytes(kd_act x) {
-    if (x.dtype == KD_BF16 && ((uintptr_t)x.data & 15) == 0 && (x.ld & 7) == 0) return 0;
-    return al256((size_t)x.rows * ((x.cols + 7) & ~7LL) * 2);
 }
 
 /* the device tables of the layers' experts, keyed by the kd_experts they belong to */
@@ -113,14 +115,6 @@ extern "C" kd_status kd_cuda_w4a16_repack(kd_backend *be, kd_weight *w) {
     w->dev = dev;
     w->dev_scale = (char *)dev + al256(codes);
     return KD_OK;
-}
-
-extern "C" void kd_cuda_w4a16_free(kd_backend *be, kd_weight *w) {
-    (void)be;
-    if (!w) return;
-    if (w->dev) cudaFree(w->dev);
-    w->dev = NULL;
-    w->dev_scale = NULL;
 }
 
 extern "C" kd_status kd_cuda_w4a16_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act out) {

@@ -190,7 +190,8 @@ struct SkinnyPlan {
 };
 /* false when it does not take the launch (M above 16, a part longer than 16 chunks of 64, or
  * shared memory that does not fit even with one warp per block; then the pipelined kernel
- * does). warps: tiles per block (at most 8), 0 = chosen from the shape (about one block per SM) */
+ * does). warps: tiles per block (at most 8), <= 0: chosen from the shape (about one block per
+ * SM) */
 bool skinny_plan(int warps, int m, int n_tiles, int kc, int parts, int cpp, int gshift, SkinnyPlan *plan);
 /* the shared memory the skinny kernel may take on the current device (its attribute is set to this) */
 int skinny_smem_max();

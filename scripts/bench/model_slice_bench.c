@@ -360,7 +360,6 @@ static const char *human(double bytes, char *buf, size_t cap) {
     return buf;
 }
 
-static uint64_t weight_bytes(const kd_weight *w) { return kd_weight_value_bytes(w) + kd_weight_scale_bytes(w); }
 
 static void write_config(const char *dir, const dims *d) {
     char path[512];
@@ -449,7 +448,7 @@ static void build_layer(kd_model *m, int l) {
         load_int4(&e->up[j], name_of("model.layers.%d.mlp.experts.%d.up_proj.weight_packed", l, j), I, D);
         load_int4(&e->down[j], name_of("model.layers.%d.mlp.experts.%d.down_proj.weight_packed", l, j), D, I);
     }
-    S.expert_bytes = weight_bytes(&e->gate[0]) + weight_bytes(&e->up[0]) + weight_bytes(&e->down[0]);
+    S.expert_bytes = kd_weight_bytes(&e->gate[0]) + kd_weight_bytes(&e->up[0]) + kd_weight_bytes(&e->down[0]);
     S.bytes[B_EXPERTS] += (uint64_t)E * S.expert_bytes;
     e->router = &ly->router;
     if (g_be->ops->experts_load(g_be, e) != KD_OK) {
