@@ -89,11 +89,13 @@ $(BENCH_SLICE): scripts/bench/model_slice_bench.c scripts/bench/slice_cuda.cu sc
 # The small-M INT4 kernel's launch timeline (%globaltimer per block at five points, 32 launches
 # in a graph with PDL): w4a16_skinny.cu built again with KD_W4A16_TRACE, apart from the library.
 BENCH_TRACE := $(BUILD)/bench/w4a16_trace
-$(BENCH_TRACE): scripts/bench/w4a16_bench.cu cuda/w4a16_skinny.cu $(W4_OBJS) $(wildcard core/*.h cuda/*.cuh)
-	@mkdir -p $(BUILD)/bench/trace
-	$(NVCC) $(NVFLAGS) -DKD_W4A16_TRACE -c -o $(BUILD)/bench/trace/w4a16_skinny.o cuda/w4a16_skinny.cu
-	$(NVCC) $(NVFLAGS) -DKD_W4A16_TRACE -Xcompiler -fopenmp -o $@ $< $(BUILD)/cuda/w4a16.o \
-	  $(BUILD)/bench/trace/w4a16_skinny.o $(BUILD)/core/error.o -lcublas -lgomp
+TRACE_SKINNY := $(BUILD)/bench/trace/w4a16_skinny.o
+TRACE_OBJS := $(filter-out $(BUILD)/cuda/w4a16_skinny.o,$(W4_OBJS)) $(TRACE_SKINNY)
+$(TRACE_SKINNY): cuda/w4a16_skinny.cu $(wildcard core/*.h cuda/*.cuh)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -DKD_W4A16_TRACE -c -o $@ $<
+$(BENCH_TRACE): scripts/bench/w4a16_bench.cu $(TRACE_OBJS)
+	$(NVCC) $(NVFLAGS) -DKD_W4A16_TRACE -Xcompiler -fopenmp -o $@ $< $(TRACE_OBJS) -lcublas -lgomp
 bench-trace: $(BENCH_TRACE)
 	$(BENCH_TRACE) --trace
 

@@ -68,20 +68,20 @@ __device__ __forceinline__ void skinny_math(const uint4 (&wq)[NCH], const bf16 *
 }
 
 #ifdef KD_W4A16_TRACE
-/* Launch timeline (bench builds only: `make bench-trace`): thread 0 of each of the first 256
- * blocks stamps %globaltimer at entry, after the wait on the previous grid, once the
- * activations are in, after the math and at the end, for the last 64 launches of each block
- * index (kd_w4a16_trace_read in w4a16.cuh). */
-__device__ unsigned long long g_trace[KD_W4A16_TRACE_LAUNCHES][256][KD_W4A16_TRACE_POINTS];
-__device__ unsigned g_trace_count[256];
+/* Launch timeline (bench builds only: `make bench-trace`): thread 0 of each of the first
+ * KD_W4A16_TRACE_BLOCKS blocks stamps %globaltimer at entry, after the wait on the previous
+ * grid, once the activations are in, after the math and at the end, for the last
+ * KD_W4A16_TRACE_LAUNCHES launches of each block index (kd_w4a16_trace_read in w4a16.cuh). */
+__device__ unsigned long long g_trace[KD_W4A16_TRACE_LAUNCHES][KD_W4A16_TRACE_BLOCKS][KD_W4A16_TRACE_POINTS];
+__device__ unsigned g_trace_count[KD_W4A16_TRACE_BLOCKS];
 __device__ __forceinline__ unsigned trace_slot() {
     __shared__ unsigned slot;
-    if (threadIdx.x == 0 && blockIdx.x < 256) slot = atomicAdd(&g_trace_count[blockIdx.x], 1u) % KD_W4A16_TRACE_LAUNCHES;
+    if (threadIdx.x == 0 && blockIdx.x < KD_W4A16_TRACE_BLOCKS) slot = atomicAdd(&g_trace_count[blockIdx.x], 1u) % KD_W4A16_TRACE_LAUNCHES;
     __syncthreads();
     return slot;
 }
 __device__ __forceinline__ void trace_point(unsigned slot, int point) {
-    if (threadIdx.x == 0 && blockIdx.x < 256) {
+    if (threadIdx.x == 0 && blockIdx.x < KD_W4A16_TRACE_BLOCKS) {
         unsigned long long t;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
         g_trace[slot][blockIdx.x][point] = t;
@@ -272,7 +272,7 @@ extern "C" int kd_w4a16_trace_read(unsigned long long *out, unsigned *counts, in
     if (cudaMemcpyFromSymbol(out, g_trace, sizeof g_trace) != cudaSuccess) return -1;
     if (cudaMemcpyFromSymbol(counts, g_trace_count, sizeof g_trace_count) != cudaSuccess) return -1;
     if (reset) {
-        static const unsigned zero[256] = {0};
+        static const unsigned zero[KD_W4A16_TRACE_BLOCKS] = {0};
         if (cudaMemcpyToSymbol(g_trace_count, zero, sizeof zero) != cudaSuccess) return -1;
     }
     return 0;

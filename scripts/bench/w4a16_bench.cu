@@ -4,7 +4,7 @@
  *
  *   w4a16_bench [--quick] [--small] [--no-bench] [--no-check] [--moe-only T] [--md FILE]
  *   --small: small shapes only, no ceilings or timings (for compute-sanitizer)
- *   --moe-only T: the ceilings and the K2.6 MoE layer timing at T tokens, nothing else (A/B
+ *   --moe-only T: the copy ceiling and the K2.6 MoE layer timing at T tokens, nothing else (A/B
  *   runs, profilers)
  *
  * 1. ceilings measured in this run: cudaMemcpy device-to-device (2 GiB, bytes read + written),
@@ -184,6 +184,20 @@ template <class F> static double time_ms(F f, int warm, int reps, cudaStream_t s
     return median(v);
 }
 
+/* the median time of replaying, as one CUDA graph, what record() enqueues on st */
+template <class F> static double graph_ms(cudaStream_t st, F record, int warm, int reps) {
+    cudaGraph_t gr;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    record();
+    CK(cudaStreamEndCapture(st, &gr));
+    CK(cudaGraphInstantiate(&ge, gr, 0));
+    double ms = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, warm, reps, st);
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(gr);
+    return ms;
+}
+
 static double g_copy_gbs = 0, g_read_gbs = 0, g_gemm_tflops = 0, g_mma_tflops = 0, g_mma_clk = 0, g_mma_lat = 0;
 static double g_chain_us[2] = {0, 0};
 
@@ -238,17 +252,13 @@ static void chain_ceiling() {
         cudaLaunchConfig_t lc = {};
         lc.gridDim = dim3(blocks); lc.blockDim = dim3(threads); lc.stream = st; lc.attrs = at;
         lc.numAttrs = clustered ? 2 : 1;
-        cudaGraph_t gr; cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < launches; i++) {
-            const float *x = buf + (i & 1) * blocks * threads;
-            float *y = buf + (~i & 1) * blocks * threads;
-            CK(cudaLaunchKernelEx(&lc, chain_kernel, x, y));
-        }
-        CK(cudaStreamEndCapture(st, &gr));
-        CK(cudaGraphInstantiate(&ge, gr, 0));
-        g_chain_us[clustered] = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 3, 15, st) * 1e3 / launches;
-        cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
+        g_chain_us[clustered] = graph_ms(st, [&] {
+            for (int i = 0; i < launches; i++) {
+                const float *x = buf + (i & 1) * blocks * threads;
+                float *y = buf + (~i & 1) * blocks * threads;
+                CK(cudaLaunchKernelEx(&lc, chain_kernel, x, y));
+            }
+        }, 3, 15) * 1e3 / launches;
     }
     cudaStreamDestroy(st);
     cudaFree(buf);
@@ -279,7 +289,8 @@ static void mma_ceiling() {
     cudaFree(sink); cudaFree(clk);
 }
 
-static void ceilings(bool quick) {
+/* the bandwidth ceilings: device-to-device copy and the read-only kernel */
+static void copy_ceilings(bool quick) {
     size_t bytes = (size_t)(quick ? 1 : 2) << 30;
     void *a, *b; unsigned *o;
     CK(cudaMalloc(&a, bytes)); CK(cudaMalloc(&b, bytes)); CK(cudaMalloc(&o, 4));
@@ -291,25 +302,33 @@ static void ceilings(bool quick) {
     CK(cudaGetLastError());
     g_read_gbs = bytes / (ms * 1e-3) / 1e9;
     cudaFree(a); cudaFree(b); cudaFree(o);
+}
 
+/* every ceiling: bandwidth, the cuBLAS bf16 GEMM, the mma.sync rate, the dependent-launch chain */
+static void ceilings(bool quick) {
+    copy_ceilings(quick);
+    mma_ceiling();
+    chain_ceiling();
     int n = 8192;
     void *A, *B, *C;
     CK(cudaMalloc(&A, (size_t)n * n * 2)); CK(cudaMalloc(&B, (size_t)n * n * 2)); CK(cudaMalloc(&C, (size_t)n * n * 2));
     dev_fill_bf16(A, (size_t)n * n, 3, -1, 1); dev_fill_bf16(B, (size_t)n * n, 4, -1, 1);
     cublasHandle_t h;
-    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) { printf("cublasCreate failed\n"); return; }
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+        printf("cublasCreate failed\n");
+        cudaFree(A); cudaFree(B); cudaFree(C);
+        return;
+    }
     float one = 1, zero = 0;
     auto gemm = [&] {
         cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, A, CUDA_R_16BF, n, B, CUDA_R_16BF, n,
                                         &zero, C, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
         if (s != CUBLAS_STATUS_SUCCESS) { printf("cublasGemmEx failed %d\n", (int)s); exit(2); }
     };
-    ms = time_ms(gemm, 3, 10);
+    const double ms = time_ms(gemm, 3, 10);
     g_gemm_tflops = 2.0 * n * (double)n * n / (ms * 1e-3) / 1e12;
     cublasDestroy(h);
     cudaFree(A); cudaFree(B); cudaFree(C);
-    mma_ceiling();
-    chain_ceiling();
 }
 
 /* ---------------------------------------------------------------- GEMM checks */
@@ -622,15 +641,11 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
         at.val.programmaticStreamSerializationAllowed = 1;
         cudaLaunchConfig_t lc = {};
         lc.gridDim = dim3(sms * 2); lc.blockDim = dim3(512); lc.stream = st; lc.attrs = &at; lc.numAttrs = 1;
-        cudaGraph_t gr; cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < COPIES; i++)
-            CK(cudaLaunchKernelEx(&lc, stream_kernel, (const uint4 *)w[i].codes, nc, (const uint4 *)w[i].scales, ns,
-                                  sink));
-        CK(cudaStreamEndCapture(st, &gr));
-        CK(cudaGraphInstantiate(&ge, gr, 0));
-        double t = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 3, quick ? 5 : 15, st) * 1e-3 / COPIES;
-        cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
+        double t = graph_ms(st, [&] {
+            for (int i = 0; i < COPIES; i++)
+                CK(cudaLaunchKernelEx(&lc, stream_kernel, (const uint4 *)w[i].codes, nc, (const uint4 *)w[i].scales,
+                                      ns, sink));
+        }, 3, quick ? 5 : 15) * 1e-3 / COPIES;
         double bytes = (double)(nc + ns) * 16;
         BenchRow r{n, k, 0, "stream (read only)", t * 1e6, bytes / t / 1e9, bytes / t / 1e9 / g_copy_gbs, 0};
         g_rows.push_back(r);
@@ -659,18 +674,7 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
                 for (int i = 0; i < COPIES; i++)
                     KT(kd_w4a16_gemm(w[i].codes, w[i].scales, n, k, g, x, k, m, y, n, 0, v.flags, st));
             };
-            double ms_;
-            if (v.graph) {
-                cudaGraph_t gr; cudaGraphExec_t ge;
-                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-                round();
-                CK(cudaStreamEndCapture(st, &gr));
-                CK(cudaGraphInstantiate(&ge, gr, 0));
-                ms_ = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 3, quick ? 5 : 15, st);
-                cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
-            } else {
-                ms_ = time_ms(round, 3, quick ? 5 : 15, st);
-            }
+            double ms_ = v.graph ? graph_ms(st, round, 3, quick ? 5 : 15) : time_ms(round, 3, quick ? 5 : 15, st);
             double t = ms_ * 1e-3 / COPIES;
             BenchRow r{n, k, m, v.name, t * 1e6, bytes / t / 1e9, bytes / t / 1e9 / g_copy_gbs, flops / t / 1e12};
             kd_w4a16_force_parts(0);
@@ -746,16 +750,7 @@ static void bench_moe(const std::vector<int> &Ts, bool quick) {
         for (int var = 0; var < (quick || T > 16 ? 2 : 5); var++) {
             int graph = var == 1 || var >= 2, fp = var >= 2 ? 1 << (var - 2) : 0;   /* graph with P = 1, 2, 4 */
             kd_w4a16_force_parts(fp);
-            double ms_;
-            if (graph) {
-                cudaGraph_t gr; cudaGraphExec_t ge;
-                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-                round();
-                CK(cudaStreamEndCapture(st, &gr));
-                CK(cudaGraphInstantiate(&ge, gr, 0));
-                ms_ = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 3, quick ? 5 : 15, st);
-                cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
-            } else ms_ = time_ms(round, 2, quick ? 5 : 15, st);
+            double ms_ = graph ? graph_ms(st, round, 3, quick ? 5 : 15) : time_ms(round, 2, quick ? 5 : 15, st);
             double tt = ms_ * 1e-3 / DRAWS;
             double bytes = touched * per_expert + (double)T * H * 2 * 2;
             kd_w4a16_force_parts(0);
@@ -827,8 +822,8 @@ static int run_profile() {
 static int run_trace() {
     warm_clocks();
     const char *point[KD_W4A16_TRACE_POINTS] = {"entry", "wait released", "activations in", "math done", "end"};
-    std::vector<unsigned long long> tr((size_t)KD_W4A16_TRACE_LAUNCHES * 256 * KD_W4A16_TRACE_POINTS);
-    std::vector<unsigned> counts(256);
+    std::vector<unsigned long long> tr((size_t)KD_W4A16_TRACE_LAUNCHES * KD_W4A16_TRACE_BLOCKS * KD_W4A16_TRACE_POINTS);
+    std::vector<unsigned> counts(KD_W4A16_TRACE_BLOCKS);
     for (int shape = 0; shape < 2; shape++) {
         const int n = shape ? 7168 : 2048, k = shape ? 2048 : 7168, g = 32, COPIES = 32;
         std::vector<DevW> w = random_dev_weights(n, k, g, COPIES);
@@ -849,8 +844,8 @@ static int run_trace() {
             double ms = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 0, 1, st);
             CK(kd_w4a16_trace_read(tr.data(), counts.data(), 1) == 0 ? cudaSuccess : cudaErrorUnknown);
             int blocks = 0;
-            while (blocks < 256 && counts[blocks] == (unsigned)COPIES) blocks++;
-            auto at = [&](int l, int b, int p) { return tr[((size_t)l * 256 + b) * KD_W4A16_TRACE_POINTS + p]; };
+            while (blocks < KD_W4A16_TRACE_BLOCKS && counts[blocks] == (unsigned)COPIES) blocks++;
+            auto at = [&](int l, int b, int p) { return tr[((size_t)l * KD_W4A16_TRACE_BLOCKS + b) * KD_W4A16_TRACE_POINTS + p]; };
             unsigned long long t0 = ~0ull;
             for (int b = 0; b < blocks; b++) t0 = std::min(t0, at(0, b, 0));
             printf("trace N %d K %d M %d: %.2f us per launch, %d blocks traced\n", n, k, m, ms * 1e3 / COPIES, blocks);
@@ -898,7 +893,7 @@ int main(int argc, char **argv) {
        p.l2CacheSize >> 20, p.totalGlobalMem / 1e9, drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
     if (profile) return run_profile();
     if (moe_only > 0) {
-        ceilings(true);
+        copy_ceilings(true);   /* the MoE rows are a ratio to the copy rate, nothing else */
         bench_moe({moe_only}, true);
         return 0;
     }
