@@ -347,7 +347,8 @@ static int vsplit_mode(void) {
 }
 
 /* KDTREE_MLA_TC_RG=1 or 4 (tests, benches; read once per process): force that many row groups
- * per block; else 0 (tc_shape's rule) */
+ * per block (tc_shape still takes 1 where 4 does not fit the shared memory); else 0 (tc_shape's
+ * rule) */
 static int rg_mode(void) {
     static int mode = -1;
     if (mode < 0) {
