@@ -86,7 +86,7 @@ $(BENCH_SLICE): scripts/bench/model_slice_bench.c scripts/bench/slice_cuda.cu sc
 	  $(BUILD)/bench/slice_cuda.o -L$(BUILD) -lkdtree -Wl,-rpath,$(abspath $(BUILD)) \
 	  -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ -ldl -lm -o $@
 
-# The small-M INT4 kernel's launch timeline (%globaltimer per block at five points, 32 launches
+# The small-M INT4 kernel's launch timeline (%globaltimer per block at six points, 32 launches
 # in a graph with PDL): w4a16_skinny.cu built again with KD_W4A16_TRACE, apart from the library.
 BENCH_TRACE := $(BUILD)/bench/w4a16_trace
 TRACE_SKINNY := $(BUILD)/bench/trace/w4a16_skinny.o

@@ -380,12 +380,6 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     const bool async = kv_async(k, v, head_dim, dv, kstride, vstride);
     const int DVP = tc_dv_padded(dv);
 
-    AttnWork w;
-    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, 65535 / ((G + 15) / 16), &w));   /* grid y: 16-row blocks */
-    const int tbatch = w.tbatch;
-    a.vis_list = w.vis_list; a.vis_cnt = w.vis_cnt;
-    a.pm = w.pm; a.pl = w.pl; a.po = w.po;
-
     /* the block shape (tc_shape: row groups, warps, value slices); the bits depend on none of it */
     const long long ncq = tc_max_chunks(S, past, T, causal, visible != NULL, d_past != NULL);
     const TcShape sh = tc_shape(ncq, T, G, n_kv_heads, DVP, a.HDP, async, c->n_sms, c->smem_optin, rg_mode(),
@@ -399,6 +393,11 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     const TcKernel fn = tc_kernel(DVP, async, sh);
     if (!fn) return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: no tensor-core kernel for value dim %d (padded %d)", dv, DVP);
     KD_TRY(kd_cuda_smem(c, (const void *)fn, smem));
+    AttnWork w;
+    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, 65535 / ((G + 15) / 16), &w));   /* grid y: 16-row blocks */
+    const int tbatch = w.tbatch;
+    a.vis_list = w.vis_list; a.vis_cnt = w.vis_cnt;
+    a.pm = w.pm; a.pl = w.pl; a.po = w.po;
 
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         const int tb = T - t0 < tbatch ? T - t0 : tbatch;

@@ -20,9 +20,9 @@
  * Work items (token tile, n-block) are walked by a grid-stride loop over clusters, so the MoE
  *   can launch a fixed grid while the number of tiles is known only on the device.
  * The skinny kernel (w4a16_skinny.cu; plain GEMM, M <= 16): the same arithmetic with one warp
- *   per (16-row tile, part), the weights loaded into registers before the wait on the previous
- *   grid. config_for gives it every M <= 16 (skinny_plan may still decline a launch). The
- *   helpers both files use are in w4a16_device.cuh.
+ *   per (16-row tile, part), the weights brought into shared memory by bulk copies before the
+ *   wait on the previous grid. config_for gives it every M <= 16 (skinny_plan may still
+ *   decline a launch). The helpers both files use are in w4a16_device.cuh.
  */
 #include "w4a16_device.cuh"
 #include <pthread.h>
@@ -423,30 +423,30 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
 constexpr int PLAN_THREADS = 512;
 constexpr int PLAN_WARPS = PLAN_THREADS / 32;
 
-/* an exclusive scan of one int per thread over the block (PLAN_THREADS), in thread order;
- * *total (unless NULL) gets the sum. Ends with the block synchronised. */
-__device__ __forceinline__ int plan_block_scan(int v, int *warp_sums, int *total) {
+/* an exclusive scan of two ints per thread over the block (PLAN_THREADS), in thread order,
+ * both at once; *total gets the sums. Ends with the block synchronised. */
+__device__ __forceinline__ int2 plan_block_scan(int2 v, int2 *warp_sums, int2 *total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int x = v;
+    int2 x = v;
     for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xFFFFFFFFu, x, o);
-        if (lane >= o) x += y;
+        const int yx = __shfl_up_sync(0xFFFFFFFFu, x.x, o), yy = __shfl_up_sync(0xFFFFFFFFu, x.y, o);
+        if (lane >= o) x.x += yx, x.y += yy;
     }
     if (lane == 31) warp_sums[warp] = x;
     __syncthreads();
     if (warp == 0) {
-        int w = lane < PLAN_WARPS ? warp_sums[lane] : 0;
+        int2 w = lane < PLAN_WARPS ? warp_sums[lane] : make_int2(0, 0);
         for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xFFFFFFFFu, w, o);
-            if (lane >= o) w += y;
+            const int yx = __shfl_up_sync(0xFFFFFFFFu, w.x, o), yy = __shfl_up_sync(0xFFFFFFFFu, w.y, o);
+            if (lane >= o) w.x += yx, w.y += yy;
         }
         if (lane < PLAN_WARPS) warp_sums[lane] = w;   /* inclusive */
     }
     __syncthreads();
-    const int r = x - v + (warp > 0 ? warp_sums[warp - 1] : 0);
-    if (total) *total = warp_sums[PLAN_WARPS - 1];
+    const int2 before = warp > 0 ? warp_sums[warp - 1] : make_int2(0, 0);
+    *total = warp_sums[PLAN_WARPS - 1];
     __syncthreads();   /* warp_sums may be reused */
-    return r;
+    return make_int2(x.x - v.x + before.x, x.y - v.y + before.y);
 }
 
 /* One block. Entries i = t*top_k + j. Per expert: count, exclusive offsets, and a
@@ -461,7 +461,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_kernel(const int32_t *_
                                                                 int *__restrict__ row_token, int4 *__restrict__ tiles,
                                                                 int *__restrict__ n_tiles) {
     extern __shared__ int cnt[];          /* [PLAN_WARPS][E] then tot[E], ntile[E] */
-    __shared__ int warp_sums[PLAN_WARPS];
+    __shared__ int2 warp_sums[PLAN_WARPS];
     int *tot = cnt + PLAN_WARPS * E, *ntile = tot + E;   /* per expert: entries, token tiles */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     griddep_launch_dependents();
@@ -494,10 +494,10 @@ __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_kernel(const int32_t *_
         s += run;
         st += ntile[e];
     }
-    int total_tiles;
-    int rs = plan_block_scan(s, warp_sums, NULL);
-    int rt = plan_block_scan(st, warp_sums, &total_tiles);
-    if (tid == 0) *n_tiles = total_tiles;
+    int2 total;   /* entries, token tiles */
+    const int2 start = plan_block_scan(make_int2(s, st), warp_sums, &total);
+    int rs = start.x, rt = start.y;
+    if (tid == 0) *n_tiles = total.y;
     for (int e = e0; e < e1; e++) {
         const int n = tot[e], nt = ntile[e];
         for (int r = 0; r < nt; r++) tiles[rt + r] = make_int4(e, rs + r * bm, min(bm, n - r * bm), 0);

@@ -101,10 +101,12 @@ kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *shape, const kd_w4a16_expert *t
 
 #ifdef KD_W4A16_TRACE
 /* bench-trace builds only (the small-M kernel's launch timeline, see w4a16_skinny.cu):
- * out [KD_W4A16_TRACE_LAUNCHES][KD_W4A16_TRACE_BLOCKS][KD_W4A16_TRACE_POINTS] %globaltimer ns, counts
- * [256] launches seen per block index; reset = 1 restarts the counts. 0, or -1 on a CUDA error. */
-enum { KD_W4A16_TRACE_LAUNCHES = 64, KD_W4A16_TRACE_BLOCKS = 256, KD_W4A16_TRACE_POINTS = 5 };
-int kd_w4a16_trace_read(unsigned long long *out, unsigned *counts, int reset);
+ * out [KD_W4A16_TRACE_LAUNCHES][KD_W4A16_TRACE_BLOCKS][KD_W4A16_TRACE_POINTS] %globaltimer ns,
+ * sms [KD_W4A16_TRACE_LAUNCHES][KD_W4A16_TRACE_BLOCKS] the SM each block ran on, counts
+ * [KD_W4A16_TRACE_BLOCKS] launches seen per block index; reset = 1 restarts the counts.
+ * 0, or -1 on a CUDA error. */
+enum { KD_W4A16_TRACE_LAUNCHES = 64, KD_W4A16_TRACE_BLOCKS = 256, KD_W4A16_TRACE_POINTS = 6 };
+int kd_w4a16_trace_read(unsigned long long *out, unsigned *sms, unsigned *counts, int reset);
 #endif
 
 /* ---------------------------------------------------------------------------------------

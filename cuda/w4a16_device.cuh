@@ -159,24 +159,28 @@ __device__ __forceinline__ void mbar_wait0(uint64_t *bar) {
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
                  "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)) : "memory");
 }
-/* 16 bytes of a weight stream, read once: not kept in L1 */
-__device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
+/* 16-byte aligned bytes global -> this block's shared memory by the bulk-copy engine,
+ * completing on the mbarrier `bar` (which expects them); read once: evict first from L2 */
+__device__ __forceinline__ void bulk_load_stream(void *dst, const void *src, unsigned bytes, uint64_t *bar) {
+    asm volatile("{\n.reg .b64 policy;\n"
+                 "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+                 "policy;\n}\n"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-/* shared memory of the skinny kernel, in bytes from the start: the block's reduction barrier,
- * every warp's scale words, the block's slice of the activations (M rows, the part's k) and
- * (split K) the partial tiles the peers send for the tiles this block reduces:
- * [tile / parts][part][lane][MT8][4] floats. The weights never pass through it. */
+/* shared memory of the skinny kernel, in bytes from the start: the block's reduction barrier
+ * and one weight barrier per warp; every warp's weights (its part of its tile, as streamed)
+ * and scale words; the block's slice of the activations (M rows, the part's k) and (split K)
+ * the partial tiles the peers send for the tiles this block reduces:
+ * [tile / parts][part][lane][MT8][4] floats. */
 struct SkinnyLayout {
-    int s, x, red, total;
+    int w, s, x, red, total;
 };
 __host__ __device__ inline SkinnyLayout skinny_layout(int m, int warps, int parts, int cpp, int groups_per_part) {
     SkinnyLayout L;
-    L.s = 16;
+    L.w = 128;   /* barriers: 8 bytes each, 1 + at most 8 warps */
+    L.s = L.w + warps * cpp * 512;
     L.x = L.s + warps * groups_per_part * 32;
     L.red = L.x + ((m * (cpp * CHUNK_K + 8) * 2 + 15) & ~15);
     L.total = L.red + (parts > 1 ? (warps + parts - 1) / parts * parts * 32 * (m > 8 ? 32 : 16) : 0);

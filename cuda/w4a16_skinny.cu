@@ -7,17 +7,21 @@
  * finished: read the activations, dequantise and multiply, reduce, store. Under programmatic
  * dependent launch the next launch's blocks load their weights during that tail, if they fit
  * on the SMs beside the running ones. So:
- *  - a lane loads the 16 bytes of each chunk it will use straight into registers (the device
- *    form puts a lane's four mma fragments of a chunk together), before the wait on the
- *    previous grid: plain streaming loads, no shared memory, no barriers to poll;
+ *  - at entry, before the wait on the previous grid, one lane of each warp has the bulk-copy
+ *    engine bring the warp's weights and scale words (its part of its tile, contiguous in the
+ *    device form) into shared memory, completing on the warp's own mbarrier: no registers
+ *    are held by the weights while the block waits, and they are in place at the release;
+ *  - the next launch is released after the wait, not at entry: released at entry, a third
+ *    launch's blocks load beside the two running ones and every launch's weights arrive later
+ *    (H200 traces, docs/performance.md);
  *  - a block is one part of K for a few 16-row tiles (one warp per tile), so it stages only
  *    its part's slice of the activations and stays small: two launches fit per SM;
  *  - a warp's math over its part is straight-line code (chunk count and group size compiled
  *    in), so the groups' loads, dequantisation and mma interleave;
  *  - the parts of a tile are the blocks of one cluster; the reduction sends each warp's fp32
  *    fragments to the reducing block with st.async (no cluster barrier after the math).
- * The H200 traces that led here (trigger points, bulk copies, where the time went) are in
- * docs/performance.md; `make bench-trace` takes them again. */
+ * `make bench-trace` takes the launch timeline (entry, release, activations, weights, math,
+ * end per block). */
 #include "w4a16_device.cuh"
 
 namespace kd_w4a16_impl {
@@ -30,7 +34,7 @@ namespace kd_w4a16_impl {
  * run-time bound, one per chunk), and the H200 traces of that form showed 3-4 us of math per
  * launch. GSHIFT = 0: the group size is gshift (64 or 128). */
 template <int NCH, int MT8, int GSHIFT, bool FULL>
-__device__ __forceinline__ void skinny_math(const uint4 (&wq)[NCH], const bf16 *const (&xl)[MT8], const uint32_t *ss,
+__device__ __forceinline__ void skinny_math(const uint4 *wl, const bf16 *const (&xl)[MT8], const uint32_t *ss,
                                             int nch, int gshift, float (&acc)[MT8][4]) {
     const int gs = GSHIFT ? GSHIFT : gshift, gmask = (1 << gs) - 1;
     float tmp[MT8][4];
@@ -41,12 +45,13 @@ __device__ __forceinline__ void skinny_math(const uint4 (&wq)[NCH], const bf16 *
 #pragma unroll
     for (int c = 0; c < NCH; c++) {
         if (!FULL && c >= nch) break;
+        const uint4 wq = wl[c * 32];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             uint32_t b[MT8][2], av[4];
 #pragma unroll
             for (int j = 0; j < MT8; j++) ldmatrix_x2(b[j][0], b[j][1], xl[j] + c * CHUNK_K + kk * 16);
-            dequant4(kk == 0 ? wq[c].x : kk == 1 ? wq[c].y : kk == 2 ? wq[c].z : wq[c].w, av);
+            dequant4(kk == 0 ? wq.x : kk == 1 ? wq.y : kk == 2 ? wq.z : wq.w, av);
 #pragma unroll
             for (int j = 0; j < MT8; j++) mma_bf16(tmp[j], av, b[j][0], b[j][1]);
             const int k_end = c * CHUNK_K + kk * 16 + 16;   /* parts start on a scale group */
@@ -70,10 +75,12 @@ __device__ __forceinline__ void skinny_math(const uint4 (&wq)[NCH], const bf16 *
 #ifdef KD_W4A16_TRACE
 /* Launch timeline (bench builds only: `make bench-trace`): thread 0 of each of the first
  * KD_W4A16_TRACE_BLOCKS blocks stamps %globaltimer at entry, after the wait on the previous
- * grid, once the activations are in, after the math and at the end, for the last
- * KD_W4A16_TRACE_LAUNCHES launches of each block index (kd_w4a16_trace_read in w4a16.cuh). */
+ * grid, once the activations are in, once its warp's weights are in, after the math and at
+ * the end, and notes the SM it ran on, for the last KD_W4A16_TRACE_LAUNCHES launches of each
+ * block index (kd_w4a16_trace_read in w4a16.cuh). */
 __device__ unsigned long long g_trace[KD_W4A16_TRACE_LAUNCHES][KD_W4A16_TRACE_BLOCKS][KD_W4A16_TRACE_POINTS];
 __device__ unsigned g_trace_count[KD_W4A16_TRACE_BLOCKS];
+__device__ unsigned g_trace_sm[KD_W4A16_TRACE_LAUNCHES][KD_W4A16_TRACE_BLOCKS];
 __device__ __forceinline__ unsigned trace_slot() {
     __shared__ unsigned slot;
     if (threadIdx.x == 0 && blockIdx.x < KD_W4A16_TRACE_BLOCKS) slot = atomicAdd(&g_trace_count[blockIdx.x], 1u) % KD_W4A16_TRACE_LAUNCHES;
@@ -87,23 +94,31 @@ __device__ __forceinline__ void trace_point(unsigned slot, int point) {
         g_trace[slot][blockIdx.x][point] = t;
     }
 }
-#define SKINNY_TRACE_START const unsigned trace_slot_ = trace_slot(); trace_point(trace_slot_, 0)
+__device__ __forceinline__ void trace_sm(unsigned slot) {
+    if (threadIdx.x == 0 && blockIdx.x < KD_W4A16_TRACE_BLOCKS) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        g_trace_sm[slot][blockIdx.x] = sm;
+    }
+}
+#define SKINNY_TRACE_START const unsigned trace_slot_ = trace_slot(); trace_point(trace_slot_, 0); trace_sm(trace_slot_)
 #define SKINNY_TRACE(point) trace_point(trace_slot_, point)
 #else
 #define SKINNY_TRACE_START do {} while (0)
 #define SKINNY_TRACE(point) do {} while (0)
 #endif
 
-/* blocks of 8 warps per SM the registers must allow: two launches side by side. Short parts
- * (NCH <= 8, e.g. 7168 x 2048 in 4 parts: 224 blocks, 1.7 a launch per SM) need 4 (64
- * registers, as measured); long ones (2048 x 7168: 128 blocks, one a launch per SM) need 2
- * and leave the compiler 128 registers to hoist loads across groups */
+/* blocks of 8 warps per SM the registers must allow. Short parts (NCH <= 8, e.g. 7168 x 2048
+ * in 4 parts: 224 blocks, 1.7 a launch per SM) need 4 for two launches side by side (64
+ * registers); long ones (2048 x 7168: 128 blocks) need 2, and the compiler keeps more of the
+ * math in flight with the room (64 registers for all: 2048 x 7168 M = 1 5.34 us, against
+ * 5.09 with this rule, H200) */
 template <int NCH>
 struct SkinnyMinBlocks { static constexpr int value = NCH <= 8 ? 4 : 2; };
 
 /* Grid: clusters of `parts` blocks (rank = part of K); cluster c owns tiles [c*W, c*W + W) for
  * W = warps per block, warp w of each block the tile c*W + w over the block's part.
- * NCH: the most chunks of 64 k a part holds (its weights live in NCH x 4 registers a lane);
+ * NCH: the most chunks of 64 k a part holds (the straight-line math is unrolled over them);
  * GSHIFT: log2 of the group size when it is compiled in (5: Kimi K2.6's 32), else 0.
  * Split K: tile slot w is reduced by block w % parts, which adds the parts in order
  * 0..parts-1 and stores. One relaxed cluster barrier, arrived at before the wait on the
@@ -121,7 +136,8 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
     const int ng = (nch * CHUNK_K) >> gshift;      /* ... of this part (the last may be short) */
     const SkinnyLayout L = skinny_layout(a.m, warps, P, a.cpp, gpp);
     const int XR = a.cpp * CHUNK_K + 8;            /* +16 bytes per row: conflict-free ldmatrix */
-    uint64_t *rbar = (uint64_t *)smem;
+    uint64_t *rbar = (uint64_t *)smem, *wbar = rbar + 1 + warp;
+    const uint4 *wl = (const uint4 *)(smem + L.w) + warp * a.cpp * 32 + lane;
     const uint32_t *ss = (const uint32_t *)(smem + L.s) + warp * gpp * 8 + (lane >> 2);
     bf16 *sx = (bf16 *)(smem + L.x);
     float *red = (float *)(smem + L.red);
@@ -130,15 +146,14 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
     const int owned = part < live_slots ? (live_slots - part + P - 1) / P : 0;
     SKINNY_TRACE_START;
 
-    uint4 wq[NCH];
-    if (live) {
-        const uint4 *src = a.mat.q + ((size_t)tile * a.kc + c0) * 32 + lane;
-#pragma unroll
-        for (int c = 0; c < NCH; c++)
-            if (c < nch) wq[c] = ld_stream(src + c * 32);
-        /* the scale words of the part: 32 bytes per group */
-        const uint4 *s = (const uint4 *)(a.mat.s + ((size_t)tile * a.groups + ((c0 * CHUNK_K) >> gshift)) * 8);
-        for (int p = lane; p < 2 * ng; p += 32) cp_async16((uint4 *)(smem + L.s) + warp * gpp * 2 + p, s + p, true);
+    if (live && lane == 0) {   /* the warp's weights and scale words, by the bulk-copy engine */
+        const unsigned wbytes = (unsigned)nch * 512, sbytes = (unsigned)ng * 32;
+        mbar_init(wbar, 1);
+        mbar_init_fence();
+        mbar_arrive_expect(wbar, wbytes + sbytes);
+        bulk_load_stream(smem + L.w + warp * a.cpp * 512, a.mat.q + ((size_t)tile * a.kc + c0) * 32, wbytes, wbar);
+        bulk_load_stream(smem + L.s + warp * gpp * 32,
+                         a.mat.s + ((size_t)tile * a.groups + ((c0 * CHUNK_K) >> gshift)) * 8, sbytes, wbar);
     }
     if (P > 1) {
         if (tid == 0) {
@@ -151,10 +166,7 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
 
     griddep_wait();
     SKINNY_TRACE(1);
-    /* the next launch may start now, not at entry: then only it loads weights beside this one
-     * (at entry, a third launch's blocks took SM slots too: 1-1.5 us slower per launch at
-     * 7168 x 2048 on the H200) */
-    griddep_launch_dependents();
+    griddep_launch_dependents();   /* see the file comment: after the wait, not at entry */
     {   /* the activation slice; rows past M are never staged (their mma columns are not stored) */
         const int pieces = nch * (CHUNK_K / 8);
         for (int e = tid; e < a.m * pieces; e += blockDim.x) {
@@ -174,16 +186,18 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
 #pragma unroll
         for (int r = 0; r < 4; r++) acc[j][r] = 0.0f;
     if (live) {
+        mbar_wait0(wbar);
+        SKINNY_TRACE(3);
         /* ldmatrix row addresses; rows past M read row M-1 (an mma column depends on its own
          * column of B alone, and those columns are never stored) */
         const bf16 *xl[MT8];
 #pragma unroll
         for (int j = 0; j < MT8; j++) xl[j] = sx + min(j * 8 + (lane & 7), a.m - 1) * XR + ((lane >> 3) & 1) * 8;
-        if (nch == NCH) skinny_math<NCH, MT8, GSHIFT, true>(wq, xl, ss, nch, a.gshift, acc);
-        else skinny_math<NCH, MT8, GSHIFT, false>(wq, xl, ss, nch, a.gshift, acc);
+        if (nch == NCH) skinny_math<NCH, MT8, GSHIFT, true>(wl, xl, ss, nch, a.gshift, acc);
+        else skinny_math<NCH, MT8, GSHIFT, false>(wl, xl, ss, nch, a.gshift, acc);
     }
 
-    SKINNY_TRACE(3);
+    SKINNY_TRACE(4);
     /* fragment (j, r) of lane L: row L/4 (+8 for r >= 2), token 8j + 2(L%4) (+1 for odd r) */
     if (P == 1) {
         if (live)
@@ -194,7 +208,7 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
                     const int n = tile * 16 + (lane >> 2) + (r >= 2 ? 8 : 0), t = j * 8 + (lane & 3) * 2 + (r & 1);
                     if (n < a.n && t < a.m) store_out(a.y, a.y_f32, (size_t)t * a.ldy + n, acc[j][r]);
                 }
-        SKINNY_TRACE(4);
+        SKINNY_TRACE(5);
         return;
     }
     cluster_wait();   /* every peer's reduction barrier is set up */
@@ -219,7 +233,7 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
             store_out(a.y, a.y_f32, (size_t)t * a.ldy + n, v);
         }
     }
-    SKINNY_TRACE(4);
+    SKINNY_TRACE(5);
 }
 
 /* the shared memory a skinny block may take: 100 KB, so that two launches' blocks fit on an
@@ -229,7 +243,7 @@ int skinny_smem_max() {
     return optin < 100 * 1024 ? optin : 100 * 1024;
 }
 
-/* the instance whose registers hold a part of cpp chunks: the fewest of 2, 4, 8, 14 (K2.6's
+/* the instance unrolled over a part of cpp chunks: the fewest of 2, 4, 8, 14 (K2.6's
  * 2048 x 7168 in 8 parts) or 16, NULL past 16; the group size compiled in for 32 */
 template <int MT8, int GSHIFT>
 KernelFn skinny_fn(int cpp) {
@@ -246,11 +260,14 @@ bool skinny_plan(int warps, int m, int n_tiles, int kc, int parts, int cpp, int 
     const KernelFn fn = gshift == 5 ? (m > 8 ? skinny_fn<2, 5>(cpp) : skinny_fn<1, 5>(cpp))
                                     : (m > 8 ? skinny_fn<2, 0>(cpp) : skinny_fn<1, 0>(cpp));
     if (!fn) return false;
-    if (warps <= 0) {   /* about one block per SM: the fewest warps whose blocks cover the SMs */
-        const int sms = sm_count();
+    if (warps <= 0) {
+        /* about one block per SM: the fewest warps whose blocks cover the SMs, at most 8; at
+         * M <= 4 at most 4, as the smaller blocks of two launches place better side by side
+         * (H200, 2048 x 7168 M = 1: 4.39 us against 5.09 with 8; 7168 x 2048 within noise) */
+        const int sms = sm_count(), most = m <= 4 ? 4 : 8;
         long long want = ((long long)n_tiles * parts + sms - 1) / sms;
         warps = 1;
-        while (warps < 8 && warps < want) warps *= 2;
+        while (warps < most && warps < want) warps *= 2;
     }
     if (warps > 8) warps = 8;
     const int gpp = (cpp * CHUNK_K) >> gshift, smem_max = skinny_smem_max();
@@ -267,10 +284,11 @@ bool skinny_plan(int warps, int m, int n_tiles, int kc, int parts, int cpp, int 
 }  // namespace kd_w4a16_impl
 
 #ifdef KD_W4A16_TRACE
-extern "C" int kd_w4a16_trace_read(unsigned long long *out, unsigned *counts, int reset) {
+extern "C" int kd_w4a16_trace_read(unsigned long long *out, unsigned *sms, unsigned *counts, int reset) {
     using namespace kd_w4a16_impl;
     if (cudaMemcpyFromSymbol(out, g_trace, sizeof g_trace) != cudaSuccess) return -1;
     if (cudaMemcpyFromSymbol(counts, g_trace_count, sizeof g_trace_count) != cudaSuccess) return -1;
+    if (cudaMemcpyFromSymbol(sms, g_trace_sm, sizeof g_trace_sm) != cudaSuccess) return -1;
     if (reset) {
         static const unsigned zero[KD_W4A16_TRACE_BLOCKS] = {0};
         if (cudaMemcpyToSymbol(g_trace_count, zero, sizeof zero) != cudaSuccess) return -1;

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <string>
 #include <vector>
+#include <map>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -818,12 +819,14 @@ static int run_profile() {
 #ifdef KD_W4A16_TRACE
 /* --trace (make bench-trace): the small-M kernel's launch timeline. 32 launches over distinct
  * weights in a graph with PDL, as the graph+pdl rows; for four launches in the middle, the
- * earliest..latest block at each point, in us from the first block's entry. */
+ * earliest..latest block at each point, in us from the first block's entry, and the SMs
+ * grouped by how many of the launch's blocks they ran, with the mean over those SMs of their
+ * longest math (math done - max(activations in, weights in)): the balance of the math. */
 static int run_trace() {
     warm_clocks();
-    const char *point[KD_W4A16_TRACE_POINTS] = {"entry", "wait released", "activations in", "math done", "end"};
+    const char *point[KD_W4A16_TRACE_POINTS] = {"entry", "wait released", "activations in", "weights in", "math done", "end"};
     std::vector<unsigned long long> tr((size_t)KD_W4A16_TRACE_LAUNCHES * KD_W4A16_TRACE_BLOCKS * KD_W4A16_TRACE_POINTS);
-    std::vector<unsigned> counts(KD_W4A16_TRACE_BLOCKS);
+    std::vector<unsigned> sms((size_t)KD_W4A16_TRACE_LAUNCHES * KD_W4A16_TRACE_BLOCKS), counts(KD_W4A16_TRACE_BLOCKS);
     for (int shape = 0; shape < 2; shape++) {
         const int n = shape ? 7168 : 2048, k = shape ? 2048 : 7168, g = 32, COPIES = 32;
         std::vector<DevW> w = random_dev_weights(n, k, g, COPIES);
@@ -840,9 +843,9 @@ static int run_trace() {
             CK(cudaGraphInstantiate(&ge, gr, 0));
             for (int r = 0; r < 3; r++) CK(cudaGraphLaunch(ge, st));
             CK(cudaStreamSynchronize(st));
-            CK(kd_w4a16_trace_read(tr.data(), counts.data(), 1) == 0 ? cudaSuccess : cudaErrorUnknown);
+            CK(kd_w4a16_trace_read(tr.data(), sms.data(), counts.data(), 1) == 0 ? cudaSuccess : cudaErrorUnknown);
             double ms = time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 0, 1, st);
-            CK(kd_w4a16_trace_read(tr.data(), counts.data(), 1) == 0 ? cudaSuccess : cudaErrorUnknown);
+            CK(kd_w4a16_trace_read(tr.data(), sms.data(), counts.data(), 1) == 0 ? cudaSuccess : cudaErrorUnknown);
             int blocks = 0;
             while (blocks < KD_W4A16_TRACE_BLOCKS && counts[blocks] == (unsigned)COPIES) blocks++;
             auto at = [&](int l, int b, int p) { return tr[((size_t)l * KD_W4A16_TRACE_BLOCKS + b) * KD_W4A16_TRACE_POINTS + p]; };
@@ -856,6 +859,24 @@ static int run_trace() {
                     for (int b = 0; b < blocks; b++) { lo = std::min(lo, at(l, b, p)); hi = std::max(hi, at(l, b, p)); }
                     printf("  %s %.2f..%.2f", point[p], (lo - t0) * 1e-3, (hi - t0) * 1e-3);
                 }
+                printf("\n");
+            }
+            for (int l = 12; l < 16 && blocks > 0; l++) {
+                std::map<unsigned, std::pair<int, double>> per_sm;   /* SM -> (blocks, longest math us) */
+                for (int b = 0; b < blocks; b++) {
+                    auto &e = per_sm[sms[(size_t)l * KD_W4A16_TRACE_BLOCKS + b]];
+                    e.first++;
+                    e.second = std::max(e.second, (at(l, b, 4) - std::max(at(l, b, 2), at(l, b, 3))) * 1e-3);
+                }
+                std::map<int, std::pair<int, double>> by_count;   /* blocks on an SM -> (SMs, sum of math) */
+                for (auto &e : per_sm) {
+                    by_count[e.second.first].first++;
+                    by_count[e.second.first].second += e.second.second;
+                }
+                printf("  launch %2d per SM:", l);
+                for (auto &c : by_count)
+                    printf("  %d block%s: %d SMs, math %.2f us", c.first, c.first > 1 ? "s" : "", c.second.first,
+                           c.second.second / c.second.first);
                 printf("\n");
             }
             cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
