@@ -17,11 +17,12 @@
 
 namespace {
 
-constexpr int BM = 64, BN = 64, BK = 32, STAGES = 4, THREADS = 128;
+/* BM: rows of A per block, 64, or 16 where M <= 16 (a quarter of the mma and of the A tile,
+ * and more blocks per SM; the bits are the same, see the top) */
+constexpr int BM = 64, BM_SMALL = 16, BN = 64, BK = 32, STAGES = 4, THREADS = 128;
 constexpr int A_LD = BK + 8;        /* smem row stride (bf16): conflict-free 32-bit fragment loads */
 constexpr int BK_LD = BK + 8;       /* B stored [n][k] */
 constexpr int BN_LD = BN + 8;       /* B stored [k][n] (ldmatrix.trans) */
-constexpr int A_STAGE = BM * A_LD;
 constexpr int B_STAGE = (BN * BK_LD > BK * BN_LD) ? BN * BK_LD : BK * BN_LD;
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool pred) {
@@ -52,13 +53,13 @@ struct Tile {
     int z, m0, n0, row_base, rows;   /* rows: valid rows of this z (grouped) or M */
 };
 
-/* Load one BK slice (k0) of A and B into shared stage buffers. */
-template <bool ASYNC, bool BKM>
+/* Load one BK slice (k0) of A (TBM rows) and B into shared stage buffers. */
+template <int TBM, bool ASYNC, bool BKM>
 __device__ __forceinline__ void load_tile(const kd_gemm_args &g, const Tile &t, bf16 *As, bf16 *Bs,
                                           int k0, const bf16 *Bz, const char *Az) {
     const int tid = threadIdx.x;
-    /* A: BM rows x BK cols = 256 chunks of 8 */
-    for (int c = tid; c < BM * (BK / 8); c += THREADS) {
+    /* A: TBM rows x BK cols, in chunks of 8 */
+    for (int c = tid; c < TBM * (BK / 8); c += THREADS) {
         int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
         int m = t.m0 + r, k = k0 + kc;
         bool ok = m < t.rows;
@@ -113,18 +114,20 @@ __device__ __forceinline__ void load_tile(const kd_gemm_args &g, const Tile &t, 
     }
 }
 
-/* grid: x = n_tiles * splits, y = m tiles, z = batch (or expert) */
-template <bool ASYNC, bool BKM>
+/* grid: x = n_tiles * splits, y = m tiles of TBM rows, z = batch (or expert). Warps: 2 x 2 of
+ * 32 x 32 (TBM = 64) or 1 x 4 of 16 x 16 (TBM = 16). */
+template <int TBM, bool ASYNC, bool BKM>
 __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_tiles, int splits,
                                                        int kts_per_split, float *partial) {
-    __shared__ __align__(16) bf16 As[STAGES][A_STAGE];
+    constexpr int MI = TBM / 32 > 0 ? TBM / 32 : 1, NI = TBM == 64 ? 4 : 2;   /* m16 / n8 fragments a warp */
+    __shared__ __align__(16) bf16 As[STAGES][TBM * A_LD];
     __shared__ __align__(16) bf16 Bs[STAGES][B_STAGE];
 
     Tile t;
     t.z = blockIdx.z;
     int nt = blockIdx.x % n_tiles, split = blockIdx.x / n_tiles;
     t.n0 = nt * BN;
-    t.m0 = blockIdx.y * BM;
+    t.m0 = blockIdx.y * TBM;
     if (g.row_off) {
         t.row_base = g.row_off[t.z];
         t.rows = g.row_off[t.z + 1] - t.row_base;
@@ -142,35 +145,36 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
     const int kt1 = min(kt_total, kt0 + kts_per_split);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int wm = TBM == 64 ? (warp >> 1) * 32 : 0, wn = TBM == 64 ? (warp & 1) * 32 : warp * 16;
     const int gq = lane >> 2, tq = lane & 3;
 
-    float acc[2][4][4];
+    float acc[MI][NI][4];
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < MI; i++)
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < NI; j++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (kt0 + s < kt1) load_tile<ASYNC, BKM>(g, t, As[s], Bs[s], (kt0 + s) * BK, Bz, Az);
+        if (kt0 + s < kt1) load_tile<TBM, ASYNC, BKM>(g, t, As[s], Bs[s], (kt0 + s) * BK, Bz, Az);
         if (ASYNC) cp_async_commit();
     }
     for (int kt = kt0; kt < kt1; kt++) {
         if (ASYNC) cp_async_wait<STAGES - 2>();
         __syncthreads();
         int nk = kt + STAGES - 1;
-        if (nk < kt1) load_tile<ASYNC, BKM>(g, t, As[(nk - kt0) % STAGES], Bs[(nk - kt0) % STAGES], nk * BK, Bz, Az);
+        if (nk < kt1)
+            load_tile<TBM, ASYNC, BKM>(g, t, As[(nk - kt0) % STAGES], Bs[(nk - kt0) % STAGES], nk * BK, Bz, Az);
         if (ASYNC) cp_async_commit();
         const bf16 *as = As[(kt - kt0) % STAGES];
         const bf16 *bs = Bs[(kt - kt0) % STAGES];
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
-            uint32_t af[2][4], bfr[4][2];
+            uint32_t af[MI][4], bfr[NI][2];
 #pragma unroll
-            for (int mi = 0; mi < 2; mi++) {
+            for (int mi = 0; mi < MI; mi++) {
                 const bf16 *p = as + (wm + mi * 16 + gq) * A_LD + kk + 2 * tq;
                 af[mi][0] = *(const uint32_t *)(p);
                 af[mi][1] = *(const uint32_t *)(p + 8 * A_LD);
@@ -178,7 +182,7 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
                 af[mi][3] = *(const uint32_t *)(p + 8 * A_LD + 8);
             }
 #pragma unroll
-            for (int ni = 0; ni < 4; ni++) {
+            for (int ni = 0; ni < NI; ni++) {
                 if (BKM) {
                     const bf16 *p = bs + (wn + ni * 8 + gq) * BK_LD + kk + 2 * tq;
                     bfr[ni][0] = *(const uint32_t *)(p);
@@ -188,18 +192,18 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
                 }
             }
 #pragma unroll
-            for (int mi = 0; mi < 2; mi++)
+            for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-                for (int ni = 0; ni < 4; ni++) mma_bf16(acc[mi][ni], af[mi], bfr[ni]);
+                for (int ni = 0; ni < NI; ni++) mma_bf16(acc[mi][ni], af[mi], bfr[ni]);
         }
     }
     if (ASYNC) cp_async_wait<0>();
 
     /* epilogue: fragment c0,c1 -> row gq, cols 2tq,2tq+1; c2,c3 -> row gq+8 */
 #pragma unroll
-    for (int mi = 0; mi < 2; mi++)
+    for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++)
+        for (int ni = 0; ni < NI; ni++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 int m = t.m0 + wm + mi * 16 + gq + h * 8;
@@ -234,6 +238,15 @@ __global__ void gemm_reduce_kernel(kd_gemm_args g, int splits, const float *part
 }
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+template <int TBM>
+void launch_gemm(bool async, bool kmajor, dim3 grid, cudaStream_t st, const kd_gemm_args &s, int n_tiles, int splits,
+                 int kts, float *partial) {
+    if (async && kmajor) gemm_kernel<TBM, true, true><<<grid, THREADS, 0, st>>>(s, n_tiles, splits, kts, partial);
+    else if (async) gemm_kernel<TBM, true, false><<<grid, THREADS, 0, st>>>(s, n_tiles, splits, kts, partial);
+    else if (kmajor) gemm_kernel<TBM, false, true><<<grid, THREADS, 0, st>>>(s, n_tiles, splits, kts, partial);
+    else gemm_kernel<TBM, false, false><<<grid, THREADS, 0, st>>>(s, n_tiles, splits, kts, partial);
+}
 
 }  // namespace
 
@@ -292,13 +305,15 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
             s.C = (char *)g.C + (size_t)m0 * g.ldc * csz;
         }
         bool async_s = async && aligned16(s.A);
-        dim3 grid(n_tiles * splits, (s.M + BM - 1) / BM, s.batch);
+        /* rows per block: 16 when M is at most 16 (grouped launches: no group has more rows
+         * than M) */
+        const bool small = s.M <= BM_SMALL;
+        const int tbm = small ? BM_SMALL : BM;
+        dim3 grid(n_tiles * splits, (s.M + tbm - 1) / tbm, s.batch);
         if (grid.y > 65535 || grid.z > 65535)
             return kd_fail(KD_ERR_ARG, "cuda gemm: grid too large (M=%d, batch=%d)", s.M, s.batch);
-        if (async_s && g.b_kmajor) gemm_kernel<true, true><<<grid, THREADS, 0, c->stream>>>(s, n_tiles, splits, kts, partial);
-        else if (async_s) gemm_kernel<true, false><<<grid, THREADS, 0, c->stream>>>(s, n_tiles, splits, kts, partial);
-        else if (g.b_kmajor) gemm_kernel<false, true><<<grid, THREADS, 0, c->stream>>>(s, n_tiles, splits, kts, partial);
-        else gemm_kernel<false, false><<<grid, THREADS, 0, c->stream>>>(s, n_tiles, splits, kts, partial);
+        if (small) launch_gemm<BM_SMALL>(async_s, g.b_kmajor, grid, c->stream, s, n_tiles, splits, kts, partial);
+        else launch_gemm<BM>(async_s, g.b_kmajor, grid, c->stream, s, n_tiles, splits, kts, partial);
         KD_CUDA_LAUNCH("gemm_kernel");
         if (splits > 1) {
             size_t total = (size_t)s.batch * s.M * s.N;
