@@ -3,11 +3,12 @@
  * Why our own kernel and not cuBLAS: cuBLAS picks its algorithm (tile shape, split-K)
  * from M, so the same token row can get different bits in a batch of 1 and a batch of
  * 37. Here every output element is computed by the same sequence of tensor-core MMAs
- * (mma.sync m16n8k16, bf16 in, fp32 accumulate) over k in a fixed order, and the
- * row's position in its 64-row tile changes nothing (an MMA row depends only on that
- * row of A). Split-K, used to give small-M launches enough blocks, is chosen from
- * (N, K, batch, SM count) only, never from M, and its partial sums are added in split
- * order by a second kernel. So a row's result is bit-identical for any M.
+ * (mma.sync m16n8k16, bf16 in, fp32 accumulate) over k in a fixed order, and neither the
+ * row's position in its tile nor the tile's height (64 rows, or 16 where M <= 16) changes
+ * anything (an MMA row depends only on that row of A). Split-K, used to give small-M
+ * launches enough blocks, is chosen from (N, K, batch, SM count) only, never from M, and
+ * its partial sums are added in split order by a second kernel. So a row's result is
+ * bit-identical for any M.
  *
  * Loads: cp.async 16-byte copies through a 4-stage shared-memory pipeline when the
  * operands are 16-byte aligned; otherwise (odd leading dims, f32 activations) plain
