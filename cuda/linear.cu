@@ -120,7 +120,8 @@ __device__ __forceinline__ void load_tile(const kd_gemm_args &g, const Tile &t, 
 template <int TBM, bool ASYNC, bool BKM>
 __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_tiles, int splits,
                                                        int kts_per_split, float *partial) {
-    constexpr int MI = TBM / 32 > 0 ? TBM / 32 : 1, NI = TBM == 64 ? 4 : 2;   /* m16 / n8 fragments a warp */
+    static_assert(TBM == 64 || TBM == BM_SMALL, "the warp layout below covers these two");
+    constexpr int MI = TBM == 64 ? 2 : 1, NI = TBM == 64 ? 4 : 2;   /* m16 / n8 fragments a warp */
     __shared__ __align__(16) bf16 As[STAGES][TBM * A_LD];
     __shared__ __align__(16) bf16 Bs[STAGES][B_STAGE];
 

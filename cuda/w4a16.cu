@@ -445,7 +445,7 @@ __device__ __forceinline__ int2 plan_block_scan(int2 v, int2 *warp_sums, int2 *t
     __syncthreads();
     const int2 before = warp > 0 ? warp_sums[warp - 1] : make_int2(0, 0);
     *total = warp_sums[PLAN_WARPS - 1];
-    __syncthreads();   /* warp_sums may be reused */
+    __syncthreads();   /* the block leaves synchronised (see above) */
     return make_int2(x.x - v.x + before.x, x.y - v.y + before.y);
 }
 

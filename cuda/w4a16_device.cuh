@@ -1,7 +1,7 @@
 /* w4a16_device.cuh: what the W4A16 kernels share (w4a16.cu: the pipelined GEMM, the MoE and
  * the configurations; w4a16_skinny.cu: the small-M kernel): the device form's constants, the
  * kernel arguments, the PTX helpers (cp.async, ldmatrix, mma, the INT4 dequantisation,
- * streaming loads, cluster barriers, distributed shared memory, st.async on mbarriers) and the
+ * bulk copies, cluster barriers, distributed shared memory, st.async and mbarriers) and the
  * skinny kernel's planning entry. Internal to cuda/w4a16*.cu. */
 #ifndef KD_W4A16_DEVICE_CUH
 #define KD_W4A16_DEVICE_CUH
@@ -141,15 +141,20 @@ __device__ __forceinline__ unsigned cluster_rank() {
     return r;
 }
 
-/* mbarrier (sm_90+): the skinny kernel's split-K reduction waits on one, completed by the
- * bytes its peers store into this block with st_async_v4 */
+/* mbarrier (sm_90+): the skinny kernel's warps wait on one each for their weights (completed
+ * by the bulk-copy engine), and its split-K reduction on one completed by the bytes its peers
+ * store into this block with st_async_v4 */
 __device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbar_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-/* the one arrival of a count-1 barrier, announcing `bytes` that peers will deliver */
+/* after initialising a barrier that the bulk-copy engine (the async proxy) will complete */
+__device__ __forceinline__ void fence_proxy_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+/* the one arrival of a count-1 barrier, announcing `bytes` that peers or copies will deliver */
 __device__ __forceinline__ void mbar_arrive_expect(uint64_t *bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
@@ -195,7 +200,7 @@ struct SkinnyPlan {
 /* false when it does not take the launch (M above 16, a part longer than 16 chunks of 64, or
  * shared memory that does not fit even with one warp per block; then the pipelined kernel
  * does). warps: tiles per block (at most 8), <= 0: chosen from the shape (about one block per
- * SM) */
+ * SM, at most 4 warps at M <= 4) */
 bool skinny_plan(int warps, int m, int n_tiles, int kc, int parts, int cpp, int gshift, SkinnyPlan *plan);
 /* the shared memory the skinny kernel may take on the current device (its attribute is set to this) */
 int skinny_smem_max();

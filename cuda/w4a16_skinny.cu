@@ -15,7 +15,9 @@
  *    launch's blocks load beside the two running ones and every launch's weights arrive later
  *    (H200 traces, docs/performance.md);
  *  - a block is one part of K for a few 16-row tiles (one warp per tile), so it stages only
- *    its part's slice of the activations and stays small: two launches fit per SM;
+ *    its part's slice of the activations beside its weights (at most 100 KB, fewer warps
+ *    where more would not fit): two launches fit per SM, except at M = 16 with short parts
+ *    (7168 x 2048: three 61 KB blocks an SM, not four);
  *  - a warp's math over its part is straight-line code (chunk count and group size compiled
  *    in), so the groups' loads, dequantisation and mma interleave;
  *  - the parts of a tile are the blocks of one cluster; the reduction sends each warp's fp32
@@ -75,9 +77,10 @@ __device__ __forceinline__ void skinny_math(const uint4 *wl, const bf16 *const (
 #ifdef KD_W4A16_TRACE
 /* Launch timeline (bench builds only: `make bench-trace`): thread 0 of each of the first
  * KD_W4A16_TRACE_BLOCKS blocks stamps %globaltimer at entry, after the wait on the previous
- * grid, once the activations are in, once its warp's weights are in, after the math and at
- * the end, and notes the SM it ran on, for the last KD_W4A16_TRACE_LAUNCHES launches of each
- * block index (kd_w4a16_trace_read in w4a16.cuh). */
+ * grid, once the activations are in, once warp 0's weights are in (it waits for them after
+ * the activations, so never earlier), after warp 0's math and at the end, and notes the SM it
+ * ran on, for the last KD_W4A16_TRACE_LAUNCHES launches of each block index
+ * (kd_w4a16_trace_read in w4a16.cuh). */
 __device__ unsigned long long g_trace[KD_W4A16_TRACE_LAUNCHES][KD_W4A16_TRACE_BLOCKS][KD_W4A16_TRACE_POINTS];
 __device__ unsigned g_trace_count[KD_W4A16_TRACE_BLOCKS];
 __device__ unsigned g_trace_sm[KD_W4A16_TRACE_LAUNCHES][KD_W4A16_TRACE_BLOCKS];
@@ -109,10 +112,10 @@ __device__ __forceinline__ void trace_sm(unsigned slot) {
 #endif
 
 /* blocks of 8 warps per SM the registers must allow. Short parts (NCH <= 8, e.g. 7168 x 2048
- * in 4 parts: 224 blocks, 1.7 a launch per SM) need 4 for two launches side by side (64
- * registers); long ones (2048 x 7168: 128 blocks) need 2, and the compiler keeps more of the
- * math in flight with the room (64 registers for all: 2048 x 7168 M = 1 5.34 us, against
- * 5.09 with this rule, H200) */
+ * in 4 parts: 224 blocks, 1.7 a launch per SM) ask for 4 (64 registers; the M = 16 instances
+ * spill 8-32 bytes there); long ones (2048 x 7168: 128 blocks) for 2, and the compiler keeps
+ * more of the math in flight with the room (64 registers for all: 2048 x 7168 M = 1 5.34 us,
+ * against 5.09 with this rule, H200) */
 template <int NCH>
 struct SkinnyMinBlocks { static constexpr int value = NCH <= 8 ? 4 : 2; };
 
@@ -150,6 +153,7 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
         const unsigned wbytes = (unsigned)nch * 512, sbytes = (unsigned)ng * 32;
         mbar_init(wbar, 1);
         mbar_init_fence();
+        fence_proxy_async_smem();
         mbar_arrive_expect(wbar, wbytes + sbytes);
         bulk_load_stream(smem + L.w + warp * a.cpp * 512, a.mat.q + ((size_t)tile * a.kc + c0) * 32, wbytes, wbar);
         bulk_load_stream(smem + L.s + warp * gpp * 32,
