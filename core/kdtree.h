@@ -185,12 +185,12 @@ typedef struct kd_memory_report {
              weights_router, weights_embed, weights_lm_head, weights_norms;
     uint64_t weights_total;               /* the eight above */
     uint64_t weights_allocated;           /* of weights_total: held outside the mapping (device, host copies) */
-    uint64_t drafter_weights;             /* drafters opened on this model (CUDA; 0 on the CPU) */
+    uint64_t drafter_weights;             /* drafters opened on this model */
     uint64_t kv_cache;                    /* latent KV caches of the open sequences */
     uint64_t activations;                 /* per-sequence logits and forward scratch */
     uint64_t drafter_cache;               /* the rest of the backend's buffers: drafters' per-sequence
-                                             state and RoPE tables, trees held on the backend (CUDA; 0 on the CPU) */
-    uint64_t workspace;                   /* the backend's shared scratch (CUDA) */
+                                             state and RoPE tables, trees held on the backend */
+    uint64_t workspace;                   /* the backend's shared scratch (CPU: its two work buffers) */
     uint64_t other;                       /* small model buffers: RoPE table, router bias copies */
     uint64_t total;
     uint64_t mapped;                      /* bytes of the mapped checkpoint files (not in total) */

@@ -485,11 +485,12 @@ kd_status kd_model_memory(const kd_model *m, kd_memory_report *out) {
     r->other = other;
     if (m->be->ops->mem_usage) {
         /* the backend's totals: what this model's walk and its sequences do not account for
-         * belongs to the drafters bound to it (their weights; their per-sequence buffers) */
+         * belongs to the drafters bound to it (their weights; their per-sequence buffers).
+         * Both backends tally a loaded weight as the walk counts it (weight_held). */
         kd_mem_usage u;
         memset(&u, 0, sizeof u);
         m->be->ops->mem_usage(m->be, &u);
-        r->drafter_weights = u.weights > alloc ? u.weights - alloc : 0;
+        r->drafter_weights = u.weights > r->weights_total ? u.weights - r->weights_total : 0;
         uint64_t mine = r->kv_cache + r->activations + other;
         r->drafter_cache = u.buffers > mine ? u.buffers - mine : 0;
         r->workspace = u.workspace;

@@ -2,16 +2,20 @@
  *
  * Memory is host memory; upload/download are memcpy; every op runs synchronously.
  * weight_load keeps the mapped checkpoint bytes (w->src) as they are: weights are
- * decoded to fp32 one row at a time when an op reads them (kd_cpu_weight_row). */
+ * decoded to fp32 one row at a time when an op reads them (kd_cpu_weight_row).
+ * mem_usage tallies what the CUDA backend's does: the bytes of the loaded weights (here the
+ * bytes the kernels read), alloc() buffers not yet freed, and the two work buffers. */
 #include "cpu.h"
 #include <stdlib.h>
 
 /* two growable buffers: `work` for an op's own temporaries, `wrow` for the decoded
- * weight rows of kd_cpu_matmul_wt (an op holding `work` may call the matmul). */
+ * weight rows of kd_cpu_matmul_wt (an op holding `work` may call the matmul); the tallies
+ * of mem_usage. */
 typedef struct kd_cpu_impl {
     kd_cpu pub;
     float *wrow;
     size_t wrow_floats;
+    uint64_t bytes_weights, bytes_alloc;
 } kd_cpu_impl;
 
 static kd_status grow(float **buf, size_t *have, size_t n, const char *what) {
@@ -210,12 +214,37 @@ static void cpu_destroy(kd_backend *be) {
     free(be);
 }
 
+/* an alloc() buffer starts ALLOC_HEADER bytes into its block, after its size, so that free()
+ * can take it off the tally; 16 keeps the buffer as aligned as calloc's block */
+enum { ALLOC_HEADER = 16 };
 static kd_status cpu_alloc(kd_backend *be, size_t bytes, void **ptr) {
-    *ptr = calloc(1, bytes ? bytes : 1);
-    if (!*ptr) return kd_fail(KD_ERR_NOMEM, "cpu backend: cannot allocate %zu bytes", bytes);
+    kd_cpu_impl *c = be->impl;
+    unsigned char *block = calloc(1, ALLOC_HEADER + (bytes ? bytes : 1));
+    if (!block) {
+        *ptr = NULL;
+        return kd_fail(KD_ERR_NOMEM, "cpu backend: cannot allocate %zu bytes", bytes);
+    }
+    memcpy(block, &bytes, sizeof bytes);
+    c->bytes_alloc += bytes;
+    *ptr = block + ALLOC_HEADER;
     return KD_OK;
 }
-static void cpu_free(kd_backend *be, void *ptr) { free(ptr); }
+static void cpu_free(kd_backend *be, void *ptr) {
+    if (!ptr) return;
+    kd_cpu_impl *c = be->impl;
+    unsigned char *block = (unsigned char *)ptr - ALLOC_HEADER;
+    size_t bytes;
+    memcpy(&bytes, block, sizeof bytes);
+    c->bytes_alloc -= bytes;
+    free(block);
+}
+static void cpu_mem_usage(kd_backend *be, kd_mem_usage *out) {
+    const kd_cpu_impl *c = be->impl;
+    memset(out, 0, sizeof *out);
+    out->weights = c->bytes_weights;
+    out->buffers = c->bytes_alloc;
+    out->workspace = (uint64_t)(c->pub.work_floats + c->wrow_floats) * sizeof(float);
+}
 static kd_status cpu_memcpy(kd_backend *be, void *dst, const void *src, size_t bytes) {
     if (bytes) memmove(dst, src, bytes);
     return KD_OK;
@@ -226,9 +255,15 @@ static kd_status cpu_weight_load(kd_backend *be, kd_weight *w) {
     KD_TRY(kd_cpu_check_weight("weight_load", w));
     w->dev = (void *)w->src;           /* no copy: the mapping is the CPU's form */
     w->dev_scale = (void *)w->src_scale;
+    ((kd_cpu_impl *)be->impl)->bytes_weights += kd_weight_bytes(w);
     return KD_OK;
 }
-static void cpu_weight_free(kd_backend *be, kd_weight *w) { if (w) { w->dev = NULL; w->dev_scale = NULL; } }
+static void cpu_weight_free(kd_backend *be, kd_weight *w) {
+    if (!w || !w->dev) return;         /* never loaded, or freed already */
+    ((kd_cpu_impl *)be->impl)->bytes_weights -= kd_weight_bytes(w);
+    w->dev = NULL;
+    w->dev_scale = NULL;
+}
 static kd_status cpu_experts_load(kd_backend *be, kd_experts *e) {
     if (!e || !e->router || !e->gate || !e->up || !e->down || e->n <= 0)
         return kd_fail(KD_ERR_ARG, "cpu experts_load: incomplete expert table");
@@ -245,6 +280,7 @@ static const kd_backend_ops cpu_ops = {
     .upload = cpu_memcpy,
     .download = cpu_memcpy,
     .sync = cpu_sync,
+    .mem_usage = cpu_mem_usage,
     .weight_load = cpu_weight_load,
     .weight_free = cpu_weight_free,
     .experts_load = cpu_experts_load,
