@@ -9,7 +9,7 @@ CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 
 CFLAGS  ?= -O2 -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -fPIC -Wall -Wextra -Wno-unused-parameter -Icore
-LDLIBS  := -lcjson -lm -lpthread
+LDLIBS  := -lcjson -lpcre2-8 -lm -lpthread
 CORE_SRC := $(wildcard core/*.c core/cpu/*.c)
 CUDA_SRC := $(wildcard cuda/*.cu)
 BUILD   := build
@@ -31,7 +31,7 @@ endif
 LUAJIT  := luajit
 # Debian's busted script starts with `#!/usr/bin/env lua`: run it under LuaJIT
 BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/busted)
-DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libreadline8
+DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8
 
 .PHONY: all test test-gpu run bench bench-trace deps install clean
 all: $(BUILD)/libkdtree.so

@@ -174,6 +174,29 @@ kd_status kd_draft_argmax(kd_seq *s, int32_t *ids_dst);
 /* build the DDTree from the last draft's log-probs, on the backend */
 kd_status kd_tree_build_drafted(kd_tree *t, kd_seq *s, int budget);
 
+/* ---- tokenizer ----
+ * Kimi K2.6's (tiktoken BPE) from a checkpoint directory: tiktoken.model (the base ranks) and
+ * tokenizer_config.json (added_tokens_decoder names special ids; the others of the
+ * KD_TOKENIZER_SPECIAL_SLOTS after the base ranks are <|reserved_token_{id}|>). Encodes as
+ * tiktoken does, with Kimi's pre-tokenizer pattern; docs/architecture.md. */
+typedef struct kd_tokenizer kd_tokenizer;
+enum { KD_TOKENIZER_SPECIAL_SLOTS = 258 };
+kd_status kd_tokenizer_open(const char *dir, kd_tokenizer **out);
+void kd_tokenizer_close(kd_tokenizer *t);
+int kd_tokenizer_n_base(const kd_tokenizer *t);   /* base ranks: the first special id */
+int kd_tokenizer_n_ids(const kd_tokenizer *t);    /* base ranks + special slots */
+/* UTF-8 text (n_bytes) -> ids. parse_special != 0: special-token strings in the text become
+ * their ids; 0: they are ordinary text. *n_ids gets the count; when it exceeds cap, nothing
+ * past cap is written and the call fails with KD_ERR_ARG (n_bytes ids always suffice). */
+kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_bytes, int parse_special,
+                              int32_t *ids, size_t cap, size_t *n_ids);
+/* ids -> their bytes, concatenated (a token may end inside a UTF-8 character); *n_bytes gets
+ * the count; out NULL (cap 0): only the count; past cap, KD_ERR_ARG as for encode */
+kd_status kd_tokenizer_decode(const kd_tokenizer *t, const int32_t *ids, size_t n_ids, char *out, size_t cap,
+                              size_t *n_bytes);
+/* the id of a special token by its string ("<|im_end|>") */
+kd_status kd_tokenizer_special(const kd_tokenizer *t, const char *name, int32_t *id);
+
 /* ---- memory by component ----
  * Bytes the model holds on its backend now: device memory on CUDA; on the CPU the
  * weights are the bytes its kernels read (mostly the mapped checkpoint itself), the rest

@@ -91,6 +91,29 @@ describe("kdtree generate", function()
     assert.are.equal(0, code)
     assert.are.same(ref_greedy, split_ids(out))
   end)
+
+  it("takes a text prompt or a chat message through the checkpoint's tokenizer, and prints text", function()
+    local tok = kd.open_tokenizer(MODEL)
+    local m = kd.open_model(MODEL)
+    local function ref(ids) return gen.run(m, ids, { policy = "ar", n = 6 }).tokens end
+    local code, out = run("generate --prompt 'The quick brown fox' -n 6 --ids")
+    assert.are.equal(0, code)
+    assert.are.same(ref(tok:encode("The quick brown fox")), split_ids(out))
+    local chat_ids = tok:chat({ { role = "user", content = "Hello! 你好" } })
+    code, out = run("generate --chat 'Hello! 你好' -n 6 --ids --draft " .. DRAFT)
+    assert.are.equal(0, code)
+    assert.are.same(ref(chat_ids), split_ids(out))
+    local err
+    code, out, err = run("generate --prompt 'The quick brown fox' -n 6")
+    assert.are.equal(0, code, err)
+    local want = tok:decode(ref(tok:encode("The quick brown fox")))
+    assert.truthy(out:find("\ntext     " .. string.format("%q", want):gsub("%p", "%%%0"), 1), out)
+    code, out, err = run("generate --prompt hi --tokenizer /nonexistent/tok -n 2")
+    assert.are.equal(1, code)
+    assert.truthy(err:find("/nonexistent/tok/tiktoken.model: cannot open", 1, true), err)
+    m:close()
+    tok:close()
+  end)
 end)
 
 describe("kdtree help and bad flags", function()
@@ -115,7 +138,9 @@ describe("kdtree help and bad flags", function()
       { "generate --prompt-ids 5,x", "--prompt-ids: expected comma-separated token ids, got '5,x'" },
       { "generate --prompt-ids 5 -n", "-n needs a value" },
       { "generate --prompt-ids 5 -n two", "-n: expected an integer, got 'two'" },
-      { "generate -n 3", "--prompt-ids is required" },
+      { "generate -n 3", "give the prompt once: --prompt-ids 5,77,300, --prompt TEXT or --chat TEXT" },
+      { "generate --prompt-ids 5 --prompt hi", "give the prompt once" },
+      { "generate --prompt ''", "--prompt: expected some text" },
       { "generate --prompt-ids 5 --policy beam", "--policy: expected ar, dflash or ddtree, got 'beam'" },
       { "generate --prompt-ids 5 --policy ddtree", "--policy ddtree needs --draft" },
       { "generate --prompt-ids 5 --draft ngram --budget -4", "--budget: expected >= 0, got -4" },

@@ -22,6 +22,7 @@ kd.Model = require("kdtree.model")
 kd.Seq = require("kdtree.seq")
 kd.Drafter = require("kdtree.drafter")
 kd.tree = require("kdtree.tree")
+kd.Tokenizer = require("kdtree.tokenizer")
 
 function kd.version() return ffi.string(C.kd_version()) end
 function kd.time_ns() return C.kd_time_ns() end          -- uint64 cdata; tonumber() for arithmetic
@@ -44,6 +45,7 @@ end
 
 function kd.open_model(dir, opts) return kd.Model.open(dir, opts) end
 function kd.open_drafter(dir, model) return kd.Drafter.open(dir, model) end
+function kd.open_tokenizer(dir) return kd.Tokenizer.open(dir) end
 
 -- a sampler table -> kd_sampler cdata (for raw C calls)
 kd.sampler = U.sampler

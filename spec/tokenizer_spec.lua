@@ -1,0 +1,166 @@
+-- tokenizer_spec.lua: kd_tokenizer (Kimi K2.6's tiktoken BPE) against tiktoken itself.
+-- Reference: spec/fixtures/tokenizer/golden.json, written by scripts/golden/tokenizer_golden.py
+-- with tiktoken's Rust core (Kimi's pre-tokenizer pattern, the shipped tiny vocabulary): 233
+-- strings (mixed scripts, digits, whitespace runs, contractions, emoji, combining marks,
+-- special strings), each encoded with special strings as text and as special ids.
+package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+local kd = require("kdtree")
+local json = require("dkjson")
+local ffi = require("ffi")
+
+local DIR = "models/tiny-k2.6"
+
+local function read(path)
+  local f = assert(io.open(path, "rb"))
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+local function write(path, s)
+  local f = assert(io.open(path, "wb"))
+  f:write(s)
+  f:close()
+end
+local golden = json.decode(read("spec/fixtures/tokenizer/golden.json"))
+
+-- a scratch tokenizer directory: the shipped files, each through edits[name] (nil: left out);
+-- removed at the end of the file
+local scratch = {}
+local function scratch_dir(edits)
+  local dir = os.tmpname()
+  os.remove(dir)
+  os.execute("mkdir -p '" .. dir .. "'")
+  scratch[#scratch + 1] = dir
+  for _, name in ipairs({ "tiktoken.model", "tokenizer_config.json" }) do
+    local text = read(DIR .. "/" .. name)
+    if edits[name] then text = edits[name](text) end
+    if text then write(dir .. "/" .. name, text) end
+  end
+  return dir
+end
+local function open_error(dir)
+  local ok, err = pcall(kd.open_tokenizer, dir)
+  assert.is_false(ok)
+  return tostring(err)
+end
+
+describe("tokenizer (kd_tokenizer)", function()
+  local tok
+  setup(function() tok = kd.open_tokenizer(DIR) end)
+  teardown(function()
+    tok:close()
+    for _, dir in ipairs(scratch) do os.execute("rm -rf '" .. dir .. "'") end
+  end)
+
+  it("has the shipped vocabulary's shape: base ranks, then 258 special ids", function()
+    assert.are.equal(golden.n_base, tok.n_base)
+    assert.are.equal(golden.n_base + 258, tok.n_ids)
+    for name, id in pairs(golden.special) do assert.are.equal(id, tok:special(name), name) end
+    assert.are.equal(tok.n_base + 5, tok:special("<|reserved_token_" .. (tok.n_base + 5) .. "|>"))
+  end)
+
+  it("encodes every golden string as tiktoken does, special strings as text and as ids", function()
+    for i, c in ipairs(golden.cases) do
+      assert.are.same(c.ids, tok:encode(c.text), "case " .. i .. ": " .. c.text)
+      assert.are.same(c.ids_special, tok:encode(c.text, { special = true }), "case " .. i .. " (special): " .. c.text)
+    end
+  end)
+
+  it("decodes back to the same bytes (invariant over the goldens and split points)", function()
+    for i, c in ipairs(golden.cases) do
+      assert.are.equal(c.text, tok:decode(c.ids), "case " .. i)
+      assert.are.equal(c.text, tok:decode(c.ids_special), "case " .. i .. " (special)")
+      -- ids decode piecewise: the concatenation of the parts' bytes is the whole
+      local k = math.floor(#c.ids / 2)
+      local a, b = {}, {}
+      for j = 1, #c.ids do if j <= k then a[#a + 1] = c.ids[j] else b[#b + 1] = c.ids[j] end end
+      assert.are.equal(c.text, tok:decode(a) .. tok:decode(b), "case " .. i .. " split")
+    end
+    assert.are.same({}, tok:encode(""))
+    assert.are.equal("", tok:decode({}))
+  end)
+
+  it("builds K2.6's chat prompt from special ids and text", function()
+    local ids = tok:chat({ { role = "user", content = "hi" } })
+    local want = {}
+    local function add(t) for _, id in ipairs(t) do want[#want + 1] = id end end
+    add({ tok:special("<|im_system|>") }); add(tok:encode("system")); add({ tok:special("<|im_middle|>") })
+    add(tok:encode("You are Kimi, an AI assistant created by Moonshot AI.")); add({ tok:special("<|im_end|>") })
+    add({ tok:special("<|im_user|>") }); add(tok:encode("user")); add({ tok:special("<|im_middle|>") })
+    add(tok:encode("hi")); add({ tok:special("<|im_end|>") })
+    add({ tok:special("<|im_assistant|>") }); add(tok:encode("assistant")); add({ tok:special("<|im_middle|>") })
+    assert.are.same(want, ids)
+    -- a system message of the caller's replaces the default one
+    local own = tok:chat({ { role = "system", content = "Be brief." }, { role = "user", content = "hi" } })
+    assert.are.equal("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|>" ..
+      "<|im_assistant|>assistant<|im_middle|>", tok:decode(own))
+    assert.has_error(function() tok:chat({ { role = "tool", content = "x" } }) end)
+  end)
+
+  it("bad input is a clear error and the tokenizer stays usable", function()
+    local C = kd.C
+    -- not UTF-8: the error names the byte
+    local ok, err = pcall(tok.encode, tok, "ok \xff\xfe bad")
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("not UTF-8 at byte 3", 1, true), tostring(err))
+    -- an id past the vocabulary
+    ok, err = pcall(tok.decode, tok, { 1, tok.n_ids })
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("ids[1] = " .. tok.n_ids .. " is outside 0.." .. (tok.n_ids - 1), 1, true), tostring(err))
+    assert.has_error(function() tok:special("<|no_such|>") end)
+    -- too small an output: the count comes back, nothing past cap is written
+    local text = "hello world"
+    local ids = ffi.new("int32_t[2]", { -7, -7 })
+    local n = ffi.new("size_t[1]")
+    assert.are.equal(C.KD_ERR_ARG, C.kd_tokenizer_encode(tok:handle(), text, #text, 0, ids, 1, n))
+    assert.are.equal(#tok:encode(text), tonumber(n[0]))
+    assert.are.equal(-7, ids[1])
+    assert.truthy(kd.last_error():find("room for 1", 1, true))
+    -- still usable
+    assert.are.equal("hello world", tok:decode(tok:encode("hello world")))
+  end)
+
+  it("bad files name the file and what is wrong", function()
+    local missing = scratch_dir({ ["tiktoken.model"] = function() return nil end })
+    assert.truthy(open_error(missing):find(missing .. "/tiktoken.model: cannot open", 1, true))
+    local bad64 = scratch_dir({ ["tiktoken.model"] = function(t) return (t:gsub("\n(%S+) 300\n", "\n!!!! 300\n", 1)) end })
+    assert.truthy(open_error(bad64):find("line 301: the token is not base64", 1, true), open_error(bad64))
+    local twice = scratch_dir({ ["tiktoken.model"] = function(t) return (t:gsub(" 301\n", " 300\n", 1)) end })
+    assert.truthy(open_error(twice):find("rank 300 is listed twice", 1, true), open_error(twice))
+    local no_rank = scratch_dir({ ["tiktoken.model"] = function(t) return (t:gsub(" 5\n", "\n", 1)) end })
+    assert.truthy(open_error(no_rank):find("line 6: expected `base64 rank`", 1, true), open_error(no_rank))
+    local byte_gone = scratch_dir({ ["tiktoken.model"] = function(t)
+      local lines = {}
+      for line in t:gmatch("[^\n]+") do lines[#lines + 1] = line end
+      lines[66] = lines[#lines]:match("^%S+") .. " 65"   -- rank 65 (byte 'A') becomes a copy of the last token
+      table.remove(lines)
+      return table.concat(lines, "\n") .. "\n"
+    end })
+    assert.truthy(open_error(byte_gone):find("tiktoken.model: byte 0x41 has no rank", 1, true), open_error(byte_gone))
+    local same_bytes = scratch_dir({ ["tiktoken.model"] = function(t)
+      local lines = {}
+      for line in t:gmatch("[^\n]+") do lines[#lines + 1] = line end
+      lines[66] = lines[67]:match("^%S+") .. " 65"   -- rank 65 takes rank 66's bytes
+      return table.concat(lines, "\n") .. "\n"
+    end })
+    assert.truthy(open_error(same_bytes):find("rank 66 repeats the bytes of rank 65", 1, true), open_error(same_bytes))
+    local out_of_range = scratch_dir({ ["tokenizer_config.json"] = function(t) return (t:gsub('"' .. golden.n_base .. '"',
+      '"5"', 1)) end })
+    assert.truthy(open_error(out_of_range):find('tokenizer_config.json: added_tokens_decoder: id "5" is not one of the special ids',
+      1, true), open_error(out_of_range))
+    -- without tokenizer_config.json every special slot is reserved
+    local bare = scratch_dir({ ["tokenizer_config.json"] = function() return nil end })
+    local t2 = kd.open_tokenizer(bare)
+    assert.are.equal(golden.n_base, t2:special("<|reserved_token_" .. golden.n_base .. "|>"))
+    assert.has_error(function() t2:special("<|im_end|>") end)
+    t2:close()
+  end)
+
+  it("closed handles are errors, not crashes", function()
+    local t = kd.open_tokenizer(DIR)
+    t:close()
+    assert.is_true(t:is_closed())
+    assert.has_error(function() t:encode("x") end)
+    assert.has_error(function() kd.open_tokenizer(42) end)
+  end)
+end)
