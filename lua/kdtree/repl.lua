@@ -2,9 +2,10 @@
 -- Uses GNU readline through the FFI when libreadline is present (history, line editing),
 -- else plain io.read. `kd` is preloaded, expressions print their values, and helpers
 -- cover one DDTree round step by step:
---   load(dir)            open a target model as `m` (and a fresh sequence `s`)
+--   load(dir)            open a target model as `m` (and a fresh sequence `s`; `tok`, its tokenizer, when
+--                        the directory has one)
 --   drafter(dir)         open a DFlash drafter as `d`, attached to `s`
---   prefill{5, 77, 300}  forward a prompt; sets `bonus` (the greedy next token)
+--   prefill{5, 77, 300}  forward a prompt (or prefill"text" through `tok`); sets `bonus` (the greedy next token)
 --   draft(bonus)         one draft pass -> `lp` (L x V log-probs)
 --   tree(budget)         build a tree from `lp` (or the drafted one) -> `t`, printed
 --   verify()             verify `t` on `s`
@@ -70,6 +71,9 @@ function R.env(opts)
     if E.m then pcall(function() E.s:close() end) end
     E.m = kd.open_model(dir, { backend = (o and o.backend) or opts.backend })
     E.s = E.m:new_seq((o and o.capacity) or 4096)
+    local f = io.open(dir .. "/tiktoken.model")
+    if f then f:close() end
+    E.tok = f and kd.open_tokenizer(dir) or nil
     return E.m
   end
   function E.drafter(dir)
@@ -80,6 +84,10 @@ function R.env(opts)
   end
   function E.prefill(ids)
     assert(E.s, "load a model first: load(dir)")
+    if type(ids) == "string" then
+      assert(E.tok, "this model directory has no tokenizer (tiktoken.model): give token ids")
+      ids = E.tok:encode(ids)
+    end
     E.s:forward(ids)
     local a = E.s:argmax()
     E.bonus = a[#a]
@@ -141,9 +149,9 @@ end
 
 R.helptext = [[
   kd                    the kdtree module (kd.open_model, kd.tree.build, ...; docs/lua-api.md)
-  load(dir)             open a target model as m, with a sequence s
+  load(dir)             open a target model as m, with a sequence s (and its tokenizer as tok, if any)
   drafter(dir)          open a DFlash drafter as d and attach it to s
-  prefill{5, 77, 300}   forward a prompt; sets bonus (the greedy next token)
+  prefill{5, 77, 300}   forward a prompt (prefill"text": through tok); sets bonus (the greedy next token)
   top(k, row)           top-k tokens of an output row of the last forward (default: last row) -> tops
   draft()               one draft pass after bonus -> lp (L x V log-probs, lp:row(i))
   tree(budget)          DDTree from the drafted log-probs -> t (printed)
