@@ -185,9 +185,11 @@ kd_status kd_tokenizer_open(const char *dir, kd_tokenizer **out);
 void kd_tokenizer_close(kd_tokenizer *t);
 int kd_tokenizer_n_base(const kd_tokenizer *t);   /* base ranks: the first special id */
 int kd_tokenizer_n_ids(const kd_tokenizer *t);    /* base ranks + special slots */
-/* UTF-8 text (n_bytes) -> ids. parse_special != 0: special-token strings in the text become
- * their ids; 0: they are ordinary text. *n_ids gets the count; when it exceeds cap, nothing
- * past cap is written and the call fails with KD_ERR_ARG (n_bytes ids always suffice). */
+/* UTF-8 text (n_bytes) -> ids, as Kimi's TikTokenTokenizer.encode. parse_special != 0:
+ * special-token strings in the text become their ids; 0: they are ordinary text. *n_ids gets
+ * the count; ids NULL (cap 0): only the count; when it exceeds cap, nothing past cap is
+ * written and the call fails with KD_ERR_ARG (n_bytes ids always suffice). Reads the
+ * tokenizer only: threads may share one. */
 kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_bytes, int parse_special,
                               int32_t *ids, size_t cap, size_t *n_ids);
 /* ids -> their bytes, concatenated (a token may end inside a UTF-8 character); *n_bytes gets

@@ -5,11 +5,14 @@
  * names some of the KD_TOKENIZER_SPECIAL_SLOTS special ids that follow (the others are
  * `<|reserved_token_{id}|>`, as Kimi's TikTokenTokenizer names them).
  *
- * Encoding is tiktoken's: the text is cut into pieces by Kimi's pre-tokenizer pattern (PCRE2,
- * UTF-8 with Unicode properties); a piece that is a token is that token, otherwise its bytes
- * are merged pairwise, always the adjacent pair whose bytes have the lowest rank (leftmost on
- * ties), until no pair is a token. With special parsing on, special-token strings in the
- * text become their ids and the ordinary text between them is encoded as above. */
+ * Encoding is Kimi's TikTokenTokenizer.encode: the text is first cut into chunks of at most
+ * 400000 characters, each chunk into runs of at most 25000 consecutive whitespace or
+ * non-whitespace characters (Python's str.isspace), and each run is encoded on its own as
+ * tiktoken does: with special parsing on, special-token strings become their ids; the text
+ * between them is cut into pieces by Kimi's pre-tokenizer pattern (PCRE2, UTF-8 with Unicode
+ * properties); a piece that is a token is that token, otherwise its bytes are merged pairwise,
+ * always the adjacent pair whose bytes have the lowest rank (leftmost on ties), until no pair
+ * is a token. */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "kdtree.h"
 #include "error.h"
@@ -112,9 +115,9 @@ static kd_status load_ranks(kd_tokenizer *t, const char *path) {
     size_t n = 0;
     KD_TRY(read_file(path, &text, &n));
     kd_status st = KD_OK;
-    int lines = 0;
-    for (size_t i = 0; i < n; i++) lines += text[i] == '\n';
-    if (n && text[n - 1] != '\n') lines++;
+    int lines = 0;   /* tokens: the lines that are not empty */
+    for (size_t i = 0; i < n; i++)
+        if (text[i] != '\n' && text[i] != '\r' && (i == 0 || text[i - 1] == '\n')) lines++;
     /* every line's bytes into scratch, their place and length by rank; then copied in rank order */
     long *len_of = calloc((size_t)lines + 1, sizeof *len_of);
     unsigned char *scratch = malloc(n + 1);
@@ -126,16 +129,21 @@ static kd_status load_ranks(kd_tokenizer *t, const char *path) {
     for (char *p = text; p < text + n; line++) {
         char *end = memchr(p, '\n', (size_t)(text + n - p));
         if (!end) end = text + n;
-        char *sp = memchr(p, ' ', (size_t)(end - p));
-        char *rank_end;
-        long rank = sp ? strtol(sp + 1, &rank_end, 10) : -1;
-        if (!sp || rank_end == sp + 1 || (rank_end != end && !(rank_end + 1 == end && *rank_end == '\r'))) {
+        char *stop = end > p && end[-1] == '\r' ? end - 1 : end;   /* CRLF */
+        if (stop == p) { p = end + 1; continue; }                   /* empty lines are skipped, as tiktoken does */
+        char *sp = memchr(p, ' ', (size_t)(stop - p));
+        char *rank_end = NULL;
+        long rank = sp && sp + 1 < stop && sp[1] >= '0' && sp[1] <= '9' ? strtol(sp + 1, &rank_end, 10) : -1;
+        if (rank < 0 || rank_end != stop) {
             st = kd_fail(KD_ERR_FORMAT, "%s: line %d: expected `base64 rank`", path, line + 1);
             goto done;
         }
-        if (rank < 0 || rank >= lines || len_of[rank] >= 0) {
-            st = kd_fail(KD_ERR_FORMAT, "%s: line %d: rank %ld is %s", path, line + 1, rank,
-                         rank < 0 || rank >= lines ? "outside 0..lines-1" : "listed twice");
+        if (rank >= lines || len_of[rank] >= 0) {
+            if (rank >= lines)
+                st = kd_fail(KD_ERR_FORMAT, "%s: line %d: rank %ld is past the %d tokens of the file", path, line + 1,
+                             rank, lines);
+            else
+                st = kd_fail(KD_ERR_FORMAT, "%s: line %d: rank %ld is listed twice", path, line + 1, rank);
             goto done;
         }
         long len = base64_decode(p, (size_t)(sp - p), scratch + used);
@@ -300,55 +308,115 @@ static void put(sink *s, int32_t id) {
     s->n++;
 }
 
-/* one pre-tokenizer piece: tiktoken's byte-pair merge (parts[i] = the start of part i and the
- * rank of the bytes of parts i and i + 1 together) */
-typedef struct part {
-    size_t start;
-    int32_t rank;   /* -1: not a token (tiktoken's Rank::MAX) */
-} part;
-static int32_t pair_rank(const kd_tokenizer *t, const unsigned char *p, const part *parts, size_t n_parts, size_t i) {
-    return i + 2 < n_parts ? rank_of(t, p + parts[i].start, parts[i + 2].start - parts[i].start) : -1;
+/* One pre-tokenizer piece, merged as tiktoken's _byte_pair_merge merges it: always the
+ * adjacent pair of parts whose joined bytes have the lowest rank, the leftmost of equals. A
+ * min-heap of (rank, left part) finds it in log time (tiktoken scans all pairs each time,
+ * quadratic in a long piece); entries left stale by a merge are skipped when popped. Parts are
+ * named by their first byte, so part order is byte order and the heap's tie-break is tiktoken's. */
+typedef struct pair {
+    int32_t rank;
+    uint32_t left;
+} pair;
+typedef struct merge_buf {     /* scratch for the longest piece seen so far */
+    uint32_t *next;            /* part -> the next part's first byte (n: none) */
+    uint32_t *prev;            /* part -> the previous part (UINT32_MAX: none) */
+    int32_t *rank;             /* part -> the rank of it joined with its next part, -1 none */
+    pair *heap;
+    size_t cap;                /* bytes of piece the arrays hold */
+} merge_buf;
+
+static kd_status merge_room(merge_buf *b, size_t n) {
+    if (n <= b->cap) return KD_OK;
+    if (n > UINT32_MAX / 4) return kd_fail(KD_ERR_ARG, "kd_tokenizer_encode: a piece of %zu bytes is too long", n);
+    size_t cap = n < 256 ? 256 : n;
+    uint32_t *next = realloc(b->next, cap * sizeof *next);
+    if (next) b->next = next;
+    uint32_t *prev = realloc(b->prev, cap * sizeof *prev);
+    if (prev) b->prev = prev;
+    int32_t *rank = realloc(b->rank, cap * sizeof *rank);
+    if (rank) b->rank = rank;
+    pair *heap = realloc(b->heap, 3 * cap * sizeof *heap);   /* n at first, two more per merge */
+    if (heap) b->heap = heap;
+    if (!next || !prev || !rank || !heap) return kd_fail(KD_ERR_NOMEM, "kd_tokenizer_encode: out of memory");
+    b->cap = cap;
+    return KD_OK;
 }
-static kd_status encode_piece(const kd_tokenizer *t, const unsigned char *p, size_t n, part *parts, sink *s) {
+static bool pair_before(pair a, pair b) { return a.rank < b.rank || (a.rank == b.rank && a.left < b.left); }
+static void heap_push(pair *h, size_t *n, pair x) {
+    size_t i = (*n)++;
+    while (i > 0 && pair_before(x, h[(i - 1) / 2])) { h[i] = h[(i - 1) / 2]; i = (i - 1) / 2; }
+    h[i] = x;
+}
+static pair heap_pop(pair *h, size_t *n) {
+    pair top = h[0], x = h[--*n];
+    size_t i = 0;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= *n) break;
+        if (c + 1 < *n && pair_before(h[c + 1], h[c])) c++;
+        if (!pair_before(h[c], x)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (*n) h[i] = x;
+    return top;
+}
+/* the rank of part i joined with its next part (n bytes in the piece) */
+static int32_t joined_rank(const kd_tokenizer *t, const unsigned char *p, size_t n, const merge_buf *b, uint32_t i) {
+    uint32_t j = b->next[i];
+    if (j >= n) return -1;
+    return rank_of(t, p + i, (b->next[j] < n ? b->next[j] : n) - i);
+}
+static kd_status encode_piece(const kd_tokenizer *t, const unsigned char *p, size_t n, merge_buf *b, sink *s) {
     int32_t whole = rank_of(t, p, n);
     if (whole >= 0) { put(s, whole); return KD_OK; }
-    size_t np = n + 1;   /* parts 0..n-1 are the bytes, part n the end */
-    for (size_t i = 0; i < np; i++) parts[i].start = i;
-    for (size_t i = 0; i < np; i++) parts[i].rank = pair_rank(t, p, parts, np, i);
-    for (;;) {
-        size_t best = np;
-        for (size_t i = 0; i + 1 < np; i++)
-            if (parts[i].rank >= 0 && (best == np || parts[i].rank < parts[best].rank)) best = i;
-        if (best == np) break;
-        memmove(parts + best + 1, parts + best + 2, (np - best - 2) * sizeof *parts);   /* part best takes best + 1 */
-        np--;
-        parts[best].rank = pair_rank(t, p, parts, np, best);
-        if (best > 0) parts[best - 1].rank = pair_rank(t, p, parts, np, best - 1);
+    KD_TRY(merge_room(b, n));
+    size_t heap_n = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        b->next[i] = i + 1;
+        b->prev[i] = i ? i - 1 : UINT32_MAX;
     }
-    for (size_t i = 0; i + 1 < np; i++) put(s, rank_of(t, p + parts[i].start, parts[i + 1].start - parts[i].start));
+    for (uint32_t i = 0; i < n; i++) {
+        b->rank[i] = joined_rank(t, p, n, b, i);
+        if (b->rank[i] >= 0) heap_push(b->heap, &heap_n, (pair){b->rank[i], i});
+    }
+    while (heap_n) {
+        pair top = heap_pop(b->heap, &heap_n);
+        uint32_t i = top.left;
+        if (b->rank[i] != top.rank) continue;   /* stale: part i was merged away or changed */
+        uint32_t j = b->next[i];                /* part i takes part j */
+        b->next[i] = b->next[j];
+        if (b->next[j] < n) b->prev[b->next[j]] = i;
+        b->rank[j] = -1;
+        b->rank[i] = joined_rank(t, p, n, b, i);
+        if (b->rank[i] >= 0) heap_push(b->heap, &heap_n, (pair){b->rank[i], i});
+        uint32_t h = b->prev[i];
+        if (h != UINT32_MAX) {
+            b->rank[h] = joined_rank(t, p, n, b, h);
+            if (b->rank[h] >= 0) heap_push(b->heap, &heap_n, (pair){b->rank[h], h});
+        }
+    }
+    for (uint32_t i = 0; i < n; i = b->next[i]) put(s, rank_of(t, p + i, (b->next[i] < n ? b->next[i] : n) - i));
     return KD_OK;
 }
 
-/* text[0..n) of one segment (between special tokens), `base` bytes into the caller's text */
+/* text[0..n) of one segment (valid UTF-8, between special tokens), `base` bytes into the
+ * caller's text */
 static kd_status encode_ordinary(const kd_tokenizer *t, const unsigned char *text, size_t n, size_t base,
-                                 pcre2_match_data *md, part *parts, sink *s) {
+                                 pcre2_match_data *md, merge_buf *mb, sink *s) {
     size_t at = 0;
-    uint32_t check = 0;   /* the first match checks the whole segment's UTF-8; the rest need not */
     while (at < n) {
-        int rc = pcre2_match(t->re, text, n, at, check, md, NULL);
-        check = PCRE2_NO_UTF_CHECK;
-        if (rc == PCRE2_ERROR_NOMATCH) break;   /* the pattern covers every character: not reached */
-        if (rc < 0) {
-            PCRE2_UCHAR msg[160];
-            pcre2_get_error_message(rc, msg, sizeof msg);
-            if (rc <= PCRE2_ERROR_UTF8_ERR1 && rc >= PCRE2_ERROR_UTF8_ERR21)
-                return kd_fail(KD_ERR_ARG, "kd_tokenizer_encode: the text is not UTF-8 at byte %zu: %s",
-                               base + (size_t)pcre2_get_startchar(md), (const char *)msg);
+        int rc = pcre2_match(t->re, text, n, at, PCRE2_NO_UTF_CHECK, md, NULL);
+        /* a long word can outgrow the JIT's stack (32 KB): the interpreter takes it on the heap */
+        if (rc == PCRE2_ERROR_JIT_STACKLIMIT) rc = pcre2_match(t->re, text, n, at, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, NULL);
+        const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+        if (rc < 0 || ov[0] != at || ov[1] <= at) {   /* the pattern matches every character: not reached */
+            PCRE2_UCHAR msg[160] = "the pattern left a character unmatched";
+            if (rc < 0) pcre2_get_error_message(rc, msg, sizeof msg);
             return kd_fail(KD_ERR_BACKEND, "kd_tokenizer_encode: PCRE2 match at byte %zu: %s", base + at,
                            (const char *)msg);
         }
-        const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
-        KD_TRY(encode_piece(t, text + ov[0], ov[1] - ov[0], parts, s));
+        KD_TRY(encode_piece(t, text + ov[0], ov[1] - ov[0], mb, s));
         at = ov[1];
     }
     return KD_OK;
@@ -374,6 +442,48 @@ static bool next_special(const kd_tokenizer *t, const unsigned char *text, size_
     return found;
 }
 
+/* one run of Kimi's split (see the top): special strings and the ordinary text between them */
+static kd_status encode_run(const kd_tokenizer *t, const unsigned char *u, size_t from, size_t to, int parse_special,
+                            pcre2_match_data *md, merge_buf *mb, sink *s) {
+    size_t pos = from;
+    while (pos < to) {
+        size_t at = to;
+        int32_t id = -1;
+        if (parse_special && !next_special(t, u, to, pos, &at, &id)) at = to;
+        KD_TRY(encode_ordinary(t, u + pos, at - pos, pos, md, mb, s));
+        if (at < to) {
+            put(s, id);
+            at += t->off[id + 1] - t->off[id];
+        }
+        pos = at;
+    }
+    return KD_OK;
+}
+
+/* the UTF-8 character at p (n bytes left): its length, and its code point in *c; 0 when the
+ * bytes are not one (overlong, surrogate, past U+10FFFF, cut short) */
+static size_t utf8_char(const unsigned char *p, size_t n, uint32_t *c) {
+    if (p[0] < 0x80) { *c = p[0]; return 1; }
+    size_t len = p[0] >= 0xF0 ? 4 : p[0] >= 0xE0 ? 3 : p[0] >= 0xC0 ? 2 : 0;
+    if (!len || len > n || p[0] > 0xF4) return 0;
+    uint32_t v = p[0] & (0x7F >> len);
+    for (size_t i = 1; i < len; i++) {
+        if ((p[i] & 0xC0) != 0x80) return 0;
+        v = v << 6 | (p[i] & 0x3F);
+    }
+    static const uint32_t least[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (v < least[len] || v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF)) return 0;
+    *c = v;
+    return len;
+}
+/* Python's str.isspace: bidirectional class WS, B or S, or category Zs */
+static bool py_isspace(uint32_t c) {
+    return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+           (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+enum { KIMI_CHUNK_CHARS = 400000, KIMI_RUN_CHARS = 25000 };
+
+
 kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_bytes, int parse_special,
                               int32_t *ids, size_t cap, size_t *n_ids) {
     if (!t || (!text && n_bytes) || (!ids && cap) || !n_ids)
@@ -382,31 +492,47 @@ kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_
     *n_ids = 0;
     const unsigned char *u = (const unsigned char *)text;
     pcre2_match_data *md = pcre2_match_data_create_from_pattern(t->re, NULL);
-    part *parts = malloc((n_bytes + 1) * sizeof *parts);
-    if (!md || !parts) {
-        pcre2_match_data_free(md);
-        free(parts);
-        return kd_fail(KD_ERR_NOMEM, "kd_tokenizer_encode: out of memory for %zu bytes of text", n_bytes);
-    }
+    if (!md) return kd_fail(KD_ERR_NOMEM, "kd_tokenizer_encode: out of memory");
+    merge_buf mb = {0};
     sink s = {ids, cap, 0};
     kd_status st = KD_OK;
-    size_t pos = 0;
-    while (st == KD_OK && pos < n_bytes) {
-        size_t at = n_bytes;
-        int32_t id = -1;
-        if (parse_special && !next_special(t, u, n_bytes, pos, &at, &id)) at = n_bytes;
-        st = encode_ordinary(t, u + pos, at - pos, pos, md, parts, &s);
-        if (st == KD_OK && at < n_bytes) {
-            put(&s, id);
-            at += t->off[id + 1] - t->off[id];
+    /* Kimi's split: runs [start, i) end where a chunk ends or a same-class stretch grows too long */
+    size_t start = 0, chunk_chars = 0, run_chars = 0;
+    bool run_space = false;
+    for (size_t i = 0; st == KD_OK && i < n_bytes;) {
+        uint32_t c;
+        size_t len = utf8_char(u + i, n_bytes - i, &c);
+        if (!len) {
+            st = kd_fail(KD_ERR_ARG, "kd_tokenizer_encode: the text is not UTF-8 at byte %zu", i);
+            break;
         }
-        pos = at;
+        if (chunk_chars == KIMI_CHUNK_CHARS) {   /* a new chunk: a new run */
+            st = encode_run(t, u, start, i, parse_special, md, &mb, &s);
+            start = i;
+            chunk_chars = 0;
+        }
+        const bool space = py_isspace(c);
+        if (chunk_chars == 0 || space != run_space) {
+            run_space = space;
+            run_chars = 1;
+        } else if (++run_chars > KIMI_RUN_CHARS) {
+            if (st == KD_OK) st = encode_run(t, u, start, i, parse_special, md, &mb, &s);
+            start = i;
+            run_chars = 1;
+        }
+        chunk_chars++;
+        i += len;
     }
+    if (st == KD_OK) st = encode_run(t, u, start, n_bytes, parse_special, md, &mb, &s);
     pcre2_match_data_free(md);
-    free(parts);
+    free(mb.next);
+    free(mb.prev);
+    free(mb.rank);
+    free(mb.heap);
     if (st != KD_OK) return st;
     *n_ids = s.n;
-    if (s.n > cap) return kd_fail(KD_ERR_ARG, "kd_tokenizer_encode: ids has room for %zu, the text needs %zu", cap, s.n);
+    if (s.n > cap && ids)
+        return kd_fail(KD_ERR_ARG, "kd_tokenizer_encode: ids has room for %zu, the text needs %zu", cap, s.n);
     return KD_OK;
 }
 

@@ -95,14 +95,16 @@ describe("kdtree generate", function()
   it("takes a text prompt or a chat message through the checkpoint's tokenizer, and prints text", function()
     local tok = kd.open_tokenizer(MODEL)
     local m = kd.open_model(MODEL)
-    local function ref(ids) return gen.run(m, ids, { policy = "ar", n = 6 }).tokens end
+    local function ref(ids, eos) return gen.run(m, ids, { policy = "ar", n = 6, eos = eos }).tokens end
     local code, out = run("generate --prompt 'The quick brown fox' -n 6 --ids")
     assert.are.equal(0, code)
     assert.are.same(ref(tok:encode("The quick brown fox")), split_ids(out))
     local chat_ids = tok:chat({ { role = "user", content = "Hello! 你好" } })
     code, out = run("generate --chat 'Hello! 你好' -n 6 --ids --draft " .. DRAFT)
     assert.are.equal(0, code)
-    assert.are.same(ref(chat_ids), split_ids(out))
+    local chat_eos = { tok:special("<|im_end|>"), tok:special("[EOT]") }   -- a chat turn's own stops too
+    for _, id in ipairs(m.info.eos) do chat_eos[#chat_eos + 1] = id end
+    assert.are.same(ref(chat_ids, chat_eos), split_ids(out))
     local err
     code, out, err = run("generate --prompt 'The quick brown fox' -n 6")
     assert.are.equal(0, code, err)
@@ -141,6 +143,7 @@ describe("kdtree help and bad flags", function()
       { "generate -n 3", "give the prompt once: --prompt-ids 5,77,300, --prompt TEXT or --chat TEXT" },
       { "generate --prompt-ids 5 --prompt hi", "give the prompt once" },
       { "generate --prompt ''", "--prompt: expected some text" },
+      { "generate --prompt-ids 5 --tokenizer models/tiny-k2.6", "--tokenizer is for --prompt or --chat" },
       { "generate --prompt-ids 5 --policy beam", "--policy: expected ar, dflash or ddtree, got 'beam'" },
       { "generate --prompt-ids 5 --policy ddtree", "--policy ddtree needs --draft" },
       { "generate --prompt-ids 5 --draft ngram --budget -4", "--budget: expected >= 0, got -4" },

@@ -219,7 +219,7 @@ static void cpu_destroy(kd_backend *be) {
 enum { ALLOC_HEADER = 16 };
 static kd_status cpu_alloc(kd_backend *be, size_t bytes, void **ptr) {
     kd_cpu_impl *c = be->impl;
-    unsigned char *block = calloc(1, ALLOC_HEADER + (bytes ? bytes : 1));
+    unsigned char *block = bytes <= SIZE_MAX - ALLOC_HEADER ? calloc(1, ALLOC_HEADER + (bytes ? bytes : 1)) : NULL;
     if (!block) {
         *ptr = NULL;
         return kd_fail(KD_ERR_NOMEM, "cpu backend: cannot allocate %zu bytes", bytes);

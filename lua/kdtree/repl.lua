@@ -72,8 +72,12 @@ function R.env(opts)
     E.m = kd.open_model(dir, { backend = (o and o.backend) or opts.backend })
     E.s = E.m:new_seq((o and o.capacity) or 4096)
     local f = io.open(dir .. "/tiktoken.model")
-    if f then f:close() end
-    E.tok = f and kd.open_tokenizer(dir) or nil
+    E.tok = nil
+    if f then
+      f:close()
+      local ok, t = pcall(kd.open_tokenizer, dir)   -- a bad tokenizer leaves the model usable
+      if ok then E.tok = t else print("no tokenizer: " .. tostring(t)) end
+    end
     return E.m
   end
   function E.drafter(dir)

@@ -51,8 +51,9 @@ function Tokenizer:decode(ids)
   local h = self:handle()
   local a = ffi.new("int32_t[?]", #ids + 1)
   for i, id in ipairs(ids) do
-    if type(id) ~= "number" or id % 1 ~= 0 then
-      error(string.format("kdtree: tokenizer:decode: ids[%d] = %s is not an integer", i, tostring(id)), 2)
+    if type(id) ~= "number" or id % 1 ~= 0 or id < 0 or id >= self.n_ids then
+      error(string.format("kdtree: tokenizer:decode: ids[%d] = %s is outside 0..%d", i,
+        type(id) == "number" and string.format("%.0f", id) or tostring(id), self.n_ids - 1), 2)
     end
     a[i - 1] = id
   end
@@ -71,16 +72,21 @@ function Tokenizer:special(name)
   return id[0]
 end
 
--- K2.6's chat prompt (kimi_k2.md section 4): a system turn first (the default one when
--- messages[1] is not a system message), each turn <|im_{role}|>{role}<|im_middle|>{content}<|im_end|>,
--- then the assistant's opening; no BOS. messages: { {role = "system"|"user"|"assistant", content = "..."}, ... }
+-- K2.6's chat prompt (kimi_k2.md section 4, the instruct form: no <think> handling): a system
+-- turn first (the default one when messages[1] is not a system message), each turn
+-- <|im_{role}|>{role}<|im_middle|>{content}<|im_end|>, then the assistant's opening; no BOS.
+-- The markers are special ids; a message's content is text (a special string in it stays text).
+-- messages: { {role = "system"|"user"|"assistant", content = "..."}, ... }
 local DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 function Tokenizer:chat(messages)
   if type(messages) ~= "table" then error("kdtree: tokenizer:chat: expected an array of messages", 2) end
-  local parts = {}
-  if not (messages[1] and messages[1].role == "system") then
-    parts[#parts + 1] = "<|im_system|>system<|im_middle|>" .. DEFAULT_SYSTEM .. "<|im_end|>"
+  local ids = {}
+  local function special(name) ids[#ids + 1] = self:special(name) end
+  local function text(s) for _, id in ipairs(self:encode(s)) do ids[#ids + 1] = id end end
+  local function turn(role, content)
+    special("<|im_" .. role .. "|>"); text(role); special("<|im_middle|>"); text(content); special("<|im_end|>")
   end
+  if not (messages[1] and messages[1].role == "system") then turn("system", DEFAULT_SYSTEM) end
   for i, msg in ipairs(messages) do
     local role, content = msg.role, msg.content
     if role ~= "system" and role ~= "user" and role ~= "assistant" then
@@ -90,10 +96,10 @@ function Tokenizer:chat(messages)
     if type(content) ~= "string" then
       error(string.format("kdtree: tokenizer:chat: messages[%d].content: expected a string", i), 2)
     end
-    parts[#parts + 1] = "<|im_" .. role .. "|>" .. role .. "<|im_middle|>" .. content .. "<|im_end|>"
+    turn(role, content)
   end
-  parts[#parts + 1] = "<|im_assistant|>assistant<|im_middle|>"
-  return self:encode(table.concat(parts), { special = true })
+  special("<|im_assistant|>"); text("assistant"); special("<|im_middle|>")
+  return ids
 end
 
 return Tokenizer

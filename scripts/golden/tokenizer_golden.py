@@ -8,7 +8,8 @@ the special ids that follow them, and the pre-tokenizer is the pattern below
  1. trains a small BPE vocabulary (tiktoken's educational trainer) so that the tiny model's
     1024 embedding rows are 766 base ranks + 258 special ids, as in K2.6 (163584 + 258 slots
     over 163840 rows: the top two slots have no row), and writes it next to the tiny model;
- 2. encodes a set of strings with tiktoken itself (its Rust core, the reference) and writes
+ 2. encodes a set of strings as Kimi's tokenizer does, with tiktoken itself (its Rust core, the
+    reference) behind Kimi's split of long runs (kimi_runs), and writes
     spec/fixtures/tokenizer/golden.json: the strings, their ids with and without special
     tokens parsed, and the vocabulary's special ids.
 Needs: pip install tiktoken (brings `regex`). Run from the repository root:
@@ -85,6 +86,35 @@ STRINGS = [
 ]
 
 
+# Kimi's TikTokenTokenizer.encode cuts the text before tiktoken sees it (kimi_k2.md section 4):
+# chunks of at most 400000 characters, each cut into runs of at most 25000 consecutive
+# whitespace or non-whitespace characters (str.isspace); each run is encoded on its own
+CHUNK_CHARS, RUN_CHARS = 400_000, 25_000
+
+
+def kimi_runs(s):
+    for c0 in range(0, len(s), CHUNK_CHARS):
+        chunk = s[c0:c0 + CHUNK_CHARS]
+        run_len, run_space, start = 0, chunk[0].isspace(), 0
+        for i, ch in enumerate(chunk):
+            space = ch.isspace()
+            if space != run_space:
+                run_len, run_space = 1, space
+            else:
+                run_len += 1
+                if run_len > RUN_CHARS:
+                    yield chunk[start:i]
+                    start, run_len = i, 1
+        yield chunk[start:]
+
+
+def kimi_encode(enc, s, special):
+    ids = []
+    for run in kimi_runs(s):
+        ids += enc.encode(run, allowed_special="all") if special else enc.encode(run, disallowed_special=())
+    return ids
+
+
 def random_strings(n):
     """seeded strings of mixed scripts, digits, punctuation, whitespace and special strings"""
     rng = random.Random(7)
@@ -116,15 +146,19 @@ def main():
             special[f"<|reserved_token_{i}|>"] = i
     enc = tiktoken.Encoding("kimi-tiny", pat_str=KIMI_PAT, mergeable_ranks=ranks, special_tokens=special)
     cases = []
-    for s in STRINGS + random_strings(200):
-        plain = enc.encode(s, disallowed_special=())
-        with_special = enc.encode(s, allowed_special="all")
-        assert enc.decode(plain) == s
-        cases.append({"text": s, "ids": plain, "ids_special": with_special})
-    out = {"n_base": n_base, "vocab_rows": VOCAB_ROWS, "special": named, "cases": cases}
+    # runs past Kimi's 25000-character limit, written as (text, times) parts to keep the file small
+    long = [[["berber", 4167]], [["chichi", 4000], ["ab", 1001]], [["x", 1], [" ", 25002], ["<|im_end|>", 1], ["y", 3]]]
+    for s in STRINGS + random_strings(200) + long:
+        text = s if isinstance(s, str) else "".join(piece * times for piece, times in s)
+        plain = kimi_encode(enc, text, False)
+        with_special = kimi_encode(enc, text, True)
+        assert enc.decode(plain) == text
+        cases.append({"text" if isinstance(s, str) else "parts": s, "ids": plain, "ids_special": with_special})
     with open(os.path.join(root, "spec", "fixtures", "tokenizer", "golden.json"), "w") as f:
-        json.dump(out, f, ensure_ascii=False, indent=1)
-        f.write("\n")
+        f.write("{\"n_base\": %d, \"vocab_rows\": %d,\n \"special\": %s,\n \"cases\": [\n" % (
+            n_base, VOCAB_ROWS, json.dumps(named, ensure_ascii=False)))
+        f.write(",\n".join(json.dumps(c, ensure_ascii=False, separators=(",", ":")) for c in cases))
+        f.write("\n]}\n")   # one case a line
     print(f"{n_base} base ranks, {len(special)} special ids, {len(cases)} golden strings")
 
 
