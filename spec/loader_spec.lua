@@ -244,7 +244,10 @@ describe("loader", function()
         ck.edit_st(path, function(h, st)
           local p, s = h[mod .. ".weight_packed"], h[mod .. ".weight_scale"]
           local rows, cols = p.shape[1], p.shape[2] * 8
-          local words = ffi.cast("const uint32_t*", st.data:sub(p.data_offsets[1] + 1, p.data_offsets[2]))
+          -- the strings stay in locals: a pointer cast from a temporary string dangles once the GC
+          -- takes it (this test once read freed memory: logits off by 0.026)
+          local pstr = st.data:sub(p.data_offsets[1] + 1, p.data_offsets[2])
+          local words = ffi.cast("const uint32_t*", pstr)
           local sstr = st.data:sub(s.data_offsets[1] + 1, s.data_offsets[2])
           local scales = ffi.cast("const uint16_t*", sstr)
           local out = ffi.new("float[?]", rows * cols)
@@ -256,6 +259,7 @@ describe("loader", function()
               out[r * cols + c] = (u - 8) * ffi.cast("float*", bf)[0]
             end
           end
+          assert(#pstr > 0 and #sstr > 0)   -- both alive to here
           for _, sfx in ipairs({ ".weight_packed", ".weight_scale", ".weight_shape" }) do
             h[mod .. sfx] = nil
             idx.weight_map[mod .. sfx] = nil
