@@ -4,25 +4,13 @@
 -- Kimi's split of long runs: 236 strings (mixed scripts, digits, whitespace runs, contractions,
 -- emoji, combining marks, special strings, and runs past 25000 characters, stored as
 -- (text, times) parts), each encoded with special strings as text and as special ids.
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
-local json = require("dkjson")
+local ck = require("helpers.checkpoint")
 local ffi = require("ffi")
 
 local DIR = "models/tiny-k2.6"
-
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("*a")
-  f:close()
-  return s
-end
-local function write(path, s)
-  local f = assert(io.open(path, "wb"))
-  f:write(s)
-  f:close()
-end
-local golden = json.decode(read("spec/fixtures/tokenizer/golden.json"))
+local golden = ck.read_json("spec/fixtures/tokenizer/golden.json")
 for _, c in ipairs(golden.cases) do   -- the long cases come as parts
   if c.parts then
     local t = {}
@@ -31,18 +19,13 @@ for _, c in ipairs(golden.cases) do   -- the long cases come as parts
   end
 end
 
--- a scratch tokenizer directory: the shipped files, each through edits[name] (nil: left out);
--- removed at the end of the file
-local scratch = {}
+-- a scratch tokenizer directory: the shipped files, each through edits[name] (nil: left out)
 local function scratch_dir(edits)
-  local dir = os.tmpname()
-  os.remove(dir)
-  os.execute("mkdir -p '" .. dir .. "'")
-  scratch[#scratch + 1] = dir
+  local dir = ck.tempdir()
   for _, name in ipairs({ "tiktoken.model", "tokenizer_config.json" }) do
-    local text = read(DIR .. "/" .. name)
+    local text = ck.read(DIR .. "/" .. name)
     if edits[name] then text = edits[name](text) end
-    if text then write(dir .. "/" .. name, text) end
+    if text then ck.write(dir .. "/" .. name, text) end
   end
   return dir
 end
@@ -57,7 +40,7 @@ describe("tokenizer (kd_tokenizer)", function()
   setup(function() tok = kd.open_tokenizer(DIR) end)
   teardown(function()
     tok:close()
-    for _, dir in ipairs(scratch) do os.execute("rm -rf '" .. dir .. "'") end
+    ck.cleanup()
   end)
 
   it("has the shipped vocabulary's shape: base ranks, then 258 special ids", function()
