@@ -6,10 +6,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KD_JSON_MAX_BYTES = 256 << 20 };   /* an index of a 1T-parameter checkpoint is a few MB */
+enum { KD_TEXT_MAX_BYTES = 256 << 20 };   /* an index of a 1T-parameter checkpoint is a few MB */
 
-static kd_status read_text(const char *path, char **out, bool *missing) {
+kd_status kd_read_text(const char *path, char **out, size_t *n, bool *missing) {
     *out = NULL;
+    if (n) *n = 0;
     FILE *f = fopen(path, "rb");
     if (!f) {
         if (missing && errno == ENOENT) { *missing = true; return KD_OK; }
@@ -21,8 +22,8 @@ static kd_status read_text(const char *path, char **out, bool *missing) {
     for (;;) {
         if (len + 65536 + 1 > cap) {
             cap = (len + 65536 + 1) * 2;
-            char *nb = cap <= KD_JSON_MAX_BYTES ? realloc(buf, cap) : NULL;
-            if (!nb) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot hold %zu bytes of JSON text", path, cap); break; }
+            char *nb = cap <= KD_TEXT_MAX_BYTES ? realloc(buf, cap) : NULL;
+            if (!nb) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot hold %zu bytes of text", path, cap); break; }
             buf = nb;
         }
         size_t r = fread(buf + len, 1, cap - len - 1, f);
@@ -34,6 +35,7 @@ static kd_status read_text(const char *path, char **out, bool *missing) {
     if (st != KD_OK) { free(buf); return st; }
     buf[len] = 0;
     *out = buf;
+    if (n) *n = len;
     return KD_OK;
 }
 
@@ -41,7 +43,7 @@ kd_status kd_json_load(const char *path, cJSON **out, bool *missing) {
     *out = NULL;
     if (missing) *missing = false;
     char *text;
-    KD_TRY(read_text(path, &text, missing));
+    KD_TRY(kd_read_text(path, &text, NULL, missing));
     if (!text) return KD_OK;                       /* missing, and the caller allows it */
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithOpts(text, &end, 0);

@@ -39,7 +39,7 @@ static const char KIMI_PATTERN[] =
     "|\\s+";
 
 struct kd_tokenizer {
-    int n_base, n_ids;         /* base ranks; base + special slots */
+    int n_base;                /* base ranks; the special ids follow (id_count) */
     unsigned char *bytes;      /* every id's bytes, concatenated */
     size_t *off;               /* id -> its bytes: bytes + off[id], off[id + 1] - off[id] long */
     int32_t *slot;             /* open-addressing table of base ranks by their bytes, -1 = empty */
@@ -54,12 +54,21 @@ static uint32_t hash_bytes(const unsigned char *p, size_t n) {
     return h;
 }
 
+static int id_count(const kd_tokenizer *t) { return t->n_base + KD_TOKENIZER_SPECIAL_SLOTS; }
+/* the bytes of an id (base or special), *len long */
+static const unsigned char *id_bytes(const kd_tokenizer *t, int id, size_t *len) {
+    *len = t->off[id + 1] - t->off[id];
+    return t->bytes + t->off[id];
+}
+
 /* the base rank whose bytes are p[0..n), or -1 */
 static int32_t rank_of(const kd_tokenizer *t, const unsigned char *p, size_t n) {
     for (uint32_t i = hash_bytes(p, n) & t->slot_mask;; i = (i + 1) & t->slot_mask) {
         int32_t r = t->slot[i];
         if (r < 0) return -1;
-        if (t->off[r + 1] - t->off[r] == n && !memcmp(t->bytes + t->off[r], p, n)) return r;
+        size_t len;
+        const unsigned char *b = id_bytes(t, r, &len);
+        if (len == n && !memcmp(b, p, n)) return r;
     }
 }
 
@@ -85,35 +94,11 @@ static long base64_decode(const char *s, size_t n, unsigned char *out) {
     return len;
 }
 
-static kd_status read_file(const char *path, char **text, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return kd_fail(KD_ERR_IO, "%s: cannot open", path);
-    char *buf = NULL;
-    size_t len = 0, cap = 0, got;
-    do {
-        if (len + 65536 > cap) {
-            cap = cap ? 2 * cap : 1 << 20;
-            char *nb = realloc(buf, cap + 1);
-            if (!nb) { free(buf); fclose(f); return kd_fail(KD_ERR_NOMEM, "%s: out of memory reading it", path); }
-            buf = nb;
-        }
-        got = fread(buf + len, 1, cap - len, f);
-        len += got;
-    } while (got > 0);
-    bool bad = ferror(f);
-    fclose(f);
-    if (bad) { free(buf); return kd_fail(KD_ERR_IO, "%s: read error", path); }
-    buf[len] = 0;
-    *text = buf;
-    *n = len;
-    return KD_OK;
-}
-
 /* tiktoken.model -> the base ranks' bytes (t->bytes, t->off[0..n_base]) */
 static kd_status load_ranks(kd_tokenizer *t, const char *path) {
     char *text = NULL;
     size_t n = 0;
-    KD_TRY(read_file(path, &text, &n));
+    KD_TRY(kd_read_text(path, &text, &n, NULL));
     kd_status st = KD_OK;
     int lines = 0;   /* tokens: the lines that are not empty */
     for (size_t i = 0; i < n; i++)
@@ -138,12 +123,13 @@ static kd_status load_ranks(kd_tokenizer *t, const char *path) {
             st = kd_fail(KD_ERR_FORMAT, "%s: line %d: expected `base64 rank`", path, line + 1);
             goto done;
         }
-        if (rank >= lines || len_of[rank] >= 0) {
-            if (rank >= lines)
-                st = kd_fail(KD_ERR_FORMAT, "%s: line %d: rank %ld is past the %d tokens of the file", path, line + 1,
-                             rank, lines);
-            else
-                st = kd_fail(KD_ERR_FORMAT, "%s: line %d: rank %ld is listed twice", path, line + 1, rank);
+        if (rank >= lines) {
+            st = kd_fail(KD_ERR_FORMAT, "%s: line %d: rank %ld is past the %d tokens of the file", path, line + 1, rank,
+                         lines);
+            goto done;
+        }
+        if (len_of[rank] >= 0) {
+            st = kd_fail(KD_ERR_FORMAT, "%s: line %d: rank %ld is listed twice", path, line + 1, rank);
             goto done;
         }
         long len = base64_decode(p, (size_t)(sp - p), scratch + used);
@@ -180,9 +166,10 @@ static kd_status build_table(kd_tokenizer *t, const char *path) {
     memset(t->slot, 0xff, size * sizeof *t->slot);
     t->slot_mask = size - 1;
     for (int r = 0; r < t->n_base; r++) {
-        const unsigned char *p = t->bytes + t->off[r];
-        size_t n = t->off[r + 1] - t->off[r];
-        if (rank_of(t, p, n) >= 0) return kd_fail(KD_ERR_FORMAT, "%s: rank %d repeats the bytes of rank %d", path, r, rank_of(t, p, n));
+        size_t n;
+        const unsigned char *p = id_bytes(t, r, &n);
+        int32_t same = rank_of(t, p, n);
+        if (same >= 0) return kd_fail(KD_ERR_FORMAT, "%s: rank %d repeats the bytes of rank %d", path, r, same);
         uint32_t i = hash_bytes(p, n) & t->slot_mask;
         while (t->slot[i] >= 0) i = (i + 1) & t->slot_mask;
         t->slot[i] = r;
@@ -245,7 +232,6 @@ static kd_status load_specials(kd_tokenizer *t, const char *path) {
         o += n;
         t->off[t->n_base + i + 1] = o;
     }
-    t->n_ids = t->n_base + KD_TOKENIZER_SPECIAL_SLOTS;
 done:
     cJSON_Delete(root);
     return st;
@@ -255,16 +241,15 @@ kd_status kd_tokenizer_open(const char *dir, kd_tokenizer **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_tokenizer_open: out is NULL");
     *out = NULL;
     if (!dir) return kd_fail(KD_ERR_ARG, "kd_tokenizer_open: dir is NULL");
+    char ranks[4096], config[4096];
+    if (snprintf(ranks, sizeof ranks, "%s/tiktoken.model", dir) >= (int)sizeof ranks ||
+        snprintf(config, sizeof config, "%s/tokenizer_config.json", dir) >= (int)sizeof config)
+        return kd_fail(KD_ERR_ARG, "%s: path too long", dir);
     kd_tokenizer *t = calloc(1, sizeof *t);
     if (!t) return kd_fail(KD_ERR_NOMEM, "kd_tokenizer_open: out of memory");
-    char path[4096];
-    snprintf(path, sizeof path, "%s/tiktoken.model", dir);
-    kd_status st = load_ranks(t, path);
-    if (st == KD_OK) st = build_table(t, path);
-    if (st == KD_OK) {
-        snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-        st = load_specials(t, path);
-    }
+    kd_status st = load_ranks(t, ranks);
+    if (st == KD_OK) st = build_table(t, ranks);
+    if (st == KD_OK) st = load_specials(t, config);
     if (st == KD_OK) {
         int err;
         PCRE2_SIZE at;
@@ -296,7 +281,7 @@ void kd_tokenizer_close(kd_tokenizer *t) {
 }
 
 int kd_tokenizer_n_base(const kd_tokenizer *t) { return t ? t->n_base : 0; }
-int kd_tokenizer_n_ids(const kd_tokenizer *t) { return t ? t->n_ids : 0; }
+int kd_tokenizer_n_ids(const kd_tokenizer *t) { return t ? id_count(t) : 0; }
 
 /* the ids being written: count all, store those that fit */
 typedef struct sink {
@@ -429,9 +414,10 @@ static bool next_special(const kd_tokenizer *t, const unsigned char *text, size_
     for (size_t i = from; i < n && !found; i++) {
         if (!t->special_first[text[i]]) continue;
         size_t best = 0;
-        for (int k = t->n_base; k < t->n_ids; k++) {
-            size_t len = t->off[k + 1] - t->off[k];
-            if (len > best && len <= n - i && !memcmp(text + i, t->bytes + t->off[k], len)) {
+        for (int k = t->n_base; k < id_count(t); k++) {
+            size_t len;
+            const unsigned char *b = id_bytes(t, k, &len);
+            if (len > best && len <= n - i && !memcmp(text + i, b, len)) {
                 best = len;
                 *id = k;
                 *at = i;
@@ -453,7 +439,9 @@ static kd_status encode_run(const kd_tokenizer *t, const unsigned char *u, size_
         KD_TRY(encode_ordinary(t, u + pos, at - pos, pos, md, mb, s));
         if (at < to) {
             put(s, id);
-            at += t->off[id + 1] - t->off[id];
+            size_t len;
+            id_bytes(t, id, &len);
+            at += len;
         }
         pos = at;
     }
@@ -499,7 +487,7 @@ kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_
     /* Kimi's split: runs [start, i) end where a chunk ends or a same-class stretch grows too long */
     size_t start = 0, chunk_chars = 0, run_chars = 0;
     bool run_space = false;
-    for (size_t i = 0; st == KD_OK && i < n_bytes;) {
+    for (size_t i = 0; i < n_bytes;) {
         uint32_t c;
         size_t len = utf8_char(u + i, n_bytes - i, &c);
         if (!len) {
@@ -508,6 +496,7 @@ kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_
         }
         if (chunk_chars == KIMI_CHUNK_CHARS) {   /* a new chunk: a new run */
             st = encode_run(t, u, start, i, parse_special, md, &mb, &s);
+            if (st != KD_OK) break;
             start = i;
             chunk_chars = 0;
         }
@@ -516,7 +505,8 @@ kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_
             run_space = space;
             run_chars = 1;
         } else if (++run_chars > KIMI_RUN_CHARS) {
-            if (st == KD_OK) st = encode_run(t, u, start, i, parse_special, md, &mb, &s);
+            st = encode_run(t, u, start, i, parse_special, md, &mb, &s);
+            if (st != KD_OK) break;
             start = i;
             run_chars = 1;
         }
@@ -544,10 +534,12 @@ kd_status kd_tokenizer_decode(const kd_tokenizer *t, const int32_t *ids, size_t 
     *n_bytes = 0;
     size_t n = 0;
     for (size_t i = 0; i < n_ids; i++) {
-        if (ids[i] < 0 || ids[i] >= t->n_ids)
-            return kd_fail(KD_ERR_ARG, "kd_tokenizer_decode: ids[%zu] = %d is outside 0..%d", i, ids[i], t->n_ids - 1);
-        size_t len = t->off[ids[i] + 1] - t->off[ids[i]];
-        if (n + len <= cap) memcpy(out + n, t->bytes + t->off[ids[i]], len);
+        if (ids[i] < 0 || ids[i] >= id_count(t))
+            return kd_fail(KD_ERR_ARG, "kd_tokenizer_decode: ids[%zu] (from 0) = %d is outside 0..%d", i, ids[i],
+                           id_count(t) - 1);
+        size_t len;
+        const unsigned char *b = id_bytes(t, ids[i], &len);
+        if (n + len <= cap) memcpy(out + n, b, len);
         n += len;
     }
     *n_bytes = n;
@@ -559,10 +551,13 @@ kd_status kd_tokenizer_decode(const kd_tokenizer *t, const int32_t *ids, size_t 
 kd_status kd_tokenizer_special(const kd_tokenizer *t, const char *name, int32_t *id) {
     if (!t || !name || !id) return kd_fail(KD_ERR_ARG, "kd_tokenizer_special: NULL argument");
     size_t n = strlen(name);
-    for (int k = t->n_base; k < t->n_ids; k++)
-        if (t->off[k + 1] - t->off[k] == n && !memcmp(t->bytes + t->off[k], name, n)) {
+    for (int k = t->n_base; k < id_count(t); k++) {
+        size_t len;
+        const unsigned char *b = id_bytes(t, k, &len);
+        if (len == n && !memcmp(b, name, n)) {
             *id = k;
             return KD_OK;
         }
+    }
     return kd_fail(KD_ERR_ARG, "kd_tokenizer_special: \"%s\" is not a special token", name);
 }

@@ -116,10 +116,11 @@ describe("tokenizer (kd_tokenizer)", function()
     -- an id past the vocabulary
     ok, err = pcall(tok.decode, tok, { 1, tok.n_ids })
     assert.is_false(ok)
-    assert.truthy(tostring(err):find("ids[2] = " .. tok.n_ids .. " is outside 0.." .. (tok.n_ids - 1), 1, true), tostring(err))
-    ok, err = pcall(tok.decode, tok, { 2 ^ 32 + 104 })
+    assert.truthy(tostring(err):find("ids[1] (from 0) = " .. tok.n_ids .. " is outside 0.." .. (tok.n_ids - 1), 1, true),
+      tostring(err))
+    ok, err = pcall(tok.decode, tok, { 2 ^ 32 + 104 })   -- not wrapped to a small id on the way to C
     assert.is_false(ok)
-    assert.truthy(tostring(err):find("ids[1] = 4294967400 is outside", 1, true), tostring(err))
+    assert.truthy(tostring(err):find("tokenizer:decode: ids[1]: 4294967400 does not fit in 32 bits", 1, true), tostring(err))
     assert.has_error(function() tok:special("<|no_such|>") end)
     -- too small an output: the count comes back, nothing past cap is written
     local text = "hello world"

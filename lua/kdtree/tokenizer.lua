@@ -8,6 +8,7 @@
 --   tok:chat({ { role = "user", content = "hi" } })         -- K2.6's chat prompt, as ids
 local K = require("kdtree.ffi")
 local H = require("kdtree.handle")
+local U = require("kdtree.util")
 local ffi, C, check = K.ffi, K.C, K.check
 
 local Tokenizer = {}
@@ -40,28 +41,18 @@ function Tokenizer:encode(text, opts)
   local ids = ffi.new("int32_t[?]", cap + 1)
   local n = ffi.new("size_t[1]")
   check(C.kd_tokenizer_encode(h, text, #text, (opts and opts.special) and 1 or 0, ids, cap, n), "kd_tokenizer_encode")
-  local out = {}
-  for i = 0, tonumber(n[0]) - 1 do out[i + 1] = ids[i] end
-  return out
+  return U.list_from(ids, tonumber(n[0]))
 end
 
 -- a Lua array of ids -> their bytes as a string (a token may end inside a UTF-8 character)
 function Tokenizer:decode(ids)
-  if type(ids) ~= "table" then error("kdtree: tokenizer:decode: expected an array of ids, got " .. type(ids), 2) end
   local h = self:handle()
-  local a = ffi.new("int32_t[?]", #ids + 1)
-  for i, id in ipairs(ids) do
-    if type(id) ~= "number" or id % 1 ~= 0 or id < 0 or id >= self.n_ids then
-      error(string.format("kdtree: tokenizer:decode: ids[%d] = %s is outside 0..%d", i,
-        type(id) == "number" and string.format("%.0f", id) or tostring(id), self.n_ids - 1), 2)
-    end
-    a[i - 1] = id
-  end
+  local a, count = U.int32s(ids, nil, "tokenizer:decode: ids")
   local n = ffi.new("size_t[1]")
-  check(C.kd_tokenizer_decode(h, a, #ids, nil, 0, n), "kd_tokenizer_decode")   -- the size only
+  check(C.kd_tokenizer_decode(h, a, count, nil, 0, n), "kd_tokenizer_decode")   -- the size only
   local need = tonumber(n[0])
   local buf = ffi.new("char[?]", need + 1)
-  check(C.kd_tokenizer_decode(h, a, #ids, buf, need, n), "kd_tokenizer_decode")
+  check(C.kd_tokenizer_decode(h, a, count, buf, need, n), "kd_tokenizer_decode")
   return ffi.string(buf, need)
 end
 
@@ -81,7 +72,15 @@ local DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 function Tokenizer:chat(messages)
   if type(messages) ~= "table" then error("kdtree: tokenizer:chat: expected an array of messages", 2) end
   local ids = {}
-  local function special(name) ids[#ids + 1] = self:special(name) end
+  local marker = rawget(self, "_markers")   -- the special ids of the template, looked up once
+  if not marker then
+    marker = {}
+    for _, name in ipairs({ "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>" }) do
+      marker[name] = self:special(name)
+    end
+    self._markers = marker
+  end
+  local function special(name) ids[#ids + 1] = marker[name] end
   local function text(s) for _, id in ipairs(self:encode(s)) do ids[#ids + 1] = id end end
   local function turn(role, content)
     special("<|im_" .. role .. "|>"); text(role); special("<|im_middle|>"); text(content); special("<|im_end|>")

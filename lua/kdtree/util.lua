@@ -65,6 +65,9 @@ function U.int32s(list, n, what)
     if type(v) ~= "number" or v ~= math.floor(v) then
       error(string.format("kdtree: %s[%d]: expected an integer, got %s", what, i, tostring(v)), 3)
     end
+    if v < -2147483648 or v > 2147483647 then   -- an int32_t store would wrap it silently
+      error(string.format("kdtree: %s[%d]: %.0f does not fit in 32 bits", what, i, v), 3)
+    end
     a[i - 1] = v
   end
   return a, n
