@@ -792,7 +792,6 @@ kd_status kd_draft_context_append(kd_seq *s, const int32_t *rows, int n) {
             return kd_fail(KD_ERR_ARG, "kd_draft_context_append: rows[%d] = %d is outside the last forward's "
                            "%d rows", i, r, s->out_rows);
     }
-    ds->have_logprobs = false;
     /* windows of increasing rows within KD_DRAFT_CHUNK of their first (an accepted path is
      * one window); a window of adjacent rows needs no gather */
 #define ROW(k) (rows ? rows[k] : (k))
@@ -806,13 +805,16 @@ kd_status kd_draft_context_append(kd_seq *s, const int32_t *rows, int n) {
         for (int k = 0; k < cnt; k++) pick[k] = ROW(i + k) - r0;
         kd_status st = append_rows(s, kd_act_rows(s->taps, r0, span), span == cnt ? NULL : pick, cnt, ds->ctx_len);
         if (st != KD_OK) {
-            ds->ctx_len = ctx0;   /* the windows already appended go too: all rows or none */
+            /* the windows already appended go too: all rows or none. Not kd_draft_context_truncate,
+             * which drops the pending draft: the context is as it was, so the draft still holds */
+            ds->ctx_len = ctx0;
             return kd_fail_context(st, "drafter context append (rows %d..%d)", r0, ROW(j - 1));
         }
         ds->ctx_len += cnt;
         i = j;
     }
 #undef ROW
+    if (n > 0) ds->have_logprobs = false;   /* the context grew: the last draft was for a shorter one */
     return KD_OK;
 }
 
