@@ -120,8 +120,8 @@ __device__ __forceinline__ void load_tile(const kd_gemm_args &g, const Tile &t, 
 template <int TBM, bool ASYNC, bool BKM>
 __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_tiles, int splits,
                                                        int kts_per_split, float *partial) {
-    static_assert(TBM == 64 || TBM == BM_SMALL, "the warp layout below covers these two");
-    constexpr int MI = TBM == 64 ? 2 : 1, NI = TBM == 64 ? 4 : 2;   /* m16 / n8 fragments a warp */
+    static_assert(TBM == BM || TBM == BM_SMALL, "the warp layout below covers these two");
+    constexpr int MI = TBM == BM ? 2 : 1, NI = TBM == BM ? 4 : 2;   /* m16 / n8 fragments a warp */
     __shared__ __align__(16) bf16 As[STAGES][TBM * A_LD];
     __shared__ __align__(16) bf16 Bs[STAGES][B_STAGE];
 
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
     const int kt1 = min(kt_total, kt0 + kts_per_split);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int wm = TBM == 64 ? (warp >> 1) * 32 : 0, wn = TBM == 64 ? (warp & 1) * 32 : warp * 16;
+    const int wm = TBM == BM ? (warp >> 1) * 32 : 0, wn = TBM == BM ? (warp & 1) * 32 : warp * 16;
     const int gq = lane >> 2, tq = lane & 3;
 
     float acc[MI][NI][4];

@@ -26,7 +26,6 @@
  */
 #include "w4a16_device.cuh"
 #include <pthread.h>
-#include <string.h>
 
 namespace kd_w4a16_impl {
 int device_attr(cudaDeviceAttr attr, int fallback) {
@@ -667,7 +666,7 @@ kd_status prepare_kernel(KernelFn fn, int smem) {
 
 void fill_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attr, int blocks, int threads, int smem, int parts,
                  bool pdl, cudaStream_t st) {
-    memset(cfg, 0, sizeof *cfg);
+    *cfg = cudaLaunchConfig_t{};
     cfg->gridDim = dim3((unsigned)blocks);
     cfg->blockDim = dim3((unsigned)threads);
     cfg->dynamicSmemBytes = (size_t)smem;
@@ -860,7 +859,7 @@ extern "C" kd_status kd_w4a16_gemm(const void *codes, const void *scales, int n,
 /* ---------------------------------------------------------------- MoE */
 namespace {
 struct MoeLayout {
-    int cfg, gshift, tk, tiles_max, parts_gu, cpp_gu, parts_d, cpp_d, nb_gu, nb_d;
+    int gshift, tk, tiles_max, parts_gu, cpp_gu, parts_d, cpp_d, nb_gu, nb_d;
     Launch gu, dn;                    /* the gate+up and down kernels of cfg */
     size_t o_slot, o_rowtok, o_tiles, o_ntiles, o_act, o_y, total;
 };
@@ -877,10 +876,10 @@ int moe_config(const kd_w4a16_moe_shape *s, int T) {
 
 MoeLayout moe_layout(const kd_w4a16_moe_shape *s, int T) {
     MoeLayout L = {};
-    L.cfg = moe_config(s, T);
+    const int cfg = moe_config(s, T);
     L.gshift = log2_of(s->group);
-    L.gu = moe_launch(L.cfg, true, L.gshift);
-    L.dn = moe_launch(L.cfg, false, L.gshift);
+    L.gu = moe_launch(cfg, true, L.gshift);
+    L.dn = moe_launch(cfg, false, L.gshift);
     L.tk = T * s->top_k;
     L.tiles_max = (L.tk + L.gu.bm - 1) / L.gu.bm + (L.tk < s->n_experts ? L.tk : s->n_experts);
     split_of(s->hidden, s->group, (long long)tiles_of(s->inter) * s->top_k, TARGET_MOE, &L.parts_gu, &L.cpp_gu);

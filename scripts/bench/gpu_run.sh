@@ -64,7 +64,7 @@ if has spec-memcheck; then
 fi
 cat "$OUT/summary.log"
 # the device tool brings back at most 8 files from $OUT: the logs and tables go into one
-# archive beside the summary (GPU_RUN_PACK=0 leaves them as they are; ./gpu-logs is not packed)
+# archive beside the summary (GPU_RUN_PACK=0 leaves them as they are; ./gpu-logs is not packed unless GPU_RUN_PACK=1)
 if [ "$PACK" = 1 ]; then
   (cd "$OUT" && tar czf logs.tgz --exclude logs.tgz --exclude summary.log -- * &&
      find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.log -delete)

@@ -360,7 +360,6 @@ static const char *human(double bytes, char *buf, size_t cap) {
     return buf;
 }
 
-
 static void write_config(const char *dir, const dims *d) {
     char path[512];
     snprintf(path, sizeof path, "%s/config.json", dir);

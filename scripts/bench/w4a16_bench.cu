@@ -228,8 +228,9 @@ __global__ void mma_probe(int iters, float *sink, long long *clk) {
 }
 /* The least a launch costs in a chain of dependent launches (graph + PDL), whatever it computes:
  * each launch waits for the previous grid, reads what it wrote and writes for the next one. The
- * grid is the small-M kernel's at 2048 x 7168 (128 blocks of 256 threads), plain or in clusters
- * of 8. A W4A16 launch that streams one weight pays this besides its math. */
+ * grid is the small-M kernel's at 2048 x 7168 for M > 4 (128 blocks of 256 threads; at M <= 4 it
+ * takes 256 blocks of 128), plain or in clusters of 8. A W4A16 launch that streams one weight
+ * pays this besides its math. */
 __global__ void chain_kernel(const float *x, float *y) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -665,7 +666,7 @@ static void bench_gemm(int n, int k, int g, const std::vector<int> &ms, bool qui
             std::vector<int> ps = m <= 16 ? std::vector<int>{2, 4, 8} : std::vector<int>{1, 2, 4, 8};
             for (int c : cfgs)
                 for (int p : ps)
-                    vs.push_back({std::string(kd_w4a16_config_name(c)) + (p ? "/P" + std::to_string(p) : ""), c,
+                    vs.push_back({std::string(kd_w4a16_config_name(c)) + "/P" + std::to_string(p), c,
                                   KD_W4A16_PDL, m == 1 || m == 16, p});
         }
         for (auto &v : vs) {
