@@ -178,8 +178,7 @@ typedef struct kd_backend_ops {
     kd_status (*graph_launch)(kd_backend *be, void *graph);
     void (*graph_free)(kd_backend *be, void *graph);
     uint64_t (*graph_epoch)(kd_backend *be);
-    /* memory accounting: bytes held for one loaded weight; totals of the backend */
-    uint64_t (*weight_bytes)(kd_backend *be, const kd_weight *w);
+    /* memory accounting: the backend's totals (a loaded weight counts as kd_weight_bytes) */
     void (*mem_usage)(kd_backend *be, kd_mem_usage *out);
 
     /* ---- the DDTree round on the backend (docs/ddtree.md; CPU: cpu/cpu_ddtree.c, CUDA: cuda/ddtree.cu) ----

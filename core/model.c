@@ -418,16 +418,12 @@ static bool in_files(const kd_st_set *set, const void *p) {
     return false;
 }
 
-/* bytes of a weight in the form its backend holds it (CPU: the bytes it reads) */
-static uint64_t weight_held(const kd_model *m, const kd_weight *w) {
-    if (!w->dev && !w->src) return 0;
-    if (m->be->ops->weight_bytes) return m->be->ops->weight_bytes(m->be, w);
-    return kd_weight_bytes(w);
-}
+/* bytes of a loaded weight, as both backends tally it (CPU: the bytes it reads) */
+static uint64_t weight_held(const kd_weight *w) { return w->dev ? kd_weight_bytes(w) : 0; }
 
 /* of those, the bytes outside the mapped checkpoint (device copies, or CPU host copies) */
 static uint64_t weight_allocated(const kd_model *m, const kd_weight *w) {
-    uint64_t b = weight_held(m, w);
+    uint64_t b = weight_held(w);
     if (!b || m->be->kind != KD_BACKEND_CPU) return b;
     uint64_t a = 0;
     if (w->src && !in_files(&m->files, w->src)) a += kd_weight_value_bytes(w);
@@ -436,7 +432,7 @@ static uint64_t weight_allocated(const kd_model *m, const kd_weight *w) {
 }
 
 static void count_weight(const kd_model *m, const kd_weight *w, uint64_t *cat, uint64_t *allocated) {
-    *cat += weight_held(m, w);
+    *cat += weight_held(w);
     *allocated += weight_allocated(m, w);
 }
 

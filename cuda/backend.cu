@@ -220,14 +220,6 @@ static kd_status dev_copy_of(kd_backend *be, const void *src, size_t bytes, cons
     return KD_OK;
 }
 
-/* bytes a weight holds on the device, 0 without a device copy: what weight_load adds to
- * bytes_weights and weight_free takes off (INT4: the codes and bf16 scales at the checkpoint's
- * size; the repacked form pads them to 16-row tiles and 64-column chunks) */
-static uint64_t cuda_weight_bytes(kd_backend *be, const kd_weight *w) {
-    (void)be;
-    if (!w || !w->dev) return 0;
-    return kd_weight_bytes(w);
-}
 
 static kd_status cuda_weight_load(kd_backend *be, kd_weight *w) {
     kd_cuda *c = kd_cuda_of(be);
@@ -259,7 +251,10 @@ static kd_status cuda_weight_load(kd_backend *be, kd_weight *w) {
     default:
         return kd_fail(KD_ERR_ARG, "cuda weight_load: weight '%s': unknown format %d", name, (int)w->format);
     }
-    c->bytes_weights += cuda_weight_bytes(be, w);
+    /* a weight counts as kd_weight_bytes, as the memory walk counts it (INT4: the codes and bf16
+     * scales at the checkpoint's size; the repacked form pads them to 16-row tiles and 64-column
+     * chunks) */
+    c->bytes_weights += kd_weight_bytes(w);
     return KD_OK;
 }
 
@@ -267,7 +262,7 @@ static void cuda_weight_free(kd_backend *be, kd_weight *w) {
     if (!w) return;
     kd_cuda *c = kd_cuda_of(be);
     cudaSetDevice(be->device);
-    const uint64_t b = cuda_weight_bytes(be, w);
+    const uint64_t b = w->dev ? kd_weight_bytes(w) : 0;
     if (w->dev) cudaFree(w->dev);   /* one allocation: an INT4 weight's scales live inside it */
     c->bytes_weights = c->bytes_weights > b ? c->bytes_weights - b : 0;
     w->dev = NULL;
@@ -365,7 +360,6 @@ static kd_backend_ops make_ops() {
     o.graph_launch = graph_launch_dev;
     o.graph_free = kd_cuda_graph_free;
     o.graph_epoch = kd_cuda_graph_epoch;
-    o.weight_bytes = cuda_weight_bytes;
     o.mem_usage = cuda_mem_usage;
     return o;
 }
