@@ -85,6 +85,10 @@ kd_status kd_test_topk(kd_test_backend *tb, const float *x, int rows, int cols, 
  * of it have succeeded; after < 0 ends the injection (one at a time; a new call moves it;
  * closing the model ends it too). */
 kd_status kd_test_fail_op(kd_model *m, const char *op, int after);
+/* 1 while an injection is on for the model's backend. Both this and the graph emulation
+ * (testing_graphs.c) lay their op table over the backend's current one and put it back when
+ * they end, so the emulation must come first: it refuses to start over an injection. */
+int kd_test_fault_active(const kd_model *m);
 
 #ifdef __cplusplus
 }

@@ -50,6 +50,8 @@ static void fault_destroy(kd_backend *be) {
     orig->destroy(be);
 }
 
+int kd_test_fault_active(const kd_model *m) { return m && m->be && g_fault.be == m->be; }
+
 kd_status kd_test_fail_op(kd_model *m, const char *op, int after) {
     if (!m || !m->be) return kd_fail(KD_ERR_ARG, "kd_test_fail_op: model is NULL or has no backend");
     if (after < 0) {

@@ -1,5 +1,6 @@
 /* testing_graphs.c: the host emulation of step graphs (testing_graphs.h). */
 #include "testing_graphs.h"
+#include "kdtree_testing.h"
 #include "model.h"
 #include "error.h"
 #include <stdlib.h>
@@ -243,6 +244,8 @@ kd_status kd_testing_emulate_graphs(kd_model *m) {
         return kd_fail(KD_ERR_ARG, "kd_testing_emulate_graphs: the model must be on the CPU backend");
     if (g.be == m->be) return KD_OK;
     if (g.be) return kd_fail(KD_ERR_STATE, "kd_testing_emulate_graphs: another model is emulated (close it first)");
+    if (kd_test_fault_active(m))   /* its table would be taken for the backend's own (kd_test_fault_active) */
+        return kd_fail(KD_ERR_STATE, "kd_testing_emulate_graphs: a fault injection is on: emulate first, then inject");
     memset(&g, 0, sizeof g);
     g.orig = m->be->ops;
     g.be = m->be;

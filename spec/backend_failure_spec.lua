@@ -11,18 +11,13 @@
 -- Runs on the suite's backend (KDTREE_BACKEND, default cpu).
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
+local err_of = require("helpers.err_of")
 local gen = require("kdtree.generate")
 local O = require("helpers.ops")
 
 local MODEL, DRAFTER = "models/tiny-k2.6", "models/tiny-k2.6-dflash"
 local backend = os.getenv("KDTREE_BACKEND") or "cpu"
 local PROMPT = { 5, 77, 300, 12, 999, 77, 300 }
-
-local function err_of(f, ...)
-  local ok, e = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(e)
-end
 
 -- n floats bit-identical, and no NaN among them
 local function same_bits(a, b, n, what)
@@ -188,5 +183,18 @@ describe("after a failed backend op", function()
   it("names the op it was given, and only the ops it can fail", function()
     assert.matches("expected upload, copy or gather_rows",
       err_of(O.check, O.C.kd_test_fail_op(m:handle(), "linear", 0), "kd_test_fail_op"))
+  end)
+
+  it("the graph emulation will not start over an injection (it would take the injection's table)", function()
+    if backend ~= "cpu" then return end   -- the emulation is the CPU backend's
+    local G = require("helpers.graphs")
+    local m2 = kd.open_model(MODEL, { backend = "cpu" })
+    O.check(O.C.kd_test_fail_op(m2:handle(), "copy", 3), "kd_test_fail_op")
+    assert.are.equal(1, O.C.kd_test_fault_active(m2:handle()))
+    assert.matches("a fault injection is on: emulate first, then inject", err_of(G.emulate, m2))
+    O.check(O.C.kd_test_fail_op(m2:handle(), nil, -1), "kd_test_fail_op(off)")
+    assert.are.equal(0, O.C.kd_test_fault_active(m2:handle()))
+    G.emulate(m2)   -- now it may
+    m2:close()
   end)
 end)

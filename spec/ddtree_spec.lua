@@ -9,8 +9,9 @@
 --   * the round's state machine: accept before verify, commit before accept, commit
 --     twice, verify while a round is open, a tree changed after verify - each an error
 --     that leaves the sequence usable.
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
+local err_of = require("helpers.err_of")
 local ffi = require("ffi")
 
 local MODEL = "models/tiny-k2.6"
@@ -271,12 +272,6 @@ describe("DDTree round: state machine and bad input", function()
   local m
   setup(function() m = kd.open_model(MODEL) end)
   teardown(function() m:close() end)
-
-  local function err_of(f, ...)
-    local ok, e = pcall(f, ...)
-    assert.is_false(ok)
-    return tostring(e)
-  end
 
   it("accept before verify, commit before accept, commit twice, verify while a round is open", function()
     local s = m:new_seq(64)

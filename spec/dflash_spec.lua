@@ -12,8 +12,9 @@
 -- checked where the margin exceeds 0.5 (measured on an H200: the drafter alone, case "empty",
 -- is off by at most 0.044 over all entries; the cases with a context add the error of the bf16
 -- target forward that made the taps).
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
+local err_of = require("helpers.err_of")
 local json = require("dkjson")
 local ffi = kd.ffi
 
@@ -116,12 +117,6 @@ local function adler32(path)
 end
 
 -- the error message of a failing call
-local function err_of(f, ...)
-  local ok, e = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(e)
-end
-
 describe("DFlash drafter", function()
   local m, d
   setup(function()

@@ -2,8 +2,9 @@
 -- reference of Algorithm 1 (scripts/golden/tree_ref.py -> spec/fixtures/tree-*.json),
 -- plus invariants that need no reference: pop order, parent/depth structure, the
 -- ancestor-only visibility mask, optimality of the tree (Prop. 2), bad input.
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
+local err_of = require("helpers.err_of")
 local json = require("dkjson")
 local ffi = require("ffi")
 
@@ -221,12 +222,6 @@ end)
 
 describe("tree build: bad input", function()
   local C = kd.C
-  local function err_of(f, ...)
-    local ok, e = pcall(f, ...)
-    assert.is_false(ok)
-    return tostring(e)
-  end
-
   it("negative budget", function()
     local e = err_of(kd.tree.build, { { 1, 2 } }, -1)
     assert.matches("budget", e)
