@@ -19,12 +19,17 @@
 namespace {
 
 /* BM: rows of A per block, 64, or 16 where M <= 16 (a quarter of the mma and of the A tile,
- * and more blocks per SM; the bits are the same, see the top) */
+ * and more blocks per SM; the bits are the same, see the top). BK: the k-tile, the unit of
+ * split-K. A pipeline stage holds KS = stage_k(TBM) of k: one k-tile, or two at M <= 16, where
+ * the weight rows are the stream and a stage then reads 128 contiguous bytes of each row
+ * instead of 64 (the k16 steps are the same, in the same order, so the bits are too). */
 constexpr int BM = 64, BM_SMALL = 16, BN = 64, BK = 32, STAGES = 4, THREADS = 128;
-constexpr int A_LD = BK + 8;        /* smem row stride (bf16): conflict-free 32-bit fragment loads */
-constexpr int BK_LD = BK + 8;       /* B stored [n][k] */
 constexpr int BN_LD = BN + 8;       /* B stored [k][n] (ldmatrix.trans) */
-constexpr int B_STAGE = (BN * BK_LD > BK * BN_LD) ? BN * BK_LD : BK * BN_LD;
+__host__ __device__ constexpr int stage_k(int tbm) { return tbm == BM_SMALL ? 2 * BK : BK; }
+/* smem row strides (bf16) of A and of B stored [n][k]: +8 keeps the 32-bit fragment loads
+ * conflict-free */
+__host__ __device__ constexpr int k_ld(int ks) { return ks + 8; }
+__host__ __device__ constexpr int b_stage(int ks) { return BN * k_ld(ks) > ks * BN_LD ? BN * k_ld(ks) : ks * BN_LD; }
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool pred) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -61,24 +66,23 @@ struct Tile {
  * 4 mma at M <= 16; now 114 (sm_90 SASS). */
 template <int TBM, bool BKM>
 struct AsyncLoads {
-    static constexpr int A_PIECES = TBM * (BK / 8), B_PIECES = BN * BK / 8;
+    static constexpr int KS = stage_k(TBM), LD = k_ld(KS);
+    static constexpr int A_PIECES = TBM * (KS / 8), B_PIECES = BN * KS / 8;
     static constexpr int A_PT = (A_PIECES + THREADS - 1) / THREADS, B_PT = B_PIECES / THREADS;
     static_assert(B_PIECES % THREADS == 0, "every thread loads the same number of B pieces");
     const bf16 *a_src[A_PT], *b_src[B_PT];
     int a_dst[A_PT], a_kc[A_PT], b_dst[B_PT], b_kc[B_PT];
     bool a_ok[A_PT], b_ok[B_PT];
     const bf16 *a_none, *b_none;   /* the (unread) source of a zero-filled piece */
-    long long b_step;              /* B elements between k-tiles, per unit of k0 (k-major: 1) */
-    int K;
+    long long b_step;              /* B elements per unit of k0 (k-major: 1) */
 
     __device__ __forceinline__ void init(const kd_gemm_args &g, const Tile &t, const bf16 *Bz, const char *Az) {
         const int tid = threadIdx.x;
-        K = g.K;
         a_none = (const bf16 *)g.A;
         b_none = Bz;
 #pragma unroll
         for (int j = 0; j < A_PT; j++) {
-            const int c = tid + j * THREADS, r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+            const int c = tid + j * THREADS, r = c / (KS / 8), kc = (c % (KS / 8)) * 8;
             const int m = t.m0 + r;
             a_ok[j] = c < A_PIECES && m < t.rows;
             long long src_row = 0;
@@ -87,19 +91,19 @@ struct AsyncLoads {
                 src_row = g.a_rows ? (long long)g.a_rows[gi] : (long long)gi;
             }
             a_src[j] = (const bf16 *)Az + src_row * g.lda + kc;
-            a_dst[j] = r * A_LD + kc;
+            a_dst[j] = r * LD + kc;
             a_kc[j] = kc;
         }
 #pragma unroll
         for (int j = 0; j < B_PT; j++) {
             const int c = tid + j * THREADS;
-            if (BKM) {   /* B [n][k]: BN rows x BK cols */
-                const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8, n = t.n0 + r;
+            if (BKM) {   /* B [n][k]: BN rows x KS cols */
+                const int r = c / (KS / 8), kc = (c % (KS / 8)) * 8, n = t.n0 + r;
                 b_ok[j] = n < g.N;
                 b_src[j] = Bz + (long long)(b_ok[j] ? n : 0) * g.ldb + kc;
-                b_dst[j] = r * BK_LD + kc;
+                b_dst[j] = r * LD + kc;
                 b_kc[j] = kc;
-            } else {     /* B [k][n]: BK rows x BN cols */
+            } else {     /* B [k][n]: KS rows x BN cols */
                 const int r = c / (BN / 8), nc = (c % (BN / 8)) * 8, n = t.n0 + nc;
                 b_ok[j] = n < g.N;
                 b_src[j] = Bz + (long long)r * g.ldb + (b_ok[j] ? n : 0);
@@ -109,32 +113,34 @@ struct AsyncLoads {
         }
         b_step = BKM ? 1 : g.ldb;
     }
-    /* the k-tile starting at k0 into the stage buffers As, Bs */
-    __device__ __forceinline__ void load(bf16 *As, bf16 *Bs, int k0) const {
+    /* the stage starting at k0 into the buffers As, Bs; k from kend on is zero-filled (past K,
+     * or past the split's last k-tile: never multiplied) */
+    __device__ __forceinline__ void load(bf16 *As, bf16 *Bs, int k0, int kend) const {
 #pragma unroll
         for (int j = 0; j < A_PT; j++) {
-            const bool v = a_ok[j] && k0 + a_kc[j] < K;
+            const bool v = a_ok[j] && k0 + a_kc[j] < kend;
             if (A_PIECES % THREADS == 0 || threadIdx.x + j * THREADS < A_PIECES)
                 cp_async16(As + a_dst[j], v ? (const void *)(a_src[j] + k0) : (const void *)a_none, v);
         }
         const long long boff = (long long)k0 * b_step;
 #pragma unroll
         for (int j = 0; j < B_PT; j++) {
-            const bool v = b_ok[j] && k0 + b_kc[j] < K;
+            const bool v = b_ok[j] && k0 + b_kc[j] < kend;
             cp_async16(Bs + b_dst[j], v ? (const void *)(b_src[j] + boff) : (const void *)b_none, v);
         }
     }
 };
 
-/* The plain-load path (f32 activations, odd leading dims): one BK slice (k0) of A (TBM rows)
- * and B into the same shared tiles, so both paths feed identical MMAs. */
+/* The plain-load path (f32 activations, odd leading dims): the stage of KS k at k0 of A (TBM
+ * rows) and B into the same shared tiles, so both paths feed identical MMAs. */
 template <int TBM, bool BKM>
 __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Tile &t, bf16 *As, bf16 *Bs, int k0,
                                                 const bf16 *Bz, const char *Az) {
+    constexpr int KS = stage_k(TBM), LD = k_ld(KS);
     const int tid = threadIdx.x;
-    /* A: TBM rows x BK cols, in chunks of 8 */
-    for (int c = tid; c < TBM * (BK / 8); c += THREADS) {
-        int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+    /* A: TBM rows x KS cols, in chunks of 8 */
+    for (int c = tid; c < TBM * (KS / 8); c += THREADS) {
+        int r = c / (KS / 8), kc = (c % (KS / 8)) * 8;
         int m = t.m0 + r, k = k0 + kc;
         bool ok = m < t.rows;
         long long src_row = 0;
@@ -142,7 +148,7 @@ __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Til
             int gi = t.row_base + m;
             src_row = g.a_rows ? (long long)g.a_rows[gi] : (long long)gi;
         }
-        bf16 *dst = As + r * A_LD + kc;
+        bf16 *dst = As + r * LD + kc;
         for (int i = 0; i < 8; i++) {
             float v = 0.0f;
             if (ok && k + i < g.K) {
@@ -152,17 +158,17 @@ __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Til
             dst[i] = __float2bfloat16(v);
         }
     }
-    if (BKM) {   /* B [n][k]: BN rows x BK cols */
-        for (int c = tid; c < BN * (BK / 8); c += THREADS) {
-            int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+    if (BKM) {   /* B [n][k]: BN rows x KS cols */
+        for (int c = tid; c < BN * (KS / 8); c += THREADS) {
+            int r = c / (KS / 8), kc = (c % (KS / 8)) * 8;
             int n = t.n0 + r, k = k0 + kc;
-            bf16 *dst = Bs + r * BK_LD + kc;
+            bf16 *dst = Bs + r * LD + kc;
             bool ok = n < g.N;
             for (int i = 0; i < 8; i++)
                 dst[i] = (ok && k + i < g.K) ? Bz[(long long)n * g.ldb + k + i] : __float2bfloat16(0.0f);
         }
-    } else {     /* B [k][n]: BK rows x BN cols */
-        for (int c = tid; c < BK * (BN / 8); c += THREADS) {
+    } else {     /* B [k][n]: KS rows x BN cols */
+        for (int c = tid; c < KS * (BN / 8); c += THREADS) {
             int r = c / (BN / 8), nc = (c % (BN / 8)) * 8;
             int k = k0 + r, n = t.n0 + nc;
             bf16 *dst = Bs + r * BN_LD + nc;
@@ -180,8 +186,9 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
                                                        int kts_per_split, float *partial) {
     static_assert(TBM == BM || TBM == BM_SMALL, "the warp layout below covers these two");
     constexpr int MI = TBM == BM ? 2 : 1, NI = TBM == BM ? 4 : 2;   /* m16 / n8 fragments a warp */
-    __shared__ __align__(16) bf16 As[STAGES][TBM * A_LD];
-    __shared__ __align__(16) bf16 Bs[STAGES][B_STAGE];
+    constexpr int KS = stage_k(TBM), KT_PS = KS / BK, LD = k_ld(KS);   /* k per stage, k-tiles per stage */
+    __shared__ __align__(16) bf16 As[STAGES][TBM * LD];
+    __shared__ __align__(16) bf16 Bs[STAGES][b_stage(KS)];
 
     Tile t;
     t.z = blockIdx.z;
@@ -216,40 +223,44 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
 
+    /* stages of KT_PS k-tiles over [kt0, kt1); the split's last stage may hold fewer */
+    const int kend = min(g.K, kt1 * BK), n_stages = (kt1 - kt0 + KT_PS - 1) / KT_PS;
     AsyncLoads<TBM, BKM> loads;
     if (ASYNC) loads.init(g, t, Bz, Az);
-    auto load_tile = [&](int stage, int k0) {
-        if (ASYNC) loads.load(As[stage], Bs[stage], k0);
-        else load_tile_plain<TBM, BKM>(g, t, As[stage], Bs[stage], k0, Bz, Az);
+    auto load_stage = [&](int st) {
+        const int buf = st % STAGES, k0 = (kt0 + st * KT_PS) * BK;
+        if (ASYNC) loads.load(As[buf], Bs[buf], k0, kend);
+        else load_tile_plain<TBM, BKM>(g, t, As[buf], Bs[buf], k0, Bz, Az);
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (kt0 + s < kt1) load_tile(s, (kt0 + s) * BK);
+        if (s < n_stages) load_stage(s);
         if (ASYNC) cp_async_commit();
     }
-    for (int kt = kt0; kt < kt1; kt++) {
+    for (int st = 0; st < n_stages; st++) {
         if (ASYNC) cp_async_wait<STAGES - 2>();
         __syncthreads();
-        int nk = kt + STAGES - 1;
-        if (nk < kt1) load_tile((nk - kt0) % STAGES, nk * BK);
+        if (st + STAGES - 1 < n_stages) load_stage(st + STAGES - 1);
         if (ASYNC) cp_async_commit();
-        const bf16 *as = As[(kt - kt0) % STAGES];
-        const bf16 *bs = Bs[(kt - kt0) % STAGES];
+        const bf16 *as = As[st % STAGES];
+        const bf16 *bs = Bs[st % STAGES];
+        const int ks_valid = min(KS, (kt1 - kt0 - st * KT_PS) * BK);   /* whole k-tiles of the split */
 #pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
+        for (int kk = 0; kk < KS; kk += 16) {
+            if (kk >= ks_valid) break;
             uint32_t af[MI][4], bfr[NI][2];
 #pragma unroll
             for (int mi = 0; mi < MI; mi++) {
-                const bf16 *p = as + (wm + mi * 16 + gq) * A_LD + kk + 2 * tq;
+                const bf16 *p = as + (wm + mi * 16 + gq) * LD + kk + 2 * tq;
                 af[mi][0] = *(const uint32_t *)(p);
-                af[mi][1] = *(const uint32_t *)(p + 8 * A_LD);
+                af[mi][1] = *(const uint32_t *)(p + 8 * LD);
                 af[mi][2] = *(const uint32_t *)(p + 8);
-                af[mi][3] = *(const uint32_t *)(p + 8 * A_LD + 8);
+                af[mi][3] = *(const uint32_t *)(p + 8 * LD + 8);
             }
 #pragma unroll
             for (int ni = 0; ni < NI; ni++) {
                 if (BKM) {
-                    const bf16 *p = bs + (wn + ni * 8 + gq) * BK_LD + kk + 2 * tq;
+                    const bf16 *p = bs + (wn + ni * 8 + gq) * LD + kk + 2 * tq;
                     bfr[ni][0] = *(const uint32_t *)(p);
                     bfr[ni][1] = *(const uint32_t *)(p + 8);
                 } else {
