@@ -60,10 +60,10 @@ struct Tile {
 };
 
 /* The cp.async path (bf16 A, 16-byte aligned operands, K % 8 == 0). Each thread's 16-byte
- * pieces of a k-tile are the same rows and columns in every k-tile, so their source pointers,
- * predicates and shared-memory offsets are worked out once per block and a k-tile only adds
- * k0. Recomputed per piece, the addresses cost about 550 instructions a warp per k-tile of
- * 4 mma at M <= 16; now 114 (sm_90 SASS). */
+ * pieces of a stage are the same rows and columns in every stage, so their source pointers,
+ * predicates and shared-memory offsets are worked out once per block and a stage only adds
+ * k0 (recomputed per piece, they cost about 550 instructions a warp per k-tile of 4 mma at
+ * M <= 16; 114 once hoisted, sm_90 SASS with one k-tile a stage). */
 template <int TBM, bool BKM>
 struct AsyncLoads {
     static constexpr int KS = stage_k(TBM), LD = k_ld(KS);
