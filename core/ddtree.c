@@ -287,11 +287,11 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
     bool on_device = t->accepted_on_device;   /* else accepted on the host: the ids go up for the compaction */
     if (on_device && (!t->dev_valid || t->model != s->model))
         return kd_fail(KD_ERR_STATE, "kd_commit: the accepted round's tree is not on the sequence's backend");
-    /* the compaction's arguments first (no side effect), then the drafter context (a failed
-     * append leaves it as it was, and the round open); a compaction that then fails drops the
-     * rows from `start` on, the context's with them */
-    kd_status chk = kd_seq_compact_check(s, start, on_device ? NULL : s->accepted, tau, on_device);
-    if (chk != KD_OK) return kd_fail_context(chk, "kd_commit: the accepted round's %d rows at %d", tau, start);
+    /* drafter context first (a failed append leaves it as it was, and the round open); the
+     * compaction's arguments cannot fail here (kd_accept took the path from this round's
+     * pending rows, and nothing changes them before commit: forward refuses and truncate ends
+     * the round), so a compaction that fails is a backend failure, which drops the rows from
+     * `start` on, the context's with them */
     if (s->drafter) {
         kd_status st = kd_draft_context_append(s, s->accepted, tau);
         if (st != KD_OK) return kd_fail_context(st, "kd_commit: appending %d accepted rows to the drafter context", tau);

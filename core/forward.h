@@ -36,10 +36,6 @@ kd_act kd_fwd_act(const kd_seq *s, size_t off, int rows, int cols, kd_dtype dt);
 /* kd_seq_compact with the kept slots' offsets from start already in backend memory
  * (d_keep[0..n_keep), n_keep <= out_cap, valid: kd_accept's walk on the backend made them) */
 kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int n_keep);
-/* the argument checks of kd_seq_compact (keep on the host) or, staged, of kd_seq_compact_staged
- * (only n_keep: the slots are on the backend); no side effect, so a caller can check before it
- * changes anything else */
-kd_status kd_seq_compact_check(const kd_seq *s, int start, const int32_t *keep, int n_keep, bool staged);
 
 /* Step graphs (model.c). Mode from env KDTREE_CUDA_GRAPHS, read by kd_seq_new:
  * 0 / off: every step as before; 1 / on: decode (causal T = 1) and verify (masked) steps

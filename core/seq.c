@@ -214,13 +214,8 @@ static kd_status compacted(kd_seq *s, int start, int n_keep) {
     return KD_OK;
 }
 
-kd_status kd_seq_compact_check(const kd_seq *s, int start, const int32_t *keep, int n_keep, bool staged) {
-    if (staged) {
-        if (start < 0 || start > s->len || n_keep < 0 || n_keep > s->pending || n_keep > s->out_cap)
-            return kd_fail(KD_ERR_ARG, "kd_seq_compact_staged: %d kept slots at %d: expected at most %d (the pending "
-                           "rows, within the staging of %d) at 0..%d", n_keep, start, s->pending, s->out_cap, s->len);
-        return KD_OK;
-    }
+kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep) {
+    if (!s) return kd_fail(KD_ERR_ARG, "kd_seq_compact: sequence is NULL");
     int written = s->len + s->pending;
     if (start < 0 || start > s->len)
         return kd_fail(KD_ERR_ARG, "kd_seq_compact: start %d: expected 0..%d (the committed length)", start, s->len);
@@ -234,12 +229,6 @@ kd_status kd_seq_compact_check(const kd_seq *s, int start, const int32_t *keep, 
             return kd_fail(KD_ERR_ARG, "kd_seq_compact: keep[%d] = %d after keep[%d] = %d: expected strictly increasing",
                            i, keep[i], i - 1, keep[i - 1]);
     }
-    return KD_OK;
-}
-
-kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep) {
-    if (!s) return kd_fail(KD_ERR_ARG, "kd_seq_compact: sequence is NULL");
-    KD_TRY(kd_seq_compact_check(s, start, keep, n_keep, false));
     kd_backend *be = s->model->be;
     kd_fwd_plan p;
     kd_fwd_plan_make(s->model, s->out_cap, &p);
@@ -256,7 +245,9 @@ kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep) 
 }
 
 kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int n_keep) {
-    KD_TRY(kd_seq_compact_check(s, start, NULL, n_keep, true));
+    if (start < 0 || start > s->len || n_keep < 0 || n_keep > s->pending || n_keep > s->out_cap)
+        return kd_fail(KD_ERR_ARG, "kd_seq_compact_staged: %d kept slots at %d: expected at most %d (the pending "
+                       "rows, within the staging of %d) at 0..%d", n_keep, start, s->pending, s->out_cap, s->len);
     kd_fwd_plan p;
     kd_fwd_plan_make(s->model, s->out_cap, &p);
     kd_status st = move_slots(s, &p, start, d_keep, n_keep, start);
