@@ -118,6 +118,8 @@ describe("after a failed backend op", function()
       local s = m:new_seq(64)
       s:attach_drafter(d)
       s:forward(PROMPT)
+      s:draft(ar[1])   -- the round's draft, which a failed commit must keep
+      local drafted = s:draft_argmax()
       local t = kd.tree.chain(ar[1], { ar[2], ar[3], 17 })
       s:verify(t)
       local r = s:accept(t)
@@ -127,6 +129,7 @@ describe("after a failed backend op", function()
         assert.matches("injected by kd_test_fail_op", e)
         assert.matches("appending 3 accepted rows to the drafter context", e)
         assert.are.equal(#PROMPT, s:len())
+        assert.are.same(drafted, s:draft_argmax())
         heal()
       end
       s:commit(t)
@@ -189,12 +192,13 @@ describe("after a failed backend op", function()
     if backend ~= "cpu" then return end   -- the emulation is the CPU backend's
     local G = require("helpers.graphs")
     local m2 = kd.open_model(MODEL, { backend = "cpu" })
+    finally(function() m2:close() end)   -- a failed assertion must not leave it emulated for later specs
     O.check(O.C.kd_test_fail_op(m2:handle(), "copy", 3), "kd_test_fail_op")
     assert.are.equal(1, O.C.kd_test_fault_active(m2:handle()))
     assert.matches("a fault injection is on: emulate first, then inject", err_of(G.emulate, m2))
+    assert.are.equal(1, O.C.kd_test_fault_active(m2:handle()))   -- the refusal left the injection as it was
     O.check(O.C.kd_test_fail_op(m2:handle(), nil, -1), "kd_test_fail_op(off)")
     assert.are.equal(0, O.C.kd_test_fault_active(m2:handle()))
     G.emulate(m2)   -- now it may
-    m2:close()
   end)
 end)
