@@ -1,12 +1,14 @@
 -- memory_spec.lua: kd_model_memory / m:memory(), the model's memory by component.
 -- References: kd_inspect's bytes by kind (read from the safetensors headers by the loader,
--- independently of the loaded weights), the file sizes of the checkpoint, and the KV cache
--- formula capacity x layers x (kv_lora_rank + qk_rope_dim) x activation dtype size.
+-- independently of the loaded weights), the file sizes and tensor bytes of the checkpoints,
+-- and the KV cache formula capacity x layers x (kv_lora_rank + qk_rope_dim) x activation
+-- dtype size.
 -- Runs on the suite's backend (KDTREE_BACKEND, default cpu): both backends tally drafter weights
 -- and caches and their workspaces; the CUDA one also reports the device totals.
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
 local ffi = require("ffi")
+local ck = require("helpers.checkpoint")
 
 local BACKEND = os.getenv("KDTREE_BACKEND") or "cpu"
 local TARGETS = {
@@ -171,10 +173,14 @@ describe("the backend's own tallies on " .. BACKEND, function()
     end
     local d = kd.open_drafter("models/tiny-k2.6-dflash", m)
     local r1 = m:memory()
-    assert.is_true(r1.drafter_cache < 4096, "before a sequence: only the drafter's RoPE table")
-    -- the drafter's bf16 weights as the checkpoint stores them (its lm_head / embedding may be the target's)
-    assert.is_true(r1.drafter_weights > 0)
-    assert.is_true(r1.drafter_weights <= file_size("models/tiny-k2.6-dflash/model.safetensors"))
+    assert.are.equal(d.info.head_dim / 2 * 4, r1.drafter_cache, "before a sequence: only the drafter's RoPE table")
+    -- the drafter's weights as its checkpoint stores them (bf16 and f32 are held as stored; its
+    -- lm_head / embedding are the target's, not in its file)
+    local stored = 0
+    for name, t in pairs(ck.read_st_header("models/tiny-k2.6-dflash/model.safetensors")) do
+      if name ~= "__metadata__" then stored = stored + t.data_offsets[2] - t.data_offsets[1] end
+    end
+    assert.are.equal(stored, r1.drafter_weights)
     local s = m:new_seq(300)
     s:attach_drafter(d)
     local r2 = m:memory()
