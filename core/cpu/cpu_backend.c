@@ -6,6 +6,7 @@
  * mem_usage tallies what the CUDA backend's does: the bytes of the loaded weights (here the
  * bytes the kernels read), alloc() buffers not yet freed, and the two work buffers. */
 #include "cpu.h"
+#include <stddef.h>
 #include <stdlib.h>
 
 /* two growable buffers: `work` for an op's own temporaries, `wrow` for the decoded
@@ -215,8 +216,10 @@ static void cpu_destroy(kd_backend *be) {
 }
 
 /* an alloc() buffer starts ALLOC_HEADER bytes into its block, after its size, so that free()
- * can take it off the tally; 16 keeps the buffer as aligned as calloc's block */
-enum { ALLOC_HEADER = 16 };
+ * can take it off the tally; max_align_t's alignment keeps the buffer as aligned as calloc's
+ * block */
+enum { ALLOC_HEADER = _Alignof(max_align_t) };
+_Static_assert(ALLOC_HEADER >= sizeof(size_t), "the header holds the buffer's size");
 static kd_status cpu_alloc(kd_backend *be, size_t bytes, void **ptr) {
     kd_cpu_impl *c = be->impl;
     unsigned char *block = bytes <= SIZE_MAX - ALLOC_HEADER ? calloc(1, ALLOC_HEADER + (bytes ? bytes : 1)) : NULL;
