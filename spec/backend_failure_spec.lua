@@ -22,7 +22,7 @@ local PROMPT = { 5, 77, 300, 12, 999, 77, 300 }
 -- n floats bit-identical, and no NaN among them
 local function same_bits(a, b, n, what)
   local ok, i = O.same_bits(a, b, n)
-  assert.is_true(ok, string.format("%s: element %s differs", what, tostring(i)))
+  assert.is_true(ok, not ok and string.format("%s: element %d differs: %.9g against %.9g", what, i, a[i], b[i]) or nil)
   assert.is_false(O.has_nan(a, n), what .. ": NaN")
 end
 

@@ -116,7 +116,6 @@ local function adler32(path)
   return b * 65536 + a
 end
 
--- the error message of a failing call
 describe("DFlash drafter", function()
   local m, d
   setup(function()
