@@ -6,11 +6,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KD_TEXT_MAX_BYTES = 256 << 20 };   /* an index of a 1T-parameter checkpoint is a few MB */
+/* the largest files read whole are a 1T-parameter checkpoint's index and a tiktoken.model:
+ * a few MB each */
+enum { KD_TEXT_MAX_BYTES = 256 << 20 };
 
 kd_status kd_read_text(const char *path, char **out, size_t *n, bool *missing) {
     *out = NULL;
     if (n) *n = 0;
+    if (missing) *missing = false;
     FILE *f = fopen(path, "rb");
     if (!f) {
         if (missing && errno == ENOENT) { *missing = true; return KD_OK; }
@@ -41,7 +44,6 @@ kd_status kd_read_text(const char *path, char **out, size_t *n, bool *missing) {
 
 kd_status kd_json_load(const char *path, cJSON **out, bool *missing) {
     *out = NULL;
-    if (missing) *missing = false;
     char *text;
     KD_TRY(kd_read_text(path, &text, NULL, missing));
     if (!text) return KD_OK;                       /* missing, and the caller allows it */

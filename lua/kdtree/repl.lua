@@ -72,7 +72,7 @@ function R.env(opts)
     E.m = kd.open_model(dir, { backend = (o and o.backend) or opts.backend })
     E.s = E.m:new_seq((o and o.capacity) or 4096)
     local f = io.open(dir .. "/tiktoken.model")
-    E.tok = nil
+    if E.tok then E.tok:close(); E.tok = nil end
     if f then
       f:close()
       local ok, t = pcall(kd.open_tokenizer, dir)   -- a bad tokenizer leaves the model usable
