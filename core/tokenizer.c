@@ -44,7 +44,8 @@ struct kd_tokenizer {
     size_t *off;               /* id -> its bytes: bytes + off[id], off[id + 1] - off[id] long */
     int32_t *slot;             /* open-addressing table of base ranks by their bytes, -1 = empty */
     uint32_t slot_mask;
-    bool special_first[256];   /* the first bytes of the special strings */
+    bool special_single[256];            /* the special strings of one byte */
+    uint64_t special_pair[65536 / 64];   /* the first two bytes of the longer ones, a bit each */
     pcre2_code *re;
 };
 
@@ -181,6 +182,30 @@ static kd_status build_table(kd_tokenizer *t, const char *path) {
     return KD_OK;
 }
 
+/* the UTF-8 character at p (n bytes left): its length, and its code point in *c; 0 when the
+ * bytes are not one (overlong, surrogate, past U+10FFFF, cut short) */
+static size_t utf8_char(const unsigned char *p, size_t n, uint32_t *c) {
+    if (p[0] < 0x80) { *c = p[0]; return 1; }
+    size_t len = p[0] >= 0xF0 ? 4 : p[0] >= 0xE0 ? 3 : p[0] >= 0xC0 ? 2 : 0;
+    if (!len || len > n || p[0] > 0xF4) return 0;
+    uint32_t v = p[0] & (0x7F >> len);
+    for (size_t i = 1; i < len; i++) {
+        if ((p[i] & 0xC0) != 0x80) return 0;
+        v = v << 6 | (p[i] & 0x3F);
+    }
+    static const uint32_t least[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (v < least[len] || v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF)) return 0;
+    *c = v;
+    return len;
+}
+/* whether p[0..n) is UTF-8 throughout */
+static bool utf8_valid(const unsigned char *p, size_t n) {
+    uint32_t c;
+    for (size_t i = 0, len; i < n; i += len)
+        if (!(len = utf8_char(p + i, n - i, &c))) return false;
+    return true;
+}
+
 /* the special ids' strings after the base ranks: tokenizer_config.json's added_tokens_decoder,
  * reserved names for the rest */
 static kd_status load_specials(kd_tokenizer *t, const char *path) {
@@ -204,9 +229,11 @@ static kd_status load_specials(kd_tokenizer *t, const char *path) {
                          e->string, t->n_base, t->n_base + KD_TOKENIZER_SPECIAL_SLOTS - 1);
             goto done;
         }
-        if (!cJSON_IsString(content) || !content->valuestring[0]) {
-            st = kd_fail(KD_ERR_CONFIG, "%s: added_tokens_decoder[\"%s\"].content: expected a non-empty string", path,
-                         e->string);
+        if (!cJSON_IsString(content) || !content->valuestring[0] ||
+            !utf8_valid((const unsigned char *)content->valuestring, strlen(content->valuestring))) {
+            /* matching one mid-character would hand PCRE2 text cut inside a character */
+            st = kd_fail(KD_ERR_CONFIG, "%s: added_tokens_decoder[\"%s\"].content: expected a non-empty UTF-8 string",
+                         path, e->string);
             goto done;
         }
         name[id - t->n_base] = content->valuestring;
@@ -228,7 +255,11 @@ static kd_status load_specials(kd_tokenizer *t, const char *path) {
     for (int i = 0; i < KD_TOKENIZER_SPECIAL_SLOTS; i++) {
         size_t n = strlen(name[i]);
         memcpy(t->bytes + o, name[i], n);
-        t->special_first[(unsigned char)name[i][0]] = true;
+        if (n == 1) t->special_single[(unsigned char)name[i][0]] = true;
+        else {
+            unsigned pair = (unsigned char)name[i][0] << 8 | (unsigned char)name[i][1];
+            t->special_pair[pair / 64] |= 1ull << pair % 64;
+        }
         o += n;
         t->off[t->n_base + i + 1] = o;
     }
@@ -257,7 +288,7 @@ kd_status kd_tokenizer_open(const char *dir, kd_tokenizer **out) {
         if (!t->re) {
             PCRE2_UCHAR msg[160];
             pcre2_get_error_message(err, msg, sizeof msg);
-            st = kd_fail(KD_ERR_BACKEND, "kd_tokenizer_open: PCRE2 rejects the pre-tokenizer pattern at %zu: %s",
+            st = kd_fail(KD_ERR_UNSUPPORTED, "kd_tokenizer_open: PCRE2 rejects the pre-tokenizer pattern at %zu: %s",
                          (size_t)at, (const char *)msg);
         } else {
             pcre2_jit_compile(t->re, PCRE2_JIT_COMPLETE);   /* where PCRE2 has no JIT, it interprets */
@@ -265,7 +296,7 @@ kd_status kd_tokenizer_open(const char *dir, kd_tokenizer **out) {
     }
     if (st != KD_OK) {
         kd_tokenizer_close(t);
-        return kd_fail_context(st, "kd_tokenizer_open(%s)", dir);
+        return kd_fail_context(st, "loading tokenizer %s", dir);
     }
     *out = t;
     return KD_OK;
@@ -398,7 +429,8 @@ static kd_status encode_ordinary(const kd_tokenizer *t, const unsigned char *tex
         if (rc < 0 || ov[0] != at || ov[1] <= at) {   /* the pattern matches every character: not reached */
             PCRE2_UCHAR msg[160] = "the pattern left a character unmatched";
             if (rc < 0) pcre2_get_error_message(rc, msg, sizeof msg);
-            return kd_fail(KD_ERR_BACKEND, "kd_tokenizer_encode: PCRE2 match at byte %zu: %s", base + at,
+            return kd_fail(rc == PCRE2_ERROR_NOMEMORY ? KD_ERR_NOMEM : KD_ERR_UNSUPPORTED,
+                           "kd_tokenizer_encode: PCRE2 match at byte %zu: %s", base + at,
                            (const char *)msg);
         }
         KD_TRY(encode_piece(t, text + ov[0], ov[1] - ov[0], mb, s));
@@ -407,12 +439,22 @@ static kd_status encode_ordinary(const kd_tokenizer *t, const unsigned char *tex
     return KD_OK;
 }
 
-/* the earliest special string in text[from..n) (the longest where several start there) */
+/* whether a special string may start at text[i] (n bytes in all): a cheap filter, so that
+ * text full of '<' or '[' is not compared with every special string at each of them */
+static bool special_may_start(const kd_tokenizer *t, const unsigned char *text, size_t n, size_t i) {
+    if (t->special_single[text[i]]) return true;
+    if (i + 1 >= n) return false;
+    unsigned pair = text[i] << 8 | text[i + 1];
+    return t->special_pair[pair / 64] >> pair % 64 & 1;
+}
+
+/* the earliest special string in text[from..n) (the longest where several start there): its
+ * place, id and length */
 static bool next_special(const kd_tokenizer *t, const unsigned char *text, size_t n, size_t from, size_t *at,
-                         int32_t *id) {
+                         int32_t *id, size_t *len_out) {
     bool found = false;
     for (size_t i = from; i < n && !found; i++) {
-        if (!t->special_first[text[i]]) continue;
+        if (!special_may_start(t, text, n, i)) continue;
         size_t best = 0;
         for (int k = t->n_base; k < id_count(t); k++) {
             size_t len;
@@ -421,6 +463,7 @@ static bool next_special(const kd_tokenizer *t, const unsigned char *text, size_
                 best = len;
                 *id = k;
                 *at = i;
+                *len_out = len;
                 found = true;
             }
         }
@@ -433,44 +476,22 @@ static kd_status encode_run(const kd_tokenizer *t, const unsigned char *u, size_
                             pcre2_match_data *md, merge_buf *mb, sink *s) {
     size_t pos = from;
     while (pos < to) {
-        size_t at = to;
+        size_t at = to, len = 0;
         int32_t id = -1;
-        if (parse_special && !next_special(t, u, to, pos, &at, &id)) at = to;
+        if (parse_special) next_special(t, u, to, pos, &at, &id, &len);
         KD_TRY(encode_ordinary(t, u + pos, at - pos, pos, md, mb, s));
-        if (at < to) {
-            put(s, id);
-            size_t len;
-            id_bytes(t, id, &len);
-            at += len;
-        }
-        pos = at;
+        if (at < to) put(s, id);
+        pos = at + len;
     }
     return KD_OK;
 }
 
-/* the UTF-8 character at p (n bytes left): its length, and its code point in *c; 0 when the
- * bytes are not one (overlong, surrogate, past U+10FFFF, cut short) */
-static size_t utf8_char(const unsigned char *p, size_t n, uint32_t *c) {
-    if (p[0] < 0x80) { *c = p[0]; return 1; }
-    size_t len = p[0] >= 0xF0 ? 4 : p[0] >= 0xE0 ? 3 : p[0] >= 0xC0 ? 2 : 0;
-    if (!len || len > n || p[0] > 0xF4) return 0;
-    uint32_t v = p[0] & (0x7F >> len);
-    for (size_t i = 1; i < len; i++) {
-        if ((p[i] & 0xC0) != 0x80) return 0;
-        v = v << 6 | (p[i] & 0x3F);
-    }
-    static const uint32_t least[5] = {0, 0, 0x80, 0x800, 0x10000};
-    if (v < least[len] || v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF)) return 0;
-    *c = v;
-    return len;
-}
 /* Python's str.isspace: bidirectional class WS, B or S, or category Zs */
 static bool py_isspace(uint32_t c) {
     return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
            (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 enum { KIMI_CHUNK_CHARS = 400000, KIMI_RUN_CHARS = 25000 };
-
 
 kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_bytes, int parse_special,
                               int32_t *ids, size_t cap, size_t *n_ids) {

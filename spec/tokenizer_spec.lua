@@ -7,9 +7,10 @@
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
 local ck = require("helpers.checkpoint")
+local err_of = require("helpers.err_of")
 local ffi = require("ffi")
 
-local DIR = "models/tiny-k2.6"
+local DIR = ck.K26
 local golden = ck.read_json("spec/fixtures/tokenizer/golden.json")
 for _, c in ipairs(golden.cases) do   -- the long cases come as parts
   if c.parts then
@@ -29,10 +30,10 @@ local function scratch_dir(edits)
   end
   return dir
 end
-local function open_error(dir)
-  local ok, err = pcall(kd.open_tokenizer, dir)
-  assert.is_false(ok)
-  return tostring(err)
+-- opening dir fails, and the message holds `needle`
+local function open_fails_with(dir, needle)
+  local e = err_of(kd.open_tokenizer, dir)
+  assert.truthy(e:find(needle, 1, true), e)
 end
 
 describe("tokenizer (kd_tokenizer)", function()
@@ -110,17 +111,13 @@ describe("tokenizer (kd_tokenizer)", function()
   it("bad input is a clear error and the tokenizer stays usable", function()
     local C = kd.C
     -- not UTF-8: the error names the byte
-    local ok, err = pcall(tok.encode, tok, "ok \xff\xfe bad")
-    assert.is_false(ok)
-    assert.truthy(tostring(err):find("not UTF-8 at byte 3", 1, true), tostring(err))
+    local err = err_of(tok.encode, tok, "ok \xff\xfe bad")
+    assert.truthy(err:find("not UTF-8 at byte 3", 1, true), err)
     -- an id past the vocabulary
-    ok, err = pcall(tok.decode, tok, { 1, tok.n_ids })
-    assert.is_false(ok)
-    assert.truthy(tostring(err):find("ids[1] (from 0) = " .. tok.n_ids .. " is outside 0.." .. (tok.n_ids - 1), 1, true),
-      tostring(err))
-    ok, err = pcall(tok.decode, tok, { 2 ^ 32 + 104 })   -- not wrapped to a small id on the way to C
-    assert.is_false(ok)
-    assert.truthy(tostring(err):find("tokenizer:decode: ids[1]: 4294967400 does not fit in 32 bits", 1, true), tostring(err))
+    err = err_of(tok.decode, tok, { 1, tok.n_ids })
+    assert.truthy(err:find("ids[1] (from 0) = " .. tok.n_ids .. " is outside 0.." .. (tok.n_ids - 1), 1, true), err)
+    err = err_of(tok.decode, tok, { 2 ^ 32 + 104 })   -- not wrapped to a small id on the way to C
+    assert.truthy(err:find("tokenizer:decode: ids[1]: 4294967400 does not fit in 32 bits", 1, true), err)
     assert.has_error(function() tok:special("<|no_such|>") end)
     -- too small an output: the count comes back, nothing past cap is written
     local text = "hello world"
@@ -136,13 +133,13 @@ describe("tokenizer (kd_tokenizer)", function()
 
   it("bad files name the file and what is wrong", function()
     local missing = scratch_dir({ ["tiktoken.model"] = function() return nil end })
-    assert.truthy(open_error(missing):find(missing .. "/tiktoken.model: cannot open", 1, true))
+    open_fails_with(missing, missing .. "/tiktoken.model: cannot open")
     local bad64 = scratch_dir({ ["tiktoken.model"] = function(t) return (t:gsub("\n(%S+) 300\n", "\n!!!! 300\n", 1)) end })
-    assert.truthy(open_error(bad64):find("line 301: the token is not base64", 1, true), open_error(bad64))
+    open_fails_with(bad64, "line 301: the token is not base64")
     local twice = scratch_dir({ ["tiktoken.model"] = function(t) return (t:gsub(" 301\n", " 300\n", 1)) end })
-    assert.truthy(open_error(twice):find("rank 300 is listed twice", 1, true), open_error(twice))
+    open_fails_with(twice, "rank 300 is listed twice")
     local no_rank = scratch_dir({ ["tiktoken.model"] = function(t) return (t:gsub(" 5\n", "\n", 1)) end })
-    assert.truthy(open_error(no_rank):find("line 6: expected `base64 rank`", 1, true), open_error(no_rank))
+    open_fails_with(no_rank, "line 6: expected `base64 rank`")
     local byte_gone = scratch_dir({ ["tiktoken.model"] = function(t)
       local lines = {}
       for line in t:gmatch("[^\n]+") do lines[#lines + 1] = line end
@@ -150,18 +147,21 @@ describe("tokenizer (kd_tokenizer)", function()
       table.remove(lines)
       return table.concat(lines, "\n") .. "\n"
     end })
-    assert.truthy(open_error(byte_gone):find("tiktoken.model: byte 0x41 has no rank", 1, true), open_error(byte_gone))
+    open_fails_with(byte_gone, "tiktoken.model: byte 0x41 has no rank")
     local same_bytes = scratch_dir({ ["tiktoken.model"] = function(t)
       local lines = {}
       for line in t:gmatch("[^\n]+") do lines[#lines + 1] = line end
       lines[66] = lines[67]:match("^%S+") .. " 65"   -- rank 65 takes rank 66's bytes
       return table.concat(lines, "\n") .. "\n"
     end })
-    assert.truthy(open_error(same_bytes):find("rank 66 repeats the bytes of rank 65", 1, true), open_error(same_bytes))
+    open_fails_with(same_bytes, "rank 66 repeats the bytes of rank 65")
     local out_of_range = scratch_dir({ ["tokenizer_config.json"] = function(t) return (t:gsub('"' .. golden.n_base .. '"',
       '"5"', 1)) end })
-    assert.truthy(open_error(out_of_range):find('tokenizer_config.json: added_tokens_decoder: id "5" is not one of the special ids',
-      1, true), open_error(out_of_range))
+    open_fails_with(out_of_range, 'tokenizer_config.json: added_tokens_decoder: id "5" is not one of the special ids')
+    -- a special string that is not UTF-8 (matched in text, it would cut a character)
+    local cut = scratch_dir({ ["tokenizer_config.json"] = function(t) return (t:gsub("<|im_end|>", "<|im\xc3", 1)) end })
+    open_fails_with(cut, 'tokenizer_config.json: added_tokens_decoder["' .. tok:special("<|im_end|>") ..
+      '"].content: expected a non-empty UTF-8 string')
     -- empty lines and CRLF line ends are taken, as tiktoken's loader takes them
     local loose = scratch_dir({ ["tiktoken.model"] = function(t) return "\n" .. t:gsub("\n", "\r\n", 10):gsub(" 300\r?\n", "%0\n\n") .. "\n" end })
     local t3 = kd.open_tokenizer(loose)
