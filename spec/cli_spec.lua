@@ -102,7 +102,8 @@ describe("kdtree generate", function()
     local chat_ids = tok:chat({ { role = "user", content = "Hello! 你好" } })
     code, out = run("generate --chat 'Hello! 你好' -n 6 --ids --draft " .. DRAFT)
     assert.are.equal(0, code)
-    local chat_eos = { tok:special("<|im_end|>"), tok:special("[EOT]") }   -- a chat turn's own stops too
+    local chat_eos = tok:chat_stops()   -- a chat turn's own stops too
+    assert.are.same({ tok:special("<|im_end|>"), tok:special("[EOT]") }, chat_eos)
     for _, id in ipairs(m.info.eos) do chat_eos[#chat_eos + 1] = id end
     assert.are.same(ref(chat_ids, chat_eos), split_ids(out))
     local err

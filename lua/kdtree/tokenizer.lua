@@ -101,4 +101,14 @@ function Tokenizer:chat(messages)
   return ids
 end
 
+-- the special ids that end an assistant turn of chat(): <|im_end|> and [EOT] where the
+-- vocabulary has them (kimi_k2.md section 4; the model's own eos ids are its config's)
+function Tokenizer:chat_stops()
+  local stops, id = {}, ffi.new("int32_t[1]")
+  for _, name in ipairs({ "<|im_end|>", "[EOT]" }) do
+    if C.kd_tokenizer_special(self:handle(), name, id) == C.KD_OK then stops[#stops + 1] = id[0] end
+  end
+  return stops
+end
+
 return Tokenizer
