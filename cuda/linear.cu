@@ -15,8 +15,13 @@
  * loads into the same shared tiles, so both paths feed identical MMAs.
  */
 #include "cuda_internal.cuh"
+#include "mla_mma.cuh"   /* cp16 / cp_commit / cp_wait, mma16816 */
 
 namespace {
+using mla::cp16;
+using mla::cp_commit;
+using mla::cp_wait;
+using mla::mma16816;
 
 /* BM: rows of A per block, 64, or 16 where M <= 16 (a quarter of the mma and of the A tile,
  * and more blocks per SM; the bits are the same, see the top). BK: the k-tile, the unit of
@@ -30,24 +35,6 @@ __host__ __device__ constexpr int stage_k(int tbm) { return tbm == BM_SMALL ? 2 
  * conflict-free */
 __host__ __device__ constexpr int k_ld(int ks) { return ks + 8; }
 __host__ __device__ constexpr int b_stage(int ks) { return BN * k_ld(ks) > ks * BN_LD ? BN * k_ld(ks) : ks * BN_LD; }
-
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool pred) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    int n = pred ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void mma_bf16(float *c, const uint32_t *a, const uint32_t *b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t *r, const void *smem) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -120,13 +107,13 @@ struct AsyncLoads {
         for (int j = 0; j < A_PT; j++) {
             const bool v = a_ok[j] && k0 + a_kc[j] < kend;
             if (A_PIECES % THREADS == 0 || threadIdx.x + j * THREADS < A_PIECES)
-                cp_async16(As + a_dst[j], v ? (const void *)(a_src[j] + k0) : (const void *)a_none, v);
+                cp16(As + a_dst[j], v ? (const void *)(a_src[j] + k0) : (const void *)a_none, v);
         }
         const long long boff = (long long)k0 * b_step;
 #pragma unroll
         for (int j = 0; j < B_PT; j++) {
             const bool v = b_ok[j] && k0 + b_kc[j] < kend;
-            cp_async16(Bs + b_dst[j], v ? (const void *)(b_src[j] + boff) : (const void *)b_none, v);
+            cp16(Bs + b_dst[j], v ? (const void *)(b_src[j] + boff) : (const void *)b_none, v);
         }
     }
 };
@@ -235,13 +222,13 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < n_stages) load_stage(s);
-        if (ASYNC) cp_async_commit();
+        if (ASYNC) cp_commit();
     }
     for (int st = 0; st < n_stages; st++) {
-        if (ASYNC) cp_async_wait<STAGES - 2>();
+        if (ASYNC) cp_wait<STAGES - 2>();
         __syncthreads();
         if (st + STAGES - 1 < n_stages) load_stage(st + STAGES - 1);
-        if (ASYNC) cp_async_commit();
+        if (ASYNC) cp_commit();
         const bf16 *as = As[st % STAGES];
         const bf16 *bs = Bs[st % STAGES];
         const int ks_valid = min(KS, (kt1 - kt0 - st * KT_PS) * BK);   /* whole k-tiles of the split */
@@ -270,10 +257,10 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
 #pragma unroll
             for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-                for (int ni = 0; ni < NI; ni++) mma_bf16(acc[mi][ni], af[mi], bfr[ni]);
+                for (int ni = 0; ni < NI; ni++) mma16816(acc[mi][ni], af[mi], bfr[ni]);
         }
     }
-    if (ASYNC) cp_async_wait<0>();
+    if (ASYNC) cp_wait<0>();
 
     /* epilogue: fragment c0,c1 -> row gq, cols 2tq,2tq+1; c2,c3 -> row gq+8 */
 #pragma unroll

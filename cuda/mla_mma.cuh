@@ -2,7 +2,8 @@
  * ldmatrix, mma.sync m16n8k16 bf16 -> fp32, cp.async, bf16 bit conversions.
  * Kept apart so scripts/bench/mla_emu/ can compile mla_tc.cuh on the CPU against a SIMT
  * emulation of exactly these functions (inc/mla_mma.cuh there); mla.cu includes this file,
- * then mla_tc.cuh. Shared-memory addresses are generic pointers into __shared__ arrays. */
+ * then mla_tc.cuh. The dense GEMM (linear.cu) takes its cp.async and mma from here too.
+ * Shared-memory addresses are generic pointers into __shared__ arrays. */
 #ifndef KD_MLA_MMA_CUH
 #define KD_MLA_MMA_CUH
 #include <cuda_runtime.h>
