@@ -105,7 +105,8 @@ kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *shape, const kd_w4a16_expert *t
  * sms [KD_W4A16_TRACE_LAUNCHES][KD_W4A16_TRACE_BLOCKS] the SM each block ran on, counts
  * [KD_W4A16_TRACE_BLOCKS] launches seen per block index; reset = 1 restarts the counts.
  * 0, or -1 on a CUDA error. */
-enum { KD_W4A16_TRACE_LAUNCHES = 64, KD_W4A16_TRACE_BLOCKS = 256, KD_W4A16_TRACE_POINTS = 6 };
+/* 512 blocks: the largest traced grid is 7168 x 2048 at M <= 4 (448 blocks of 4 warps) */
+enum { KD_W4A16_TRACE_LAUNCHES = 64, KD_W4A16_TRACE_BLOCKS = 512, KD_W4A16_TRACE_POINTS = 6 };
 int kd_w4a16_trace_read(unsigned long long *out, unsigned *sms, unsigned *counts, int reset);
 #endif
 

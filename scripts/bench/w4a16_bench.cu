@@ -862,7 +862,11 @@ static int run_trace() {
                 }
                 printf("\n");
             }
-            for (int l = 12; l < 16 && blocks > 0; l++) {
+            /* blocks per SM only when the whole launch was traced (a grid past the traced block
+             * indices would leave SMs' blocks out) */
+            const bool whole = blocks < KD_W4A16_TRACE_BLOCKS;
+            if (!whole) printf("  (the launch may have more than the %d traced blocks: no per-SM table)\n", blocks);
+            for (int l = 12; l < 16 && blocks > 0 && whole; l++) {
                 std::map<unsigned, std::pair<int, double>> per_sm;   /* SM -> (blocks, longest math us) */
                 for (int b = 0; b < blocks; b++) {
                     auto &e = per_sm[sms[(size_t)l * KD_W4A16_TRACE_BLOCKS + b]];
