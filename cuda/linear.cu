@@ -50,7 +50,7 @@ struct Tile {
  * pieces of a stage are the same rows and columns in every stage, so their source pointers,
  * predicates and shared-memory offsets are worked out once per block and a stage only adds
  * k0 (recomputed per piece, they cost about 550 instructions a warp per k-tile of 4 mma at
- * M <= 16; 114 once hoisted, sm_90 SASS with one k-tile a stage). */
+ * M <= 16; about 115 once hoisted, sm_90 SASS with one k-tile a stage). */
 template <int TBM, bool BKM>
 struct AsyncLoads {
     static constexpr int KS = stage_k(TBM), LD = k_ld(KS);
