@@ -224,15 +224,17 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
     const bool moe = a.tiles != nullptr;
     const int part = a.parts > 1 ? (int)cluster_rank() : 0;
     const int cluster = blockIdx.x / a.parts, n_clusters = gridDim.x / a.parts;
-    griddep_launch_dependents();
-    int tiles_m;
-    if (moe) {
+    /* The MoE's tile list is the plan kernel's output: read after the wait for the grid
+     * before, unless that grid is gate + up and tiles_ready says so (below). A MoE grid that
+     * waits releases its dependents after the wait, so the down GEMM launched behind gate +
+     * up finds the plan complete and streams its first weights while gate + up finishes. */
+    bool waited = false;
+    if (moe && !a.tiles_ready) {
         griddep_wait();
-        tiles_m = *a.n_tiles_dev;
-    } else {
-        tiles_m = (a.m + BM - 1) / BM;
+        waited = true;
     }
-    bool waited = moe;
+    griddep_launch_dependents();
+    const int tiles_m = moe ? *a.n_tiles_dev : (a.m + BM - 1) / BM;
     const long long total = (long long)tiles_m * a.nb;
     const int gshift = GSHIFT ? GSHIFT : a.gshift, gmask = (1 << gshift) - 1;
 
@@ -940,8 +942,11 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     /* gate + up and the combine are launched with programmatic dependent launch: each waits
      * for the kernel before it (griddepcontrol.wait) before its first read, so its launch and
      * block set-up overlap that kernel's tail (H200, K2.6 MoE: T = 1 72.2 -> 68.8 us with the
-     * plan and combine changes of the same commit, T = 4 226 -> 222 us). The down GEMM is not:
-     * its blocks, launched early, took the SM slots gate + up's blocks left and T = 4 ran 4%
+     * plan and combine changes of the same commit, T = 4 226 -> 222 us). The down GEMM is,
+     * when gate + up does its items in one pass (every block one item: T = 1 at K2.6 dims);
+     * it then reads the tile list and streams its first weights before its wait (gate + up
+     * releases it only after waiting for the plan). When gate + up's blocks loop over items,
+     * down's blocks launched early took the SM slots gate + up's blocks left and T = 4 ran 4%
      * slower. The plan waits for the router as usual. */
 
     /* gate + up, fused SwiGLU: act[slot] = silu(x W_gate^T) * (x W_up^T), bf16 */
@@ -958,6 +963,7 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     long long items = (long long)L.tiles_max * a.nb;
     int grid = resident_clusters(gu, a.parts);
     if (items < grid) grid = (int)items;
+    const bool gu_one_pass = items <= grid;
     KD_TRY(launch(gu, grid, a, true, st));
 
     /* down: y[slot] = act[slot] W_down^T, f32 */
@@ -969,12 +975,12 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     d.n = s->hidden; d.k = s->inter; d.kc = kc_of(s->inter); d.groups = groups_pad_of(s->inter, s->group);
     d.gshift = L.gshift;
     d.parts = L.parts_d; d.cpp = L.cpp_d; d.n_tiles = tiles_of(s->hidden); d.nb = L.nb_d;
-    d.tiles = tiles; d.n_tiles_dev = n_tiles;
+    d.tiles = tiles; d.n_tiles_dev = n_tiles; d.tiles_ready = gu_one_pass;
     d.y = yv; d.ldy = s->hidden; d.y_f32 = 1;
     items = (long long)L.tiles_max * d.nb;
     grid = resident_clusters(dn, d.parts);
     if (items < grid) grid = (int)items;
-    KD_TRY(launch(dn, grid, d, false, st));
+    KD_TRY(launch(dn, grid, d, gu_one_pass, st));
 
     size_t n = (size_t)T * s->hidden;
     int cblocks = (int)((n + 255) / 256);

@@ -92,6 +92,7 @@ struct W4Args {
     int n, k, kc, groups, gshift, parts, cpp, n_tiles, nb;   /* group = 1 << gshift */
     const int4 *tiles;                /* MoE: (expert, row0, rows) per token tile; NULL: plain */
     const int *n_tiles_dev;
+    int tiles_ready;                  /* MoE: the tile list may be read before the wait for the grid before */
     int m;                            /* plain: rows of x / y */
     void *y;
     long long ldy;
