@@ -25,16 +25,16 @@ using mla::mma16816;
 
 /* BM: rows of A per block, 64, or 16 where M <= 16 (a quarter of the mma and of the A tile,
  * and more blocks per SM; the bits are the same, see the top). BK: the k-tile, the unit of
- * split-K. A pipeline stage holds KS = stage_k(TBM) of k: one k-tile, or two at M <= 16, where
- * the weight rows are the stream and a stage then reads 128 contiguous bytes of each row
- * instead of 64 (the k16 steps are the same, in the same order, so the bits are too). */
-constexpr int BM = 64, BM_SMALL = 16, BN = 64, BK = 32, STAGES = 4, THREADS = 128;
+ * split-K. A pipeline stage holds KS = 2 k-tiles, so it reads 128 contiguous bytes of each
+ * weight row, not 64 (H200, M = 1: the lm_head 944 -> 606 us); the k16 steps are the same, in
+ * the same order, so the bits are too. */
+constexpr int BM = 64, BM_SMALL = 16, BN = 64, BK = 32, KS = 2 * BK, KT_PS = KS / BK, STAGES = 4, THREADS = 128;
+constexpr int LD = KS + 8;          /* smem row stride (bf16) of A and of B [n][k]: conflict-free fragment loads */
 constexpr int BN_LD = BN + 8;       /* B stored [k][n] (ldmatrix.trans) */
-__host__ __device__ constexpr int stage_k(int tbm) { return tbm == BM_SMALL ? 2 * BK : BK; }
-/* smem row strides (bf16) of A and of B stored [n][k]: +8 keeps the 32-bit fragment loads
- * conflict-free */
-__host__ __device__ constexpr int k_ld(int ks) { return ks + 8; }
-__host__ __device__ constexpr int b_stage(int ks) { return BN * k_ld(ks) > ks * BN_LD ? BN * k_ld(ks) : ks * BN_LD; }
+constexpr int B_STAGE = BN * LD > KS * BN_LD ? BN * LD : KS * BN_LD;
+/* dynamic shared memory of a block: STAGES stages of A (TBM rows) and B (46 KB at TBM = 16,
+ * 74 KB at 64) */
+__host__ __device__ constexpr size_t gemm_smem(int tbm) { return (size_t)STAGES * (tbm * LD + B_STAGE) * sizeof(bf16); }
 
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t *r, const void *smem) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -53,7 +53,6 @@ struct Tile {
  * M <= 16; about 115 once hoisted, sm_90 SASS with one k-tile a stage). */
 template <int TBM, bool BKM>
 struct AsyncLoads {
-    static constexpr int KS = stage_k(TBM), LD = k_ld(KS);
     static constexpr int A_PIECES = TBM * (KS / 8), B_PIECES = BN * KS / 8;
     static constexpr int A_PT = (A_PIECES + THREADS - 1) / THREADS, B_PT = B_PIECES / THREADS;
     static_assert(B_PIECES % THREADS == 0, "every thread loads the same number of B pieces");
@@ -123,7 +122,6 @@ struct AsyncLoads {
 template <int TBM, bool BKM>
 __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Tile &t, bf16 *As, bf16 *Bs, int k0,
                                                 const bf16 *Bz, const char *Az) {
-    constexpr int KS = stage_k(TBM), LD = k_ld(KS);
     const int tid = threadIdx.x;
     /* A: TBM rows x KS cols, in chunks of 8 */
     for (int c = tid; c < TBM * (KS / 8); c += THREADS) {
@@ -173,9 +171,8 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
                                                        int kts_per_split, float *partial) {
     static_assert(TBM == BM || TBM == BM_SMALL, "the warp layout below covers these two");
     constexpr int MI = TBM == BM ? 2 : 1, NI = TBM == BM ? 4 : 2;   /* m16 / n8 fragments a warp */
-    constexpr int KS = stage_k(TBM), KT_PS = KS / BK, LD = k_ld(KS);   /* k per stage, k-tiles per stage */
-    __shared__ __align__(16) bf16 As[STAGES][TBM * LD];
-    __shared__ __align__(16) bf16 Bs[STAGES][b_stage(KS)];
+    extern __shared__ __align__(16) unsigned char gemm_smem_buf[];
+    bf16 *const As0 = (bf16 *)gemm_smem_buf, *const Bs0 = As0 + STAGES * TBM * LD;
 
     Tile t;
     t.z = blockIdx.z;
@@ -216,8 +213,9 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
     if (ASYNC) loads.init(g, t, Bz, Az);
     auto load_stage = [&](int st) {
         const int buf = st % STAGES, k0 = (kt0 + st * KT_PS) * BK;
-        if (ASYNC) loads.load(As[buf], Bs[buf], k0, kend);
-        else load_tile_plain<TBM, BKM>(g, t, As[buf], Bs[buf], k0, Bz, Az);
+        bf16 *as = As0 + buf * TBM * LD, *bs = Bs0 + buf * B_STAGE;
+        if (ASYNC) loads.load(as, bs, k0, kend);
+        else load_tile_plain<TBM, BKM>(g, t, as, bs, k0, Bz, Az);
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
@@ -229,8 +227,8 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
         __syncthreads();
         if (st + STAGES - 1 < n_stages) load_stage(st + STAGES - 1);
         if (ASYNC) cp_commit();
-        const bf16 *as = As[st % STAGES];
-        const bf16 *bs = Bs[st % STAGES];
+        const bf16 *as = As0 + (st % STAGES) * TBM * LD;
+        const bf16 *bs = Bs0 + (st % STAGES) * B_STAGE;
         const int ks_valid = min(KS, (kt1 - kt0 - st * KT_PS) * BK);   /* whole k-tiles of the split */
 #pragma unroll
         for (int kk = 0; kk < KS; kk += 16) {
@@ -303,12 +301,15 @@ __global__ void gemm_reduce_kernel(kd_gemm_args g, int splits, const float *part
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 template <int TBM>
-void launch_gemm(bool async, bool kmajor, dim3 grid, cudaStream_t st, const kd_gemm_args &s, int n_tiles, int splits,
-                 int kts, float *partial) {
-    if (async && kmajor) gemm_kernel<TBM, true, true><<<grid, THREADS, 0, st>>>(s, n_tiles, splits, kts, partial);
-    else if (async) gemm_kernel<TBM, true, false><<<grid, THREADS, 0, st>>>(s, n_tiles, splits, kts, partial);
-    else if (kmajor) gemm_kernel<TBM, false, true><<<grid, THREADS, 0, st>>>(s, n_tiles, splits, kts, partial);
-    else gemm_kernel<TBM, false, false><<<grid, THREADS, 0, st>>>(s, n_tiles, splits, kts, partial);
+kd_status launch_gemm(kd_cuda *c, bool async, bool kmajor, dim3 grid, const kd_gemm_args &s, int n_tiles, int splits,
+                      int kts, float *partial) {
+    void (*fn)(kd_gemm_args, int, int, int, float *) =
+        async ? (kmajor ? gemm_kernel<TBM, true, true> : gemm_kernel<TBM, true, false>)
+              : (kmajor ? gemm_kernel<TBM, false, true> : gemm_kernel<TBM, false, false>);
+    const size_t smem = gemm_smem(TBM);
+    KD_TRY(kd_cuda_smem(c, (const void *)fn, smem));
+    fn<<<grid, THREADS, smem, c->stream>>>(s, n_tiles, splits, kts, partial);
+    return KD_OK;
 }
 
 }  // namespace
@@ -375,8 +376,8 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
         dim3 grid(n_tiles * splits, (s.M + tbm - 1) / tbm, s.batch);
         if (grid.y > 65535 || grid.z > 65535)
             return kd_fail(KD_ERR_ARG, "cuda gemm: grid too large (M=%d, batch=%d)", s.M, s.batch);
-        if (small) launch_gemm<BM_SMALL>(async_s, g.b_kmajor, grid, c->stream, s, n_tiles, splits, kts, partial);
-        else launch_gemm<BM>(async_s, g.b_kmajor, grid, c->stream, s, n_tiles, splits, kts, partial);
+        if (small) KD_TRY(launch_gemm<BM_SMALL>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial));
+        else KD_TRY(launch_gemm<BM>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial));
         KD_CUDA_LAUNCH("gemm_kernel");
         if (splits > 1) {
             size_t total = (size_t)s.batch * s.M * s.N;
