@@ -92,7 +92,9 @@ typedef struct kd_w4a16_moe_shape {
  * GEMM (f32 per (token, expert) row), and the combine. Graph-capturable (fixed shapes per T).
  * The grouping kernel waits for all earlier work on the stream, as a plain launch does; the
  * gate+up GEMM and the combine use programmatic dependent launch behind the kernel before
- * them inside the call (each waits for it before its first read).
+ * them inside the call (each waits for it before its first read), and so does the down GEMM
+ * when gate+up does its work in one pass (it reads the grouping before its wait, as gate+up
+ * releases it only once the grouping is complete).
  * ws: kd_w4a16_moe_ws_bytes(shape, T) bytes, no initial content needed. */
 size_t kd_w4a16_moe_ws_bytes(const kd_w4a16_moe_shape *shape, int T);
 kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *shape, const kd_w4a16_expert *table, const void *x, long long ldx,
