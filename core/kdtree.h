@@ -214,7 +214,8 @@ typedef struct kd_memory_report {
     uint64_t kv_cache;                    /* latent KV caches of the open sequences */
     uint64_t activations;                 /* per-sequence logits and forward scratch */
     uint64_t drafter_cache;               /* the rest of the backend's buffers: drafters' per-sequence
-                                             state and RoPE tables, trees held on the backend */
+                                             state and RoPE tables */
+    uint64_t trees;                       /* DDTree trees' backend copies (nodes, masks, top-K lists) */
     uint64_t workspace;                   /* the backend's shared scratch (CPU: its two work buffers) */
     uint64_t other;                       /* small model buffers: RoPE table, router bias copies */
     uint64_t total;

@@ -478,6 +478,7 @@ kd_status kd_model_memory(const kd_model *m, kd_memory_report *out) {
     r->weights_allocated = alloc;
     r->kv_cache = m->mem_kv;
     r->activations = m->mem_act;
+    r->trees = m->mem_trees;
     r->other = other;
     if (m->be->ops->mem_usage) {
         /* the backend's totals: what this model's walk and its sequences do not account for
@@ -487,14 +488,14 @@ kd_status kd_model_memory(const kd_model *m, kd_memory_report *out) {
         memset(&u, 0, sizeof u);
         m->be->ops->mem_usage(m->be, &u);
         r->drafter_weights = u.weights > r->weights_total ? u.weights - r->weights_total : 0;
-        uint64_t mine = r->kv_cache + r->activations + other;
+        uint64_t mine = r->kv_cache + r->activations + r->trees + other;
         r->drafter_cache = u.buffers > mine ? u.buffers - mine : 0;
         r->workspace = u.workspace;
         r->device_free = u.device_free;
         r->device_total = u.device_total;
     }
     r->total = r->weights_total + r->drafter_weights + r->kv_cache + r->activations + r->drafter_cache +
-               r->workspace + r->other;
+               r->trees + r->workspace + r->other;
     for (int i = 0; i < m->files.n_files; i++)
         if (m->files.files[i].map) r->mapped += m->files.files[i].size;
     r->n_seqs = (uint64_t)m->n_seqs;

@@ -62,6 +62,7 @@ struct kd_model {
     bool closing;                             /* kd_model_close was called while n_seqs > 0 */
     /* tallies of the open sequences for kd_model_memory (seq.c, model.c) */
     uint64_t mem_kv, mem_act;                 /* backend bytes: KV caches; logits + forward scratch */
+    uint64_t mem_trees;                       /* backend bytes of the trees' backend copies (tree.c) */
     uint64_t graphs_held, graph_captures, graph_launches, graph_fallbacks;
 };
 

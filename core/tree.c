@@ -100,10 +100,14 @@ static void tree_link(kd_tree *t) {
 /* free the backend copy and drop the model reference (the host copy must be valid first
  * when the tree lives on) */
 static void tree_dev_release(kd_tree *t) {
-    if (t->dev_buf && t->model) t->model->be->ops->free(t->model->be, t->dev_buf);
+    if (t->dev_buf && t->model) {
+        t->model->be->ops->free(t->model->be, t->dev_buf);
+        t->model->mem_trees -= t->dev_bytes;
+    }
     if (t->model) kd_model_unref(t->model);
     t->model = NULL;
     t->dev_buf = NULL;
+    t->dev_bytes = 0;
     memset(&t->dev, 0, sizeof t->dev);
     t->dev_valid = false;
 }
@@ -151,7 +155,9 @@ static kd_status tree_dev_reserve(kd_tree *t, kd_model *m, int cap, int topk_cap
     if (st != KD_OK) return kd_fail_context(st, "%s: the tree's backend copy (%d nodes, %zu bytes)", fn, cap, bytes);
     kd_dtree_layout(&t->dev, buf, cap, topk_cap);
     t->dev_buf = buf;
+    t->dev_bytes = bytes;
     t->model = m;
+    m->mem_trees += bytes;
     m->n_seqs++;        /* the model (its backend) outlives this buffer */
     return KD_OK;
 }

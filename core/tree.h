@@ -36,6 +36,7 @@ struct kd_tree {
     /* the backend copy */
     kd_model *model;       /* whose backend holds dev (the tree holds a reference on it), or NULL */
     void *dev_buf;         /* the one backend allocation dev points into */
+    size_t dev_bytes;      /* its size (on model->mem_trees while it is held) */
     kd_dtree dev;
     bool host_valid;       /* the host arrays hold nodes 1..n (token[0] is always valid) */
     bool dev_valid;        /* dev holds nodes 0..n (token[0] is staged by kd_verify), and the mask

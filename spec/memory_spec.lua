@@ -33,7 +33,8 @@ local function file_size(path)
 end
 
 local function parts(r)
-  return r.weights_total + r.drafter_weights + r.kv_cache + r.activations + r.drafter_cache + r.workspace + r.other
+  return r.weights_total + r.drafter_weights + r.kv_cache + r.activations + r.drafter_cache + r.trees + r.workspace +
+    r.other
 end
 
 local function kv_bytes(info, capacity, act)
@@ -191,6 +192,14 @@ describe("the backend's own tallies on " .. BACKEND, function()
     local r3 = m:memory()
     assert.is_true(r3.workspace > 0, "the forward's workspaces")
     assert.are.equal(parts(r3), r3.total)
+    assert.are.equal(0, r3.trees)
+    local t = kd.tree.build_drafted(s, 16)
+    local rt = m:memory()
+    assert.is_true(rt.trees > 0, "the tree's backend copy")
+    assert.are.equal(r3.drafter_cache, rt.drafter_cache, "a tree is not counted as the drafter's")
+    assert.are.equal(parts(rt), rt.total)
+    t:close()
+    assert.are.equal(0, m:memory().trees, "closing the tree frees its backend copy")
     s:close()
     local r4 = m:memory()
     assert.are.equal(0, r4.kv_cache)

@@ -62,7 +62,7 @@ end
 local MEMORY_FIELDS = { "weights_attention", "weights_dense_mlp", "weights_shared_experts",
   "weights_routed_experts", "weights_router", "weights_embed", "weights_lm_head", "weights_norms",
   "weights_total", "weights_allocated", "drafter_weights", "kv_cache", "activations", "drafter_cache",
-  "workspace", "other", "total", "mapped", "device_free", "device_total", "n_seqs", "graphs",
+  "trees", "workspace", "other", "total", "mapped", "device_free", "device_total", "n_seqs", "graphs",
   "graph_captures", "graph_launches", "graph_fallbacks" }
 
 function Model:memory()

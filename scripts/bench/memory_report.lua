@@ -123,9 +123,10 @@ local ROWS = {
       info.n_layers, info.kv_lora_rank, info.qk_rope_dim, act, grouped(kv_formula)) },
   { "scratch: per-sequence logits + forward scratch", "activations" },
   { "scratch: backend workspaces (shared)", "workspace" },
-  { "drafter per-sequence state (K/V, taps, draft scratch, trees)", "drafter_cache",
+  { "drafter per-sequence state (K/V, taps, draft scratch)", "drafter_cache",
     string.format("of which K/V %d layers x 2 x (%d + %d) x %d x %d B = %s", di.n_layers, o.capacity, di.block_size,
       di.n_kv_heads * di.head_dim, act, grouped(dkv)) },
+  { "DDTree trees' backend copies", "trees" },
   { "other (RoPE tables, router bias)", "other" },
   { "**total**", "total" },
 }
@@ -158,7 +159,8 @@ end
 md("\n")
 
 -- checks
-local sum = r.weights_total + r.drafter_weights + r.kv_cache + r.activations + r.drafter_cache + r.workspace + r.other
+local sum = r.weights_total + r.drafter_weights + r.kv_cache + r.activations + r.drafter_cache + r.trees +
+  r.workspace + r.other
 check(sum == r.total, string.format("total %s = the sum of its parts %s", grouped(r.total), grouped(sum)))
 check(r.kv_cache == kv_formula, string.format("KV cache %s = capacity x layers x (r + dr) x %d B = %s",
   grouped(r.kv_cache), act, grouped(kv_formula)))
