@@ -39,6 +39,9 @@ static inline uint64_t kd_weight_scale_bytes(const kd_weight *w) {
     return w->format == KD_W_INT4 && w->group > 0 ? (uint64_t)w->rows * (uint64_t)w->cols / (uint64_t)w->group * 2 : 0;
 }
 static inline uint64_t kd_weight_bytes(const kd_weight *w) { return kd_weight_value_bytes(w) + kd_weight_scale_bytes(w); }
+/* what a weight counts for in the memory tallies (both backends' and kd_model_memory's walk):
+ * kd_weight_bytes once it is loaded (w->dev set), else 0 */
+static inline uint64_t kd_weight_held(const kd_weight *w) { return w->dev ? kd_weight_bytes(w) : 0; }
 
 /* A row-major activation view: element (r, c) at data + (r*ld + c)*size(dtype). */
 typedef struct kd_act {

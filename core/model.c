@@ -418,12 +418,9 @@ static bool in_files(const kd_st_set *set, const void *p) {
     return false;
 }
 
-/* bytes of a loaded weight, as both backends tally it (CPU: the bytes it reads) */
-static uint64_t weight_held(const kd_weight *w) { return w->dev ? kd_weight_bytes(w) : 0; }
-
 /* of those, the bytes outside the mapped checkpoint (device copies, or CPU host copies) */
 static uint64_t weight_allocated(const kd_model *m, const kd_weight *w) {
-    uint64_t b = weight_held(w);
+    uint64_t b = kd_weight_held(w);
     if (!b || m->be->kind != KD_BACKEND_CPU) return b;
     uint64_t a = 0;
     if (w->src && !in_files(&m->files, w->src)) a += kd_weight_value_bytes(w);
@@ -432,7 +429,7 @@ static uint64_t weight_allocated(const kd_model *m, const kd_weight *w) {
 }
 
 static void count_weight(const kd_model *m, const kd_weight *w, uint64_t *cat, uint64_t *allocated) {
-    *cat += weight_held(w);
+    *cat += kd_weight_held(w);
     *allocated += weight_allocated(m, w);
 }
 
@@ -483,7 +480,7 @@ kd_status kd_model_memory(const kd_model *m, kd_memory_report *out) {
     if (m->be->ops->mem_usage) {
         /* the backend's totals: what this model's walk and its sequences do not account for
          * belongs to the drafters bound to it (their weights; their per-sequence buffers).
-         * Both backends tally a loaded weight as the walk counts it (weight_held). */
+         * Both backends tally a loaded weight as the walk counts it (kd_weight_held). */
         kd_mem_usage u;
         memset(&u, 0, sizeof u);
         m->be->ops->mem_usage(m->be, &u);

@@ -251,10 +251,9 @@ static kd_status cuda_weight_load(kd_backend *be, kd_weight *w) {
     default:
         return kd_fail(KD_ERR_ARG, "cuda weight_load: weight '%s': unknown format %d", name, (int)w->format);
     }
-    /* a weight counts as kd_weight_bytes, as the memory walk counts it (INT4: the codes and bf16
-     * scales at the checkpoint's size; the repacked form pads them to 16-row tiles and 64-column
-     * chunks) */
-    c->bytes_weights += kd_weight_bytes(w);
+    /* as the memory walk counts it (INT4: the codes and bf16 scales at the checkpoint's size; the
+     * repacked form pads them to 16-row tiles and 64-column chunks) */
+    c->bytes_weights += kd_weight_held(w);
     return KD_OK;
 }
 
@@ -262,7 +261,7 @@ static void cuda_weight_free(kd_backend *be, kd_weight *w) {
     if (!w) return;
     kd_cuda *c = kd_cuda_of(be);
     cudaSetDevice(be->device);
-    const uint64_t b = w->dev ? kd_weight_bytes(w) : 0;
+    const uint64_t b = kd_weight_held(w);
     if (w->dev) cudaFree(w->dev);   /* one allocation: an INT4 weight's scales live inside it */
     c->bytes_weights = c->bytes_weights > b ? c->bytes_weights - b : 0;
     w->dev = NULL;

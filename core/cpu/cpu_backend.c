@@ -258,12 +258,12 @@ static kd_status cpu_weight_load(kd_backend *be, kd_weight *w) {
     KD_TRY(kd_cpu_check_weight("weight_load", w));
     w->dev = (void *)w->src;           /* no copy: the mapping is the CPU's form */
     w->dev_scale = (void *)w->src_scale;
-    ((kd_cpu_impl *)be->impl)->bytes_weights += kd_weight_bytes(w);
+    ((kd_cpu_impl *)be->impl)->bytes_weights += kd_weight_held(w);
     return KD_OK;
 }
 static void cpu_weight_free(kd_backend *be, kd_weight *w) {
-    if (!w || !w->dev) return;         /* never loaded, or freed already */
-    ((kd_cpu_impl *)be->impl)->bytes_weights -= kd_weight_bytes(w);
+    if (!w) return;
+    ((kd_cpu_impl *)be->impl)->bytes_weights -= kd_weight_held(w);   /* 0: never loaded, or freed already */
     w->dev = NULL;
     w->dev_scale = NULL;
 }
