@@ -23,20 +23,25 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Kimi's pattern; its class intersections [A&&[^\p{Han}]] (fancy-regex) are written as
- * (?:(?!\p{Han})[A]), which PCRE2 takes */
-#define NOT_HAN_UPPER "(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])"
-#define NOT_HAN_LOWER "(?:(?!\\p{Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])"
+/* Kimi's pattern as tiktoken's regex engine reads it. Its class intersections [A&&[^\p{Han}]]
+ * (fancy-regex) are written as (?:(?!Han)[A]), which PCRE2 takes. Two meanings differ between
+ * the engines and are spelled out: \p{Han} is the Script property there, while PCRE2 (10.40 on)
+ * takes Script_Extensions, which adds CJK punctuation such as 。「」・ (so \p{sc:Han}); and
+ * \s is Unicode's White_Space there, while PCRE2's also takes U+180E (so the class WS). */
+#define HAN "\\p{sc:Han}"
+#define WS "\\t-\\r\\x{20}\\x{85}\\x{a0}\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}\\x{202f}\\x{205f}\\x{3000}"
+#define NOT_HAN_UPPER "(?:(?!" HAN ")[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])"
+#define NOT_HAN_LOWER "(?:(?!" HAN ")[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])"
 #define CONTRACTION "(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
 static const char KIMI_PATTERN[] =
-    "[\\p{Han}]+"
+    "[" HAN "]+"
     "|[^\\r\\n\\p{L}\\p{N}]?" NOT_HAN_UPPER "*" NOT_HAN_LOWER "+" CONTRACTION
     "|[^\\r\\n\\p{L}\\p{N}]?" NOT_HAN_UPPER "+" NOT_HAN_LOWER "*" CONTRACTION
     "|\\p{N}{1,3}"
-    "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
-    "|\\s*[\\r\\n]+"
-    "|\\s+(?!\\S)"
-    "|\\s+";
+    "| ?[^" WS "\\p{L}\\p{N}]+[\\r\\n]*"
+    "|[" WS "]*[\\r\\n]+"
+    "|[" WS "]+(?![^" WS "])"
+    "|[" WS "]+";
 
 struct kd_tokenizer {
     int n_base;                /* base ranks; the special ids follow (id_count) */

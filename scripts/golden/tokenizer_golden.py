@@ -83,6 +83,8 @@ STRINGS = [
     "<|im_system|>system<|im_middle|>hi<|im_end|><|im_user|>user<|im_middle|>2+2?<|im_end|>",
     "[BOS]text[EOS]", "<think>reasoning</think>answer", "no specials here <|not_a_token|>",
     "\u0301combining", "mixed\u3000ideographic space", "'s 's 'S 'LL", "ab" * 50, "9" * 10,
+    # CJK punctuation is not Han by Script (only by Script_Extensions), and U+180E is not White_Space
+    "「it's」", "中。's", "・'s", "中文。\n下一行", "  \u180ec", "\u180e's",
 ]
 
 
@@ -121,7 +123,7 @@ def random_strings(n):
     pieces = ["a", "Z", "the", "The", "THE", "'s", "'LL", "'t", " ", "  ", "\t", "\n", "\r\n", "\n\n", "\u00a0",
               "\u3000", "1", "42", "12345", "3.14", ",", ".", "!?", "...", "->", "(", ")", "{}", "$", "_", "中", "文字",
               "日本", "한", "é", "Ü", "ß", "λόγος", "мир", "😀", "🚀", "\u0301", "x\u0308", "<|im_end|>", "[BOS]",
-              "<think>", "<|reserved_token_900|>", "<|", "|>", "[", "]"]
+              "<think>", "<|reserved_token_900|>", "<|", "|>", "[", "]", "。", "「", "」", "・", "\u180e"]
     return ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(n)]
 
 
@@ -155,8 +157,7 @@ def main():
         assert enc.decode(plain) == text
         cases.append({"text" if isinstance(s, str) else "parts": s, "ids": plain, "ids_special": with_special})
     with open(os.path.join(root, "spec", "fixtures", "tokenizer", "golden.json"), "w") as f:
-        f.write("{\"n_base\": %d, \"vocab_rows\": %d,\n \"special\": %s,\n \"cases\": [\n" % (
-            n_base, VOCAB_ROWS, json.dumps(named, ensure_ascii=False)))
+        f.write("{\"n_base\": %d,\n \"special\": %s,\n \"cases\": [\n" % (n_base, json.dumps(named, ensure_ascii=False)))
         f.write(",\n".join(json.dumps(c, ensure_ascii=False, separators=(",", ":")) for c in cases))
         f.write("\n]}\n")   # one case a line
     print(f"{n_base} base ranks, {len(special)} special ids, {len(cases)} golden strings")
