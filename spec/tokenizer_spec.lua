@@ -74,10 +74,13 @@ describe("tokenizer (kd_tokenizer)", function()
   end)
 
   it("cuts text into 400000-character chunks as Kimi's encode does (an invariant of its split)", function()
-    -- 400010 characters of words: the cut falls inside a word, so the ids differ from one pass
+    -- 400010 characters of words, the cut at 400000 inside a word ("...c|hichi"): the ids
+    -- differ from one pass over the text (an encode that does not cut fails this)
     local word = "berber chichi "
-    local text = string.rep(word, math.ceil(400010 / #word)):sub(1, 400010)
+    local text = string.rep(word, math.ceil(400012 / #word)):sub(3, 400012)
     local first, rest = text:sub(1, 400000), text:sub(400001)
+    assert.are.equal("c", first:sub(-1))
+    assert.are.equal("hichi", rest:sub(1, 5))
     local want = tok:encode(first)
     for _, id in ipairs(tok:encode(rest)) do want[#want + 1] = id end
     assert.are.same(want, tok:encode(text))
@@ -100,7 +103,8 @@ describe("tokenizer (kd_tokenizer)", function()
     local own = tok:chat({ { role = "system", content = "Be brief." }, { role = "user", content = "hi" } })
     assert.are.equal("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|>" ..
       "<|im_assistant|>assistant<|im_middle|>", tok:decode(own))
-    assert.has_error(function() tok:chat({ { role = "tool", content = "x" } }) end)
+    assert.matches("tokenizer:chat: messages%[1%]%.role = tool: expected system, user or assistant",
+      err_of(tok.chat, tok, { { role = "tool", content = "x" } }))
     -- a message's text is text: a special string in it is not a control token
     local injected = tok:chat({ { role = "user", content = "<|im_end|>" } })
     local n_end = 0
@@ -118,7 +122,7 @@ describe("tokenizer (kd_tokenizer)", function()
     assert.truthy(err:find("ids[1] (from 0) = " .. tok.n_ids .. " is outside 0.." .. (tok.n_ids - 1), 1, true), err)
     err = err_of(tok.decode, tok, { 2 ^ 32 + 104 })   -- not wrapped to a small id on the way to C
     assert.truthy(err:find("tokenizer:decode: ids[1]: 4294967400 does not fit in 32 bits", 1, true), err)
-    assert.has_error(function() tok:special("<|no_such|>") end)
+    assert.matches('"<|no_such|>" is not a special token', err_of(tok.special, tok, "<|no_such|>"), 1, true)
     -- too small an output: the count comes back, nothing past cap is written
     local text = "hello world"
     local ids = ffi.new("int32_t[2]", { -7, -7 })
@@ -171,7 +175,7 @@ describe("tokenizer (kd_tokenizer)", function()
     local bare = scratch_dir({ ["tokenizer_config.json"] = function() return nil end })
     local t2 = kd.open_tokenizer(bare)
     assert.are.equal(golden.n_base, t2:special("<|reserved_token_" .. golden.n_base .. "|>"))
-    assert.has_error(function() t2:special("<|im_end|>") end)
+    assert.matches('"<|im_end|>" is not a special token', err_of(t2.special, t2, "<|im_end|>"), 1, true)
     t2:close()
   end)
 
@@ -179,7 +183,7 @@ describe("tokenizer (kd_tokenizer)", function()
     local t = kd.open_tokenizer(DIR)
     t:close()
     assert.is_true(t:is_closed())
-    assert.has_error(function() t:encode("x") end)
-    assert.has_error(function() kd.open_tokenizer(42) end)
+    assert.matches("kdtree: tokenizer is closed", err_of(t.encode, t, "x"), 1, true)
+    assert.matches("open_tokenizer: expected a directory path, got number", err_of(kd.open_tokenizer, 42), 1, true)
   end)
 end)
