@@ -106,6 +106,14 @@ describe("kdtree generate", function()
     assert.are.same({ tok:special("<|im_end|>"), tok:special("[EOT]") }, chat_eos)
     for _, id in ipairs(m.info.eos) do chat_eos[#chat_eos + 1] = id end
     assert.are.same(ref(chat_ids, chat_eos), split_ids(out))
+    -- sampled with this seed the turn ends at <|im_end|> (the greedy run above meets no stop),
+    -- so a CLI that stopped only at the model's eos would print more
+    code, out = run("generate --chat 'Hello! 你好' -n 24 --ids --temperature 1.5 --seed 24")
+    assert.are.equal(0, code)
+    local sampled = gen.run(m, chat_ids, { policy = "ar", n = 24, eos = chat_eos,
+      sampler = { temperature = 1.5, top_k = 0, top_p = 1, seed = 24 } }).tokens
+    assert.are.same(sampled, split_ids(out))
+    assert.is_true(#sampled < 24 and sampled[#sampled] == tok:special("<|im_end|>"), table.concat(sampled, " "))
     local err
     code, out, err = run("generate --prompt 'The quick brown fox' -n 6")
     assert.are.equal(0, code, err)
