@@ -421,16 +421,42 @@ static kd_status encode_piece(const kd_tokenizer *t, const unsigned char *p, siz
     return KD_OK;
 }
 
+/* what one encode call matches with: the match data, and a JIT stack of up to 16 MB (the
+ * default 32 KB overflows on a word of about 10000 characters, and the interpreter then matched
+ * it all again; a run of Kimi's split is at most 25000 characters) */
+typedef struct matcher {
+    pcre2_match_data *md;
+    pcre2_match_context *mc;
+    pcre2_jit_stack *stack;
+} matcher;
+static void matcher_free(matcher *mt) {
+    pcre2_match_data_free(mt->md);
+    pcre2_match_context_free(mt->mc);
+    pcre2_jit_stack_free(mt->stack);
+}
+static kd_status matcher_new(const kd_tokenizer *t, matcher *mt) {
+    mt->md = pcre2_match_data_create_from_pattern(t->re, NULL);
+    mt->mc = pcre2_match_context_create(NULL);
+    mt->stack = pcre2_jit_stack_create(32 * 1024, 16 * 1024 * 1024, NULL);
+    if (!mt->md || !mt->mc) {   /* no JIT stack: PCRE2's default one */
+        matcher_free(mt);
+        return kd_fail(KD_ERR_NOMEM, "kd_tokenizer_encode: out of memory");
+    }
+    if (mt->stack) pcre2_jit_stack_assign(mt->mc, NULL, mt->stack);
+    return KD_OK;
+}
+
 /* text[0..n) of one segment (valid UTF-8, between special tokens), `base` bytes into the
  * caller's text */
 static kd_status encode_ordinary(const kd_tokenizer *t, const unsigned char *text, size_t n, size_t base,
-                                 pcre2_match_data *md, merge_buf *mb, sink *s) {
+                                 const matcher *mt, merge_buf *mb, sink *s) {
     size_t at = 0;
     while (at < n) {
-        int rc = pcre2_match(t->re, text, n, at, PCRE2_NO_UTF_CHECK, md, NULL);
-        /* a long word can outgrow the JIT's stack (32 KB): the interpreter takes it on the heap */
-        if (rc == PCRE2_ERROR_JIT_STACKLIMIT) rc = pcre2_match(t->re, text, n, at, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, NULL);
-        const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+        int rc = pcre2_match(t->re, text, n, at, PCRE2_NO_UTF_CHECK, mt->md, mt->mc);
+        /* past even the matcher's JIT stack: the interpreter takes it on the heap */
+        if (rc == PCRE2_ERROR_JIT_STACKLIMIT)
+            rc = pcre2_match(t->re, text, n, at, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, mt->md, mt->mc);
+        const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(mt->md);
         if (rc < 0 || ov[0] != at || ov[1] <= at) {   /* the pattern matches every character: not reached */
             PCRE2_UCHAR msg[160] = "the pattern left a character unmatched";
             if (rc < 0) pcre2_get_error_message(rc, msg, sizeof msg);
@@ -478,13 +504,13 @@ static bool next_special(const kd_tokenizer *t, const unsigned char *text, size_
 
 /* one run of Kimi's split (see the top): special strings and the ordinary text between them */
 static kd_status encode_run(const kd_tokenizer *t, const unsigned char *u, size_t from, size_t to, int parse_special,
-                            pcre2_match_data *md, merge_buf *mb, sink *s) {
+                            const matcher *mt, merge_buf *mb, sink *s) {
     size_t pos = from;
     while (pos < to) {
         size_t at = to, len = 0;
         int32_t id = -1;
         if (parse_special) next_special(t, u, to, pos, &at, &id, &len);
-        KD_TRY(encode_ordinary(t, u + pos, at - pos, pos, md, mb, s));
+        KD_TRY(encode_ordinary(t, u + pos, at - pos, pos, mt, mb, s));
         if (at < to) put(s, id);
         pos = at + len;
     }
@@ -505,8 +531,8 @@ kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_
                        (const void *)t, (const void *)text, (void *)ids, (void *)n_ids);
     *n_ids = 0;
     const unsigned char *u = (const unsigned char *)text;
-    pcre2_match_data *md = pcre2_match_data_create_from_pattern(t->re, NULL);
-    if (!md) return kd_fail(KD_ERR_NOMEM, "kd_tokenizer_encode: out of memory");
+    matcher mt;
+    KD_TRY(matcher_new(t, &mt));
     merge_buf mb = {0};
     sink s = {ids, cap, 0};
     kd_status st = KD_OK;
@@ -521,7 +547,7 @@ kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_
             break;
         }
         if (chunk_chars == KIMI_CHUNK_CHARS) {   /* a new chunk: a new run */
-            st = encode_run(t, u, start, i, parse_special, md, &mb, &s);
+            st = encode_run(t, u, start, i, parse_special, &mt, &mb, &s);
             if (st != KD_OK) break;
             start = i;
             chunk_chars = 0;
@@ -531,7 +557,7 @@ kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_
             run_space = space;
             run_chars = 1;
         } else if (++run_chars > KIMI_RUN_CHARS) {
-            st = encode_run(t, u, start, i, parse_special, md, &mb, &s);
+            st = encode_run(t, u, start, i, parse_special, &mt, &mb, &s);
             if (st != KD_OK) break;
             start = i;
             run_chars = 1;
@@ -539,8 +565,8 @@ kd_status kd_tokenizer_encode(const kd_tokenizer *t, const char *text, size_t n_
         chunk_chars++;
         i += len;
     }
-    if (st == KD_OK) st = encode_run(t, u, start, n_bytes, parse_special, md, &mb, &s);
-    pcre2_match_data_free(md);
+    if (st == KD_OK) st = encode_run(t, u, start, n_bytes, parse_special, &mt, &mb, &s);
+    matcher_free(&mt);
     free(mb.next);
     free(mb.prev);
     free(mb.rank);
