@@ -43,12 +43,20 @@ static const char KIMI_PATTERN[] =
     "|[" WS "]+(?![^" WS "])"
     "|[" WS "]+";
 
+/* ids by their bytes: open addressing, -1 = empty */
+typedef struct id_table {
+    int32_t *slot;
+    uint32_t mask;
+} id_table;
+
 struct kd_tokenizer {
     int n_base;                /* base ranks; the special ids follow (id_count) */
     unsigned char *bytes;      /* every id's bytes, concatenated */
     size_t *off;               /* id -> its bytes: bytes + off[id], off[id + 1] - off[id] long */
-    int32_t *slot;             /* open-addressing table of base ranks by their bytes, -1 = empty */
-    uint32_t slot_mask;
+    id_table ranks;            /* the base ranks */
+    id_table specials;         /* the special ids (the lowest id of a repeated string) */
+    int n_special_lens;
+    size_t special_lens[KD_TOKENIZER_SPECIAL_SLOTS];   /* their distinct lengths, longest first */
     bool special_single[256];            /* the special strings of one byte */
     uint64_t special_pair[65536 / 64];   /* the first two bytes of the longer ones, a bit each */
     pcre2_code *re;
@@ -67,16 +75,41 @@ static const unsigned char *id_bytes(const kd_tokenizer *t, int id, size_t *len)
     return t->bytes + t->off[id];
 }
 
-/* the base rank whose bytes are p[0..n), or -1 */
-static int32_t rank_of(const kd_tokenizer *t, const unsigned char *p, size_t n) {
-    for (uint32_t i = hash_bytes(p, n) & t->slot_mask;; i = (i + 1) & t->slot_mask) {
-        int32_t r = t->slot[i];
+/* a table with room for n ids (at most half full) */
+static bool table_init(id_table *tab, int n) {
+    uint32_t size = 16;
+    while (size < 2u * (uint32_t)n) size <<= 1;
+    tab->slot = malloc(size * sizeof *tab->slot);
+    if (!tab->slot) return false;
+    memset(tab->slot, 0xff, size * sizeof *tab->slot);
+    tab->mask = size - 1;
+    return true;
+}
+/* the id of tab whose bytes are p[0..n), or -1 */
+static int32_t table_find(const kd_tokenizer *t, const id_table *tab, const unsigned char *p, size_t n) {
+    for (uint32_t i = hash_bytes(p, n) & tab->mask;; i = (i + 1) & tab->mask) {
+        int32_t r = tab->slot[i];
         if (r < 0) return -1;
         size_t len;
         const unsigned char *b = id_bytes(t, r, &len);
         if (len == n && !memcmp(b, p, n)) return r;
     }
 }
+/* id into tab, unless an id with its bytes is there: then that id, else -1 (one probe) */
+static int32_t table_insert(const kd_tokenizer *t, id_table *tab, int32_t id) {
+    size_t n;
+    const unsigned char *p = id_bytes(t, id, &n);
+    uint32_t i = hash_bytes(p, n) & tab->mask;
+    for (; tab->slot[i] >= 0; i = (i + 1) & tab->mask) {
+        size_t len;
+        const unsigned char *b = id_bytes(t, tab->slot[i], &len);
+        if (len == n && !memcmp(b, p, n)) return tab->slot[i];
+    }
+    tab->slot[i] = id;
+    return -1;
+}
+/* the base rank whose bytes are p[0..n), or -1 */
+static int32_t rank_of(const kd_tokenizer *t, const unsigned char *p, size_t n) { return table_find(t, &t->ranks, p, n); }
 
 /* standard base64 (with '=' padding) of s[0..n) into out; the decoded length, or -1 */
 static long base64_decode(const char *s, size_t n, unsigned char *out) {
@@ -165,20 +198,10 @@ done:
 }
 
 static kd_status build_table(kd_tokenizer *t, const char *path) {
-    uint32_t size = 1024;
-    while (size < 2u * (uint32_t)t->n_base) size <<= 1;
-    t->slot = malloc(size * sizeof *t->slot);
-    if (!t->slot) return kd_fail(KD_ERR_NOMEM, "%s: out of memory", path);
-    memset(t->slot, 0xff, size * sizeof *t->slot);
-    t->slot_mask = size - 1;
+    if (!table_init(&t->ranks, t->n_base)) return kd_fail(KD_ERR_NOMEM, "%s: out of memory", path);
     for (int r = 0; r < t->n_base; r++) {
-        size_t n;
-        const unsigned char *p = id_bytes(t, r, &n);
-        int32_t same = rank_of(t, p, n);
+        int32_t same = table_insert(t, &t->ranks, r);
         if (same >= 0) return kd_fail(KD_ERR_FORMAT, "%s: rank %d repeats the bytes of rank %d", path, r, same);
-        uint32_t i = hash_bytes(p, n) & t->slot_mask;
-        while (t->slot[i] >= 0) i = (i + 1) & t->slot_mask;
-        t->slot[i] = r;
     }
     for (int b = 0; b < 256; b++) {   /* every piece must come apart into tokens */
         unsigned char c = (unsigned char)b;
@@ -268,6 +291,19 @@ static kd_status load_specials(kd_tokenizer *t, const char *path) {
         o += n;
         t->off[t->n_base + i + 1] = o;
     }
+    if (!table_init(&t->specials, KD_TOKENIZER_SPECIAL_SLOTS)) {
+        st = kd_fail(KD_ERR_NOMEM, "%s: out of memory", path);
+        goto done;
+    }
+    for (int i = 0; i < KD_TOKENIZER_SPECIAL_SLOTS; i++) {
+        table_insert(t, &t->specials, t->n_base + i);   /* a repeated string keeps its first id */
+        size_t n = strlen(name[i]), k = 0;
+        while (k < (size_t)t->n_special_lens && t->special_lens[k] > n) k++;
+        if (k < (size_t)t->n_special_lens && t->special_lens[k] == n) continue;
+        memmove(t->special_lens + k + 1, t->special_lens + k, (t->n_special_lens - k) * sizeof *t->special_lens);
+        t->special_lens[k] = n;
+        t->n_special_lens++;
+    }
 done:
     cJSON_Delete(root);
     return st;
@@ -312,7 +348,8 @@ void kd_tokenizer_close(kd_tokenizer *t) {
     pcre2_code_free(t->re);
     free(t->bytes);
     free(t->off);
-    free(t->slot);
+    free(t->ranks.slot);
+    free(t->specials.slot);
     free(t);
 }
 
@@ -483,23 +520,20 @@ static bool special_may_start(const kd_tokenizer *t, const unsigned char *text, 
  * place, id and length */
 static bool next_special(const kd_tokenizer *t, const unsigned char *text, size_t n, size_t from, size_t *at,
                          int32_t *id, size_t *len_out) {
-    bool found = false;
-    for (size_t i = from; i < n && !found; i++) {
+    for (size_t i = from; i < n; i++) {
         if (!special_may_start(t, text, n, i)) continue;
-        size_t best = 0;
-        for (int k = t->n_base; k < id_count(t); k++) {
-            size_t len;
-            const unsigned char *b = id_bytes(t, k, &len);
-            if (len > best && len <= n - i && !memcmp(text + i, b, len)) {
-                best = len;
-                *id = k;
+        for (int k = 0; k < t->n_special_lens; k++) {   /* longest first */
+            const size_t len = t->special_lens[k];
+            const int32_t s = len <= n - i ? table_find(t, &t->specials, text + i, len) : -1;
+            if (s >= 0) {
+                *id = s;
                 *at = i;
                 *len_out = len;
-                found = true;
+                return true;
             }
         }
     }
-    return found;
+    return false;
 }
 
 /* one run of Kimi's split (see the top): special strings and the ordinary text between them */
@@ -602,14 +636,10 @@ kd_status kd_tokenizer_decode(const kd_tokenizer *t, const int32_t *ids, size_t 
 
 kd_status kd_tokenizer_special(const kd_tokenizer *t, const char *name, int32_t *id) {
     if (!t || !name || !id) return kd_fail(KD_ERR_ARG, "kd_tokenizer_special: NULL argument");
-    size_t n = strlen(name);
-    for (int k = t->n_base; k < id_count(t); k++) {
-        size_t len;
-        const unsigned char *b = id_bytes(t, k, &len);
-        if (len == n && !memcmp(b, name, n)) {
-            *id = k;
-            return KD_OK;
-        }
+    const int32_t s = table_find(t, &t->specials, (const unsigned char *)name, strlen(name));
+    if (s >= 0) {
+        *id = s;
+        return KD_OK;
     }
     return kd_fail(KD_ERR_ARG, "kd_tokenizer_special: \"%s\" is not a special token", name);
 }
