@@ -111,20 +111,26 @@ static int32_t table_insert(const kd_tokenizer *t, id_table *tab, int32_t id) {
 /* the base rank whose bytes are p[0..n), or -1 */
 static int32_t rank_of(const kd_tokenizer *t, const unsigned char *p, size_t n) { return table_find(t, &t->ranks, p, n); }
 
+/* a base64 digit's value, or -1 */
+static int base64_digit(char c) {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    return c == '+' ? 62 : c == '/' ? 63 : -1;
+}
 /* standard base64 (with '=' padding) of s[0..n) into out; the decoded length, or -1 */
 static long base64_decode(const char *s, size_t n, unsigned char *out) {
-    static const char alphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     if (n == 0 || n % 4) return -1;
     long len = 0;
     for (size_t i = 0; i < n; i += 4) {
         uint32_t v = 0;
         int pad = 0;
         for (int j = 0; j < 4; j++) {
-            char c = s[i + j];
-            const char *q = c ? strchr(alphabet, c) : NULL;
+            const char c = s[i + j];
+            const int d = base64_digit(c);
             if (c == '=' && i + 4 == n && j >= 2) { pad++; v <<= 6; continue; }
-            if (!q || pad) return -1;
-            v = v << 6 | (uint32_t)(q - alphabet);
+            if (d < 0 || pad) return -1;
+            v = v << 6 | (uint32_t)d;
         }
         out[len++] = (unsigned char)(v >> 16);
         if (pad < 2) out[len++] = (unsigned char)(v >> 8);
