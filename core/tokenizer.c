@@ -382,7 +382,7 @@ typedef struct pair {
     uint32_t left;
 } pair;
 typedef struct merge_buf {     /* scratch for the longest piece seen so far */
-    uint32_t *next;            /* part -> the next part's first byte (n: none) */
+    uint32_t *next;            /* part -> the next part's first byte (n: none; never past n) */
     uint32_t *prev;            /* part -> the previous part (UINT32_MAX: none) */
     int32_t *rank;             /* part -> the rank of it joined with its next part, -1 none */
     pair *heap;
@@ -429,7 +429,7 @@ static pair heap_pop(pair *h, size_t *n) {
 static int32_t joined_rank(const kd_tokenizer *t, const unsigned char *p, size_t n, const merge_buf *b, uint32_t i) {
     uint32_t j = b->next[i];
     if (j >= n) return -1;
-    return rank_of(t, p + i, (b->next[j] < n ? b->next[j] : n) - i);
+    return rank_of(t, p + i, b->next[j] - i);
 }
 static kd_status encode_piece(const kd_tokenizer *t, const unsigned char *p, size_t n, merge_buf *b, sink *s) {
     int32_t whole = rank_of(t, p, n);
@@ -460,7 +460,7 @@ static kd_status encode_piece(const kd_tokenizer *t, const unsigned char *p, siz
             if (b->rank[h] >= 0) heap_push(b->heap, &heap_n, (pair){b->rank[h], h});
         }
     }
-    for (uint32_t i = 0; i < n; i = b->next[i]) put(s, rank_of(t, p + i, (b->next[i] < n ? b->next[i] : n) - i));
+    for (uint32_t i = 0; i < n; i = b->next[i]) put(s, rank_of(t, p + i, b->next[i] - i));
     return KD_OK;
 }
 
