@@ -122,7 +122,7 @@ def main():
     ap.add_argument("--deadline", type=float, default=0,
                     help="unix time by which this stage must end: the training loop gets what is left after the "
                          "data, less --reserve seconds for the checks (overrides --minutes)")
-    ap.add_argument("--reserve", type=float, default=40)
+    ap.add_argument("--reserve", type=float, default=30)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--greedy", type=int, default=6144)
     ap.add_argument("--sampled", type=int, default=2048)

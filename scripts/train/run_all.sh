@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # run_all.sh OUTDIR [--minutes N] [--smoke]: the whole mini-code recipe (README.md), stage by stage, into OUTDIR.
-# --minutes N: wall-time budget of the whole run (default 7.5); the target's training loop gets 60% of what is left
-# after the corpus and tokenizer stages less 110 s, the drafter's loop what is left after its data, less 40 s.
+# --minutes N: wall-time budget of the whole run (default 8); the target's training loop gets 60% of what is left
+# after the corpus and tokenizer stages less 110 s, the drafter's loop what is left after its data, less 30 s.
 # --smoke: toy sizes for a CPU test of every stage (arch.py's SMOKE_* dims, small corpus share, short loops).
 set -euo pipefail
 if [ $# -lt 1 ]; then echo "usage: run_all.sh OUTDIR [--minutes N] [--smoke]" >&2; exit 2; fi
 OUT=$1; shift
-MINUTES=7.5; SMOKE=0
+MINUTES=8; SMOKE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --minutes) MINUTES=$2; shift 2 ;;
@@ -14,6 +14,7 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument '$1' (expected --minutes N or --smoke)" >&2; exit 2 ;;
   esac
 done
+mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")"
 export PYTHONUNBUFFERED=1 PYTHONHASHSEED=0
 PY=${PYTHON:-python3}

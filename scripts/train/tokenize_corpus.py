@@ -20,14 +20,25 @@ import base64
 import json
 import os
 import random
-import re
 
 import numpy as np
 
 from common import KIMI_PAT, N_SPECIAL_SLOTS, TRAIN_PAT, kimi_encode, log, special_ids, write_json
 import tokenizer_golden as tg
 
-LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (tg.RUN_CHARS + 1, tg.RUN_CHARS + 1))
+WHITESPACE = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uint32)   # str.isspace, all < 0x3001
+
+
+def needs_kimi_split(t):
+    """whether Kimi's cuts (400000-character chunks, runs of at most 25000 whitespace / non-whitespace characters
+    by str.isspace) change the text's pieces (vectorized over the code points)"""
+    if len(t) > tg.CHUNK_CHARS:
+        return True
+    if len(t) <= tg.RUN_CHARS:
+        return False
+    space = np.isin(np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32), WHITESPACE)
+    bounds = np.concatenate(([0], np.flatnonzero(space[1:] != space[:-1]) + 1, [space.size]))
+    return int(np.diff(bounds).max()) > tg.RUN_CHARS
 
 
 def read_split(outdir, split):
@@ -74,7 +85,7 @@ def train_bpe(texts, n_base):
 
 def encode_all(enc, texts, eos, threads):
     """tiktoken ids of each text (Kimi's run splitting where a text needs it), each followed by eos"""
-    fast = [i for i, t in enumerate(texts) if len(t) <= tg.CHUNK_CHARS and not LONG_RUN.search(t)]
+    fast = [i for i, t in enumerate(texts) if not needs_kimi_split(t)]
     out = [None] * len(texts)
     for i, ids in zip(fast, enc.encode_ordinary_batch([texts[i] for i in fast], num_threads=threads)):
         out[i] = ids
