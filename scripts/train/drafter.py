@@ -177,6 +177,7 @@ def main():
         json.dump(cfg, f, indent=2)
         f.write("\n")
     save_file(stored, os.path.join(ddir, "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(os.path.join(ddir, "model.safetensors"), 0o644)
     log("drafter", f"trained {hist[-1]['step'] if hist else 0} steps in {train_s:.0f} s; wrote {ddir}")
     update_report(a.outdir, "drafter", {"config": {k: cfg[k] for k in ("block_size", "num_hidden_layers",
                                                                      "intermediate_size", "head_dim")},
