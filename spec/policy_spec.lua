@@ -76,6 +76,20 @@ describe("policies", function()
     for _, rd in ipairs(r.rounds) do assert.are.equal(d.info.block_size - 1, rd.size) end
   end)
 
+  it("dflash with a budget verifies a chain of min(budget, bs - 1) nodes and stays == ar", function()
+    for _, b in ipairs({ 0, 3 }) do
+      local r = gen.run(m, PROMPT, { policy = "dflash", drafter = d, budget = b, n = N, eos = false,
+                                     sampler = SAMPLER })
+      assert.are.equal(ids(ar_sampled.tokens), ids(r.tokens))
+      for _, rd in ipairs(r.rounds) do
+        assert.are.equal(b, rd.size)
+        assert.is_true(rd.tau <= b + 1)
+      end
+    end
+    assert.has_error(function() gen.run(m, PROMPT, { policy = "dflash", drafter = d, budget = -1 }) end,
+      "kdtree: dflash: budget: expected a non-negative integer, got -1")
+  end)
+
   for _, b in ipairs({ 1, 4, 32 }) do
     it("ddtree sampled == ar sampled with the same seed, budget " .. b, function()
       local r = gen.run(m, PROMPT, { policy = "ddtree", drafter = d, budget = b, n = N, eos = false,

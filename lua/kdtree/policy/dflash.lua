@@ -21,12 +21,20 @@ local function argmax_rows(lp)
 end
 P.argmax_rows = argmax_rows
 
--- opts: drafter (a DFlash drafter, or a Lua drafter), n, sampler, eos, on_round(round, out)
+-- opts: drafter (a DFlash drafter, or a Lua drafter), n, sampler, eos, on_round(round, out),
+--       budget (nodes of the chain, at most the drafter's depth; default the whole depth): the
+--       chain at DDTree's node budget, for a like-for-like comparison
 function P.generate(m, prompt, opts)
   local o = G.options(m, prompt, opts)
   local d = o.drafter or error("kdtree: dflash: opts.drafter: expected a drafter", 2)
   local native = getmetatable(d) == kd.Drafter
   local depth = native and d.info.block_size - 1 or d.depth
+  if o.budget ~= nil then
+    if type(o.budget) ~= "number" or o.budget < 0 or o.budget ~= math.floor(o.budget) then
+      error("kdtree: dflash: budget: expected a non-negative integer, got " .. tostring(o.budget), 2)
+    end
+    depth = math.min(depth, o.budget)
+  end
   return G.speculate(m, prompt, o, native, 2 * depth + 4, function(s, tree, bonus, context, tm)
     local chain
     if native then                                  -- the argmax on the backend: bs-1 ids come back
@@ -38,6 +46,7 @@ function P.generate(m, prompt, opts)
       tm("draft")
       chain = argmax_rows(lp)
     end
+    for i = #chain, depth + 1, -1 do chain[i] = nil end
     tree:set_chain(bonus, chain)
     tm("build")
   end)
