@@ -699,20 +699,26 @@ kd_status kd_weights_tally(const kd_config *cfg, const kd_st_set *set, const cha
     return KD_OK;
 }
 
+kd_status kd_open_headers(const char *dir, kd_config *cfg, kd_st_set *set, bool *files) {
+    memset(set, 0, sizeof *set);
+    KD_TRY(kd_config_load(dir, cfg));
+    *files = kd_st_dir_has_weights(dir);
+    kd_status st = *files ? kd_st_open_dir(dir, false, set) : KD_OK;
+    if (st != KD_OK) kd_config_free(cfg);
+    return st;
+}
+
 /* Without weight files (a directory holding config.json only) the bytes come from the config's
  * dims and quantization_config: n_files is 0 and n_tensors counts the tensors the walk implied. */
 kd_status kd_inspect(const char *dir, kd_inspect_report *out) {
     if (!dir || !out) return kd_fail(KD_ERR_ARG, "kd_inspect: dir and out must not be NULL");
     memset(out, 0, sizeof *out);
     kd_config cfg;
-    KD_TRY(kd_config_load(dir, &cfg));
     kd_st_set set;
-    memset(&set, 0, sizeof set);
-    bool files = kd_st_dir_has_weights(dir);
-    kd_status st = files ? kd_st_open_dir(dir, false, &set) : KD_OK;
-    if (st != KD_OK) { kd_config_free(&cfg); return st; }
+    bool files;
+    KD_TRY(kd_open_headers(dir, &cfg, &set, &files));
     loader L;
-    st = walk(&L, &cfg, files ? &set : NULL, dir, 1);
+    kd_status st = walk(&L, &cfg, files ? &set : NULL, dir, 1);
     if (st == KD_OK) {
         const kd_config *c = &cfg;
         fill_info(c, &out->info);

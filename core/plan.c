@@ -190,13 +190,11 @@ kd_status kd_plan(const char *dir, int tp, uint64_t device_bytes, int capacity, 
     KD_TRY(check_args(capacity, out, "kd_plan"));
     memset(out, 0, sizeof *out);
     kd_config cfg;
-    KD_TRY(kd_config_load(dir, &cfg));
     kd_st_set set;
-    memset(&set, 0, sizeof set);
-    bool files = kd_st_dir_has_weights(dir);
+    bool files;
+    KD_TRY(kd_open_headers(dir, &cfg, &set, &files));
     kd_status st = kd_plan_check_tp(&cfg, tp);
     if (st != KD_OK) kd_fail_context(st, "%s/config.json", dir);
-    if (st == KD_OK && files) st = kd_st_open_dir(dir, false, &set);
     kd_tally t;
     if (st == KD_OK) st = kd_weights_tally(&cfg, files ? &set : NULL, dir, tp, &t);
     if (st == KD_OK) plan_from(&cfg, tp, device_bytes, capacity, &t, out);

@@ -44,6 +44,9 @@ typedef struct kd_tally {
  * F32 router bias, compressed-tensors INT4 triples where quantization_config quantizes);
  * else the headers' dtypes, shapes and bytes, checked as kd_model_open checks them.
  * tp must pass kd_plan_check_tp first (the shares are exact then). */
+/* dir's config.json and, when dir has weight files, their headers (set left empty and *files
+ * false when it has none); on failure nothing stays open (model_load.c) */
+kd_status kd_open_headers(const char *dir, kd_config *cfg, kd_st_set *set, bool *files);
 kd_status kd_weights_tally(const kd_config *cfg, const kd_st_set *set, const char *dir, int tp, kd_tally *out);
 
 /* The plan of one rank for tp ranks from the config's dims alone, before any weight is read:

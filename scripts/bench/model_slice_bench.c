@@ -3,6 +3,7 @@
  *
  *   model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]
  *                     [--row-seconds S] [--no-mla] [--no-graphs] [--tolerance X]
+ *   model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N]
  *
  * The slice: the K2.6 text model's dims (hidden 7168, 64 heads, q_lora 1536, kv_lora 512,
  * rope 64, nope 128, v 128, dense intermediate 18432, 384 routed experts top-8 INT4 group 32,
@@ -47,6 +48,16 @@
  * nodes verified, then the root, the deepest node and another node's path prefilled causally
  * after the same context: the path's last row must equal the node's row (bit for bit unless
  * --tolerance: the batch invariance the engine promises, here at the bench's dims).
+ *
+ * --k26-rank N (the TP-N projection, issue 14): all 61 layers (--layers L) at the dims of rank 0 of
+ * TP-N (heads, dense / shared / routed widths and the lm_head's vocab / N; q_a, kv_a, norms, router
+ * and embedding whole): the per-rank compute of TP-N without its all-reduces. kd_plan_tp plans the
+ * rank first (the run stops before building when it does not fit), each built layer's device use is
+ * checked against what is left, and the built weights must equal the plan's. Then the checks below,
+ * the memory table, decode and verify B = 16, 64 at ctx 1K and 8K on one step-graph sequence, the
+ * all-reduce of [T, hidden] bf16 for T = 1, 17, 65 through NCCL on one rank (slice_cuda.cu), and the
+ * table of projected rates 1 / (rank step + 2 x layers x all-reduce), labelled as a projection.
+ * --tiny runs the same at the tiny dims (the CPU spec).
  *
  * Build: `make bench` (with scripts/bench/slice_cuda.cu: CUDA events and ceilings), or
  * plain C against libkdtree (host clock between syncs), as spec/model_slice_bench_spec.lua does:
