@@ -5,7 +5,9 @@
 -- the same paths prefilled causally (bit-identical: the engine's batch invariance), counts the routed
 -- experts of each step (exactly top-k for one token, top-k..min(n, T*top-k) for T tokens), times decode
 -- and verify rows and writes the markdown tables `make bench` produces at K2.6 dims.
--- The CPU case runs in CI; the #gpu case runs the same program on the CUDA backend.
+-- The CPU case runs in CI; the #gpu case runs the same program on the CUDA backend. The same for
+-- --k26-rank 2 (the TP projection's mode) at tiny dims: plan first, rank-0 dims built and equal
+-- to the plan's weights, the checks, and the projection table's arithmetic.
 package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
 
 local function sh(cmd)
@@ -129,5 +131,14 @@ describe("model slice bench --k26-rank: the TP projection's program, tiny dims, 
   it("plans, builds rank-0 dims, checks, times decode and verify, prints the projection", function()
     local rc, out, md = run("cpu", "--k26-rank 2")
     check_projection(rc, out, md, 2)
+  end)
+end)
+
+describe("model slice bench --k26-rank: the TP projection's program, tiny dims, CUDA #gpu", function()
+  it("plans, builds rank-0 dims (INT4 experts of width 32), checks bit-identical rows, times under step graphs", function()
+    local rc, out, md = run("cuda", "--k26-rank 2")
+    check_projection(rc, out, md, 2)
+    -- every timed step after the two warm-up steps replayed a captured graph
+    for n, r in md:gmatch("\n| [%w =]+ | %d+ | %d+ | [%d.]+ | (%d+) | (%d+)/%d+ |") do assert.are.equal(n, r) end
   end)
 end)
