@@ -113,7 +113,7 @@ local function check_projection(rc, out, md, tp)
   assert.is_truthy(md:find("each of the " .. tp .. " rank(s) needs", 1, true), md)
   assert.is_truthy(md:find("%- ok: weights built (%d+) bytes %(kd_model_memory%), the plan's rank %1 bytes"), md)
   assert.is_truthy(md:find("2 of 4 heads, lm_head 512 of 1024 vocab rows", 1, true), md)
-  assert.is_truthy(md:find("### PROJECTION: 8xH200", 1, true))
+  assert.is_truthy(md:find("### PROJECTION: " .. tp .. " GPUs in tensor parallel", 1, true))
   local rows = 0
   for step, ctx, T, ms, est in md:gmatch("\n| ([%w =]+) | (%d+) | (%d+) | ([%d.]+) | %d+ | %d+/%d+ | [^|]+ | [^|]+ | [^|]+ | ([%d.]+) %a+/s |") do
     rows = rows + 1

@@ -1198,10 +1198,6 @@ static void projection(const opts *o) {
     kd_seq *s = new_seq_mode(m, cap, graphs ? "1" : "0");
     fill_cache(s, ctxs[1]);
     checks(s, o, ctxs[0]);
-    memory_table(m, 1, cap);
-    if (mr.device_total)
-        md("\nThe plan said %.3f GB for this rank (+ a %.2f GB margin); the driver reports %.3f GB in use.\n",
-           (double)plan.total / 1e9, (double)plan.margin / 1e9, (double)(mr.device_total - mr.device_free) / 1e9);
 
     /* the all-reduces of the step: [T, hidden] bf16, NCCL on one rank, in a graph */
     double ar_us[3] = {0, 0, 0};   /* T = 1 + buds[i] */
@@ -1209,21 +1205,27 @@ static void projection(const opts *o) {
 #ifdef KD_SLICE_EVENTS
     if (g_events) {
         int Ts[] = {1, 17, 65};
-        for (int i = 0; i < 3; i++) CK(kd_slice_allreduce_us(g_be, Ts[i], c->hidden, 100, &ar_us[i]));
         have_ar = true;
+        for (int i = 0; i < 3 && have_ar; i++)
+            if (kd_slice_allreduce_us(g_be, Ts[i], c->hidden, 100, &ar_us[i]) != KD_OK) {
+                md("- FAIL: the NCCL all-reduce of [%d, %d]: %s\n", Ts[i], c->hidden, kd_last_error());
+                g_fail++;
+                have_ar = false;
+            }
     }
 #endif
     printf("timing steps ...\n");
     fflush(stdout);
-    md("\n### PROJECTION: 8xH200 Kimi K2.6 tokens/s from rank 0's compute on one GPU\n\n"
-       "Not a measurement of 8 GPUs. rank step = one `kd_forward` of the rank-dims model above (%s; median "
-       "of n after 2 warm-up steps, CUDA events); all-reduce = `ncclAllReduce` of [T, %d] bf16, sum, out of place, "
+    md("\n### PROJECTION: %d GPUs in tensor parallel, from rank 0's compute on one GPU\n\n"
+       "Not a measurement of %d GPUs. rank step = one `kd_forward` of the rank-dims model above (%s; median "
+       "of n after 2 warm-up steps, %s); all-reduce = `ncclAllReduce` of [T, %d] bf16, sum, out of place, "
        "NCCL on **one** rank (nranks 1), 100 in one CUDA graph (median of 10 launches / 100): it measures the "
        "call inside a graph, not NVLink traffic. A step has %d all-reduces (2 a layer). Projected rate = 1 / (rank "
        "step + %d x all-reduce): tokens/s for decode, DDTree rounds/s for verify (x the tokens a round accepts; the "
        "draft pass and the round's host work are not included). The last column uses the upper end of "
        "multi_gpu.md's *estimated* 8-GPU latency (8 us up to 8 tokens, 17 us at 16-64) instead.\n\n",
-       graphs ? "step graphs" : "step graphs off", c->hidden, 2 * c->n_layers, 2 * c->n_layers);
+       tp, tp, graphs ? "step graphs" : "step graphs off", g_events ? "CUDA events" : "host clock", c->hidden,
+       2 * c->n_layers, 2 * c->n_layers);
     md("| step | ctx | T | rank step ms | n | replays | all-reduce us (1-rank NCCL) | %d x all-reduce ms | projected "
        "/s | projected /s with the 8-GPU estimate |\n|---|---|---|---|---|---|---|---|---|---|\n", 2 * c->n_layers);
     for (int ci = 0; ci < 2; ci++)
@@ -1249,6 +1251,12 @@ static void projection(const opts *o) {
             free(st->vis);
             free(st);
         }
+    memory_table(m, 1, cap);
+    if (mr.device_total) {
+        CK(kd_model_memory(m, &mr));
+        md("\nThe plan said %.3f GB for this rank (+ a %.2f GB margin); the driver reports %.3f GB in use.\n",
+           (double)plan.total / 1e9, (double)plan.margin / 1e9, (double)(mr.device_total - mr.device_free) / 1e9);
+    }
     kd_seq_free(s);
     free_model(m);
 }
