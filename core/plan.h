@@ -19,7 +19,8 @@ typedef enum kd_split {
     KD_SPLIT_ROWS,       /* rank r holds output rows [r*rows/tp, (r+1)*rows/tp) */
     KD_SPLIT_COLS        /* rank r holds input columns [r*cols/tp, (r+1)*cols/tp) */
 } kd_split;
-/* a tensor's split from its checkpoint name (module or "...weight" names alike) */
+/* a target tensor's split from its checkpoint name (module or "...weight" names alike); the
+ * drafter's tensors are not split (it is replicated on rank 0) */
 kd_split kd_split_of(const char *name);
 
 /* KD_OK when tp ranks split every split dim of cfg whole (heads; dense, shared and routed
