@@ -204,3 +204,29 @@ describe("kdtree inspect --tp", function()
     assert.are.equal(2, rc, out)
   end)
 end)
+
+-- a sequence opened on the loaded tiny model holds what the plan says one rank's sequence holds at
+-- tp 1: on CUDA (bf16 activations and KV, the plan's forms) exactly; on the CPU (fp32) the KV is
+-- twice the plan's
+describe("kd_plan against an open sequence", function()
+  local function open_seq(backend, capacity)
+    local m = kd.open_model(ck.K26, { backend = backend })
+    local s = m:new_seq(capacity)
+    local mem = m:memory()
+    s:close()
+    m:close()
+    return mem
+  end
+
+  it("CPU: the KV cache of 2048 tokens is the plan's in fp32", function()
+    local p, mem = kd.plan(ck.K26, { tp = 1, capacity = 2048 }), open_seq("cpu", 2048)
+    assert.are.equal(2 * p.kv_cache, mem.kv_cache)
+  end)
+
+  it("CUDA: KV cache, logits + forward scratch of 2048 tokens equal the plan's #gpu", function()
+    local p, mem = kd.plan(ck.K26, { tp = 1, capacity = 2048 }), open_seq("cuda", 2048)
+    assert.are.equal(p.kv_cache, mem.kv_cache)
+    assert.are.equal(p.logits + p.scratch, mem.activations)
+    assert.are.equal(p.weights_total, mem.weights_total)
+  end)
+end)

@@ -1379,7 +1379,7 @@ static void usage(void) {
            "                   (default 0: bit-identical, the engine's batch invariance)\n"
            "  --k26-rank N     the TP-N projection: all 61 layers of Kimi K2.6 at rank 0 of TP-N dims, decode and\n"
            "                   verify B = 16, 64 at ctx 1K, 8K (step graphs), NCCL all-reduce on one rank, and the\n"
-           "                   projected N-GPU rate (about 75 GB of device memory at N = 8)\n"
+           "                   projected N-GPU rate (about 78 GB of device memory at N = 8; CUDA, or --tiny)\n"
            "  --layers L       layers of the projection's model (default 61; the rate is for 61)\n");
 }
 
@@ -1410,6 +1410,11 @@ int main(int argc, char **argv) {
     if (o.cuda && !cuda_create) {
         if (backend_given) { fprintf(stderr, "FATAL: this libkdtree has no CUDA backend\n"); return 2; }
         o.cuda = false;
+    }
+    if (o.k26_rank && !o.tiny && !o.cuda) {
+        fprintf(stderr, "model_slice_bench: --k26-rank builds tens of GB of weights: it needs the CUDA backend "
+                "(or --tiny)\n");
+        return 2;
     }
     if (o.cuda) CK(cuda_create(0, &g_be));
     else CK(kd_backend_cpu_create(&g_be));
