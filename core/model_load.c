@@ -17,6 +17,7 @@
  * made so far is freed.
  */
 #include "model.h"
+#include "comm.h"
 #include "error.h"
 
 #include <regex.h>
@@ -35,7 +36,8 @@ typedef struct loader {
     const kd_st_set *set;
     const char *dir;
     kd_model *m;             /* NULL: check only (kd_inspect) */
-    kd_backend *be;
+    kd_backend *be;          /* the backend of the rank being bound */
+    int rank, tp;            /* which part of a split weight it gets (model.h: kd_rank) */
     regex_t *re;             /* compiled ignore patterns (NULL entries: plain names) */
     bool *is_re;
     int n_pat;
@@ -81,13 +83,24 @@ static bool in_mapping(const kd_st_set *set, const void *p) {
     return false;
 }
 
-/* the mapped bytes, or an aligned private copy when the file places them unaligned */
-static kd_status aligned_src(const kd_st_tensor *t, size_t align, const void **out) {
-    if (((uintptr_t)t->data % align) == 0) { *out = t->data; return KD_OK; }
-    void *p = malloc(t->nbytes ? t->nbytes : 1);
-    if (!p) return kd_fail(KD_ERR_NOMEM, "tensor '%s': cannot allocate %llu bytes", t->name, (unsigned long long)t->nbytes);
-    memcpy(p, t->data, t->nbytes);
-    *out = p;
+/* A rank's part of a weight: rows [r0, r0+nr) and columns [c0, c0+nc) of a tensor `cols` wide. */
+typedef struct part {
+    int64_t r0, nr, c0, nc, cols;
+} part;
+
+/* the part's bytes (elements of esz bytes; for INT4 codes, words): a pointer into the mapping
+ * with the tensor's row stride in *ld (0 when the part spans whole rows), or a packed private
+ * copy of the part when the mapping places them unaligned */
+static kd_status slice_src(const kd_st_tensor *t, size_t esz, const part *p, const void **out, int64_t *ld) {
+    const char *b = (const char *)t->data + ((size_t)p->r0 * (size_t)p->cols + (size_t)p->c0) * esz;
+    *ld = p->nc < p->cols ? p->cols : 0;
+    if (((uintptr_t)b % esz) == 0) { *out = b; return KD_OK; }
+    size_t row = (size_t)p->nc * esz, n = row * (size_t)p->nr;
+    char *q = malloc(n ? n : 1);
+    if (!q) return kd_fail(KD_ERR_NOMEM, "tensor '%s': cannot allocate %zu bytes", t->name, n);
+    for (int64_t r = 0; r < p->nr; r++) memcpy(q + (size_t)r * row, b + (size_t)r * (size_t)p->cols * esz, row);
+    *out = q;
+    *ld = 0;
     return KD_OK;
 }
 
@@ -106,22 +119,35 @@ static float half_to_float(uint16_t h) {
     return v.f;
 }
 
-/* f32 host copy of a BF16/F16 tensor (or the F32 bytes themselves, aligned) */
-static kd_status as_f32(const kd_st_tensor *t, const void **out) {
-    if (t->dtype == KD_ST_F32) return aligned_src(t, 4, out);
-    uint64_t n = t->nbytes / 2;
-    float *p = malloc((size_t)(n ? n : 1) * sizeof(float));
-    if (!p) return kd_fail(KD_ERR_NOMEM, "tensor '%s': cannot allocate %llu floats", t->name, (unsigned long long)n);
+/* f32 form of the part of a BF16/F16 tensor (a packed copy), or of an F32 one (slice_src) */
+static kd_status as_f32(const kd_st_tensor *t, const part *p, const void **out, int64_t *ld) {
+    if (t->dtype == KD_ST_F32) return slice_src(t, 4, p, out, ld);
+    uint64_t n = (uint64_t)p->nr * (uint64_t)p->nc;
+    float *d = malloc((size_t)(n ? n : 1) * sizeof(float));
+    if (!d) return kd_fail(KD_ERR_NOMEM, "tensor '%s': cannot allocate %llu floats", t->name, (unsigned long long)n);
     const unsigned char *s = t->data;
-    for (uint64_t i = 0; i < n; i++) {
-        uint16_t h = (uint16_t)(s[2 * i] | s[2 * i + 1] << 8);
-        if (t->dtype == KD_ST_BF16) {
+    for (int64_t r = 0; r < p->nr; r++)
+        for (int64_t c = 0; c < p->nc; c++) {
+            size_t i = (size_t)(p->r0 + r) * (size_t)p->cols + (size_t)(p->c0 + c);
+            uint16_t h = (uint16_t)(s[2 * i] | s[2 * i + 1] << 8);
             union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
-            p[i] = v.f;
-        } else p[i] = half_to_float(h);
-    }
-    *out = p;
+            d[(size_t)r * (size_t)p->nc + (size_t)c] = t->dtype == KD_ST_BF16 ? v.f : half_to_float(h);
+        }
+    *out = d;
+    *ld = 0;
     return KD_OK;
+}
+
+/* how a weight splits over the ranks: replicated, by output rows, by input columns */
+enum split { REP, ROWS, COLS };
+
+/* the part of a [rows, cols] weight that rank L->rank holds (kd_model_open checked that tp
+ * divides the split width) */
+static part part_of(const loader *L, enum split sp, int64_t rows, int64_t cols) {
+    part p = {0, rows, 0, cols, cols};
+    if (sp == ROWS) { p.nr = rows / L->tp; p.r0 = p.nr * L->rank; }
+    if (sp == COLS) { p.nc = cols / L->tp; p.c0 = p.nc * L->rank; }
+    return p;
 }
 
 /* ---- which modules are INT4 ---- */
@@ -160,7 +186,7 @@ static kd_status loader_init(loader *L, const kd_config *cfg, const kd_st_set *s
     L->set = set;
     L->dir = dir;
     L->m = m;
-    L->be = m ? m->be : NULL;
+    L->tp = 1;
     int n = cfg->n_quant_ignore;
     if (n == 0) return KD_OK;
     L->re = calloc((size_t)n, sizeof *L->re);
@@ -197,7 +223,8 @@ static kd_status backend_load(loader *L, kd_weight *w) {
 }
 
 /* a bf16 (or f32/f16) matrix [rows, cols], or a vector [rows] when cols == 0 */
-static kd_status bind_dense(loader *L, kd_weight *w, enum kind kind, const char *name, int64_t rows, int64_t cols) {
+static kd_status bind_dense(loader *L, kd_weight *w, enum kind kind, enum split sp, const char *name, int64_t rows,
+                            int64_t cols) {
     const kd_st_tensor *t;
     char expect[96];
     if (cols) snprintf(expect, sizeof expect, "BF16 [%lld, %lld]", (long long)rows, (long long)cols);
@@ -211,21 +238,23 @@ static kd_status bind_dense(loader *L, kd_weight *w, enum kind kind, const char 
     L->n_used++;
     if (!L->m) return KD_OK;
     memset(w, 0, sizeof *w);
-    w->rows = rows;
-    w->cols = cols ? cols : 1;
+    part p = part_of(L, sp, rows, cols ? cols : 1);
+    w->rows = p.nr;
+    w->cols = p.nc;
     if (t->dtype == KD_ST_BF16) {
         w->format = KD_W_BF16;
-        KD_TRY(aligned_src(t, 2, &w->src));
+        KD_TRY(slice_src(t, 2, &p, &w->src, &w->ld));
     } else {
         w->format = KD_W_F32;    /* F16 is widened to F32 once, here */
-        KD_TRY(as_f32(t, &w->src));
+        KD_TRY(as_f32(t, &p, &w->src, &w->ld));
     }
     w->name = t->name;
     return backend_load(L, w);
 }
 
 /* compressed-tensors pack-quantized INT4: M.weight_packed / weight_scale / weight_shape */
-static kd_status bind_int4(loader *L, kd_weight *w, enum kind kind, const char *module, int64_t rows, int64_t cols) {
+static kd_status bind_int4(loader *L, kd_weight *w, enum kind kind, enum split sp, const char *module, int64_t rows,
+                           int64_t cols) {
     int g = L->cfg->quant_group;
     char np[512], ns[512], nsh[512], expect[160];
     snprintf(np, sizeof np, "%s.weight_packed", module);
@@ -269,14 +298,29 @@ static kd_status bind_int4(loader *L, kd_weight *w, enum kind kind, const char *
     L->bytes[kind] += tp->nbytes + ts->nbytes + tsh->nbytes;
     L->n_used += 3;
     if (!L->m) return KD_OK;
+    part p = part_of(L, sp, rows, cols);
+    if (p.c0 % g || p.nc % g)
+        return kd_fail(KD_ERR_ARG, "%s: tensor '%s': tp %d splits its %lld input columns into parts of %lld, which "
+                       "cuts INT4 scale groups of %d (expected whole groups on every rank)", file_of(L, tp), np, L->tp,
+                       (long long)cols, (long long)p.nc, g);
     memset(w, 0, sizeof *w);
     w->format = KD_W_INT4;
-    w->rows = rows;
-    w->cols = cols;
+    w->rows = p.nr;
+    w->cols = p.nc;
     w->group = g;
     w->name = tp->name;
-    kd_status st = aligned_src(tp, 4, &w->src);
-    if (st == KD_OK) st = aligned_src(ts, 2, &w->src_scale);
+    part pc = {p.r0, p.nr, p.c0 / 8, p.nc / 8, cols / 8}, ps = {p.r0, p.nr, p.c0 / g, p.nc / g, cols / g};
+    int64_t ld_codes = 0, ld_scales = 0;
+    kd_status st = slice_src(tp, 4, &pc, &w->src, &ld_codes);
+    if (st == KD_OK) st = slice_src(ts, 2, &ps, &w->src_scale, &ld_scales);
+    /* one stride in elements for both; a part copied out of an unaligned mapping is packed in both */
+    if (st == KD_OK && (ld_codes == 0) != (ld_scales == 0)) {
+        if (w->src_scale && !in_mapping(L->set, w->src_scale)) free((void *)w->src_scale);
+        w->src_scale = NULL;
+        st = kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': its codes and scales are aligned differently in the mapping",
+                     file_of(L, ts), ns);
+    }
+    w->ld = ld_codes ? cols : 0;
     if (st != KD_OK) {
         if (w->src && !in_mapping(L->set, w->src)) free((void *)w->src);
         memset(w, 0, sizeof *w);
@@ -286,8 +330,9 @@ static kd_status bind_int4(loader *L, kd_weight *w, enum kind kind, const char *
 }
 
 /* an nn.Linear [out = rows, in = cols]: INT4 or dense, by the quantization config */
-static kd_status bind_linear(loader *L, kd_weight *w, enum kind kind, const char *module, int64_t rows, int64_t cols) {
-    if (is_quantized(L, module)) return bind_int4(L, w, kind, module, rows, cols);
+static kd_status bind_linear(loader *L, kd_weight *w, enum kind kind, enum split sp, const char *module, int64_t rows,
+                             int64_t cols) {
+    if (is_quantized(L, module)) return bind_int4(L, w, kind, sp, module, rows, cols);
     char name[512];
     snprintf(name, sizeof name, "%s.weight", module);
     if (!kd_st_find(L->set, name)) {
@@ -299,7 +344,7 @@ static kd_status bind_linear(loader *L, kd_weight *w, enum kind kind, const char
                            L->cfg->experts_int4 ? "quantization_config.ignore lists this module as unquantized"
                                                 : "config.json has no quantization_config");
     }
-    return bind_dense(L, w, kind, name, rows, cols);
+    return bind_dense(L, w, kind, sp, name, rows, cols);
 }
 
 /* ---- the model walk ---- */
@@ -310,29 +355,29 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
     snprintf(base, sizeof base, "%smodel.layers.%d.", c->prefix, l);
     int64_t H = c->n_heads, qk = c->qk_nope_dim + c->qk_rope_dim;
 #define NAME(s) (snprintf(n, sizeof n, "%s%s", base, s), n)
-    KD_TRY(bind_dense(L, &ly->attn_norm, K_NORM, NAME("input_layernorm.weight"), c->hidden, 0));
-    KD_TRY(bind_dense(L, &ly->ffn_norm, K_NORM, NAME("post_attention_layernorm.weight"), c->hidden, 0));
+    KD_TRY(bind_dense(L, &ly->attn_norm, K_NORM, REP, NAME("input_layernorm.weight"), c->hidden, 0));
+    KD_TRY(bind_dense(L, &ly->ffn_norm, K_NORM, REP, NAME("post_attention_layernorm.weight"), c->hidden, 0));
     if (c->q_lora_rank > 0) {
-        KD_TRY(bind_linear(L, &ly->q_a, K_ATTN, NAME("self_attn.q_a_proj"), c->q_lora_rank, c->hidden));
-        KD_TRY(bind_dense(L, &ly->q_a_norm, K_ATTN, NAME("self_attn.q_a_layernorm.weight"), c->q_lora_rank, 0));
-        KD_TRY(bind_linear(L, &ly->q_b, K_ATTN, NAME("self_attn.q_b_proj"), H * qk, c->q_lora_rank));
+        KD_TRY(bind_linear(L, &ly->q_a, K_ATTN, REP, NAME("self_attn.q_a_proj"), c->q_lora_rank, c->hidden));
+        KD_TRY(bind_dense(L, &ly->q_a_norm, K_ATTN, REP, NAME("self_attn.q_a_layernorm.weight"), c->q_lora_rank, 0));
+        KD_TRY(bind_linear(L, &ly->q_b, K_ATTN, ROWS, NAME("self_attn.q_b_proj"), H * qk, c->q_lora_rank));
     } else {
-        KD_TRY(bind_linear(L, &ly->q_proj, K_ATTN, NAME("self_attn.q_proj"), H * qk, c->hidden));
+        KD_TRY(bind_linear(L, &ly->q_proj, K_ATTN, ROWS, NAME("self_attn.q_proj"), H * qk, c->hidden));
     }
-    KD_TRY(bind_linear(L, &ly->kv_a, K_ATTN, NAME("self_attn.kv_a_proj_with_mqa"), c->kv_lora_rank + c->qk_rope_dim, c->hidden));
-    KD_TRY(bind_dense(L, &ly->kv_a_norm, K_ATTN, NAME("self_attn.kv_a_layernorm.weight"), c->kv_lora_rank, 0));
-    KD_TRY(bind_linear(L, &ly->kv_b, K_ATTN, NAME("self_attn.kv_b_proj"), H * (c->qk_nope_dim + c->v_head_dim), c->kv_lora_rank));
-    KD_TRY(bind_linear(L, &ly->o_proj, K_ATTN, NAME("self_attn.o_proj"), c->hidden, H * c->v_head_dim));
+    KD_TRY(bind_linear(L, &ly->kv_a, K_ATTN, REP, NAME("self_attn.kv_a_proj_with_mqa"), c->kv_lora_rank + c->qk_rope_dim, c->hidden));
+    KD_TRY(bind_dense(L, &ly->kv_a_norm, K_ATTN, REP, NAME("self_attn.kv_a_layernorm.weight"), c->kv_lora_rank, 0));
+    KD_TRY(bind_linear(L, &ly->kv_b, K_ATTN, ROWS, NAME("self_attn.kv_b_proj"), H * (c->qk_nope_dim + c->v_head_dim), c->kv_lora_rank));
+    KD_TRY(bind_linear(L, &ly->o_proj, K_ATTN, COLS, NAME("self_attn.o_proj"), c->hidden, H * c->v_head_dim));
     ly->is_moe = l >= c->first_k_dense;   /* HF: layer_idx >= first_k_dense_replace (moe_layer_freq unused) */
     if (!ly->is_moe) {
-        KD_TRY(bind_linear(L, &ly->mlp_gate, K_DENSE, NAME("mlp.gate_proj"), c->intermediate, c->hidden));
-        KD_TRY(bind_linear(L, &ly->mlp_up, K_DENSE, NAME("mlp.up_proj"), c->intermediate, c->hidden));
-        KD_TRY(bind_linear(L, &ly->mlp_down, K_DENSE, NAME("mlp.down_proj"), c->hidden, c->intermediate));
+        KD_TRY(bind_linear(L, &ly->mlp_gate, K_DENSE, ROWS, NAME("mlp.gate_proj"), c->intermediate, c->hidden));
+        KD_TRY(bind_linear(L, &ly->mlp_up, K_DENSE, ROWS, NAME("mlp.up_proj"), c->intermediate, c->hidden));
+        KD_TRY(bind_linear(L, &ly->mlp_down, K_DENSE, COLS, NAME("mlp.down_proj"), c->hidden, c->intermediate));
         return KD_OK;
     }
     int E = c->n_experts;
     int64_t I = c->moe_intermediate;
-    KD_TRY(bind_dense(L, &ly->router, K_ROUTER, NAME("mlp.gate.weight"), E, c->hidden));
+    KD_TRY(bind_dense(L, &ly->router, K_ROUTER, REP, NAME("mlp.gate.weight"), E, c->hidden));
     /* e_score_correction_bias: f32 for the router (selection only) */
     {
         const kd_st_tensor *t;
@@ -349,7 +394,8 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
             w->format = KD_W_F32;
             w->rows = E;
             w->cols = 1;
-            KD_TRY(as_f32(t, &w->src));
+            part whole = {0, E, 0, 1, 1};
+            KD_TRY(as_f32(t, &whole, &w->src, &w->ld));
             w->name = t->name;
             KD_TRY(backend_load(L, w));
             void *dev = NULL;
@@ -360,9 +406,9 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
     }
     if (c->n_shared_experts > 0) {
         int64_t S = (int64_t)c->n_shared_experts * I;
-        KD_TRY(bind_linear(L, &ly->mlp_gate, K_SHARED, NAME("mlp.shared_experts.gate_proj"), S, c->hidden));
-        KD_TRY(bind_linear(L, &ly->mlp_up, K_SHARED, NAME("mlp.shared_experts.up_proj"), S, c->hidden));
-        KD_TRY(bind_linear(L, &ly->mlp_down, K_SHARED, NAME("mlp.shared_experts.down_proj"), c->hidden, S));
+        KD_TRY(bind_linear(L, &ly->mlp_gate, K_SHARED, ROWS, NAME("mlp.shared_experts.gate_proj"), S, c->hidden));
+        KD_TRY(bind_linear(L, &ly->mlp_up, K_SHARED, ROWS, NAME("mlp.shared_experts.up_proj"), S, c->hidden));
+        KD_TRY(bind_linear(L, &ly->mlp_down, K_SHARED, COLS, NAME("mlp.shared_experts.down_proj"), c->hidden, S));
     }
     kd_experts *e = &ly->experts;
     if (L->m) {
@@ -383,11 +429,11 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
         char m[256];
         kd_weight *g = L->m ? &e->gate[j] : &scratch, *u = L->m ? &e->up[j] : &scratch, *d = L->m ? &e->down[j] : &scratch;
         snprintf(m, sizeof m, "mlp.experts.%d.gate_proj", j);
-        KD_TRY(bind_linear(L, g, K_ROUTED, NAME(m), I, c->hidden));
+        KD_TRY(bind_linear(L, g, K_ROUTED, ROWS, NAME(m), I, c->hidden));
         snprintf(m, sizeof m, "mlp.experts.%d.up_proj", j);
-        KD_TRY(bind_linear(L, u, K_ROUTED, NAME(m), I, c->hidden));
+        KD_TRY(bind_linear(L, u, K_ROUTED, ROWS, NAME(m), I, c->hidden));
         snprintf(m, sizeof m, "mlp.experts.%d.down_proj", j);
-        KD_TRY(bind_linear(L, d, K_ROUTED, NAME(m), c->hidden, I));
+        KD_TRY(bind_linear(L, d, K_ROUTED, COLS, NAME(m), c->hidden, I));
     }
     L->routed_read += (L->bytes[K_ROUTED] - before) * (uint64_t)c->n_experts_per_tok / (uint64_t)E;
     if (L->m) {
@@ -399,73 +445,94 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
     return KD_OK;
 }
 
+/* the walk for rank L->rank (m NULL: check only) */
 static kd_status bind_model(loader *L) {
     const kd_config *c = L->cfg;
-    kd_model *m = L->m;
+    kd_rank *R = L->m ? &L->m->ranks[L->rank] : NULL;
     char n[256];
     snprintf(n, sizeof n, "%smodel.embed_tokens.weight", c->prefix);
     kd_weight scratch;
-    KD_TRY(bind_dense(L, m ? &m->embed : &scratch, K_EMBED, n, c->vocab, c->hidden));
+    KD_TRY(bind_dense(L, R ? &R->embed : &scratch, K_EMBED, REP, n, c->vocab, c->hidden));
     {
         const kd_st_tensor *t = kd_st_find(L->set, n);
         L->embed_row = t->nbytes / (uint64_t)c->vocab;
     }
     for (int l = 0; l < c->n_layers; l++) {
         kd_layer scratch_layer;
-        kd_layer *ly = m ? &m->layers[l] : &scratch_layer;
-        if (!m) memset(ly, 0, sizeof *ly);
+        kd_layer *ly = R ? &R->layers[l] : &scratch_layer;
+        if (!R) memset(ly, 0, sizeof *ly);
         KD_TRY(bind_layer(L, l, ly));
     }
     snprintf(n, sizeof n, "%smodel.norm.weight", c->prefix);
-    KD_TRY(bind_dense(L, m ? &m->final_norm : &scratch, K_NORM, n, c->hidden, 0));
+    KD_TRY(bind_dense(L, R ? &R->final_norm : &scratch, K_NORM, REP, n, c->hidden, 0));
     if (c->tie_embeddings) {
-        if (m) m->lm_head = m->embed;   /* shares the embedding's backend form; freed once */
+        /* the embedding's form, its rows of this rank's vocabulary (never freed on its own) */
+        if (R) {
+            part p = part_of(L, ROWS, c->vocab, c->hidden);
+            size_t off = (size_t)p.r0 * (size_t)c->hidden * (R->embed.format == KD_W_F32 ? 4 : 2);
+            R->lm_head = R->embed;
+            R->lm_head.rows = p.nr;
+            R->lm_head.src = (const char *)R->embed.src + off;
+            if (R->embed.dev) R->lm_head.dev = (char *)R->embed.dev + off;
+        }
     } else {
         snprintf(n, sizeof n, "%slm_head", c->prefix);
-        KD_TRY(bind_linear(L, m ? &m->lm_head : &scratch, K_LMHEAD, n, c->vocab, c->hidden));
+        KD_TRY(bind_linear(L, R ? &R->lm_head : &scratch, K_LMHEAD, ROWS, n, c->vocab, c->hidden));
+        if (R && L->tp > 1 && L->rank == 0)      /* the drafter's whole head on rank 0 */
+            KD_TRY(bind_linear(L, &L->m->head, K_LMHEAD, REP, n, c->vocab, c->hidden));
     }
+    if (R && c->tie_embeddings && L->tp > 1 && L->rank == 0) L->m->head = R->embed;
     return KD_OK;
 }
 
 /* ---- freeing ---- */
 
-static void free_weight(kd_model *m, kd_weight *w) {
+static void free_weight(kd_model *m, kd_backend *be, kd_weight *w) {
     if (!w->name) return;
-    if (m->be) m->be->ops->weight_free(m->be, w);
+    if (be) be->ops->weight_free(be, w);
     if (w->src && !in_mapping(&m->files, w->src)) free((void *)w->src);
     if (w->src_scale && !in_mapping(&m->files, w->src_scale)) free((void *)w->src_scale);
     memset(w, 0, sizeof *w);
 }
 
-static void free_model(kd_model *m) {
-    if (!m) return;
-    if (m->layers) {
+static void free_rank(kd_model *m, kd_rank *R) {
+    kd_backend *be = R->be;
+    if (R->layers) {
         for (int l = 0; l < m->cfg.n_layers; l++) {
-            kd_layer *ly = &m->layers[l];
+            kd_layer *ly = &R->layers[l];
             kd_experts *e = &ly->experts;
-            if (e->router && m->be) m->be->ops->experts_free(m->be, e);
+            if (e->router && be) be->ops->experts_free(be, e);
             e->router = NULL;
             for (int j = 0; j < e->n; j++) {
-                if (e->gate) free_weight(m, &e->gate[j]);
-                if (e->up) free_weight(m, &e->up[j]);
-                if (e->down) free_weight(m, &e->down[j]);
+                if (e->gate) free_weight(m, be, &e->gate[j]);
+                if (e->up) free_weight(m, be, &e->up[j]);
+                if (e->down) free_weight(m, be, &e->down[j]);
             }
             free(e->gate);
             free(e->up);
             free(e->down);
-            if (e->bias && m->be) m->be->ops->free(m->be, (void *)e->bias);
+            if (e->bias && be) be->ops->free(be, (void *)e->bias);
             kd_weight *ws[] = {&ly->attn_norm, &ly->ffn_norm, &ly->q_a, &ly->q_a_norm, &ly->q_b, &ly->q_proj,
                                &ly->kv_a, &ly->kv_a_norm, &ly->kv_b, &ly->o_proj, &ly->mlp_gate, &ly->mlp_up,
                                &ly->mlp_down, &ly->router, &ly->router_bias};
-            for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) free_weight(m, ws[i]);
+            for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) free_weight(m, be, ws[i]);
         }
-        free(m->layers);
+        free(R->layers);
     }
-    if (!m->cfg.tie_embeddings) free_weight(m, &m->lm_head);   /* tied: a copy of embed */
-    free_weight(m, &m->embed);
-    free_weight(m, &m->final_norm);
-    if (m->rope_inv_freq && m->be) m->be->ops->free(m->be, m->rope_inv_freq);
-    if (m->be) m->be->ops->destroy(m->be);
+    if (!m->cfg.tie_embeddings) free_weight(m, be, &R->lm_head);   /* tied: a view of embed */
+    free_weight(m, be, &R->embed);
+    free_weight(m, be, &R->final_norm);
+    if (R->rope_inv_freq && be) be->ops->free(be, R->rope_inv_freq);
+    if (be) be->ops->destroy(be);
+}
+
+static void free_model(kd_model *m) {
+    if (!m) return;
+    kd_workers_stop(m);
+    if (m->tp > 1 && !m->cfg.tie_embeddings && m->ranks) free_weight(m, m->ranks[0].be, &m->head);
+    for (int r = 0; m->ranks && r < m->tp; r++) free_rank(m, &m->ranks[r]);
+    free(m->ranks);
+    if (m->comm) m->comm->ops->destroy(m->comm);
     kd_st_close(&m->files);
     kd_config_free(&m->cfg);
     free(m);
@@ -473,12 +540,16 @@ static void free_model(kd_model *m) {
 
 /* ---- public ---- */
 
-kd_status kd_model_load_weights(kd_model *m) {
-    if (!m || !m->be) return kd_fail(KD_ERR_ARG, "kd_model_load_weights: model and backend must be set");
-    m->layers = calloc((size_t)m->cfg.n_layers, sizeof *m->layers);
-    if (!m->layers) return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %d layers", m->dir, m->cfg.n_layers);
+/* rank r's weights and small buffers (RoPE table, router biases) on its backend */
+static kd_status load_rank(kd_model *m, int r) {
+    kd_rank *R = &m->ranks[r];
+    R->layers = calloc((size_t)m->cfg.n_layers, sizeof *R->layers);
+    if (!R->layers) return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %d layers", m->dir, m->cfg.n_layers);
     loader L;
     KD_TRY(loader_init(&L, &m->cfg, &m->files, m->dir, m));
+    L.be = R->be;
+    L.rank = r;
+    L.tp = m->tp;
     kd_status st = bind_model(&L);
     loader_free_patterns(&L);
     if (st != KD_OK) return st;
@@ -489,50 +560,132 @@ kd_status kd_model_load_weights(kd_model *m) {
     if (!inv) return kd_fail(KD_ERR_NOMEM, "%s: out of memory", m->dir);
     kd_rope_inv_freq(&m->cfg, m->cfg.qk_rope_dim, inv);
     void *dev = NULL;
-    st = m->be->ops->alloc(m->be, (size_t)half * sizeof(float), &dev);
+    st = R->be->ops->alloc(R->be, (size_t)half * sizeof(float), &dev);
     if (st == KD_OK) {
-        m->rope_inv_freq = dev;
-        st = m->be->ops->upload(m->be, dev, inv, (size_t)half * sizeof(float));
+        R->rope_inv_freq = dev;
+        st = R->be->ops->upload(R->be, dev, inv, (size_t)half * sizeof(float));
     }
     if (inv != host) free(inv);
     if (st != KD_OK) return st;
-    m->rope.dim = m->cfg.qk_rope_dim;
-    m->rope.interleaved = true;
-    m->rope.attn_factor = m->cfg.rope_attn_factor;
-    m->rope.inv_freq = m->rope_inv_freq;
-    return m->be->ops->sync(m->be);
+    R->rope.dim = m->cfg.qk_rope_dim;
+    R->rope.interleaved = true;
+    R->rope.attn_factor = m->cfg.rope_attn_factor;
+    R->rope.inv_freq = R->rope_inv_freq;
+    return R->be->ops->sync(R->be);
+}
+
+kd_status kd_model_load_weights(kd_model *m) {
+    if (!m || !m->ranks) return kd_fail(KD_ERR_ARG, "kd_model_load_weights: model and ranks must be set");
+    for (int r = 0; r < m->tp; r++) {
+        kd_status st = load_rank(m, r);
+        if (st != KD_OK) return m->tp > 1 ? kd_fail_context(st, "rank %d of %d", r, m->tp) : st;
+    }
+    return KD_OK;
+}
+
+/* tp must split every width it splits: heads, the dense and expert intermediates, the vocabulary,
+ * and INT4 experts into whole scale groups */
+static kd_status check_split(const kd_config *c, int tp, kd_split *out) {
+    struct { const char *field; int value; bool used; } w[] = {
+        {"num_attention_heads", c->n_heads, true},
+        {"intermediate_size", c->intermediate, c->first_k_dense > 0},
+        {"moe_intermediate_size", c->moe_intermediate, c->first_k_dense < c->n_layers},
+        {"vocab_size", c->vocab, true},
+    };
+    for (size_t i = 0; i < sizeof w / sizeof w[0]; i++)
+        if (w[i].used && w[i].value % tp)
+            return kd_fail(KD_ERR_ARG, "kd_model_open: options.tp %d does not divide %s %d (config.json): each rank "
+                           "must hold an equal part", tp, w[i].field, w[i].value);
+    if (c->experts_int4 && c->first_k_dense < c->n_layers && c->quant_group > 0 &&
+        (c->moe_intermediate / tp) % c->quant_group)
+        return kd_fail(KD_ERR_ARG, "kd_model_open: options.tp %d splits moe_intermediate_size %d into parts of %d, "
+                       "which is not a whole number of INT4 groups of %d (the group size): the experts' down "
+                       "projections would cut a scale group", tp, c->moe_intermediate, c->moe_intermediate / tp,
+                       c->quant_group);
+    out->heads = c->n_heads / tp;
+    out->intermediate = c->intermediate / tp;
+    out->moe_intermediate = c->moe_intermediate / tp;
+    out->vocab = c->vocab / tp;
+    return KD_OK;
+}
+
+/* Refuse up front when a rank will not fit its device (plan branch: kd_plan_tp, core/plan.c).
+ * Until that lands the loader lets the backend's allocations fail, which names the weight. */
+static kd_status plan_fits(const kd_model *m, const kd_model_options *opt) {
+    (void)m;
+    (void)opt;
+    return KD_OK;
+}
+
+static kd_status open_backends(kd_model *m, const kd_model_options *opt) {
+    for (int r = 0; r < m->tp; r++) {
+        kd_rank *R = &m->ranks[r];
+        if (opt->backend == KD_BACKEND_CPU) {
+            KD_TRY(kd_backend_cpu_create(&R->be));
+            continue;
+        }
+#ifdef KD_WITH_CUDA
+        int dev = opt->n_device_list > 0 ? opt->devices[r] : r;
+        KD_TRY(kd_backend_cuda_create(dev, &R->be));
+#else
+        return kd_fail(KD_ERR_UNSUPPORTED, "kd_model_open: the CUDA backend is not compiled into this build (no nvcc)");
+#endif
+    }
+    m->be = m->ranks[0].be;
+    if (m->tp == 1) return KD_OK;
+    if (opt->backend == KD_BACKEND_CPU) KD_TRY(kd_comm_cpu_create(m->tp, &m->comm));
+    else {
+        kd_backend *bes[KD_TP_MAX];
+        int devs[KD_TP_MAX];
+        for (int r = 0; r < m->tp; r++) {
+            bes[r] = m->ranks[r].be;
+            devs[r] = bes[r]->device;
+        }
+        KD_TRY(kd_comm_cuda_create(m->tp, devs, bes, &m->comm));
+    }
+    return kd_workers_start(m);
+}
+
+static kd_status check_options(const kd_model_options *opt, int tp) {
+    if (opt->backend != KD_BACKEND_CPU && opt->backend != KD_BACKEND_CUDA)
+        return kd_fail(KD_ERR_ARG, "kd_model_open: options.backend is %d: expected KD_BACKEND_CPU (0) or KD_BACKEND_CUDA (1)",
+                       (int)opt->backend);
+    if (tp < 1 || tp > KD_TP_MAX)
+        return kd_fail(KD_ERR_ARG, "kd_model_open: options.tp is %d: expected 1..%d ranks", opt->tp, KD_TP_MAX);
+    if (opt->n_device_list < 0 || opt->n_device_list > KD_TP_MAX)
+        return kd_fail(KD_ERR_ARG, "kd_model_open: options.n_device_list is %d: expected 0..%d", opt->n_device_list,
+                       KD_TP_MAX);
+    if (opt->n_device_list > 0 && opt->n_device_list != tp)
+        return kd_fail(KD_ERR_ARG, "kd_model_open: options.devices lists %d devices for tp %d: expected one per rank",
+                       opt->n_device_list, tp);
+    for (int i = 0; i < opt->n_device_list; i++)
+        if (opt->devices[i] < 0)
+            return kd_fail(KD_ERR_ARG, "kd_model_open: options.devices[%d] is %d: expected a device index >= 0", i,
+                           opt->devices[i]);
+    return KD_OK;
 }
 
 kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_model_open: out must not be NULL");
     *out = NULL;
     if (!dir) return kd_fail(KD_ERR_ARG, "kd_model_open: dir must not be NULL");
-    kd_model_options def = {KD_BACKEND_CPU, 0, 1};
+    kd_model_options def;
+    memset(&def, 0, sizeof def);
     if (!opt) opt = &def;
-    if (opt->backend != KD_BACKEND_CPU && opt->backend != KD_BACKEND_CUDA)
-        return kd_fail(KD_ERR_ARG, "kd_model_open: options.backend is %d: expected KD_BACKEND_CPU (0) or KD_BACKEND_CUDA (1)",
-                       (int)opt->backend);
-    if (opt->n_devices > 1)
-        return kd_fail(KD_ERR_UNSUPPORTED, "kd_model_open: options.n_devices is %d: tensor parallelism is not built yet (use 1)",
-                       opt->n_devices);
+    int tp = opt->tp == 0 ? 1 : opt->tp;
+    KD_TRY(check_options(opt, tp));
     if (strlen(dir) >= sizeof ((kd_model *)0)->dir)
         return kd_fail(KD_ERR_ARG, "kd_model_open: directory path longer than %zu bytes", sizeof ((kd_model *)0)->dir - 1);
     kd_model *m = calloc(1, sizeof *m);
     if (!m) return kd_fail(KD_ERR_NOMEM, "kd_model_open: out of memory");
     snprintf(m->dir, sizeof m->dir, "%s", dir);
-    kd_status st = kd_config_load(dir, &m->cfg);
+    m->tp = tp;
+    m->ranks = calloc((size_t)tp, sizeof *m->ranks);
+    kd_status st = m->ranks ? kd_config_load(dir, &m->cfg) : kd_fail(KD_ERR_NOMEM, "kd_model_open: out of memory");
+    if (st == KD_OK) st = check_split(&m->cfg, tp, &m->split);
+    if (st == KD_OK) st = plan_fits(m, opt);
     if (st == KD_OK) st = kd_st_open_dir(dir, true, &m->files);
-    if (st == KD_OK) {
-        if (opt->backend == KD_BACKEND_CPU) {
-            st = kd_backend_cpu_create(&m->be);
-        } else {
-#ifdef KD_WITH_CUDA
-            st = kd_backend_cuda_create(opt->device, &m->be);
-#else
-            st = kd_fail(KD_ERR_UNSUPPORTED, "kd_model_open: the CUDA backend is not compiled into this build (no nvcc)");
-#endif
-        }
-    }
+    if (st == KD_OK) st = open_backends(m, opt);
     if (st == KD_OK) st = kd_model_load_weights(m);
     if (st != KD_OK) {
         free_model(m);
@@ -603,23 +756,35 @@ kd_status kd_model_get_info(const kd_model *m, kd_model_info *out) {
     if (!m || !out) return kd_fail(KD_ERR_ARG, "kd_model_get_info: model and out must not be NULL");
     fill_info(&m->cfg, out);
     out->backend = m->be ? m->be->kind : KD_BACKEND_CPU;
+    out->tp = m->tp;
+    out->heads_per_rank = m->split.heads;
+    out->intermediate_per_rank = m->split.intermediate;
+    out->moe_intermediate_per_rank = m->split.moe_intermediate;
+    out->vocab_per_rank = m->split.vocab;
     /* which format the experts were loaded in */
-    for (int l = 0; m->layers && l < m->cfg.n_layers; l++)
-        if (m->layers[l].is_moe && m->layers[l].experts.gate && m->layers[l].experts.gate[0].format == KD_W_INT4) {
+    const kd_rank *R0 = &m->ranks[0];
+    for (int l = 0; R0->layers && l < m->cfg.n_layers; l++)
+        if (R0->layers[l].is_moe && R0->layers[l].experts.gate && R0->layers[l].experts.gate[0].format == KD_W_INT4) {
             out->expert_bits = m->cfg.quant_bits;
-            out->expert_group = m->layers[l].experts.gate[0].group;
+            out->expert_group = R0->layers[l].experts.gate[0].group;
             break;
         }
-    uint64_t b = weight_bytes(&m->embed) + weight_bytes(&m->final_norm);
-    if (!m->cfg.tie_embeddings) b += weight_bytes(&m->lm_head);
-    for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
-        const kd_layer *ly = &m->layers[l];
-        const kd_weight *ws[] = {&ly->attn_norm, &ly->ffn_norm, &ly->q_a, &ly->q_a_norm, &ly->q_b, &ly->q_proj,
-                                 &ly->kv_a, &ly->kv_a_norm, &ly->kv_b, &ly->o_proj, &ly->mlp_gate, &ly->mlp_up,
-                                 &ly->mlp_down, &ly->router, &ly->router_bias};
-        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) b += weight_bytes(ws[i]);
-        for (int j = 0; ly->experts.gate && j < ly->experts.n; j++)
-            b += weight_bytes(&ly->experts.gate[j]) + weight_bytes(&ly->experts.up[j]) + weight_bytes(&ly->experts.down[j]);
+    /* every rank's weights */
+    uint64_t b = 0;
+    for (int r = 0; r < m->tp; r++) {
+        const kd_rank *R = &m->ranks[r];
+        b += weight_bytes(&R->embed) + weight_bytes(&R->final_norm);
+        if (!m->cfg.tie_embeddings) b += weight_bytes(&R->lm_head);
+        for (int l = 0; R->layers && l < m->cfg.n_layers; l++) {
+            const kd_layer *ly = &R->layers[l];
+            const kd_weight *ws[] = {&ly->attn_norm, &ly->ffn_norm, &ly->q_a, &ly->q_a_norm, &ly->q_b, &ly->q_proj,
+                                     &ly->kv_a, &ly->kv_a_norm, &ly->kv_b, &ly->o_proj, &ly->mlp_gate, &ly->mlp_up,
+                                     &ly->mlp_down, &ly->router, &ly->router_bias};
+            for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) b += weight_bytes(ws[i]);
+            for (int j = 0; ly->experts.gate && j < ly->experts.n; j++)
+                b += weight_bytes(&ly->experts.gate[j]) + weight_bytes(&ly->experts.up[j]) +
+                     weight_bytes(&ly->experts.down[j]);
+        }
     }
     out->bytes_weights = b;
     return KD_OK;

@@ -233,7 +233,8 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
                        "(a verify of a tree built on the backend): pass the positions");
     kd_model *m = s->model;
     kd_backend *be = m->be;
-    if (!kd_ddtree_on_device(be)) return seq_sample_host(s, sp, positions, dst);
+    /* several ranks: logits are shards on several backends (the merge is on the host) */
+    if (m->tp > 1 || !kd_ddtree_on_device(be)) return seq_sample_host(s, sp, positions, dst);
     if (m->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_seq_sample: vocabulary %d above %d", m->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
     int32_t pos[KD_SEQ_MAX_ROWS], res[2 * KD_SEQ_MAX_ROWS];
@@ -242,10 +243,10 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
      * out in one download; vis holds at least 2 int32 per row) */
     kd_fwd_plan p;
     kd_fwd_plan_make(m, s->out_cap, &p);
-    int32_t *d_pos = (int32_t *)((char *)s->scratch + p.ids);
-    int32_t *d_out = (int32_t *)((char *)s->scratch + p.vis), *d_code = d_out + n;
+    int32_t *d_pos = (int32_t *)((char *)s->rk[0].scratch + p.ids);
+    int32_t *d_out = (int32_t *)((char *)s->rk[0].scratch + p.vis), *d_code = d_out + n;
     KD_TRY(be->ops->upload(be, d_pos, pos, sizeof(int32_t) * (size_t)n));
-    KD_TRY(be->ops->sample_rows(be, kd_act_rows(s->logits, 0, n), sp, d_pos, 0, d_out, d_code));
+    KD_TRY(be->ops->sample_rows(be, kd_act_rows(s->rk[0].logits, 0, n), sp, d_pos, 0, d_out, d_code));
     KD_TRY(be->ops->download(be, res, d_out, sizeof(int32_t) * 2 * (size_t)n));
     const int32_t *code = res + n;
     for (int i = 0; i < n; i++)
