@@ -154,10 +154,8 @@ typedef struct targets {
 
 static kd_status target_of(targets *g, int node, int32_t *tok) {
     if (g->greedy) { *tok = g->greedy[node]; return KD_OK; }
-    int V = g->s->model->cfg.vocab;
     int32_t pos = g->s->len + g->t->depth[node] + 1;
-    KD_TRY(kd_seq_logits(g->s, node, 1, g->row));
-    kd_status st = kd_sample_row(g->row, V, g->sp, pos, g->q, g->a, tok);
+    kd_status st = kd_seq_sample_row(g->s, node, g->sp, pos, g->row, g->q, g->a, tok);
     if (st != KD_OK) return kd_fail_context(st, "kd_accept: node %d (position %d)", node, (int)pos);
     return KD_OK;
 }
@@ -175,7 +173,7 @@ static kd_status accept_host(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_
     } else {
         g.row = malloc(sizeof(float) * (size_t)V);
         g.q = malloc(sizeof(uint64_t) * (size_t)V);
-        g.a = malloc(sizeof(int32_t) * (size_t)V);
+        g.a = malloc(sizeof(int32_t) * 2 * (size_t)V);
         if (!g.row || !g.q || !g.a) st = kd_fail(KD_ERR_NOMEM, "kd_accept: cannot allocate sampling scratch (vocab %d)", V);
     }
     int tau = 0;
