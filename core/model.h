@@ -111,8 +111,6 @@ void kd_workers_stop(kd_model *m);
  * was the last reference. kd_model_close frees at once when n_seqs == 0. */
 void kd_model_unref(kd_model *m);
 
-/* Load all weights of cfg from the mapped set into m (shapes and dtypes checked). */
-kd_status kd_model_load_weights(kd_model *m);
 
 /* The sequence. The cache is one buffer per layer, rows = capacity,
  * cols = kv_lora_rank + qk_rope_dim (c_kv then roped k_pe). */

@@ -21,6 +21,7 @@
 #include "error.h"
 
 #include <regex.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +32,15 @@ bool kd_regex_translate(const char *py, char *out, size_t cap);   /* config.c */
  * norms, as kimi_k2.md counts it); norms: the per-layer input/post-attention norms and the final norm */
 enum kind { K_ATTN, K_DENSE, K_SHARED, K_ROUTED, K_ROUTER, K_EMBED, K_LMHEAD, K_NORM, K_N };
 
+/* bytes loaded per rank, for kd_model_options.progress: the ranks add as they load, the
+ * thread that called kd_model_open (rank 0's) reports */
+typedef struct load_progress {
+    const kd_model_options *opt;
+    _Atomic uint64_t done[KD_TP_MAX];
+    uint64_t total[KD_TP_MAX];     /* each rank's part of the weights (a check-only walk) */
+    uint64_t next;                 /* rank 0's bytes at which to report next */
+} load_progress;
+
 typedef struct loader {
     const kd_config *cfg;
     const kd_st_set *set;
@@ -38,6 +48,8 @@ typedef struct loader {
     kd_model *m;             /* NULL: check only (kd_inspect) */
     kd_backend *be;          /* the backend of the rank being bound */
     int rank, tp;            /* which part of a split weight it gets (model.h: kd_rank) */
+    uint64_t part_bytes;     /* the bytes of this rank's parts (as kd_weight_bytes counts them) */
+    load_progress *prog;     /* NULL: no progress to report */
     regex_t *re;             /* compiled ignore patterns (NULL entries: plain names) */
     bool *is_re;
     int n_pat;
@@ -209,8 +221,20 @@ static kd_status loader_init(loader *L, const kd_config *cfg, const kd_st_set *s
 
 /* ---- binding one weight ---- */
 
+static void report(load_progress *p, int n_ranks) {
+    for (int r = 0; r < n_ranks; r++) p->opt->progress(p->opt->progress_ctx, r, atomic_load(&p->done[r]), p->total[r]);
+}
+
 static kd_status backend_load(loader *L, kd_weight *w) {
     kd_status st = L->be->ops->weight_load(L->be, w);
+    load_progress *p = L->prog;
+    if (st == KD_OK && p) {
+        uint64_t done = atomic_fetch_add(&p->done[L->rank], kd_weight_bytes(w)) + kd_weight_bytes(w);
+        if (L->rank == 0 && p->opt->progress && done >= p->next) {      /* about every 1% of rank 0's part */
+            p->next = done + p->total[0] / 100 + 1;
+            report(p, L->tp);
+        }
+    }
     if (st != KD_OK) {
         /* the backend did not take it: drop our private copies and the binding */
         if (w->src && !in_mapping(L->set, w->src)) free((void *)w->src);
@@ -236,9 +260,10 @@ static kd_status bind_dense(loader *L, kd_weight *w, enum kind kind, enum split 
     KD_TRY(check_shape(L, t, cols ? 2 : 1, rows, cols));
     L->bytes[kind] += t->nbytes;
     L->n_used++;
+    part p = part_of(L, sp, rows, cols ? cols : 1);
+    L->part_bytes += (uint64_t)p.nr * (uint64_t)p.nc * (t->dtype == KD_ST_BF16 ? 2u : 4u);   /* F16 is widened */
     if (!L->m) return KD_OK;
     memset(w, 0, sizeof *w);
-    part p = part_of(L, sp, rows, cols ? cols : 1);
     w->rows = p.nr;
     w->cols = p.nc;
     if (t->dtype == KD_ST_BF16) {
@@ -297,8 +322,9 @@ static kd_status bind_int4(loader *L, kd_weight *w, enum kind kind, enum split s
     }
     L->bytes[kind] += tp->nbytes + ts->nbytes + tsh->nbytes;
     L->n_used += 3;
-    if (!L->m) return KD_OK;
     part p = part_of(L, sp, rows, cols);
+    L->part_bytes += (uint64_t)p.nr * (uint64_t)p.nc / 2 + (uint64_t)p.nr * (uint64_t)(p.nc / g) * 2;
+    if (!L->m) return KD_OK;
     if (p.c0 % g || p.nc % g)
         return kd_fail(KD_ERR_ARG, "%s: tensor '%s': tp %d splits its %lld input columns into parts of %lld, which "
                        "cuts INT4 scale groups of %d (expected whole groups on every rank)", file_of(L, tp), np, L->tp,
@@ -388,6 +414,7 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
         KD_TRY(check_shape(L, t, 1, E, 0));
         L->bytes[K_ROUTER] += t->nbytes;
         L->n_used++;
+        L->part_bytes += (uint64_t)E * 4;
         if (L->m) {
             kd_weight *w = &ly->router_bias;
             memset(w, 0, sizeof *w);
@@ -478,8 +505,8 @@ static kd_status bind_model(loader *L) {
     } else {
         snprintf(n, sizeof n, "%slm_head", c->prefix);
         KD_TRY(bind_linear(L, R ? &R->lm_head : &scratch, K_LMHEAD, ROWS, n, c->vocab, c->hidden));
-        if (R && L->tp > 1 && L->rank == 0)      /* the drafter's whole head on rank 0 */
-            KD_TRY(bind_linear(L, &L->m->head, K_LMHEAD, REP, n, c->vocab, c->hidden));
+        if (L->tp > 1 && L->rank == 0)      /* the drafter's whole head on rank 0 */
+            KD_TRY(bind_linear(L, R ? &L->m->head : &scratch, K_LMHEAD, REP, n, c->vocab, c->hidden));
     }
     if (R && c->tie_embeddings && L->tp > 1 && L->rank == 0) L->m->head = R->embed;
     return KD_OK;
@@ -540,16 +567,24 @@ static void free_model(kd_model *m) {
 
 /* ---- public ---- */
 
+/* the loader of rank r's part (m NULL: a check-only walk, which adds up part_bytes) */
+static kd_status rank_loader(loader *L, kd_model *m, const kd_config *cfg, const kd_st_set *set, const char *dir,
+                             int r, int tp) {
+    KD_TRY(loader_init(L, cfg, set, dir, m));
+    L->rank = r;
+    L->tp = tp;
+    return KD_OK;
+}
+
 /* rank r's weights and small buffers (RoPE table, router biases) on its backend */
-static kd_status load_rank(kd_model *m, int r) {
+static kd_status load_rank(kd_model *m, int r, load_progress *prog) {
     kd_rank *R = &m->ranks[r];
     R->layers = calloc((size_t)m->cfg.n_layers, sizeof *R->layers);
     if (!R->layers) return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %d layers", m->dir, m->cfg.n_layers);
     loader L;
-    KD_TRY(loader_init(&L, &m->cfg, &m->files, m->dir, m));
+    KD_TRY(rank_loader(&L, m, &m->cfg, &m->files, m->dir, r, m->tp));
     L.be = R->be;
-    L.rank = r;
-    L.tp = m->tp;
+    L.prog = prog;
     kd_status st = bind_model(&L);
     loader_free_patterns(&L);
     if (st != KD_OK) return st;
@@ -574,12 +609,33 @@ static kd_status load_rank(kd_model *m, int r) {
     return R->be->ops->sync(R->be);
 }
 
-kd_status kd_model_load_weights(kd_model *m) {
-    if (!m || !m->ranks) return kd_fail(KD_ERR_ARG, "kd_model_load_weights: model and ranks must be set");
-    for (int r = 0; r < m->tp; r++) {
-        kd_status st = load_rank(m, r);
-        if (st != KD_OK) return m->tp > 1 ? kd_fail_context(st, "rank %d of %d", r, m->tp) : st;
+typedef struct load_job {
+    kd_model *m;
+    load_progress *prog;
+} load_job;
+
+static kd_status load_job_run(void *ctx, int r) {
+    load_job *j = ctx;
+    return load_rank(j->m, r, j->prog);
+}
+
+/* every rank's part, the ranks in parallel on their threads (each reads only its slices of the
+ * mapping); progress (when asked for) on the caller's thread */
+static kd_status load_weights(kd_model *m, const kd_model_options *opt) {
+    load_progress prog;
+    memset(&prog, 0, sizeof prog);
+    prog.opt = opt;
+    for (int r = 0; opt->progress && r < m->tp; r++) {
+        loader L;
+        KD_TRY(rank_loader(&L, NULL, &m->cfg, &m->files, m->dir, r, m->tp));
+        kd_status st = bind_model(&L);
+        loader_free_patterns(&L);
+        KD_TRY(st);
+        prog.total[r] = L.part_bytes;
     }
+    load_job job = {m, &prog};
+    KD_TRY(kd_ranks_run(m, load_job_run, &job));
+    if (opt->progress) report(&prog, m->tp);
     return KD_OK;
 }
 
@@ -626,7 +682,9 @@ static kd_status open_backends(kd_model *m, const kd_model_options *opt) {
         }
 #ifdef KD_WITH_CUDA
         int dev = opt->n_device_list > 0 ? opt->devices[r] : r;
-        KD_TRY(kd_backend_cuda_create(dev, &R->be));
+        kd_status st = kd_backend_cuda_create(dev, &R->be);
+        if (st != KD_OK && m->tp > 1) return kd_fail_context(st, "kd_model_open: rank %d of %d", r, m->tp);
+        KD_TRY(st);
 #else
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_model_open: the CUDA backend is not compiled into this build (no nvcc)");
 #endif
@@ -686,7 +744,7 @@ kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model *
     if (st == KD_OK) st = plan_fits(m, opt);
     if (st == KD_OK) st = kd_st_open_dir(dir, true, &m->files);
     if (st == KD_OK) st = open_backends(m, opt);
-    if (st == KD_OK) st = kd_model_load_weights(m);
+    if (st == KD_OK) st = load_weights(m, opt);
     if (st != KD_OK) {
         free_model(m);
         return st;
@@ -786,6 +844,7 @@ kd_status kd_model_get_info(const kd_model *m, kd_model_info *out) {
                      weight_bytes(&ly->experts.down[j]);
         }
     }
+    if (m->tp > 1 && !m->cfg.tie_embeddings) b += weight_bytes(&m->head);   /* the drafter's whole head */
     out->bytes_weights = b;
     return KD_OK;
 }

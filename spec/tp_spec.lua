@@ -162,6 +162,26 @@ describe("tensor parallel (CPU ranks)", function()
     end)
   end
 
+  it("load progress: each rank's bytes reach its total, which adds up to the weights the ranks hold", function()
+    for _, tp in ipairs({ 1, 2, 4 }) do
+      local last, calls = {}, 0
+      local m = kd.open_model(DSV3, { backend = "cpu", tp = tp, progress = function(rank, done, total)
+        calls = calls + 1
+        assert.is_true(done <= total, "rank " .. rank .. ": " .. done .. " of " .. total)
+        last[rank] = { done, total }
+      end })
+      local sum = 0
+      for r = 0, tp - 1 do
+        assert.are.equal(last[r][2], last[r][1], "rank " .. r)
+        sum = sum + last[r][2]
+      end
+      assert.are.equal(m.info.bytes_weights, sum)
+      assert.is_true(calls > tp, "progress reported while loading, not only at the end")
+      if tp > 1 then assert.is_true(last[1][2] < last[0][2] / 1.2 + 1, "rank 1 holds a part, not a copy") end
+      m:close()
+    end
+  end)
+
   describe("refusals", function()
     local function still_works()
       local m = open(DSV3, 2)

@@ -17,7 +17,8 @@ local function free_model(p) C.kd_model_close(p) end
 
 -- Model.open(dir, opts): opts.backend = "cpu" | "cuda" (default env KDTREE_BACKEND or "cpu"),
 -- opts.tp = ranks (tensor parallel, 1..8), opts.devices = { device of each rank } (CUDA;
--- default 0..tp-1)
+-- default 0..tp-1), opts.progress = function(rank, bytes_done, bytes_total) called while the
+-- weights load (about every 1% of rank 0's part, and once per rank at the end)
 function Model.open(dir, opts)
   opts = opts or {}
   if type(dir) ~= "string" then error("kdtree: open_model: expected a directory path, got " .. type(dir), 2) end
@@ -45,8 +46,22 @@ function Model.open(dir, opts)
     end
     o.n_device_list = #opts.devices
   end
+  local cb
+  if opts.progress ~= nil then
+    if type(opts.progress) ~= "function" then
+      error("kdtree: open_model: progress: expected a function(rank, done, total), got " .. type(opts.progress), 2)
+    end
+    local fn = opts.progress
+    -- called on this thread only (kd_model_options.progress), so a Lua callback is safe
+    cb = ffi.cast("void (*)(void *, int, uint64_t, uint64_t)", function(_, rank, done, total)
+      fn(rank, tonumber(done), tonumber(total))
+    end)
+    o.progress = cb
+  end
   local out = ffi.new("kd_model*[1]")
-  check(C.kd_model_open(dir, o, out), "kd_model_open(" .. dir .. ")")
+  local rc = C.kd_model_open(dir, o, out)
+  if cb then cb:free() end
+  check(rc, "kd_model_open(" .. dir .. ")")
   local st, h = H.own(out[0], "kd_model*", free_model, "model")
   local ci = ffi.new("kd_model_info")
   local m = setmetatable({ _h = h, _st = st, dir = dir }, Model)
