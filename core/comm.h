@@ -8,6 +8,9 @@
 #ifndef KD_COMM_H
 #define KD_COMM_H
 #include "backend.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 typedef struct kd_comm kd_comm;
 typedef struct kd_comm_ops {
@@ -32,4 +35,7 @@ kd_status kd_comm_cpu_create(int n_ranks, kd_comm **out);                       
  * ncclUniqueId, one comm per rank); ranks that share a device use the loopback (a fixed-order
  * sum kernel over peer buffers on that device, ordered with events). KD_ERR_UNSUPPORTED without CUDA. */
 kd_status kd_comm_cuda_create(int n_ranks, const int *devices, kd_backend *const *backends, kd_comm **out);  /* cuda/comm.cu */
+#ifdef __cplusplus
+}
+#endif
 #endif

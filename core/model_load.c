@@ -665,9 +665,11 @@ static kd_status check_split(const kd_config *c, int tp, kd_split *out) {
     return KD_OK;
 }
 
-/* Refuse up front when a rank will not fit its device (plan branch: kd_plan_tp, core/plan.c).
- * Until that lands the loader lets the backend's allocations fail, which names the weight. */
-static kd_status plan_fits(const kd_model *m, const kd_model_options *opt) {
+/* HOOK for the per-GPU memory plan: refuse up front, before any weight is read, when a rank
+ * will not fit its device. It is to call kd_plan_tp(&m->cfg, m->tp, ...) of core/plan.c (the
+ * plan branch), which is not in this tree yet; until then a rank that does not fit fails at
+ * the backend allocation that overflows, and that error names the weight and the device. */
+static kd_status plan_tp_hook(const kd_model *m, const kd_model_options *opt) {
     (void)m;
     (void)opt;
     return KD_OK;
@@ -741,7 +743,7 @@ kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model *
     m->ranks = calloc((size_t)tp, sizeof *m->ranks);
     kd_status st = m->ranks ? kd_config_load(dir, &m->cfg) : kd_fail(KD_ERR_NOMEM, "kd_model_open: out of memory");
     if (st == KD_OK) st = check_split(&m->cfg, tp, &m->split);
-    if (st == KD_OK) st = plan_fits(m, opt);
+    if (st == KD_OK) st = plan_tp_hook(m, opt);
     if (st == KD_OK) st = kd_st_open_dir(dir, true, &m->files);
     if (st == KD_OK) st = open_backends(m, opt);
     if (st == KD_OK) st = load_weights(m, opt);

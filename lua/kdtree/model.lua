@@ -9,8 +9,8 @@ Model.__index = Model
 Model.__tostring = function(m)
   if rawget(m, "_h") == nil then return "kdtree.model (closed)" end
   local i = m.info
-  return string.format("kdtree.model(%s, %d layers, hidden %d, vocab %d, %s)", m.dir, i.n_layers,
-    i.hidden, i.vocab, i.backend)
+  return string.format("kdtree.model(%s, %d layers, hidden %d, vocab %d, %s%s)", m.dir, i.n_layers,
+    i.hidden, i.vocab, i.backend, i.tp > 1 and (" x " .. i.tp .. " ranks") or "")
 end
 
 local function free_model(p) C.kd_model_close(p) end
