@@ -79,6 +79,11 @@ kd_status kd_test_moe(kd_test_backend *tb, const float *x, int T, int H, int n, 
 kd_status kd_test_log_softmax(kd_test_backend *tb, const float *x, int rows, int cols, float *out);
 kd_status kd_test_argmax(kd_test_backend *tb, const float *x, int rows, int cols, int32_t *out);
 kd_status kd_test_topk(kd_test_backend *tb, const float *x, int rows, int cols, int k, float *vals, int32_t *ids);
+/* one keyed draw from a host row split into n_shards equal shards (tensor parallel's vocabulary
+ * shards; vocab % n_shards == 0, n_shards <= 8), merged as core/sample.c merges them; the
+ * sampler not greedy. The same token as kd_sample_logits over the whole row, or its error. */
+kd_status kd_test_sample_shards(const float *row, int vocab, int n_shards, const kd_sampler *sp, int32_t position,
+                                int32_t *dst);
 
 /* Fault injection (core/testing_faults.c): from now on the backend op `op` of the model's
  * backend ("upload", "copy" or "gather_rows") fails with KD_ERR_BACKEND once `after` more calls

@@ -6,6 +6,7 @@
 #include "backend.h"
 #include "error.h"
 #include "cpu/cpu.h"
+#include "sample.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -426,6 +427,28 @@ kd_status kd_test_log_softmax(kd_test_backend *tb, const float *x, int rows, int
     RUN(down_act(&a, dx, out));
 done:
     arena_free(&a);
+    return st;
+}
+
+kd_status kd_test_sample_shards(const float *row, int vocab, int n_shards, const kd_sampler *sp, int32_t position,
+                                int32_t *dst) {
+    if (!row || !dst || !sp || vocab <= 0 || n_shards < 1 || n_shards > KD_TP_MAX || vocab % n_shards)
+        return kd_fail(KD_ERR_ARG, "kd_test_sample_shards: a row of %d in %d shards: expected 1..%d shards dividing it",
+                       vocab, n_shards, KD_TP_MAX);
+    if (kd_sampler_is_greedy(sp)) return kd_fail(KD_ERR_ARG, "kd_test_sample_shards: the sampler is greedy");
+    KD_TRY(kd_sampler_check(sp, "kd_test_sample_shards"));
+    kd_shard sh[KD_TP_MAX];
+    int n = vocab / n_shards;
+    for (int k = 0; k < n_shards; k++) sh[k] = (kd_shard){row + (size_t)k * n, n, k * n};
+    uint64_t *q = malloc(sizeof(uint64_t) * (size_t)vocab);
+    int32_t *a = malloc(sizeof(int32_t) * 2 * (size_t)vocab);
+    kd_status st = q && a ? KD_OK : kd_fail(KD_ERR_NOMEM, "kd_test_sample_shards: out of memory");
+    if (st == KD_OK) {
+        int32_t code = kd_sample_shards_code(sh, n_shards, sp, position, q, a, dst);
+        if (code) st = kd_sample_fail(code);
+    }
+    free(q);
+    free(a);
     return st;
 }
 

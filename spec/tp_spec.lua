@@ -178,6 +178,54 @@ describe("tensor parallel (CPU ranks)", function()
     end
   end)
 
+  it("keyed sampling over vocabulary shards draws the whole row's token (ties across shards, top-k, top-p)", function()
+    local O = require("spec.helpers.ops")
+    local ffi = O.ffi
+    local V = 48
+    local row = ffi.new("float[?]", V)
+    local got, want = ffi.new("int32_t[1]"), ffi.new("int32_t[1]")
+    local seed = 12345
+    local function rnd()                              -- a small LCG: the spec's own numbers
+      seed = (seed * 1103515245 + 12345) % 2147483648
+      return seed / 2147483648
+    end
+    local samplers = {
+      kd.sampler({ temperature = 1.0, seed = 1 }),
+      kd.sampler({ temperature = 0.7, top_k = 5, seed = 2 }),
+      kd.sampler({ temperature = 1.3, top_k = 13, seed = 3 }),
+      kd.sampler({ temperature = 0.9, top_p = 0.6, seed = 4 }),
+      kd.sampler({ temperature = 2.0, top_k = 30, top_p = 0.8, seed = 5 }),
+      kd.sampler({ temperature = 0.5, top_p = 0.05, seed = 6 }),
+    }
+    local draws, distinct = 0, {}
+    for trial = 1, 60 do
+      -- values from a set of 4 (many ties, within and across shards), some -inf
+      for i = 0, V - 1 do
+        local u = rnd()
+        row[i] = u < 0.1 and -math.huge or math.floor(rnd() * 4) * 0.75
+      end
+      for _, sp in ipairs(samplers) do
+        for pos = 1, 6 do
+          kd.check(kd.C.kd_sample_logits(row, V, sp, pos * 7 + trial, want), "kd_sample_logits")
+          for _, n in ipairs({ 2, 3, 4, 6, 8 }) do
+            O.check(O.C.kd_test_sample_shards(row, V, n, sp, pos * 7 + trial, got), "kd_test_sample_shards")
+            assert.are.equal(want[0], got[0], string.format("trial %d, %d shards, position %d", trial, n, pos))
+            draws = draws + 1
+          end
+          distinct[want[0]] = true
+        end
+      end
+    end
+    local nd = 0
+    for _ in pairs(distinct) do nd = nd + 1 end
+    assert.is_true(draws == 60 * 6 * 6 * 5 and nd > 20, "draws " .. draws .. ", distinct tokens " .. nd)
+    -- errors name the whole row's column: a NaN in the third of four shards
+    for i = 0, V - 1 do row[i] = 0 end
+    row[29] = 0 / 0
+    local e = err_of(function() O.check(O.C.kd_test_sample_shards(row, V, 4, samplers[1], 1, got), "shards") end)
+    assert.matches("logits[29] is NaN", e, 1, true)
+  end)
+
   describe("refusals", function()
     local function still_works()
       local m = open(DSV3, 2)
