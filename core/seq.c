@@ -178,9 +178,10 @@ kd_status kd_seq_logits(kd_seq *s, int row0, int n_rows, float *dst) {
     return KD_OK;
 }
 
-/* Per row, the argmax of each rank's shard (the backend's argmax, equal values: the lower id)
- * and the value there; the merge keeps the larger value and, on equal values, the lower rank,
- * whose ids are the lower ones: the argmax of the whole row by the same rule. */
+/* One rank: the backend's argmax. Several: per row, each rank's best (value, id) of its shard
+ * (the backend's top-1, equal values: the lower id); the merge keeps the larger value and, on
+ * equal values, the lower rank, whose ids are the lower ones: the whole row's argmax by the same
+ * rule, from two small downloads per rank. */
 kd_status kd_seq_argmax(kd_seq *s, int32_t *dst) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_seq_argmax: sequence is NULL");
     if (!dst) return kd_fail(KD_ERR_ARG, "kd_seq_argmax: dst is NULL");
@@ -189,23 +190,28 @@ kd_status kd_seq_argmax(kd_seq *s, int32_t *dst) {
     kd_fwd_plan p;
     kd_fwd_plan_make(m, s->out_cap, &p);
     int n = s->out_rows, Vr = m->split.vocab;
-    float best[KD_SEQ_MAX_ROWS];
+    if (m->tp == 1) {
+        int32_t *d = (int32_t *)((char *)s->rk[0].scratch + p.idx);
+        KD_TRY(m->be->ops->argmax(m->be, kd_act_rows(s->rk[0].logits, 0, n), d));
+        return m->be->ops->download(m->be, dst, d, sizeof(int32_t) * (size_t)n);
+    }
+    float best[KD_SEQ_MAX_ROWS], vals[KD_SEQ_MAX_ROWS];
+    int32_t ids[KD_SEQ_MAX_ROWS];
     for (int r = 0; r < m->tp; r++) {
         kd_backend *be = m->ranks[r].be;
-        int32_t ids[KD_SEQ_MAX_ROWS];
-        int32_t *d = (int32_t *)((char *)s->rk[r].scratch + p.idx);
-        KD_TRY(be->ops->argmax(be, kd_act_rows(s->rk[r].logits, 0, n), d));
-        KD_TRY(be->ops->download(be, m->tp == 1 ? dst : ids, d, sizeof(int32_t) * (size_t)n));
-        if (m->tp == 1) return KD_OK;
+        char *sc = (char *)s->rk[r].scratch;
+        int32_t *d_ids = (int32_t *)(sc + p.idx);
+        float *d_vals = (float *)(sc + p.tmp);     /* fp32-sized, free after a forward */
+        KD_TRY(be->ops->topk(be, kd_act_rows(s->rk[r].logits, 0, n), 1, d_vals, d_ids));
+        KD_TRY(be->ops->download(be, ids, d_ids, sizeof(int32_t) * (size_t)n));
+        KD_TRY(be->ops->download(be, vals, d_vals, sizeof(float) * (size_t)n));
         for (int i = 0; i < n; i++) {
             if (ids[i] < 0 || ids[i] >= Vr)
-                return kd_fail(KD_ERR_BACKEND, "kd_seq_argmax: rank %d: row %d: argmax %d outside its %d ids", r, i,
+                return kd_fail(KD_ERR_BACKEND, "kd_seq_argmax: rank %d: row %d: top id %d outside its %d ids", r, i,
                                (int)ids[i], Vr);
-            float v;
-            kd_act row = kd_act_rows(s->rk[r].logits, i, 1);
-            KD_TRY(be->ops->download(be, &v, (float *)row.data + ids[i], sizeof v));
-            if (r == 0 || v > best[i]) {
-                best[i] = v;
+            bool nan = vals[i] != vals[i], best_nan = r > 0 && best[i] != best[i];   /* NaN loses, as in argmax */
+            if (r == 0 || (!nan && (best_nan || vals[i] > best[i]))) {
+                best[i] = vals[i];
                 dst[i] = r * Vr + ids[i];
             }
         }

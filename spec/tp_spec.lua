@@ -226,6 +226,37 @@ describe("tensor parallel (CPU ranks)", function()
     assert.matches("logits[29] is NaN", e, 1, true)
   end)
 
+  it("greedy: equal logits in two shards go to the lower id, as on one rank", function()
+    -- a copy of tiny-dsv3 whose lm_head row u (rank 0's shard at tp 2) equals row t (rank 1's),
+    -- where t is the first generated token in rank 1's shard: from that step on the two logits
+    -- are equal bit for bit, and the argmax must take u
+    local V = 1024
+    local m0 = open(DSV3, 1)
+    local orig = gen.run(m0, PROMPT, { n = 16, eos = false }).tokens
+    m0:close()
+    local step, t
+    for i, tok in ipairs(orig) do
+      if tok >= V / 2 then step, t = i, tok; break end
+    end
+    assert.is_truthy(step, "a generated token in the second shard")
+    local u = t - V / 2
+    local d = ck.copy(DSV3)
+    local info = ck.tensors(d)["lm_head.weight"]
+    local row = info.shape[2] * 2
+    ck.edit_st(d .. "/" .. info.file, function(_, st)
+      local at = info.data_offsets[1]
+      local src = st.data:sub(at + t * row + 1, at + (t + 1) * row)
+      return st.data:sub(1, at + u * row) .. src .. st.data:sub(at + (u + 1) * row + 1)
+    end)
+    local m1, m2 = open(d, 1), open(d, 2)
+    local one = gen.run(m1, PROMPT, { n = 16, eos = false }).tokens
+    local two = gen.run(m2, PROMPT, { n = 16, eos = false }).tokens
+    assert.are.equal(u, one[step])
+    for i = 1, step - 1 do assert.are.equal(orig[i], one[i]) end
+    assert.are.same(one, two)
+    m1:close(); m2:close()
+  end)
+
   describe("refusals", function()
     local function still_works()
       local m = open(DSV3, 2)
