@@ -85,6 +85,14 @@ kd_status kd_test_topk(kd_test_backend *tb, const float *x, int rows, int cols, 
 kd_status kd_test_sample_shards(const float *row, int vocab, int n_shards, const kd_sampler *sp, int32_t position,
                                 int32_t *dst);
 
+/* The CPU communicator (core/comm_cpu.c) driven by n_ranks threads: rank r all-reduces its view
+ * [rows, cols] (row stride ld) of bufs + r * rows * ld in place, then all-gathers its first row
+ * into gathered + r * n_ranks * cols. fail_rank >= 0: that rank aborts instead of joining (as a
+ * failing rank does), and the others' statuses say what they saw; after a reset, every rank then
+ * all-reduces once more (status[n_ranks] is that round's first failure, or 0). status: n_ranks + 1. */
+kd_status kd_test_comm_cpu(int n_ranks, int rows, int cols, int ld, float *bufs, float *gathered, int fail_rank,
+                           int32_t *status);
+
 /* Fault injection (core/testing_faults.c): from now on the backend op `op` of the model's
  * backend ("upload", "copy" or "gather_rows") fails with KD_ERR_BACKEND once `after` more calls
  * of it have succeeded; after < 0 ends the injection (one at a time; a new call moves it;

@@ -7,6 +7,8 @@
 #include "error.h"
 #include "cpu/cpu.h"
 #include "sample.h"
+#include "comm.h"
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -450,6 +452,65 @@ kd_status kd_test_sample_shards(const float *row, int vocab, int n_shards, const
     free(q);
     free(a);
     return st;
+}
+
+typedef struct comm_job {
+    kd_comm *c;
+    int rank, rows, cols, ld, fail_rank;
+    float *bufs, *gathered;
+    kd_status st, again;
+    pthread_barrier_t *reset_point;
+} comm_job;
+
+static void *comm_rank(void *arg) {
+    comm_job *j = arg;
+    kd_act x = {j->bufs + (size_t)j->rank * j->rows * j->ld, j->rows, j->cols, j->ld, KD_F32};
+    if (j->rank == j->fail_rank) {
+        j->c->ops->abort(j->c);
+        j->st = KD_ERR_BACKEND;
+    } else {
+        j->st = j->c->ops->all_reduce_sum(j->c, j->rank, NULL, x);
+        if (j->st == KD_OK)
+            j->st = j->c->ops->all_gather(j->c, j->rank, NULL, x.data, j->gathered + (size_t)j->rank * j->c->n_ranks * j->cols,
+                                          sizeof(float) * (size_t)j->cols);
+    }
+    if (j->fail_rank < 0) return NULL;
+    /* every rank is back: rank 0 resets, then all reduce again */
+    pthread_barrier_wait(j->reset_point);
+    if (j->rank == 0) j->c->ops->reset(j->c);
+    pthread_barrier_wait(j->reset_point);
+    j->again = j->c->ops->all_reduce_sum(j->c, j->rank, NULL, x);
+    return NULL;
+}
+
+kd_status kd_test_comm_cpu(int n_ranks, int rows, int cols, int ld, float *bufs, float *gathered, int fail_rank,
+                           int32_t *status) {
+    if (n_ranks < 1 || n_ranks > KD_TP_MAX || rows < 1 || cols < 1 || ld < cols || !bufs || !gathered || !status ||
+        fail_rank >= n_ranks)
+        return kd_fail(KD_ERR_ARG, "kd_test_comm_cpu: %d ranks of %d x %d (ld %d), fail_rank %d", n_ranks, rows, cols,
+                       ld, fail_rank);
+    kd_comm *c;
+    KD_TRY(kd_comm_cpu_create(n_ranks, &c));
+    comm_job jobs[KD_TP_MAX];
+    pthread_t th[KD_TP_MAX];
+    pthread_barrier_t reset_point;
+    pthread_barrier_init(&reset_point, NULL, (unsigned)n_ranks);
+    int started = 0;
+    for (int r = 0; r < n_ranks; r++) {
+        jobs[r] = (comm_job){c, r, rows, cols, ld, fail_rank, bufs, gathered, KD_OK, KD_OK, &reset_point};
+        if (pthread_create(&th[r], NULL, comm_rank, &jobs[r]) != 0) break;
+        started++;
+    }
+    for (int r = 0; r < started; r++) pthread_join(th[r], NULL);
+    pthread_barrier_destroy(&reset_point);
+    c->ops->destroy(c);
+    if (started < n_ranks) return kd_fail(KD_ERR_NOMEM, "kd_test_comm_cpu: cannot start %d threads", n_ranks);
+    status[n_ranks] = 0;
+    for (int r = 0; r < n_ranks; r++) {
+        status[r] = (int32_t)jobs[r].st;
+        if (!status[n_ranks]) status[n_ranks] = (int32_t)jobs[r].again;
+    }
+    return KD_OK;
 }
 
 kd_status kd_test_argmax(kd_test_backend *tb, const float *x, int rows, int cols, int32_t *out) {

@@ -178,6 +178,50 @@ describe("tensor parallel (CPU ranks)", function()
     end
   end)
 
+  it("the CPU all-reduce: rank 0 + 1 + ... in fp32 on every rank, identical bits; all_gather; abort and reset", function()
+    local O = require("spec.helpers.ops")
+    local ffi = O.ffi
+    local rows, cols, ld = 5, 7, 9
+    for _, n in ipairs({ 2, 3, 4, 8 }) do
+      local bufs = ffi.new("float[?]", n * rows * ld)
+      local gathered = ffi.new("float[?]", n * n * cols)
+      local status = ffi.new("int32_t[?]", n + 1)
+      -- magnitudes 1e-3 .. 1e7 with signs: the fp32 sum depends on the order
+      local x = 7
+      for i = 0, n * rows * ld - 1 do
+        x = (x * 48271) % 2147483647
+        bufs[i] = ((x % 2 == 0) and 1 or -1) * 10 ^ ((x % 11) - 3) * (1 + (x % 1000) / 1000)
+      end
+      local before = ffi.new("float[?]", n * rows * ld)
+      ffi.copy(before, bufs, ffi.sizeof(before))
+      O.check(O.C.kd_test_comm_cpu(n, rows, cols, ld, bufs, gathered, -1, status), "kd_test_comm_cpu")
+      for r = 0, n - 1 do assert.are.equal(0, status[r]) end
+      local acc = ffi.new("float[1]")
+      for i = 0, rows - 1 do
+        for c = 0, ld - 1 do
+          if c < cols then
+            acc[0] = before[i * ld + c]                               -- rank 0 + rank 1 + ..., rounded to fp32 each step
+            for r = 1, n - 1 do acc[0] = acc[0] + before[(r * rows + i) * ld + c] end
+          end
+          for r = 0, n - 1 do
+            local at = (r * rows + i) * ld + c
+            local want = c < cols and acc[0] or before[at]            -- the padding past cols is left alone
+            assert.is_true(bufs[at] == want, string.format("%d ranks: rank %d [%d, %d]", n, r, i, c))
+          end
+        end
+      end
+      for r = 0, n - 1 do                                            -- every rank got every rank's first row
+        for k = 0, n - 1 do
+          for c = 0, cols - 1 do assert.is_true(gathered[(r * n + k) * cols + c] == bufs[k * rows * ld + c]) end
+        end
+      end
+      -- a rank that fails: the others return instead of waiting; after a reset all reduce again
+      O.check(O.C.kd_test_comm_cpu(n, rows, cols, ld, bufs, gathered, n - 1, status), "kd_test_comm_cpu (abort)")
+      for r = 0, n - 2 do assert.are.equal(tonumber(kd.C.KD_ERR_STATE), status[r]) end
+      assert.are.equal(0, status[n])
+    end
+  end)
+
   it("keyed sampling over vocabulary shards draws the whole row's token (ties across shards, top-k, top-p)", function()
     local O = require("spec.helpers.ops")
     local ffi = O.ffi
