@@ -77,9 +77,9 @@ static kd_status verify_host_tree(kd_seq *s, kd_tree *t, int T) {
     if (st == KD_OK) {
         for (int i = 0; i < T; i++) pos[i] = s->len + t->depth[i];
         kd_tree_mask(t->parent, t->n, vis);
-        if (kd_ddtree_on_device(s->model->be)) st = kd_tree_to_backend(t, s->model, "kd_verify");
+        if (kd_ddtree_on_device(s->model)) st = kd_tree_to_backend(t, s->model, "kd_verify");
     }
-    if (st == KD_OK && kd_ddtree_on_device(s->model->be)) {
+    if (st == KD_OK && kd_ddtree_on_device(s->model)) {
         kd_backend *be = s->model->be;
         st = be->ops->tree_stage(be, &t->dev, t->n, t->token[0], s->len, NULL, NULL, NULL);
     }
@@ -260,7 +260,7 @@ kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accept
     KD_TRY(check_round_tree(s, t, "kd_accept"));
     int32_t acc[ACCEPT_MAX], toks[ACCEPT_MAX], next = -1;
     int tau = 0;
-    bool on_device = kd_ddtree_on_device(s->model->be);
+    bool on_device = kd_ddtree_on_device(s->model);
     KD_TRY(on_device ? accept_device(s, t, sp, acc, toks, &tau, &next) : accept_host(s, t, sp, acc, toks, &tau, &next));
     for (int i = 0; i < tau; i++) {
         s->accepted[i] = acc[i];

@@ -236,7 +236,7 @@ typedef struct kd_graph_entry {
 } kd_graph_entry;
 
 typedef struct kd_seq_graphs {
-    int mode;
+    kd_graphs_mode mode;
     kd_graph_entry e[KD_GRAPH_SLOTS];
     uint64_t clock;
     char *host;                   /* host image of the input span [dlen, vis + rows*words*8) */
@@ -244,19 +244,15 @@ typedef struct kd_seq_graphs {
     bool verbose;
 } kd_seq_graphs;
 
-int kd_graphs_mode_from_env(const kd_backend *be) {
+kd_graphs_mode kd_graphs_resolve(const kd_backend *be, kd_graphs_mode asked) {
     const kd_backend_ops *o = be->ops;
     if (!o->store_rows_at || !o->attention_at || !o->graph_begin || !o->graph_end || !o->graph_launch ||
         !o->graph_free || !o->graph_epoch)
         return KD_GRAPHS_OFF;
-    const char *v = getenv("KDTREE_CUDA_GRAPHS");
-    if (!v || !*v) return KD_GRAPHS_DEFAULT;
-    if (!strcmp(v, "1") || !strcmp(v, "on")) return KD_GRAPHS_ON;
-    if (!strcmp(v, "eager")) return KD_GRAPHS_EAGER;
-    return KD_GRAPHS_OFF;
+    return asked == KD_GRAPHS_DEFAULT ? KD_GRAPHS_CAPTURE : asked;
 }
 
-kd_status kd_seq_graphs_new(kd_seq *s, int mode) {
+kd_status kd_seq_graphs_new(kd_seq *s, kd_graphs_mode mode) {
     s->graphs = NULL;
     kd_fwd_plan p;
     kd_fwd_plan_make(s->model, s->out_cap, &p);
@@ -271,8 +267,7 @@ kd_status kd_seq_graphs_new(kd_seq *s, int mode) {
     g->mode = mode;
     g->host = host;
     g->host_bytes = bytes;
-    const char *v = getenv("KDTREE_CUDA_GRAPHS_VERBOSE");
-    g->verbose = v && *v && strcmp(v, "0");
+    g->verbose = s->model->opt.graphs_verbose != 0;
     s->graphs = g;
     return KD_OK;
 }
@@ -354,7 +349,7 @@ static kd_status forward_chunk(kd_seq *s, const int32_t *tokens, int T, const in
         }
         KD_TRY(be->ops->upload(be, base + p.dlen, g->host, span));
     }
-    if (!step || g->mode != KD_GRAPHS_ON) return forward_body(s, &p, T, d_ids, d_pos, d_vis, d_len, want_logits);
+    if (!step || g->mode != KD_GRAPHS_CAPTURE) return forward_body(s, &p, T, d_ids, d_pos, d_vis, d_len, want_logits);
 
     kd_graph_entry *e = graph_entry(s, T, visible != NULL);
     e->stamp = ++g->clock;

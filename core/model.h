@@ -51,6 +51,7 @@ typedef struct kd_layer {
 
 struct kd_model {
     kd_config cfg;
+    kd_model_options opt;                     /* as opened (kd_model_open checked them) */
     kd_backend *be;
     kd_st_set files;                          /* the mapped checkpoint */
     kd_weight embed, final_norm, lm_head;
@@ -65,6 +66,10 @@ struct kd_model {
     uint64_t mem_trees;                       /* backend bytes of the trees' backend copies (tree.c) */
     uint64_t graphs_held, graph_captures, graph_launches, graph_fallbacks;
 };
+
+/* Every field in its range, or KD_ERR_ARG naming the field (options.c). */
+kd_status kd_model_options_check(const kd_model_options *o);
+kd_status kd_seq_options_check(const kd_seq_options *o);
 
 /* Reference counting (model_load.c): kd_seq_new / kd_drafter_open take a reference with
  * m->n_seqs++; kd_seq_free / kd_drafter_close give it back with kd_model_unref(m), which
@@ -103,6 +108,7 @@ struct kd_seq {
     kd_draft_state *draft;
     /* step graphs (CUDA graphs of decode / verify steps; model.c), NULL when off */
     struct kd_seq_graphs *graphs;
+    kd_graphs_mode draft_graphs;   /* asked for the draft pass (kd_seq_options), resolved at attach */
 };
 
 /* Model forward over n tokens (internal form of kd_forward; taps_rows: which layer outputs to keep).

@@ -507,11 +507,9 @@ kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model *
     if (!out) return kd_fail(KD_ERR_ARG, "kd_model_open: out must not be NULL");
     *out = NULL;
     if (!dir) return kd_fail(KD_ERR_ARG, "kd_model_open: dir must not be NULL");
-    kd_model_options def = {KD_BACKEND_CPU, 0, 1};
+    kd_model_options def = { .backend = KD_BACKEND_CPU, .n_devices = 1 };
     if (!opt) opt = &def;
-    if (opt->backend != KD_BACKEND_CPU && opt->backend != KD_BACKEND_CUDA)
-        return kd_fail(KD_ERR_ARG, "kd_model_open: options.backend is %d: expected KD_BACKEND_CPU (0) or KD_BACKEND_CUDA (1)",
-                       (int)opt->backend);
+    KD_TRY(kd_model_options_check(opt));
     if (opt->n_devices > 1)
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_model_open: options.n_devices is %d: tensor parallelism is not built yet (use 1)",
                        opt->n_devices);
@@ -520,6 +518,7 @@ kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model *
     kd_model *m = calloc(1, sizeof *m);
     if (!m) return kd_fail(KD_ERR_NOMEM, "kd_model_open: out of memory");
     snprintf(m->dir, sizeof m->dir, "%s", dir);
+    m->opt = *opt;
     kd_status st = kd_config_load(dir, &m->cfg);
     if (st == KD_OK) st = kd_st_open_dir(dir, true, &m->files);
     if (st == KD_OK) {
@@ -527,7 +526,7 @@ kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model *
             st = kd_backend_cpu_create(&m->be);
         } else {
 #ifdef KD_WITH_CUDA
-            st = kd_backend_cuda_create(opt->device, &m->be);
+            st = kd_backend_cuda_create(opt->device, opt, &m->be);
 #else
             st = kd_fail(KD_ERR_UNSUPPORTED, "kd_model_open: the CUDA backend is not compiled into this build (no nvcc)");
 #endif

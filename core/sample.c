@@ -233,7 +233,7 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
                        "(a verify of a tree built on the backend): pass the positions");
     kd_model *m = s->model;
     kd_backend *be = m->be;
-    if (!kd_ddtree_on_device(be)) return seq_sample_host(s, sp, positions, dst);
+    if (!kd_ddtree_on_device(m)) return seq_sample_host(s, sp, positions, dst);
     if (m->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_seq_sample: vocabulary %d above %d", m->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
     int32_t pos[KD_SEQ_MAX_ROWS], res[2 * KD_SEQ_MAX_ROWS];

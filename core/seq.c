@@ -7,8 +7,8 @@
  *   scratch       the forward's plan for out_cap rows (forward.h)
  *   out_positions out_cap int32 on the host
  *   graphs        the forward inputs' host staging, and step graphs in graph mode (model.c)
- * out_cap = min(capacity, 1024) rows per forward chunk (env KDTREE_SEQ_ROWS lowers it,
- * for tests of the chunked path). A longer causal forward runs in chunks; a masked
+ * out_cap = min(capacity, 1024) rows per forward chunk (kd_seq_options.max_rows lowers it,
+ * for tests of the chunked path and to bound the logits' memory). A longer causal forward runs in chunks; a masked
  * (tree) forward must fit in out_cap rows. */
 #include "forward.h"
 #include "drafter.h"
@@ -44,17 +44,21 @@ static void seq_release(kd_seq *s) {
     free(s);
 }
 
-kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) {
+kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) { return kd_seq_new_opts(m, capacity, NULL, out); }
+
+kd_status kd_seq_new_opts(kd_model *m, int capacity, const kd_seq_options *opt, kd_seq **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_seq_new: out is NULL");
     *out = NULL;
     if (!m) return kd_fail(KD_ERR_ARG, "kd_seq_new: model is NULL");
     if (m->closing) return kd_fail(KD_ERR_STATE, "kd_seq_new: the model is closed");
     if (capacity <= 0) return kd_fail(KD_ERR_ARG, "kd_seq_new: capacity %d: expected a positive number of tokens", capacity);
+    const kd_seq_options o = opt ? *opt : (kd_seq_options){ 0 };
+    KD_TRY(kd_seq_options_check(&o));
     kd_backend *be = m->be;
     const kd_config *c = &m->cfg;
     int out_cap = capacity < KD_SEQ_MAX_ROWS ? capacity : KD_SEQ_MAX_ROWS;
-    const char *env = getenv("KDTREE_SEQ_ROWS");
-    if (env && atoi(env) > 0 && atoi(env) < out_cap) out_cap = atoi(env);
+    if (o.max_rows > 0 && o.max_rows < out_cap) out_cap = o.max_rows;
+    const kd_graphs_mode graphs = o.graphs ? o.graphs : m->opt.graphs;
 
     kd_seq *s = calloc(1, sizeof *s);
     if (!s) return kd_fail(KD_ERR_NOMEM, "kd_seq_new: out of host memory");
@@ -62,6 +66,8 @@ kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) {
     s->capacity = capacity;
     s->out_cap = out_cap;
     s->phase = KD_PHASE_IDLE;
+    /* the draft pass's mode: this sequence's, else the model's, else as the steps' */
+    s->draft_graphs = o.draft_graphs ? o.draft_graphs : m->opt.draft_graphs ? m->opt.draft_graphs : graphs;
     kd_status st = KD_OK;
     size_t asz = kd_dtype_size(be->act_dtype);
     s->cache = calloc((size_t)c->n_layers, sizeof *s->cache);
@@ -87,7 +93,7 @@ kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) {
         st = be->ops->alloc(be, p.bytes, &s->scratch);
         if (st != KD_OK) kd_fail_context(st, "kd_seq_new: forward scratch (%zu bytes)", p.bytes);
     }
-    if (st == KD_OK) st = kd_seq_graphs_new(s, kd_graphs_mode_from_env(be));
+    if (st == KD_OK) st = kd_seq_graphs_new(s, kd_graphs_resolve(be, graphs));
     if (st != KD_OK) {
         seq_release(s);
         return st;

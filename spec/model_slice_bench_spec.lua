@@ -23,14 +23,14 @@ local function abs_lib()
   return (out:gsub("%s+$", ""))
 end
 
--- compile the bench (plain C: host clock between syncs) against the library under test
+-- compile the bench (plain C: host clock between syncs) against the objects of the library under
+-- test (the bench reaches inside the engine; the shared library exports only kdtree.h)
 local function build()
-  local lib = abs_lib()
-  local dir, file = lib:match("^(.*)/([^/]+)$")
+  local dir = abs_lib():match("^(.*)/[^/]+$")
   local exe = os.tmpname()
   local rc, out = sh(string.format(
-    "cc -O2 -std=c11 -D_GNU_SOURCE -Wall -Icore scripts/bench/model_slice_bench.c -L'%s' -l:%s " ..
-    "-Wl,-rpath,'%s' -ldl -lm -o '%s'", dir, file, dir, exe))
+    "cc -O2 -std=c11 -D_GNU_SOURCE -Wall -Icore scripts/bench/model_slice_bench.c '%s/libkdtree_internal.a' " ..
+    "$(cat '%s/engine.flags') -lm -o '%s'", dir, dir, exe))
   assert(rc == 0, "compiling scripts/bench/model_slice_bench.c failed:\n" .. out)
   return exe
 end

@@ -69,7 +69,10 @@ function R.env(opts)
 
   function E.load(dir, o)
     if E.m then pcall(function() E.s:close() end) end
-    E.m = kd.open_model(dir, { backend = (o and o.backend) or opts.backend })
+    local mo = {}   -- the start's model options (flags, environment), then load's own
+    for k, v in pairs(opts.options or { backend = opts.backend }) do mo[k] = v end
+    if o and o.backend then mo.backend = o.backend end
+    E.m = kd.open_model(dir, mo)
     E.s = E.m:new_seq((o and o.capacity) or 4096)
     local f = io.open(dir .. "/tiktoken.model")
     if E.tok then E.tok:close(); E.tok = nil end
