@@ -20,14 +20,7 @@ local LAYOUTS = {
 local SAMPLERS = { false, { temperature = 0.8, top_k = 50, top_p = 0.95, seed = 77 }, { temperature = 1.3, seed = 5 } }
 local PROMPT = { 5, 77, 300, 12, 999, 77, 300 }
 
--- a deterministic generator (LCG), uniform in [0, 1)
-local function lcg(seed)
-  local x = seed % 2147483648
-  return function()
-    x = (x * 1103515245 + 12345) % 2147483648
-    return x / 2147483648
-  end
-end
+local lcg = require("helpers.lcg")
 
 -- the rule on the host: the target of node i is drawn from its logits row with the key
 -- (seed, len + depth + 1); the walk follows the child holding the target until none does

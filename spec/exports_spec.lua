@@ -4,13 +4,8 @@
 -- declares -- no more, no less -- as this spec parses the header itself. The test surface
 -- (kd_test_*, kd_testing_*) lives in build/libkdtree_test.so only, and nothing `make install`
 -- puts on disk names it.
-local function sh(cmd)
-  local p = io.popen(cmd .. " 2>&1; echo \"__rc=$?\"")
-  local out = p:read("*a")
-  p:close()
-  local rc = tonumber(out:match("__rc=(%d+)%s*$"))
-  return rc, (out:gsub("__rc=%d+%s*$", ""))
-end
+package.path = "spec/?.lua;" .. package.path
+local sh = require("helpers.shell")
 
 local BUILD = (os.getenv("KDTREE_LIB") or "build/libkdtree.so"):match("^(.*)/[^/]+$") or "build"
 local SHIPPED, TESTLIB = BUILD .. "/libkdtree.so", BUILD .. "/libkdtree_test.so"

@@ -22,14 +22,7 @@ require("helpers.testlib").cdef("kdtree_testing_ddtree.h")
 local OTHER = O.other_kind()
 local KIND = OTHER == "cpu" and C.KD_BACKEND_CPU or C.KD_BACKEND_CUDA
 
--- a deterministic generator (LCG), uniform in [0, 1)
-local function lcg(seed)
-  local x = seed % 2147483648
-  return function()
-    x = (x * 1103515245 + 12345) % 2147483648
-    return x / 2147483648
-  end
-end
+local lcg = require("helpers.lcg")
 
 -- L x V log-probs; kind: "smooth" (distinct values), "ties" (few distinct values: equal
 -- log-probs and equal path scores), "ninf" (some -inf)
