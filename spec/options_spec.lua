@@ -153,6 +153,40 @@ describe("model and sequence options", function()
   end)
 end)
 
+describe("graphs_verbose", function()
+  -- a process that decodes on an emulated model whose first capture is refused; its stderr
+  local function decode_refused(verbose)
+    local script = os.tmpname()
+    local f = assert(io.open(script, "w"))
+    f:write(string.format([[
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
+local kd = require("kdtree")
+local G = require("helpers.graphs")
+local m = kd.open_model("%s", { graphs_verbose = %s })
+G.emulate(m)
+G.C.kd_testing_graphs_refuse(1)
+local s = m:new_seq(16)
+s:forward({ 5, 77, 300 })
+for _ = 1, 4 do s:forward({ s:argmax()[1] }) end
+s:close(); m:close()
+]], TARGET, tostring(verbose)))
+    f:close()
+    local lib = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB") .. "' ") or ""
+    local p = io.popen(lib .. "luajit " .. script .. " 2>&1 >/dev/null; echo rc=$?")
+    local out = p:read("*a")
+    p:close()
+    os.remove(script)
+    return out
+  end
+
+  it("says on stderr why a capture failed, and only when on", function()
+    local on = decode_refused(true)
+    assert.matches("kdtree: step %(1 rows, causal%): graph capture failed, running eagerly: ", on)
+    assert.matches("rc=0\n$", on)
+    assert.are.equal("rc=0\n", decode_refused(false))
+  end)
+end)
+
 describe("the old environment variables (kdtree.options from_env, Lua only)", function()
   local function env(t) return function(name) return t[name] end end
 
