@@ -1074,6 +1074,7 @@ int main(int argc, char **argv) {
     }
     /* the CUDA backend, when the engine's objects have it (KD_WITH_CUDA: `make -s engine-flags`) */
 #ifdef KD_WITH_CUDA
+    (void)backend_given;   /* only a build without CUDA refuses --backend cuda */
     if (o.cuda) CK(kd_backend_cuda_create(0, NULL, &g_be));
 #else
     if (o.cuda && backend_given) { fprintf(stderr, "FATAL: this libkdtree has no CUDA backend\n"); return 2; }
