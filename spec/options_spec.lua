@@ -2,7 +2,8 @@
 -- kd_seq_options), not environment variables: each field is checked with a message naming it
 -- (in C and in the Lua layer), each takes effect where it should, the options a backend cannot
 -- act on are inert there (the same logits bits), and the old environment variables map to the
--- same options in Lua only (kdtree.options from_env, used by the CLI and the REPL).
+-- same options in Lua only (kdtree.options from_env, used by the CLI and the REPL). The parts about
+-- the CPU backend pin it; the rest runs on KDTREE_BACKEND.
 -- Alternative paths proven elsewhere: the host DDTree round (ddtree_round_spec), step graphs
 -- on / eager / off per sequence (graphs_spec, draft_graphs_spec, emulated on the CPU), max_rows'
 -- chunked prefill (forward_spec), the MLA kernel choices (mla_spec, #gpu: CUDA only).
@@ -75,7 +76,7 @@ describe("model and sequence options", function()
   end)
 
   it("max_rows bounds the rows of one forward; opts.seq gives every new_seq its defaults", function()
-    local m = kd.open_model(TARGET, { seq = { max_rows = 4 } })
+    local m = kd.open_model(TARGET, { backend = "cpu", seq = { max_rows = 4 } })
     local toks = { 5, 77, 300, 12, 999, 77, 300, 8, 9, 10 }
     local s = m:new_seq(32)
     s:forward(toks)                              -- chunks of 2 + 4 + 4
@@ -94,6 +95,7 @@ describe("model and sequence options", function()
   it("options the CPU backend cannot act on are inert there: the same logits bits", function()
     local toks = { 5, 77, 300, 12, 999 }
     local function run(opts)
+      opts.backend = "cpu"
       local m = kd.open_model(TARGET, opts)
       local s = m:new_seq(16)
       s:forward(toks)
@@ -113,7 +115,7 @@ describe("model and sequence options", function()
   end)
 
   it("the model's graphs options reach its sequences and drafter attachments (emulated graph ops)", function()
-    local m = kd.open_model(TARGET, { graphs = "off", draft_graphs = "off" })
+    local m = kd.open_model(TARGET, { backend = "cpu", graphs = "off", draft_graphs = "off" })
     G.emulate(m)
     local d = kd.open_drafter("models/tiny-k2.6-dflash", m)
     local prompt = { 5, 77, 300, 12 }
@@ -162,7 +164,7 @@ describe("graphs_verbose", function()
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
 local G = require("helpers.graphs")
-local m = kd.open_model("%s", { graphs_verbose = %s })
+local m = kd.open_model("%s", { backend = "cpu", graphs_verbose = %s })
 G.emulate(m)
 G.C.kd_testing_graphs_refuse(1)
 local s = m:new_seq(16)
