@@ -6,7 +6,7 @@ local U = {}
 local MODEL_INFO_INT = { "n_layers", "first_k_dense", "hidden", "vocab", "n_heads", "q_lora_rank",
   "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim", "intermediate", "moe_intermediate",
   "n_experts", "n_experts_per_tok", "n_shared_experts", "n_group", "topk_group", "norm_topk_prob",
-  "expert_bits", "expert_group", "max_positions", "n_eos", "bos" }
+  "expert_bits", "expert_group", "max_positions", "n_eos", "bos", "tp" }
 local MODEL_INFO_FLOAT = { "rms_norm_eps", "routed_scaling_factor", "rope_theta", "softmax_scale" }
 local BACKEND_NAMES = { [0] = "cpu", [1] = "cuda" }
 U.BACKENDS = { cpu = 0, cuda = 1 }
@@ -21,6 +21,9 @@ function U.model_info(ci)
   for i = 0, t.n_eos - 1 do t.eos[#t.eos + 1] = tonumber(ci.eos[i]) end
   t.backend = BACKEND_NAMES[tonumber(ci.backend)] or tostring(tonumber(ci.backend))
   t.bytes_weights = tonumber(ci.bytes_weights)
+  -- the tensor-parallel split: what each of the tp ranks holds
+  t.split = { heads = tonumber(ci.heads_per_rank), intermediate = tonumber(ci.intermediate_per_rank),
+    moe_intermediate = tonumber(ci.moe_intermediate_per_rank), vocab = tonumber(ci.vocab_per_rank) }
   return t
 end
 
@@ -36,6 +39,20 @@ function U.inspect_report(cr)
   for _, k in ipairs(REPORT_INT) do t[k] = tonumber(cr[k]) end
   -- uint64 -> Lua number: exact below 2^53 bytes (8 PiB)
   for _, k in ipairs(REPORT_BYTES) do t[k] = tonumber(cr[k]) end
+  return t
+end
+
+local PLAN_BYTES = { "device_bytes", "margin", "weights_attention", "weights_dense_mlp", "weights_shared_experts",
+  "weights_routed_experts", "weights_router", "weights_embed", "weights_lm_head", "weights_norms", "weights_total",
+  "weights_replicated", "kv_per_1k", "kv_cache", "logits", "scratch", "workspace", "total", "max_capacity" }
+U.PLAN_BYTES = PLAN_BYTES
+
+function U.plan_report(cr)
+  local t = { tp = tonumber(cr.tp), capacity = tonumber(cr.capacity), out_cap = tonumber(cr.out_cap),
+    message = ffi.string(cr.message) }
+  local f = tonumber(cr.fits)
+  if f >= 0 then t.fits = f == 1 end
+  for _, k in ipairs(PLAN_BYTES) do t[k] = tonumber(cr[k]) end
   return t
 end
 
