@@ -118,6 +118,7 @@ typedef struct kd_sampler {
     int top_k;               /* <= 0: off */
     float top_p;             /* >= 1 or <= 0: off */
     uint64_t seed;
+    float min_p;             /* keep tokens with p >= min_p * p(likeliest); <= 0: off */
 } kd_sampler;
 /* One token per output row of the last forward; row i's token is drawn with the
  * key (seed, positions[i]) where positions[i] is the absolute position of the token
