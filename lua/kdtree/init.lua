@@ -44,6 +44,7 @@ function kd.inspect(dir)
 end
 
 function kd.open_model(dir, opts) return kd.Model.open(dir, opts) end
+kd.shipped = U.shipped
 function kd.open_drafter(dir, model) return kd.Drafter.open(dir, model) end
 function kd.open_tokenizer(dir) return kd.Tokenizer.open(dir) end
 
