@@ -286,23 +286,6 @@ describe("scripts/examples/adaptive_budget.lua (the tutorial's policy)", functio
   end)
 end)
 
-describe("README.md's Lua example", function()
-  it("runs as written and accepts at least the root", function()
-    local readme = assert(io.open("README.md")):read("*a")
-    local code = readme:match("## Lua in ten lines%s+```lua\n(.-)```")
-    assert.is_string(code)
-    assert.is_true(select(2, code:gsub("\n", "")) <= 10)
-    local printed = {}
-    local env = setmetatable({ print = function(...) printed[#printed + 1] = table.concat({ ... }, " ") end },
-      { __index = _G })
-    local f = assert(loadstring(code, "=README"))
-    setfenv(f, env)
-    f()
-    assert.truthy(printed[1]:match("^tree: 16 nodes, root token %d+"), printed[1])
-    assert.truthy(printed[2]:match("^accepted %d+.* tau %d+ next %d+$"), printed[2])
-  end)
-end)
-
 describe("kdtree generate: streaming, stops, log-probs, JSON, Ctrl-C", function()
   local m, tok, ref_greedy
   local function ar(ids, n, extra)
