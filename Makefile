@@ -43,7 +43,7 @@ endif
 LUAJIT  := luajit
 # Debian's busted script starts with `#!/usr/bin/env lua`: run it under LuaJIT
 BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/busted)
-DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8
+DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8 pkg-config
 
 .PHONY: all test test-gpu run bench bench-trace deps install clean FORCE
 all: $(BUILD)/libkdtree.so
@@ -51,7 +51,7 @@ all: $(BUILD)/libkdtree.so
 # The configuration of this build, rewritten (and so newer than every object) only when it
 # changes: objects depend on it, so `make CUDA=0` then `make` cannot link CPU-built objects
 # into a CUDA library. Each make says which backends it builds and how to change that.
-CONFIG := CUDA=$(CUDA) CUDA_ARCHS=$(CUDA_ARCHS) CC=$(CC) CFLAGS=$(CFLAGS) NVFLAGS=$(if $(filter 1,$(CUDA)),$(NVFLAGS))
+CONFIG := CUDA=$(CUDA) CC=$(CC) CFLAGS=$(CFLAGS)$(if $(filter 1,$(CUDA)), CUDA_ARCHS=$(CUDA_ARCHS) NVFLAGS=$(NVFLAGS))
 STAMP  := $(BUILD)/config.stamp
 ifeq ($(CUDA),1)
   BACKENDS_MSG := cpu + cuda (sm $(CUDA_ARCHS), $(NVCC)); CPU only: make CUDA=0; other GPUs: make CUDA_ARCHS="90 120"
