@@ -200,8 +200,9 @@ function R.env(opts)
   function E.dot(path)
     need("t", "no tree: tree(budget) or round() first")
     local text = E.t:dot(E.acc and E.acc.nodes, E.tok)
-    if not path then return io.write(text) and nil end
-    local f = assert(io.open(path, "w"))
+    if not path then io.write(text); return end
+    local f, err = io.open(path, "w")
+    if not f then error("dot: " .. err, 0) end
     f:write(text)
     f:close()
     print("wrote " .. path .. " (render: dot -Tsvg " .. path .. " > tree.svg)")
