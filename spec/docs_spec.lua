@@ -101,3 +101,26 @@ describe("documentation examples", function()
     end
   end)
 end)
+
+describe("lua-api.md", function()
+  -- every call it names exists: kd.f(...), m:f, s:f, t:f, d:f, tok:f, gen.f (names in code and prose)
+  it("names only functions and options that exist", function()
+    package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+    local kd = require("kdtree")
+    local owners = { kd = kd, m = kd.Model, s = kd.Seq, t = kd.tree.Tree, d = kd.Drafter, tok = kd.Tokenizer,
+      gen = require("kdtree.generate"), ["kd.tree"] = kd.tree }
+    local text = slurp("docs/lua-api.md")
+    local n = 0
+    for owner, name in text:gmatch("%f[%w_%.]([%a][%w_%.]*)[%.:]([%a_][%w_]*)%(") do
+      local o = owners[owner]
+      if o then
+        n = n + 1
+        assert.are.equal("function", type(o[name]), owner .. "." .. name)
+      end
+    end
+    assert.is_true(n > 60, n)
+    -- options the model does not take are not offered
+    assert.falsy(text:find("n_devices", 1, true))
+    assert.falsy(text:find("opts.device", 1, true))
+  end)
+end)
