@@ -18,11 +18,12 @@ local function slurp(f) local h = assert(io.open(f, "rb")); local s = h:read("*a
 -- Returns (exit code, output without terminal escapes and carriage returns).
 local function on_terminal(home, args, steps)
   local out = os.tmpname()
-  local sh = { "wait_for() { n=0; while [ \"$(grep -o -F -- \"$1\" " .. out .. " | wc -l)\" -lt \"$2\" ]; do",
+  local sh = { "wait_for() { n=0; while [ \"$(grep -a -o -F -- \"$1\" " .. out .. " | wc -l)\" -lt \"$2\" ]; do",
     "  n=$((n+1)); [ $n -gt 600 ] && exit 1; sleep 0.05; done; }", "(" }
   for i, st in ipairs(steps) do
     local octal = st.send:gsub(".", function(c) return string.format("\\%03o", c:byte()) end)
-    sh[#sh + 1] = string.format("wait_for %q %d; printf '%s'", st.after or "kd> ", st.count or i, octal)
+    sh[#sh + 1] = string.format("wait_for %q %d; sleep %g; printf '%s'", st.after or "kd> ", st.count or i,
+      st.sleep or 0, octal)
   end
   sh[#sh + 1] = ") | HOME=" .. home .. " TERM=xterm " .. LIB .. "timeout 60 script -qfec 'luajit " .. CLI .. " repl "
     .. (args or "") .. "' /dev/null > " .. out .. "; echo $?"
@@ -81,7 +82,11 @@ describe("kdtree repl on a terminal", function()
       { count = 6, send = "i > 0\n" },
       { count = 7, send = "help\n" },
       { count = 8, send = "show{1, 2}\n" },
-      { count = 9, send = "exit\n" },
+      { count = 9, send = "drafter'" .. DRAFT .. "'\n" },
+      { count = 10, send = "chat('Hello!', {n = 5000})\n" },
+      { after = "n = 5000})", count = 1, sleep = 1, send = "\3" },   -- Ctrl-C during a reply
+      { count = 11, send = "#messages\n" },
+      { count = 12, send = "exit\n" },
     })
     assert.are.equal(0, code, out)
     assert.truthy(out:find("kd> x = 1 +^C\nkd> m.info.vocab\n1024\n", 1, true), out)
@@ -90,17 +95,19 @@ describe("kdtree repl on a terminal", function()
     assert.truthy(out:find("interrupted\nkd> i > 0\ntrue\n", 1, true), out)
     assert.truthy(out:find('chat("Hello!")', 1, true), out)
     assert.are.equal(1, count(out, "\n{1, 2}\n"), out)            -- show prints once
+    local n = tonumber(out:match("\n%((%d+) tokens, interrupted, ddtree, mean tau [%d.]+, [%d.]+ tokens/s%)\nkd> #messages\n2\n"))
+    assert.is_true(n ~= nil and n > 0 and n < 5000, out)          -- the reply ends, and stays in the chat
     local hist = slurp(home .. "/.kdtree_history")
     assert.truthy(hist:find("m.info.vocab\n", 1, true), hist)
     assert.falsy(hist:find("x = 1 +", 1, true), hist)              -- the cleared line is not history
 
     -- a second session: the up arrow brings back the last session's lines
     code, out = on_terminal(home, "", {
-      { send = "\27[A\27[A\n" },                                    -- exit, then show{1, 2}
+      { send = "\27[A\27[A\n" },                                    -- exit, then #messages
       { count = 2, send = "quit\n" },
     })
     assert.are.equal(0, code, out)
-    assert.truthy(out:find("show{1, 2}\n{1, 2}\nkd> quit", 1, true), out)
+    assert.truthy(out:find("#messages\n0\nkd> quit", 1, true), out)   -- a new session's chat is empty
   end)
 end)
 
