@@ -16,7 +16,7 @@ local function slurp(f) local h = assert(io.open(f, "rb")); local s = h:read("*a
 -- drive the REPL on a pseudo-terminal: each step waits until its `after` text has appeared
 -- `count` times in the output (default: the count-th prompt), then types `send`.
 -- Returns (exit code, output without terminal escapes and carriage returns).
-local function on_terminal(home, args, steps)
+local function on_terminal(home, args, steps, state)
   local out = os.tmpname()
   local sh = { "wait_for() { n=0; while [ \"$(grep -a -o -F -- \"$1\" " .. out .. " | wc -l)\" -lt \"$2\" ]; do",
     "  n=$((n+1)); [ $n -gt 600 ] && exit 1; sleep 0.05; done; }", "(" }
@@ -25,7 +25,8 @@ local function on_terminal(home, args, steps)
     sh[#sh + 1] = string.format("wait_for %q %d; sleep %g; printf '%s'", st.after or "kd> ", st.count or i,
       st.sleep or 0, octal)
   end
-  sh[#sh + 1] = ") | HOME=" .. home .. " TERM=xterm " .. LIB .. "timeout 60 script -qfec 'luajit " .. CLI .. " repl "
+  sh[#sh + 1] = ") | env -u XDG_STATE_HOME HOME=" .. home .. (state and (" XDG_STATE_HOME=" .. state) or "")
+    .. " TERM=xterm " .. LIB .. "timeout 60 script -qfec 'luajit " .. CLI .. " repl "
     .. (args or "") .. "' /dev/null > " .. out .. "; echo $?"
   local f = os.tmpname()
   local h = io.open(f, "w"); h:write(table.concat(sh, "\n"), "\n"); h:close()
@@ -108,6 +109,11 @@ describe("kdtree repl on a terminal", function()
     })
     assert.are.equal(0, code, out)
     assert.truthy(out:find("#messages\n0\nkd> quit", 1, true), out)   -- a new session's chat is empty
+
+    -- with XDG_STATE_HOME set, the history lives under it
+    code, out = on_terminal(home, "", { { send = "6 * 7\n" }, { count = 2, send = "exit\n" } }, home .. "/state")
+    assert.are.equal(0, code, out)
+    assert.are.equal("6 * 7\nexit\n", slurp(home .. "/state/kdtree/history"))
   end)
 end)
 

@@ -336,7 +336,8 @@ pcall(ffi.cdef, "char *strdup(const char *s);")
 function R.history_path()
   local state = os.getenv("XDG_STATE_HOME")
   if state and state ~= "" then
-    ffi.C.mkdir(state .. "/kdtree", 493)   -- 0755; an existing directory is fine
+    ffi.C.mkdir(state, 448)                -- 0700, as the XDG spec asks; existing ones stay
+    ffi.C.mkdir(state .. "/kdtree", 448)
     return state .. "/kdtree/history"
   end
   return (os.getenv("HOME") or ".") .. "/.kdtree_history"
