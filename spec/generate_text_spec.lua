@@ -76,4 +76,19 @@ describe("generate's text stream", function()
     assert.has_error(function() gen.text(tok, { "" }) end, "kdtree: generate: stop[1]: expected a non-empty string")
     assert.has_error(function() gen.text(tok, 5) end, "kdtree: generate: stop: expected a list of strings")
   end)
+
+  it("gen.run names bad stop and logprobs options", function()
+    local kd = require("kdtree")
+    local m = kd.open_model("models/tiny-k2.6")
+    local function err_of(opts)
+      local ok, e = pcall(gen.run, m, { 5, 77 }, opts)
+      assert.is_false(ok)
+      return tostring(e):gsub("^[^\n]-:%d+: ", "")
+    end
+    assert.are.equal("kdtree: generate: stop: stop strings are matched on text: give opts.tokenizer too",
+      err_of({ n = 2, stop = { "x" } }))
+    assert.are.equal("kdtree: generate: logprobs: expected a non-negative integer (alternatives per token), got 1.5",
+      err_of({ n = 2, logprobs = 1.5 }))
+    m:close()
+  end)
 end)

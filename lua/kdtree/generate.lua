@@ -1,5 +1,6 @@
 -- generate.lua: what every decoding policy shares: options, the first token after the
--- prefill, the stopping rule, per-round stats, and a dispatcher.
+-- prefill, the stopping rules (n, eos, stop strings), the output's text and log-probs,
+-- per-round stats, and a dispatcher.
 --
 --   local gen = require("kdtree.generate")
 --   local r = gen.run(m, {5, 77, 300}, {policy = "ddtree", drafter = d, budget = 16, n = 32})
