@@ -434,7 +434,7 @@ describe("kdtree generate: streaming, stops, log-probs, JSON, Ctrl-C", function(
     local o, e = os.tmpname(), os.tmpname()
     local env = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB") .. "' ") or ""
     local p = io.popen(string.format("%sluajit %s generate --prompt-ids 5,77,300 -n 5000 --no-eos --ids --draft %s >%s 2>%s & "
-      .. "pid=$!; while [ ! -s %s ]; do sleep 0.05; done; sleep 0.3; kill -INT $pid; wait $pid; echo $?",
+      .. "pid=$!; while [ ! -s %s ] && kill -0 $pid 2>/dev/null; do sleep 0.05; done; sleep 0.3; kill -INT $pid; wait $pid; echo $?",
       env, CLI, DRAFT, o, e, o))
     local code = tonumber(p:read("*a"):match("(%d+)"))
     p:close()
