@@ -201,3 +201,23 @@ describe("tree:dot", function()
     t:close(); s:close(); d:close(); m:close()
   end)
 end)
+
+describe("the REPL's completion", function()
+  it("offers globals, fields and methods, trees' too", function()
+    local R = require("kdtree.repl")
+    local m = kd.open_model(MODEL)
+    local E = R.env({})
+    E.m, E.t = m, kd.tree.chain(1, { 2, 3 })
+    assert.are.same({ "kd.open_drafter", "kd.open_model", "kd.open_tokenizer" }, R.complete(E, "kd.open_"))
+    assert.are.same({ "m:get_info" }, R.complete(E, "m:get_"))
+    assert.are.same({ "t:dot", "t:dump" }, R.complete(E, "t:d"))
+    assert.are.same({ "m.info" }, R.complete(E, "m.inf"))   -- a field, not a method
+    assert.are.same({ "m.info.vocab" }, R.complete(E, "m.info.voc"))
+    local g = R.complete(E, "re")
+    for _, want in ipairs({ "repeat", "require", "reset", "return" }) do
+      assert.truthy(table.concat(g, " "):find(want, 1, true), want)
+    end
+    assert.are.same({}, R.complete(E, "nosuch.x"))
+    E.t:close(); m:close()
+  end)
+end)

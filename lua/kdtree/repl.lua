@@ -281,9 +281,14 @@ function R.complete(E, text)
     end
     if type(v) == "table" and sep == "." then sources[#sources + 1] = v end
     local mt = getmetatable(v)
-    while type(mt) == "table" and type(mt.__index) == "table" do
-      sources[#sources + 1] = mt.__index
-      mt = getmetatable(mt.__index)
+    while type(mt) == "table" do
+      if type(mt.__index) == "table" then
+        sources[#sources + 1] = mt.__index
+        mt = getmetatable(mt.__index)
+      else                        -- an __index function (kdtree.tree): the methods sit in mt itself
+        sources[#sources + 1] = mt
+        break
+      end
     end
     if type(v) == "string" then sources[#sources + 1] = string end
   else
