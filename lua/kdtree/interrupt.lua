@@ -19,7 +19,7 @@ int sigtimedwait(const kd_lua_sigset *set, void *info, const kd_lua_timespec *ti
 ]])
 
 local C = ffi.C
-local SIGINT, SIG_BLOCK, SIG_UNBLOCK = 2, 0, 1   -- Linux's numbers (every architecture)
+local SIGINT, SIG_BLOCK = 2, 0   -- Linux's numbers on x86-64 and aarch64
 
 local set = ffi.new("kd_lua_sigset")
 C.sigemptyset(set)
@@ -30,9 +30,6 @@ local I = {}
 
 -- SIGINT stays pending from now on, in this thread and the threads it starts
 function I.block() C.pthread_sigmask(SIG_BLOCK, set, nil) end
-
--- SIGINT acts at once again (a pending one is delivered now)
-function I.unblock() C.pthread_sigmask(SIG_UNBLOCK, set, nil) end
 
 -- true when a SIGINT came since the last take (it is consumed)
 function I.take() return C.sigtimedwait(set, nil, zero) == SIGINT end
