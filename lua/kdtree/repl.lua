@@ -90,7 +90,7 @@ function R.env(opts)
     if E.s then E.s:close() end
     E.s = E.m:new_seq(E.capacity)
     if E.d then E.s:attach_drafter(E.d) end
-    E.messages, E.bonus, E.acc = {}, nil, nil
+    E.messages, E.bonus, E.acc, E.lp = {}, nil, nil, nil
     if E.t then E.t:close(); E.t = nil end
     print(string.format("new sequence s (capacity %d); chat history cleared", E.capacity))
   end
