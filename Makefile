@@ -92,7 +92,8 @@ test: deps
 	KDTREE_LIB=$(BUILD)/libkdtree.so $(BUSTED) --exclude-tags=gpu,slow spec
 
 test-gpu:
-	@$(MAKE) --no-print-directory -j$(JOBS) all
+	@$(MAKE) --no-print-directory -j$(JOBS) all $(EXAMPLE)
+	$(EXAMPLE) $(RUN_MODEL) $(RUN_DRAFT) cuda
 	KDTREE_LIB=$(BUILD)/libkdtree.so KDTREE_BACKEND=cuda $(BUSTED) spec
 
 run: deps

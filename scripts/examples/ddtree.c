@@ -1,7 +1,8 @@
 /* ddtree.c: a whole DDTree decode against kdtree.h, checked against plain greedy decoding.
  *
  *   cc -std=c11 -Icore scripts/examples/ddtree.c -Lbuild -lkdtree -Wl,-rpath,$PWD/build -o ddtree
- *   ./ddtree models/tiny-k2.6 models/tiny-k2.6-dflash      (`make test` builds and runs it)
+ *   ./ddtree models/tiny-k2.6 models/tiny-k2.6-dflash [cpu|cuda]   (`make test` and, on cuda,
+ *                                                               `make test-gpu` build and run it)
  *   or, installed: cc ddtree.c $(pkg-config --cflags --libs kdtree)
  *
  * Prints the generated ids, the accepted length (tau) of every round, and whether the
@@ -40,14 +41,15 @@ static void greedy(kd_model *m, const int32_t *prompt, int n_prompt, int32_t *ou
 
 int main(int argc, char **argv)
 {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s MODEL_DIR DRAFTER_DIR\n", argv[0]);
+    if (argc < 3 || argc > 4 || (argc == 4 && strcmp(argv[3], "cpu") != 0 && strcmp(argv[3], "cuda") != 0)) {
+        fprintf(stderr, "usage: %s MODEL_DIR DRAFTER_DIR [cpu|cuda]\n", argv[0]);
         return 2;
     }
+    const int cuda = argc == 4 && strcmp(argv[3], "cuda") == 0;
     const int32_t prompt[] = { 5, 77, 300 };
     const int n_prompt = 3;
 
-    kd_model_options mo = { .backend = KD_BACKEND_CPU };   /* zero fields: defaults */
+    kd_model_options mo = { .backend = cuda ? KD_BACKEND_CUDA : KD_BACKEND_CPU };   /* zero fields: defaults */
     kd_model *m;
     kd_drafter *d;
     check(kd_model_open(argv[1], &mo, &m), "kd_model_open");
