@@ -429,6 +429,18 @@ describe("kdtree generate: streaming, stops, log-probs, JSON, Ctrl-C", function(
       .. "ar [%d.]+ tokens/s %([%d.]+x%), same tokens\n$"), err)
   end)
 
+  it("ends the text's line before the summary when both go to one place (2>&1), and only then", function()
+    local env = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB") .. "' ") or ""
+    local p = io.popen(env .. "luajit " .. CLI .. " generate --prompt-ids 5,77,300 -n 24 --compare-ar 2>&1")
+    local both = p:read("*a")
+    p:close()
+    local text = tok:decode(ref_greedy)
+    assert.are.equal(text .. (text:sub(-1) == "\n" and "" or "\n"), both:sub(1, #both - #both:match("kdtree: [^\n]*\n$")))
+    local code, out = run("generate --prompt-ids 5,77,300 -n 24 --compare-ar")
+    assert.are.equal(0, code)
+    assert.are.equal(text, out)
+  end)
+
   -- Ctrl-C: a real SIGINT to the running CLI (kill -INT) once it has printed something
   it("stops after the current round on SIGINT, keeps what it printed, summarises and exits 130", function()
     local o, e = os.tmpname(), os.tmpname()
