@@ -14,9 +14,9 @@ CUDA    ?= $(if $(NVCC),1,0)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CUDA_ARCHS ?= 90 120
 JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
-# the model `make run` decodes with, and its drafter
-RUN_MODEL ?= models/tiny-k2.6
-RUN_DRAFT ?= models/tiny-k2.6-dflash
+# the model `make run` decodes with, and its drafter: the trained mini-code pair (docs/mini-code.md)
+RUN_MODEL ?= models/mini-code
+RUN_DRAFT ?= models/mini-code-dflash
 # the library's version: kd_version() in core/error.c is the one place it is written
 VERSION := $(shell sed -n 's/.*kd_version(void) { return "\([0-9.]*\)".*/\1/p' core/error.c)
 SOVERSION := $(firstword $(subst ., ,$(VERSION)))
@@ -125,8 +125,9 @@ test-gpu:
 
 run: deps
 	@$(MAKE) --no-print-directory -j$(JOBS) all
-	KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/kdtree generate --model $(RUN_MODEL) \
-	  --draft $(RUN_DRAFT) --policy ddtree --budget 16 --chat 'Tell me about trees.' -n 48 --compare-ar
+	printf 'def read_json(path):\n    """Read a JSON file and return its contents."""\n' | \
+	  KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/kdtree generate --model $(RUN_MODEL) \
+	  --draft $(RUN_DRAFT) --policy ddtree --budget 16 --prompt - -n 64 --compare-ar
 
 # the C API's example program: a whole DDTree decode against kdtree.h (docs/c-api.md)
 EXAMPLE := $(BUILD)/examples/ddtree
@@ -179,7 +180,7 @@ bench: $(BENCH_W4)
 
 # install: the library (libkdtree.so.VERSION, with the SONAME link and the development link), the
 # header, kdtree.pc, the Lua modules under share/lua/5.1 (LuaJIT's own search path for
-# /usr/local and /usr), the CLI and the shipped tiny models; then a line on LUA_PATH when this
+# /usr/local and /usr), the CLI and the shipped models; then a line on LUA_PATH when this
 # LuaJIT would not find the modules under PREFIX.
 LUA_DIR := $(PREFIX)/share/lua/5.1
 install: all
@@ -197,7 +198,8 @@ install: all
 	install -m 644 lua/kdtree/policy/*.lua $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/policy/
 	install -m 644 lua/kdtree/drafters/*.lua $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/drafters/
 	install -m 755 scripts/kdtree $(DESTDIR)$(PREFIX)/bin/kdtree
-	cp -r models/tiny-k2.6 models/tiny-k2.6-dflash $(DESTDIR)$(PREFIX)/share/kdtree/models/
+	cp -r models/mini-code models/mini-code-dflash models/tiny-k2.6 models/tiny-k2.6-dflash \
+	  $(DESTDIR)$(PREFIX)/share/kdtree/models/
 	@if ! $(LUAJIT) -e 'os.exit(package.path:find("$(LUA_DIR)/?.lua", 1, true) and 0 or 1)' 2>/dev/null; then \
 	  echo 'kdtree: $(LUAJIT) does not search $(LUA_DIR); for require("kdtree") add to your shell profile:'; \
 	  echo '  export LUA_PATH="$(LUA_DIR)/?.lua;$(LUA_DIR)/?/init.lua;;"'; fi

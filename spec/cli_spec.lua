@@ -52,10 +52,14 @@ describe("kdtree generate", function()
     assert.are.same(ref_greedy, split_ids(out))
   end)
 
-  it("defaults to the shipped tiny model", function()
+  it("defaults to the shipped mini-code model", function()
     local code, out = run("generate --prompt-ids 5,77,300 -n 24 --ids")
     assert.are.equal(0, code)
-    assert.are.same(ref_greedy, split_ids(out))
+    local m = kd.open_model("models/mini-code")
+    local ref = gen.run(m, { 5, 77, 300 }, { policy = "ar", n = 24 }).tokens
+    m:close()
+    assert.are.same(ref, split_ids(out))
+    assert.are_not.same(ref_greedy, ref)              -- the tiny model's ids would not pass
   end)
 
   it("ddtree and dflash print the same ids as ar", function()
@@ -73,7 +77,7 @@ describe("kdtree generate", function()
     local s = "--temperature 0.8 --top-p 0.9 --top-k 40 --seed 7"
     for _, case in ipairs({ { "", ref_greedy }, { s, ref_sampled } }) do
       for _, policy in ipairs({ "", "--draft " .. DRAFT .. " --budget 8" }) do
-        local args = "generate --prompt-ids 5,77,300 -n 24 --ids " .. case[1] .. " " .. policy
+        local args = "generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 24 --ids " .. case[1] .. " " .. policy
         local code1, out1, err1 = run(args .. " --tp 1")
         local code2, out2, err2 = run(args .. " --tp 2 --backend cpu")
         assert.are.equal(0, code1, err1)
@@ -82,23 +86,23 @@ describe("kdtree generate", function()
         assert.are.same(split_ids(out1), split_ids(out2))
       end
     end
-    local code, _, err = run("generate --prompt-ids 5,77,300 -n 4 --ids --tp 3 --backend cpu")
+    local code, _, err = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 4 --ids --tp 3 --backend cpu")
     assert.are.equal(1, code)
     assert.truthy(err:find("tp 3 does not divide num_attention_heads (4)", 1, true), err)
   end)
 
   it("samples with --temperature/--top-p/--top-k/--seed, identically under ddtree", function()
     local s = "--temperature 0.8 --top-p 0.9 --top-k 40 --seed 7"
-    local code, out = run("generate --prompt-ids 5,77,300 -n 24 --ids " .. s)
+    local code, out = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 24 --ids " .. s)
     assert.are.equal(0, code)
     assert.are.same(ref_sampled, split_ids(out))
-    code, out = run("generate --prompt-ids 5,77,300 -n 24 --ids --draft " .. DRAFT .. " --budget 8 " .. s)
+    code, out = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 24 --ids --draft " .. DRAFT .. " --budget 8 " .. s)
     assert.are.equal(0, code)
     assert.are.same(ref_sampled, split_ids(out))
   end)
 
   it("--stats prints a table of rounds with tau and a summary on stderr; stdout keeps the output alone", function()
-    local code, out, err = run("generate --prompt-ids 5,77,300 -n 16 --draft " .. DRAFT .. " --budget 16 --stats")
+    local code, out, err = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 16 --draft " .. DRAFT .. " --budget 16 --stats")
     assert.are.equal(0, code, err)
     assert.truthy(err:find("round", 1, true))
     assert.truthy(err:find("tau", 1, true))
@@ -108,14 +112,14 @@ describe("kdtree generate", function()
     for i = 1, 16 do want[i] = ref_greedy[i] end
     assert.are.equal(tok:decode(want), out)   -- ids in, the model's tokenizer's text out
     tok:close()
-    code, out, err = run("generate --prompt-ids 5,77,300 -n 16 --draft " .. DRAFT .. " --stats --ids")
+    code, out, err = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 16 --draft " .. DRAFT .. " --stats --ids")
     assert.are.equal(0, code)
     assert.truthy(out:match("^[%d ]+\n$"))
     assert.truthy(err:find("mean tau", 1, true))
   end)
 
   it("accepts --flag=value", function()
-    local code, out = run("generate --prompt-ids=5,77,300 -n 24 --ids --policy=ar")
+    local code, out = run("generate --model " .. MODEL .. " --prompt-ids=5,77,300 -n 24 --ids --policy=ar")
     assert.are.equal(0, code)
     assert.are.same(ref_greedy, split_ids(out))
   end)
@@ -124,11 +128,11 @@ describe("kdtree generate", function()
     local tok = kd.open_tokenizer(MODEL)
     local m = kd.open_model(MODEL)
     local function ref(ids, eos) return gen.run(m, ids, { policy = "ar", n = 6, eos = eos }).tokens end
-    local code, out = run("generate --prompt 'The quick brown fox' -n 6 --ids")
+    local code, out = run("generate --model " .. MODEL .. " --prompt 'The quick brown fox' -n 6 --ids")
     assert.are.equal(0, code)
     assert.are.same(ref(tok:encode("The quick brown fox")), split_ids(out))
     local chat_ids = tok:chat({ { role = "user", content = "Hello! 你好" } })
-    code, out = run("generate --chat 'Hello! 你好' -n 6 --ids --draft " .. DRAFT)
+    code, out = run("generate --model " .. MODEL .. " --chat 'Hello! 你好' -n 6 --ids --draft " .. DRAFT)
     assert.are.equal(0, code)
     local chat_eos = tok:chat_stops()   -- a chat turn's own stops too
     assert.are.same({ tok:special("<|im_end|>"), tok:special("[EOT]") }, chat_eos)
@@ -136,17 +140,17 @@ describe("kdtree generate", function()
     assert.are.same(ref(chat_ids, chat_eos), split_ids(out))
     -- sampled with this seed the turn ends at <|im_end|> (the greedy run above meets no stop),
     -- so a CLI that stopped only at the model's eos would print more
-    code, out = run("generate --chat 'Hello! 你好' -n 24 --ids --temperature 1.5 --seed 24")
+    code, out = run("generate --model " .. MODEL .. " --chat 'Hello! 你好' -n 24 --ids --temperature 1.5 --seed 24")
     assert.are.equal(0, code)
     local sampled = gen.run(m, chat_ids, { policy = "ar", n = 24, eos = chat_eos,
       sampler = { temperature = 1.5, top_k = 0, top_p = 1, seed = 24 } }).tokens
     assert.are.same(sampled, split_ids(out))
     assert.is_true(#sampled < 24 and sampled[#sampled] == tok:special("<|im_end|>"), table.concat(sampled, " "))
     local err
-    code, out, err = run("generate --prompt 'The quick brown fox' -n 6")
+    code, out, err = run("generate --model " .. MODEL .. " --prompt 'The quick brown fox' -n 6")
     assert.are.equal(0, code, err)
     assert.are.equal(tok:decode(ref(tok:encode("The quick brown fox"))), out)   -- the raw text, nothing else
-    code, out, err = run("generate --prompt hi --tokenizer /nonexistent/tok -n 2")
+    code, out, err = run("generate --model " .. MODEL .. " --prompt hi --tokenizer /nonexistent/tok -n 2")
     assert.are.equal(1, code)
     assert.truthy(err:find("/nonexistent/tok/tiktoken.model: cannot open", 1, true), err)
     m:close()
@@ -321,12 +325,12 @@ describe("kdtree generate: streaming, stops, log-probs, JSON, Ctrl-C", function(
   it("reads the prompt from standard input (--prompt -) and from a file (--prompt-file)", function()
     local text = "line one\nline two: 你好\n"
     local want = tok:decode(ar(tok:encode(text), 8).tokens)
-    local code, out, err = run("generate --prompt - -n 8", text)
+    local code, out, err = run("generate --model " .. MODEL .. " --prompt - -n 8", text)
     assert.are.equal(0, code, err)
     assert.are.equal(want, out)
     local f = os.tmpname()
     local h = io.open(f, "wb"); h:write(text); h:close()
-    code, out, err = run("generate --prompt-file " .. f .. " -n 8 --draft " .. DRAFT)
+    code, out, err = run("generate --model " .. MODEL .. " --prompt-file " .. f .. " -n 8 --draft " .. DRAFT)
     os.remove(f)
     assert.are.equal(0, code, err)
     assert.are.equal(want, out)
@@ -336,7 +340,7 @@ describe("kdtree generate: streaming, stops, log-probs, JSON, Ctrl-C", function(
     local ids = tok:chat({ { role = "system", content = "Be brief." }, { role = "user", content = "Hi" } })
     local eos = tok:chat_stops()
     for _, id in ipairs(m.info.eos) do eos[#eos + 1] = id end
-    local code, out, err = run("generate --chat Hi --system 'Be brief.' -n 8 --ids")
+    local code, out, err = run("generate --model " .. MODEL .. " --chat Hi --system 'Be brief.' -n 8 --ids")
     assert.are.equal(0, code, err)
     assert.are.same(ar(ids, 8, { eos = eos }).tokens, split_ids(out))
   end)
@@ -352,21 +356,21 @@ describe("kdtree generate: streaming, stops, log-probs, JSON, Ctrl-C", function(
     local k = 1
     while not tok:decode({ unpack(full, 1, k) }):find(stop, 1, true) do k = k + 1 end
     for _, pol in ipairs({ "", " --draft " .. DRAFT, " --draft " .. DRAFT .. " --policy dflash", " --draft ngram" }) do
-      local code, out, err = run("generate --prompt 'The quick brown fox' -n 24 --stop " .. ("%q"):format(stop) .. pol)
+      local code, out, err = run("generate --model " .. MODEL .. " --prompt 'The quick brown fox' -n 24 --stop " .. ("%q"):format(stop) .. pol)
       assert.are.equal(0, code, err)
       assert.are.equal(text:sub(1, at - 1), out, pol)
-      code, out, err = run("generate --prompt 'The quick brown fox' -n 24 --ids --stop " .. ("%q"):format(stop) .. pol)
+      code, out, err = run("generate --model " .. MODEL .. " --prompt 'The quick brown fox' -n 24 --ids --stop " .. ("%q"):format(stop) .. pol)
       assert.are.equal(0, code, err)
       assert.are.same({ unpack(full, 1, k) }, split_ids(out), pol)
     end
     -- a stop string that never comes changes nothing
-    local code, out = run("generate --prompt 'The quick brown fox' -n 24 --stop 'no such text' --draft " .. DRAFT)
+    local code, out = run("generate --model " .. MODEL .. " --prompt 'The quick brown fox' -n 24 --stop 'no such text' --draft " .. DRAFT)
     assert.are.equal(0, code)
     assert.are.equal(text, out)
   end)
 
   it("--json prints one record per round and a summary whose tokens are the rounds' and AR's", function()
-    local code, out, err = run("generate --prompt-ids 5,77,300 -n 24 --json --draft " .. DRAFT .. " --budget 8")
+    local code, out, err = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 24 --json --draft " .. DRAFT .. " --budget 8")
     assert.are.equal(0, code, err)
     local lines = {}
     for l in out:gmatch("[^\n]+") do lines[#lines + 1] = json.decode(l) end
@@ -412,7 +416,7 @@ describe("kdtree generate: streaming, stops, log-probs, JSON, Ctrl-C", function(
       end
     end
     d:close()
-    local code, out, err = run("generate --prompt-ids 5,77,300 -n 12 --json --logprobs 2 --draft " .. DRAFT)
+    local code, out, err = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 12 --json --logprobs 2 --draft " .. DRAFT)
     assert.are.equal(0, code, err)
     local final, lps = nil, {}
     for l in out:gmatch("[^\n]+") do
@@ -430,17 +434,17 @@ describe("kdtree generate: streaming, stops, log-probs, JSON, Ctrl-C", function(
 
   it("--min-p samples identically under DDTree and AR", function()
     local s = "--temperature 0.9 --min-p 0.05 --seed 11"
-    local code, out = run("generate --prompt-ids 5,77,300 -n 24 --ids " .. s)
+    local code, out = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 24 --ids " .. s)
     assert.are.equal(0, code)
     local want = ar({ 5, 77, 300 }, 24, { sampler = { temperature = 0.9, min_p = 0.05, seed = 11 } }).tokens
     assert.are.same(want, split_ids(out))
-    code, out = run("generate --prompt-ids 5,77,300 -n 24 --ids --draft " .. DRAFT .. " " .. s)
+    code, out = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 24 --ids --draft " .. DRAFT .. " " .. s)
     assert.are.equal(0, code)
     assert.are.same(want, split_ids(out))
   end)
 
   it("--compare-ar puts AR's tokens/s beside the policy's in one summary line", function()
-    local code, out, err = run("generate --prompt-ids 5,77,300 -n 24 --ids --draft " .. DRAFT .. " --compare-ar")
+    local code, out, err = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 24 --ids --draft " .. DRAFT .. " --compare-ar")
     assert.are.equal(0, code, err)
     assert.are.same(ref_greedy, split_ids(out))
     assert.truthy(err:match("^kdtree: 24 tokens %(stop: n%), %d+ rounds, mean tau [%d.]+, [%d.]+ tokens/s; "
@@ -449,12 +453,12 @@ describe("kdtree generate: streaming, stops, log-probs, JSON, Ctrl-C", function(
 
   it("ends the text's line before the summary when both go to one place (2>&1), and only then", function()
     local env = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB") .. "' ") or ""
-    local p = io.popen(env .. "luajit " .. CLI .. " generate --prompt-ids 5,77,300 -n 24 --compare-ar 2>&1")
+    local p = io.popen(env .. "luajit " .. CLI .. " generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 24 --compare-ar 2>&1")
     local both = p:read("*a")
     p:close()
     local text = tok:decode(ref_greedy)
     assert.are.equal(text .. (text:sub(-1) == "\n" and "" or "\n"), both:sub(1, #both - #both:match("kdtree: [^\n]*\n$")))
-    local code, out = run("generate --prompt-ids 5,77,300 -n 24 --compare-ar")
+    local code, out = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 24 --compare-ar")
     assert.are.equal(0, code)
     assert.are.equal(text, out)
   end)
@@ -463,9 +467,9 @@ describe("kdtree generate: streaming, stops, log-probs, JSON, Ctrl-C", function(
   it("stops after the current round on SIGINT, keeps what it printed, summarises and exits 130", function()
     local o, e = os.tmpname(), os.tmpname()
     local env = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB") .. "' ") or ""
-    local p = io.popen(string.format("%sluajit %s generate --prompt-ids 5,77,300 -n 5000 --no-eos --ids --draft %s >%s 2>%s & "
+    local p = io.popen(string.format("%sluajit %s generate --model %s --prompt-ids 5,77,300 -n 5000 --no-eos --ids --draft %s >%s 2>%s & "
       .. "pid=$!; while [ ! -s %s ] && kill -0 $pid 2>/dev/null; do sleep 0.05; done; sleep 0.3; kill -INT $pid; wait $pid; echo $?",
-      env, CLI, DRAFT, o, e, o))
+      env, CLI, MODEL, DRAFT, o, e, o))
     local code = tonumber(p:read("*a"):match("(%d+)"))
     p:close()
     local out = assert(io.open(o)):read("*a")
@@ -491,7 +495,7 @@ describe("kdtree as a symlink, from another directory", function()
     local out = p:read("*a")
     p:close()
     os.execute("rm -rf " .. dir)
-    local ref = gen.run(kd.open_model(MODEL), { 5, 77, 300 }, { policy = "ar", n = 24 }).tokens
-    assert.are.equal(table.concat(ref, " ") .. "\nrc=0\n", out)
+    local ref = gen.run(kd.open_model("models/mini-code"), { 5, 77, 300 }, { policy = "ar", n = 24 }).tokens
+    assert.are.equal(table.concat(ref, " ") .. "\nrc=0\n", out)   -- the default model, found through the link
   end)
 end)

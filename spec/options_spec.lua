@@ -220,7 +220,7 @@ describe("the old environment variables (kdtree.options from_env, Lua only)", fu
   it("the CLI runs the DDTree round on the host under --ddtree-round host, and the same tokens come out", function()
     local lib = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB") .. "' ") or ""
     local function gen(extra)
-      local p = io.popen(lib .. "luajit scripts/kdtree generate --prompt-ids 5,77,300 -n 12 --ids " ..
+      local p = io.popen(lib .. "luajit scripts/kdtree generate --model models/tiny-k2.6 --prompt-ids 5,77,300 -n 12 --ids " ..
         "--draft models/tiny-k2.6-dflash --temperature 0.8 --seed 3 " .. extra .. " 2>&1; echo rc=$?")
       local out = p:read("*a")
       p:close()

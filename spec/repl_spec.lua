@@ -127,13 +127,15 @@ describe("kdtree repl, plain input", function()
   end)
 
   it("chats over several turns as the Lua API decodes, and reset() starts over", function()
-    local out = piped("--draft " .. DRAFT, {   -- the model defaults as generate's does
-      "m.dir:match'tiny%-k2%.6$' ~= nil", "chat('Hello!', {n = 12})", "chat('And then?', {n = 12})", "#messages",
+    -- the model defaults as generate's does: to the shipped mini-code
+    local model, draft = "models/mini-code", "models/mini-code-dflash"
+    local out = piped("--draft " .. draft, {
+      "m.dir:match'mini%-code$' ~= nil", "chat('Hello!', {n = 12})", "chat('And then?', {n = 12})", "#messages",
       "reset()", "#messages", "s:len()" })
     assert.truthy(out:find("kd> true\n", 1, true), out)
-    local m = kd.open_model(MODEL)
-    local tok = kd.open_tokenizer(MODEL)
-    local d = kd.open_drafter(DRAFT, m)
+    local m = kd.open_model(model)
+    local tok = kd.open_tokenizer(model)
+    local d = kd.open_drafter(draft, m)
     local eos = tok:chat_stops()
     for _, id in ipairs(m.info.eos) do eos[#eos + 1] = id end
     local msgs = {}

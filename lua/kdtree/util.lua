@@ -111,7 +111,7 @@ function U.sampler(sp)
   return c
 end
 
--- the path of a checkpoint shipped with kdtree ("tiny-k2.6"): models/ beside lua/ in the source
+-- the path of a checkpoint shipped with kdtree ("mini-code"): models/ beside lua/ in the source
 -- tree, PREFIX/share/kdtree/models beside PREFIX/share/lua/5.1 when installed
 local lua_dir = debug.getinfo(1, "S").source:match("^@(.*)/kdtree/util%.lua$") or "."
 function U.shipped(name)
