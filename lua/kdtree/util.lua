@@ -80,7 +80,7 @@ function U.list_from(arr, n, offset)
   return t
 end
 
--- a kd_sampler from a Lua table {temperature=, top_k=, top_p=, seed=}; nil -> nil
+-- a kd_sampler from a Lua table {temperature=, top_k=, top_p=, min_p=, seed=}; nil -> nil
 function U.sampler(sp)
   if sp == nil then return nil end
   if type(sp) == "cdata" then return sp end
@@ -90,6 +90,7 @@ function U.sampler(sp)
   c.top_k = sp.top_k or 0
   c.top_p = sp.top_p or 1
   c.seed = sp.seed or 0
+  c.min_p = sp.min_p or 0
   return c
 end
 

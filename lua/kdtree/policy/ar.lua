@@ -6,7 +6,7 @@ local G = require("kdtree.generate")
 
 local P = {}
 
--- opts: n, sampler = {temperature=, top_k=, top_p=, seed=}, eos (true | false | {ids}),
+-- opts: n, sampler = {temperature=, top_k=, top_p=, min_p=, seed=}, eos (true | false | {ids}),
 --       on_round(round, out) callback
 function P.generate(m, prompt, opts)
   local o = G.options(m, prompt, opts)
