@@ -4,7 +4,7 @@
  * loses to everything, exactly as core/cpu/cpu_elementwise.c.
  *
  * top-k (k up to 16384, V up to 2^31): a radix select finds the k-th largest value in
- * four 8-bit passes over the row, then one ordered pass collects everything above it
+ * four 8-bit passes over the row (a warp's lanes with the same digit count once), then one ordered pass collects everything above it
  * plus the lowest-id entries equal to it, and a bitonic sort in shared memory orders
  * the k candidates by (value desc, id asc). */
 #include "cuda_internal.cuh"
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
                                                            int kpow2, float *vals, int32_t *ids) {
     extern __shared__ unsigned long long cand[];     /* kpow2 composite keys */
     __shared__ unsigned int hist[256];
-    __shared__ unsigned int s_sel[2];
+    __shared__ unsigned int s_sel[3];
     __shared__ unsigned int warp_cnt[32];
     __shared__ unsigned int s_ngt, s_neq_taken;
     const size_t base = (size_t)blockIdx.x * ld;
@@ -86,9 +86,14 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
-        for (int c = tid; c < cols; c += blockDim.x) {
-            uint32_t key = fkey(ld_row(x, dt, base + c));
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        for (int c0 = 0; c0 < cols; c0 += blockDim.x) {   /* warp-uniform trips: the lanes vote together */
+            const int c = c0 + tid;
+            const uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
+            const bool in = c < cols && (key & mask) == prefix;
+            /* lanes with the same digit add once: the first digits are the exponent's, so a row of
+             * similar values would otherwise serialise on two or three counters */
+            const unsigned peers = __match_any_sync(0xffffffffu, in ? (key >> shift) & 255u : 256u);
+            if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[(key >> shift) & 255u], (unsigned)__popc(peers));
         }
         __syncthreads();
         if (tid == 0) {
@@ -100,6 +105,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
             }
             s_sel[0] = (unsigned)d;
             s_sel[1] = kr - cum;
+            s_sel[2] = hist[d];   /* after the last pass: how many keys equal the k-th */
         }
         __syncthreads();
         prefix |= s_sel[0] << shift;
@@ -115,7 +121,20 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     for (int i = tid; i < kpow2; i += blockDim.x) cand[i] = 0ull;   /* padding sorts last */
     __syncthreads();
     const unsigned int n_gt_total = (unsigned)k - n_eq_take;
-    for (int c0 = 0; c0 < cols; c0 += blockDim.x) {
+    /* every key >= kth is kept (no tie at the k-th, the usual case): one pass with no barriers;
+     * else the equal keys go in id order, a barrier per slice of the row */
+    const bool take_all = s_sel[2] == n_eq_take;
+    for (int c0 = 0; take_all && c0 < cols; c0 += blockDim.x) {
+        const int c = c0 + tid;
+        const uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
+        const bool in = c < cols && key >= kth;
+        const unsigned m = __ballot_sync(0xffffffffu, in);
+        unsigned int slot = 0;
+        if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
+        slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
+        if (in) cand[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
+    }
+    for (int c0 = 0; !take_all && c0 < cols; c0 += blockDim.x) {
         int c = c0 + tid;
         uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
         bool gt = c < cols && key > kth, eq = c < cols && key == kth;
