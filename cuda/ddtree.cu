@@ -1,12 +1,15 @@
 /* ddtree.cu: the DDTree round on the device (backend.h: tree_select, tree_stage, sample_rows,
  * tree_walk). Each op gives exactly what its CPU twin (core/cpu/cpu_ddtree.c) gives:
  *
- * tree_select  Algorithm 1 (core/tree.c) by one thread of one block: a binary heap of
- *              (score, parent, depth, rank) in shared memory (2B+1 entries), scores updated
- *              in double with the same operations in the same order (__d*_rn: no fma
- *              contraction), exact score ties ordered by rank tuples read up the parent
- *              chains. The other threads check the lists for NaN / +inf first and write
- *              the parents, depths and ancestor masks afterwards (one row per thread).
+ * tree_select  Algorithm 1 (core/tree.c) by one warp of one block: the frontier of
+ *              (score, parent, depth, rank) entries in shared memory, unordered; each pop
+ *              takes its first entry in pop order by a scan of the lanes' slots and a warp
+ *              butterfly (scores in registers; exact score ties ordered by rank tuples read
+ *              up the parent chains), which is the heap's pop without its log-depth chain
+ *              of dependent shared-memory steps. Scores are updated in double with the same
+ *              operations in the same order as the host (__d*_rn: no fma contraction). The
+ *              other threads check the lists for NaN / +inf first and write the parents,
+ *              depths and ancestor masks afterwards (one row per thread).
  * tree_stage   root token and positions (pos0 + depth); optionally the verify forward's
  *              inputs (ids, positions, mask) into the sequence's scratch.
  * sample_rows  the keyed sampling rule (core/sample.c) with one block per row. Masses are
@@ -34,7 +37,7 @@
 namespace {
 
 constexpr int SEL_THREADS = 256;
-constexpr int SEL_MAX_BUDGET = 4096;      /* heap + node arrays in shared memory: ~180 KB at 4096 */
+constexpr int SEL_MAX_BUDGET = 4096;      /* frontier + node arrays in shared memory: ~180 KB at 4096 */
 constexpr int SMP_THREADS = 512;
 constexpr int SMP_WARPS = SMP_THREADS / 32;
 constexpr int SMP_TILES = SMP_THREADS;    /* a prefix search's segments: one per thread in its scan */
@@ -54,14 +57,14 @@ __device__ __forceinline__ double list_value(const float *vals, int i) {
     return (double)v;
 }
 
-struct sel_heap {
+struct sel_front {
     double *score;
     int *parent, *dr;          /* dr = depth << 16 | rank */
     const int *np, *nd, *nr;   /* popped nodes: parent, depth, rank */
 };
 
-/* the rank tuple of heap entry e into out[0..depth) */
-__device__ int entry_ranks(const sel_heap &h, int e, int *out) {
+/* the rank tuple of frontier entry e into out[0..depth) */
+__device__ int entry_ranks(const sel_front &h, int e, int *out) {
     int d = h.dr[e] >> 16;
     out[d - 1] = h.dr[e] & 0xffff;
     for (int p = h.parent[e]; p > 0; p = h.np[p]) out[h.nd[p] - 1] = h.nr[p];
@@ -69,7 +72,7 @@ __device__ int entry_ranks(const sel_heap &h, int e, int *out) {
 }
 
 /* entry a pops before entry b */
-__device__ bool entry_before(const sel_heap &h, int a, int b) {
+__device__ bool entry_before(const sel_front &h, int a, int b) {
     if (h.score[a] != h.score[b]) return h.score[a] > h.score[b];
     int ra[KD_TREE_MAX_DEPTH], rb[KD_TREE_MAX_DEPTH];
     int na = entry_ranks(h, a, ra), nb = entry_ranks(h, b, rb);
@@ -77,42 +80,6 @@ __device__ bool entry_before(const sel_heap &h, int a, int b) {
     for (int i = 0; i < n; i++)
         if (ra[i] != rb[i]) return ra[i] < rb[i];
     return na < nb;
-}
-
-__device__ __forceinline__ void entry_swap(sel_heap &h, int a, int b) {
-    double s = h.score[a]; h.score[a] = h.score[b]; h.score[b] = s;
-    int p = h.parent[a]; h.parent[a] = h.parent[b]; h.parent[b] = p;
-    int x = h.dr[a]; h.dr[a] = h.dr[b]; h.dr[b] = x;
-}
-
-__device__ void heap_push(sel_heap &h, int &n, double score, int parent, int depth, int rank) {
-    int i = n++;
-    h.score[i] = score;
-    h.parent[i] = parent;
-    h.dr[i] = depth << 16 | rank;
-    while (i > 0) {
-        int p = (i - 1) / 2;
-        if (!entry_before(h, i, p)) break;
-        entry_swap(h, i, p);
-        i = p;
-    }
-}
-
-/* removes the top entry (the caller read it at index 0 first) */
-__device__ void heap_pop(sel_heap &h, int &n) {
-    n--;
-    h.score[0] = h.score[n];
-    h.parent[0] = h.parent[n];
-    h.dr[0] = h.dr[n];
-    int i = 0;
-    for (;;) {
-        int l = 2 * i + 1, r = l + 1, b = i;
-        if (l < n && entry_before(h, l, b)) b = l;
-        if (r < n && entry_before(h, r, b)) b = r;
-        if (b == i) break;
-        entry_swap(h, i, b);
-        i = b;
-    }
 }
 
 __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, int L, int K, int budget) {
@@ -136,32 +103,64 @@ __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, in
     }
     __syncthreads();
 
-    if (tid == 0) {
-        sel_heap h = { hs, hpar, hdr, np, nd, nr };
-        np[0] = -1; nd[0] = 0; nr[0] = -1;
-        int hn = 0, n = 0;
-        heap_push(h, hn, list_value(t.vals, 0), 0, 1, 0);
-        while (hn > 0 && n < budget) {
-            double score = hs[0];
-            int parent = hpar[0], d = hdr[0] >> 16, r = hdr[0] & 0xffff;
-            heap_pop(h, hn);
-            int i = ++n, row = (d - 1) * K;
-            t.token[i] = t.ids[row + r];
-            np[i] = parent;
-            nd[i] = d;
-            nr[i] = r;
-            if (r + 1 < K)
-                heap_push(h, hn, __dadd_rn(__dsub_rn(score, list_value(t.vals, row + r)), list_value(t.vals, row + r + 1)),
-                          parent, d, r + 1);
-            if (d < L) heap_push(h, hn, __dadd_rn(score, list_value(t.vals, d * K)), i, d + 1, 0);
+    if (tid < 32) {   /* warp 0 selects; lane 0 writes, __syncwarp publishes to the other lanes */
+        const int lane = tid;
+        const sel_front h = { hs, hpar, hdr, np, nd, nr };
+        if (lane == 0) {
+            np[0] = -1; nd[0] = 0; nr[0] = -1;
+            hs[0] = list_value(t.vals, 0); hpar[0] = 0; hdr[0] = 1 << 16;
         }
-        s_n = n;
-        int bad = s_bad;
-        float bv = bad != INT_MAX ? t.vals[bad] : 0.0f;
-        t.status[0] = bad == INT_MAX ? 0 : (bv != bv ? 1 : 2);
-        t.status[1] = bad == INT_MAX ? 0 : bad;
-        t.status[2] = n;
-        t.status[3] = 0;
+        __syncwarp();
+        int fn = 1, n = 0;   /* frontier entries [0, fn); nodes popped */
+        while (fn > 0 && n < budget) {
+            /* the frontier's first entry in pop order: each lane its slots, then a butterfly
+             * (entry_before is a strict total order, so every lane ends on the same entry) */
+            double bs = 0.0;
+            int bi = -1;
+            for (int e = lane; e < fn; e += 32) {
+                const double sc = hs[e];
+                if (bi < 0 || sc > bs || (sc == bs && entry_before(h, e, bi))) { bs = sc; bi = e; }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                const double os = __shfl_xor_sync(FULL, bs, o);
+                const int oi = __shfl_xor_sync(FULL, bi, o);
+                if (oi >= 0 && (bi < 0 || os > bs || (os == bs && entry_before(h, oi, bi)))) { bs = os; bi = oi; }
+            }
+            const int parent = hpar[bi], d = hdr[bi] >> 16, r = hdr[bi] & 0xffff;
+            const int i = ++n, row = (d - 1) * K;
+            const bool sib = r + 1 < K, child = d < L;
+            __syncwarp();    /* every lane has read entry bi */
+            if (lane == 0) {
+                t.token[i] = t.ids[row + r];
+                np[i] = parent;
+                nd[i] = d;
+                nr[i] = r;
+                int m = fn - 1;   /* the last entry fills the popped slot; the new ones go after it */
+                hs[bi] = hs[m]; hpar[bi] = hpar[m]; hdr[bi] = hdr[m];
+                if (sib) {
+                    hs[m] = __dadd_rn(__dsub_rn(bs, list_value(t.vals, row + r)), list_value(t.vals, row + r + 1));
+                    hpar[m] = parent;
+                    hdr[m] = d << 16 | (r + 1);
+                    m++;
+                }
+                if (child) {
+                    hs[m] = __dadd_rn(bs, list_value(t.vals, d * K));
+                    hpar[m] = i;
+                    hdr[m] = (d + 1) << 16;
+                }
+            }
+            fn += (sib ? 1 : 0) + (child ? 1 : 0) - 1;
+            __syncwarp();
+        }
+        if (lane == 0) {
+            s_n = n;
+            int bad = s_bad;
+            float bv = bad != INT_MAX ? t.vals[bad] : 0.0f;
+            t.status[0] = bad == INT_MAX ? 0 : (bv != bv ? 1 : 2);
+            t.status[1] = bad == INT_MAX ? 0 : bad;
+            t.status[2] = n;
+            t.status[3] = 0;
+        }
     }
     __syncthreads();
     const int n = s_n, words = (n + 1 + 63) / 64;

@@ -4,7 +4,7 @@
  * loses to everything, exactly as core/cpu/cpu_elementwise.c.
  *
  * top-k (k up to 16384, V up to 2^31): a radix select finds the k-th largest value in
- * four 8-bit passes over the row (a warp's lanes with the same digit count once), then one ordered pass collects everything above it
+ * four 8-bit passes over the row, then one ordered pass collects everything above it
  * plus the lowest-id entries equal to it, and a bitonic sort in shared memory orders
  * the k candidates by (value desc, id asc). */
 #include "cuda_internal.cuh"
@@ -86,14 +86,9 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
-        for (int c0 = 0; c0 < cols; c0 += blockDim.x) {   /* warp-uniform trips: the lanes vote together */
-            const int c = c0 + tid;
-            const uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
-            const bool in = c < cols && (key & mask) == prefix;
-            /* lanes with the same digit add once: the first digits are the exponent's, so a row of
-             * similar values would otherwise serialise on two or three counters */
-            const unsigned peers = __match_any_sync(0xffffffffu, in ? (key >> shift) & 255u : 256u);
-            if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[(key >> shift) & 255u], (unsigned)__popc(peers));
+        for (int c = tid; c < cols; c += blockDim.x) {
+            uint32_t key = fkey(ld_row(x, dt, base + c));
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
         }
         __syncthreads();
         if (tid == 0) {
