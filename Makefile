@@ -69,7 +69,7 @@ run: deps all
 # needs only cuda/w4a16.cu, cuda/w4a16_skinny.cu, core/error.c and cuBLAS), then the backend's op timings
 # (dense linear, MLA attention, tree top-k, and the DDTree round table: $(BUILD)/bench/ddtree_round.md)
 # when the whole library builds.
-# Tables: $(BUILD)/bench/w4a16.md (copied into docs/performance.md by hand, with the date).
+# Tables: $(BUILD)/bench/w4a16.md (copied into docs/performance-log.md by hand, with the date; the current numbers into docs/performance.md).
 BENCH_W4 := $(BUILD)/bench/w4a16_bench
 W4_OBJS := $(BUILD)/cuda/w4a16.o $(BUILD)/cuda/w4a16_skinny.o $(BUILD)/core/error.o
 $(BENCH_W4): scripts/bench/w4a16_bench.cu cuda/w4a16.cuh $(W4_OBJS)
