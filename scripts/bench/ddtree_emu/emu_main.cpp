@@ -131,12 +131,14 @@ static void test_tree(int L, int V, int B, int kind) {
 
 /* default: trees, walks and a quick sampling matrix (minutes); "full": every setting at
  * V = 10, 333, 1000 and 45 settings at V = 163840 (~20 minutes on 2 cores); "samples": the
- * quick sampling matrix alone; "trees": the trees and walks alone */
+ * quick sampling matrix alone; "trees": the trees and walks alone; "large": the V = 163840 settings
+ * alone */
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
-    const bool full = argc > 1 && !strcmp(argv[1], "full");
-    const bool trees = !(argc > 1 && !strcmp(argv[1], "samples"));
-    const bool samples = !(argc > 1 && !strcmp(argv[1], "trees"));
+    const char *mode = argc > 1 ? argv[1] : "";
+    const bool large = !strcmp(mode, "large"), full = !strcmp(mode, "full") || large;
+    const bool trees = !strcmp(mode, "") || !strcmp(mode, "full") || !strcmp(mode, "trees");
+    const bool samples = strcmp(mode, "trees") && !large;
     if (trees) {
         for (int L : {1, 3, 7, 15})
             for (int B : {1, 8, 64, 256, 512})
