@@ -635,6 +635,32 @@ __device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp
     return true;
 }
 
+/* The masses of the kept ids whose key matches prefix under mask, by the key's byte at shift,
+ * added into sh.hlo / sh.hhi (run-length: one atomic per run of equal bytes); returns this
+ * thread's sum of those masses. */
+template <class K>
+__device__ kd_u128 radix_mass_pass(const float *xr, int V, const smp_mass &mass, const K &kept_k, uint32_t mask,
+                                   uint32_t prefix, int shift, smp_shared &sh) {
+    kd_u128 part = u128_zero(), run = u128_zero();
+    int run_b = -1;
+    for (int i = threadIdx.x; i < V; i += SMP_THREADS) {
+        const float v = xr[i];
+        const uint32_t key = okey(v);
+        if ((key & mask) != prefix || !kept_k(i, key)) continue;
+        const uint64_t q = mass(v);
+        part = kd_u128_add64(part, q);
+        const int b = (int)((key >> shift) & 255u);
+        if (b != run_b) {
+            if (run_b >= 0) hist_add(sh, run_b, run);
+            run_b = b;
+            run = u128_zero();
+        }
+        run = kd_u128_add64(run, q);
+    }
+    if (run_b >= 0) hist_add(sh, run_b, run);
+    return part;
+}
+
 /* The radix path of the cut, for the rows the bins cannot split finely enough (ties, huge top-k):
  * top-k's k-th of the order (kkey, kid) by 8-bit radix passes on counts, then top-p's last
  * element (pkey, pid) by radix passes on masses; the cut is top-p's when it is on. */
@@ -682,24 +708,8 @@ __device__ void cut_by_radix(const float *xr, int V, const smp_mass &mass, int t
     auto kept_k = [&](int i, uint32_t key) { return !topk || key > kkey || (key == kkey && i <= kid); };
     for (int i = tid; i < 256; i += SMP_THREADS) { sh.hlo[i] = 0; sh.hhi[i] = 0; }
     __syncthreads();
-    /* the kept mass S and the masses by the key's top byte (run-length: one atomic per run) */
-    kd_u128 part = u128_zero(), run = u128_zero();
-    int run_b = -1;
-    for (int i = tid; i < V; i += SMP_THREADS) {
-        float v = xr[i];
-        uint32_t key = okey(v);
-        if (!kept_k(i, key)) continue;
-        uint64_t q = mass(v);
-        part = kd_u128_add64(part, q);
-        int b = (int)(key >> 24);
-        if (b != run_b) {
-            if (run_b >= 0) hist_add(sh, run_b, run);
-            run_b = b;
-            run = u128_zero();
-        }
-        run = kd_u128_add64(run, q);
-    }
-    if (run_b >= 0) hist_add(sh, run_b, run);
+    /* the kept mass S and the masses by the key's top byte */
+    const kd_u128 part = radix_mass_pass(xr, V, mass, kept_k, 0u, 0u, 24, sh);
     const kd_u128 S = block_sum_u128(part, sh);     /* its barrier also completes the histogram */
     const kd_u128 G = kd_rule_top_p_goal(S, top_p);
     kd_u128 before = u128_zero();
@@ -708,22 +718,7 @@ __device__ void cut_by_radix(const float *xr, int V, const smp_mass &mass, int t
         if (shift < 24) {
             for (int i = tid; i < 256; i += SMP_THREADS) { sh.hlo[i] = 0; sh.hhi[i] = 0; }
             __syncthreads();
-            run = u128_zero();
-            run_b = -1;
-            for (int i = tid; i < V; i += SMP_THREADS) {
-                float v = xr[i];
-                uint32_t key = okey(v);
-                if ((key & mask) != prefix || !kept_k(i, key)) continue;
-                uint64_t q = mass(v);
-                int b = (int)((key >> shift) & 255u);
-                if (b != run_b) {
-                    if (run_b >= 0) hist_add(sh, run_b, run);
-                    run_b = b;
-                    run = u128_zero();
-                }
-                run = kd_u128_add64(run, q);
-            }
-            if (run_b >= 0) hist_add(sh, run_b, run);
+            radix_mass_pass(xr, V, mass, kept_k, mask, prefix, shift, sh);
             __syncthreads();
         }
         if (tid == 0) {   /* digits from the largest: the first whose mass reaches G */

@@ -131,14 +131,20 @@ static void test_tree(int L, int V, int B, int kind) {
 
 /* default: trees, walks and a quick sampling matrix (minutes); "full": every setting at
  * V = 10, 333, 1000 and 45 settings at V = 163840 (~20 minutes on 2 cores); "samples": the
- * quick sampling matrix alone; "trees": the trees and walks alone; "large": the V = 163840 settings
- * alone */
+ * quick sampling matrix alone; "trees": the trees and walks alone; "crowded": rows of V = 12000
+ * whose bins below the max hold more than 2048 ids (ties, all equal: the radix path) or fewer
+ * (smooth, peaked: the bins' path), 12 draws */
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
     const char *mode = argc > 1 ? argv[1] : "";
-    const bool large = !strcmp(mode, "large"), full = !strcmp(mode, "full") || large;
-    const bool trees = !strcmp(mode, "") || !strcmp(mode, "full") || !strcmp(mode, "trees");
-    const bool samples = strcmp(mode, "trees") && !large;
+    const bool full = !strcmp(mode, "full"), crowded = !strcmp(mode, "crowded");
+    const bool trees = !strcmp(mode, "") || full || !strcmp(mode, "trees");
+    const bool samples = !strcmp(mode, "") || full || !strcmp(mode, "samples");
+    if (crowded)
+        for (int kind : {0, 1, 3, 4})
+            for (kd_sampler sp : {kd_sampler{1.0f, 40, 0.95f, 11, 0.05f}, kd_sampler{0.6f, 4096, 0.5f, 12, 0.0f},
+                                  kd_sampler{1.0f, 0, 0.9f, 13, 0.0f}})
+                test_sample(12000, kind, sp, 1);
     if (trees) {
         for (int L : {1, 3, 7, 15})
             for (int B : {1, 8, 64, 256, 512})
