@@ -490,8 +490,8 @@ struct smp_mass {
  * max in steps of SPAN * T / (SMP_BINS - 1) (the last bin holds the rest: its masses are all 0,
  * as the mass of x/T - m/T < -43.99 truncates to 0). A bin is monotone in the logit, so the
  * order of the row (logit descending, id ascending) visits the bins in ascending order; one
- * pass of counts (and masses for top-p) finds the bins [lo, hi] that can hold the cut, a second
- * pass gathers their ids, and they are sorted in shared memory. Returns false (the radix path
+ * pass of counts (and masses for top-p without a small top-k) finds the bins [lo, hi] that can
+ * hold the cut, a second pass gathers their ids, and they are sorted in shared memory. Returns false (the radix path
  * decides) when those bins hold more than SMP_CAP ids (e.g. a row of equal logits). */
 __device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp_mass &mass, int top_k, float top_p,
                             bool topk, bool topp, uint32_t *ckey, int *cid, smp_shared &sh) {
@@ -503,10 +503,12 @@ __device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp
         const float s = d * bscale;
         return s < (float)(SMP_BINS - 1) ? (int)s : SMP_BINS - 1;
     };
+    /* masses by bin for top-p, unless top-k is small: then the bins before the k-th's hold fewer
+     * than SMP_CAP / 2 ids, all gathered (no exp over the rest of the row) */
+    const bool bin_mass = topp && (!topk || top_k > SMP_CAP / 2);
     for (int b = tid; b < SMP_BINS; b += SMP_THREADS) { sh.bcnt[b] = 0; sh.blo[b] = 0; sh.bhi[b] = 0; }
     __syncthreads();
-    /* 1. counts (all but the last bin's) and, for top-p, masses by bin; a warp whose lanes share
-     *    a bin adds once */
+    /* 1. counts (all but the last bin's) and masses by bin; a warp whose lanes share a bin adds once */
     for (int i0 = 0; i0 < V; i0 += SMP_THREADS) {
         const int i = i0 + tid;
         int b = SMP_BINS - 1;
@@ -514,7 +516,7 @@ __device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp
         if (i < V) {
             const float v = xr[i];
             b = bin_of(v);
-            if (topp && b < SMP_BINS - 1) q = mass(v);
+            if (bin_mass && b < SMP_BINS - 1) q = mass(v);
         }
         const bool counted = b < SMP_BINS - 1;
         const int b0 = __shfl_sync(FULL, b, 0);
@@ -545,7 +547,8 @@ __device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp
         if (topk) {
             hi = warp_first_reaching(cnt, kd_u128_of((uint64_t)top_k), &ignore);   /* found: the counts sum to V */
             lo = hi;
-            if (topp) {   /* the nucleus ends no earlier than where the smallest possible goal is reached */
+            if (topp && !bin_mass) lo = 0;   /* every id before the k-th's bin, and that bin */
+            if (bin_mass) {   /* the nucleus ends no earlier than where the smallest possible goal is reached */
                 const kd_u128 s_lo = warp_prefix(mas, hi);
                 lo = warp_first_reaching(mas, kd_rule_top_p_goal(s_lo, top_p), &ignore);
                 if (lo < 0 || lo > hi) lo = hi;   /* not reached: s_lo reaches its own goal before bin hi */
