@@ -19,7 +19,8 @@
  *              of the order logit descending, id ascending) comes from one pass of a
  *              histogram by distance below the row max (counts, and masses for top-p),
  *              then the ids of the one or few bins that hold it, sorted in shared memory
- *              (cut_by_bins: 4 passes over the row in all); rows whose bins are too
+ *              (cut_by_bins: at most 4 passes over the row in all; 3 when every kept id
+ *              is gathered, which draws from shared memory); rows whose bins are too
  *              crowded (ties) fall back to radix passes on the logit's 32-bit key
  *              (cut_by_radix). Prefix searches (the draw, and the radix path's last kept
  *              id among equal logits) sum tiles, find the crossing tile by one block scan
@@ -309,6 +310,7 @@ struct smp_shared {
     unsigned long long sel_lo, sel_hi;
     int res, tile, ncand, cut;
     int lo, hi, fast;                                    /* fast path: the candidate bins [lo, hi] */
+    int first;                                           /* fast path: the drawn candidate */
     unsigned int cnt_lo;                                 /* fast path: elements in bins below lo */
     unsigned long long mlo_lo, mlo_hi, tot_lo, tot_hi;   /* fast path: mass below lo; the row's mass */
 };
@@ -486,6 +488,22 @@ struct smp_mass {
     }
 };
 
+/* bitonic sort of a[0..np) (np a power of two) by the block, descending or ascending */
+__device__ void bitonic_sort(unsigned long long *a, int np, bool descending) {
+    for (int size = 2; size <= np; size <<= 1)
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int j = threadIdx.x; j < np; j += SMP_THREADS) {
+                const int o = j ^ stride;
+                if (o > j) {
+                    const bool down = ((j & size) == 0) == descending;
+                    const unsigned long long x = a[j], y = a[o];
+                    if (down ? x < y : x > y) { a[j] = y; a[o] = x; }
+                }
+            }
+            __syncthreads();
+        }
+}
+
 /* The fast path of the cut (top-k and / or top-p): the row's ids by bin = the distance below the
  * max in steps of SPAN * T / (SMP_BINS - 1) (the last bin holds the rest: its masses are all 0,
  * as the mass of x/T - m/T < -43.99 truncates to 0). A bin is monotone in the logit, so the
@@ -494,7 +512,7 @@ struct smp_mass {
  * hold the cut, a second pass gathers their ids, and they are sorted in shared memory. Returns false (the radix path
  * decides) when those bins hold more than SMP_CAP ids (e.g. a row of equal logits). */
 __device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp_mass &mass, int top_k, float top_p,
-                            bool topk, bool topp, uint32_t *ckey, int *cid, smp_shared &sh) {
+                            bool topk, bool topp, uint32_t *ckey, int *cid, int *nkept, smp_shared &sh) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float bscale = (float)fmin((double)(SMP_BINS - 1) / (SMP_SPAN * T), 1e30);
     auto bin_of = [&](float v) -> int {   /* non-increasing in v; equal logits (+0 and -0 too) share a bin */
@@ -547,7 +565,7 @@ __device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp
         if (topk) {
             hi = warp_first_reaching(cnt, kd_u128_of((uint64_t)top_k), &ignore);   /* found: the counts sum to V */
             lo = hi;
-            if (topp && !bin_mass) lo = 0;   /* every id before the k-th's bin, and that bin */
+            if (top_k <= SMP_CAP / 2) lo = 0;   /* fewer than k ids before the k-th's bin: gather them all */
             if (bin_mass) {   /* the nucleus ends no earlier than where the smallest possible goal is reached */
                 const kd_u128 s_lo = warp_prefix(mas, hi);
                 lo = warp_first_reaching(mas, kd_rule_top_p_goal(s_lo, top_p), &ignore);
@@ -593,18 +611,7 @@ __device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp
     while (np < n) np <<= 1;
     for (int j = n + tid; j < np; j += SMP_THREADS) sh.cand[j] = 0ull;
     __syncthreads();
-    for (int size = 2; size <= np; size <<= 1)   /* bitonic sort, descending: the row's order */
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int j = tid; j < np; j += SMP_THREADS) {
-                const int o = j ^ stride;
-                if (o > j) {
-                    const bool desc = (j & size) == 0;
-                    const unsigned long long a = sh.cand[j], c = sh.cand[o];
-                    if (desc ? a < c : a > c) { sh.cand[j] = c; sh.cand[o] = a; }
-                }
-            }
-            __syncthreads();
-        }
+    bitonic_sort(sh.cand, np, true);   /* descending: the row's order */
     /* 4. the cut: top-k's k-th of the order; top-p's first prefix (within top-k) whose mass reaches G */
     const int ik = topk ? top_k - (int)sh.cnt_lo - 1 : n - 1;   /* 0 <= ik < n: bin hi holds the k-th */
     if (!topp) {
@@ -635,7 +642,39 @@ __device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp
     const int c = sh.cut;   /* found: the candidates through ik reach G (the mass through the k-th is S) */
     *ckey = (uint32_t)(sh.cand[c] >> 32);
     *cid = (int)(0xffffffffu - (uint32_t)(sh.cand[c] & 0xffffffffull));
+    *nkept = lo == 0 ? c + 1 : 0;   /* lo = 0: every kept id is a candidate */
     return true;
+}
+
+/* The draw when every kept id is a candidate (cut_by_bins with lo = 0): sh.cand[0..nk) hold the
+ * kept ids in the row's order; sorted by id, their masses are scanned by the block, and the
+ * first whose inclusive prefix exceeds floor(U W / 2^53) is the token, as in the pass over the row. */
+__device__ int draw_from_candidates(const float *xr, int nk, const smp_mass &mass, uint64_t U, smp_shared &sh) {
+    constexpr int PER = SMP_CAP / SMP_THREADS;
+    const int tid = threadIdx.x;
+    int np = 1;
+    while (np < nk) np <<= 1;
+    for (int j = tid; j < np; j += SMP_THREADS)   /* ids; the padding (~0) sorts last */
+        sh.cand[j] = j < nk ? (unsigned long long)(0xffffffffu - (uint32_t)(sh.cand[j] & 0xffffffffull)) : ~0ull;
+    if (tid == 0) sh.first = INT_MAX;
+    __syncthreads();
+    bitonic_sort(sh.cand, np, false);
+    uint64_t q[PER];
+    kd_u128 part = u128_zero();
+    for (int j = 0; j < PER; j++) {
+        const int c = tid * PER + j;
+        q[j] = c < nk ? mass(xr[(int)sh.cand[c]]) : 0u;
+        part = kd_u128_add64(part, q[j]);
+    }
+    kd_u128 W;
+    kd_u128 run = block_excl_scan_u128(part, &W, sh);
+    const kd_u128 target = kd_rule_target(U, W);
+    for (int j = 0; j < PER; j++) {
+        run = kd_u128_add64(run, q[j]);
+        if (tid * PER + j < nk && kd_u128_lt(target, run)) { atomicMin(&sh.first, tid * PER + j); break; }
+    }
+    __syncthreads();
+    return (int)sh.cand[sh.first];   /* found: target < W */
 }
 
 /* The masses of the kept ids whose key matches prefix under mask, by the key's byte at shift,
@@ -790,14 +829,15 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_rows_kernel(const float *x
     /* 2. the cut: the last kept element (ckey, cid) of the order after top-k and top-p */
     const bool topk = top_k > 0 && top_k < V, topp = top_p > 0.0f && top_p < 1.0f;
     uint32_t ckey = 0;
-    int cid = INT_MAX;
-    if ((topk || topp) && !cut_by_bins(xr, V, m, T, mass, top_k, top_p, topk, topp, &ckey, &cid, sh))
+    int cid = INT_MAX, nkept = 0;
+    if ((topk || topp) && !cut_by_bins(xr, V, m, T, mass, top_k, top_p, topk, topp, &ckey, &cid, &nkept, sh))
         cut_by_radix(xr, V, mass, top_k, top_p, topk, topp, &ckey, &cid, sh);
     const bool cut = topk || topp;
 
-    /* 3. the draw: the first kept id (ascending) whose prefix mass exceeds floor(U W / 2^53) */
+    /* 3. the draw: the first kept id (ascending) whose prefix mass exceeds floor(U W / 2^53);
+     *    from shared memory when every kept id is a gathered candidate, else a pass over the row */
     const uint64_t U = kd_rule_u53(seed, (int64_t)pos[row] + pos_offset);
-    const int tok = first_exceeding(
+    const int tok = nkept > 0 ? draw_from_candidates(xr, nkept, mass, U, sh) : first_exceeding(
         [&](int i) {
             const float v = xr[i];
             const uint32_t key = okey(v);
