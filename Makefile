@@ -1,5 +1,8 @@
 # kdtree: build, test, run, bench, deps, install, clean.
-# `make` builds libkdtree.so (C core + CPU backend, + the CUDA backend when nvcc is found).
+# `make` builds libkdtree.so (C core + CPU backend, + the CUDA backend when nvcc is found); it
+# exports exactly the functions of core/kdtree.h. The specs run against libkdtree_test.so: the
+# same objects plus the test surface of spec/c/ (op harness, fault injection, graph emulation),
+# which no installed file contains.
 PREFIX  ?= /usr/local
 DESTDIR ?=
 CC      ?= cc
@@ -9,14 +12,18 @@ CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 
 CFLAGS  ?= -O2 -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -fPIC -Wall -Wextra -Wno-unused-parameter -Icore
+# the library's own objects: nothing exported but what the version script names
+HIDDEN  := -fvisibility=hidden
 LDLIBS  := -lcjson -lpcre2-8 -lm -lpthread
 CORE_SRC := $(wildcard core/*.c core/cpu/*.c)
 CUDA_SRC := $(wildcard cuda/*.cu)
 BUILD   := build
 CORE_OBJ := $(CORE_SRC:%.c=$(BUILD)/%.o)
 CUDA_OBJ := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
+TEST_SRC := $(wildcard spec/c/*.c)
+TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 # sm_90 (H200) and sm_120 (RTX PRO 6000 Blackwell) machine code, plus sm_120 PTX for newer parts
-NVFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -Icore -lineinfo \
+NVFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -Icore -lineinfo \
            -gencode arch=compute_90,code=sm_90 -gencode arch=compute_120,code=sm_120 \
            -gencode arch=compute_120,code=compute_120
 
@@ -34,14 +41,34 @@ BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/bust
 DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8
 
 .PHONY: all test test-gpu run bench bench-trace deps install clean
-all: $(BUILD)/libkdtree.so
+all: $(BUILD)/libkdtree.so $(BUILD)/libkdtree_test.so $(BUILD)/libkdtree_internal.a
 
-$(BUILD)/libkdtree.so: $(OBJ)
+# the version script: every function declared in kdtree.h (a declaration starts a line with its
+# return type; comments and continuation lines start with a blank or '/'), all else local
+$(BUILD)/kdtree.map: core/kdtree.h
+	@mkdir -p $(dir $@)
+	{ echo '{ global:'; sed -n 's/^[a-z][^(]*[ *]\(kd_[a-z0-9_]*\)(.*/  \1;/p' $<; echo 'local: *; };'; } > $@
+
+$(BUILD)/libkdtree.so: $(OBJ) $(BUILD)/kdtree.map
+	$(CC) -shared -Wl,--version-script=$(BUILD)/kdtree.map -o $@ $(OBJ) $(LDLIBS)
+
+$(BUILD)/libkdtree_test.so: $(OBJ) $(TEST_OBJ)
 	$(CC) -shared -o $@ $^ $(LDLIBS)
 
-$(BUILD)/%.o: %.c $(wildcard core/*.h core/cpu/*.h)
+# the engine's objects for programs that reach inside it (benches: backend ops, config, weights),
+# linked statically with the flags written beside it (engine.flags: KD_WITH_CUDA when the
+# objects have the CUDA backend, and the libraries)
+$(BUILD)/libkdtree_internal.a: $(OBJ)
+	rm -f $@ && ar rcs $@ $^
+	echo $(filter -DKD_WITH_CUDA,$(CFLAGS)) $(LDLIBS) > $(BUILD)/engine.flags
+
+$(BUILD)/core/%.o: core/%.c $(wildcard core/*.h core/cpu/*.h)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -c -o $@ $<
+	$(CC) $(CFLAGS) $(HIDDEN) -c -o $@ $<
+
+$(BUILD)/spec/c/%.o: spec/c/%.c $(wildcard core/*.h core/cpu/*.h spec/c/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Ispec/c -c -o $@ $<
 
 $(BUILD)/%.o: %.cu $(wildcard core/*.h cuda/*.cuh)
 	@mkdir -p $(dir $@)
@@ -55,10 +82,10 @@ deps:
 	  else echo "missing packages:$$missing"; echo "run: sudo apt-get install -y$$missing"; exit 1; fi; fi
 
 test: deps all
-	KDTREE_LIB=$(BUILD)/libkdtree.so $(BUSTED) --exclude-tags=gpu,slow spec
+	KDTREE_LIB=$(BUILD)/libkdtree_test.so $(BUSTED) --exclude-tags=gpu,slow spec
 
 test-gpu: all
-	KDTREE_LIB=$(BUILD)/libkdtree.so KDTREE_BACKEND=cuda $(BUSTED) spec
+	KDTREE_LIB=$(BUILD)/libkdtree_test.so KDTREE_BACKEND=cuda $(BUSTED) spec
 
 run: deps all
 	KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/kdtree generate --model models/tiny-k2.6 \
@@ -79,13 +106,14 @@ $(BENCH_W4): scripts/bench/w4a16_bench.cu cuda/w4a16.cuh $(W4_OBJS)
 # Then the decode step of a K2.6-dims model slice (1 dense + 3 MoE layers, random weights built
 # in memory) against its weight-bytes roofline, and the MLA attention rows: $(BUILD)/bench/model_slice.md.
 BENCH_SLICE := $(BUILD)/bench/model_slice_bench
+# The benches that reach inside the engine (backend ops, config, weights) link its objects: the
+# shared library exports only kdtree.h.
 $(BENCH_SLICE): scripts/bench/model_slice_bench.c scripts/bench/slice_cuda.cu scripts/bench/slice_cuda.h \
-                $(BUILD)/libkdtree.so
+                $(BUILD)/libkdtree_internal.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c -o $(BUILD)/bench/slice_cuda.o scripts/bench/slice_cuda.cu
-	$(CC) -O2 -g -std=c11 -D_GNU_SOURCE -DKD_SLICE_EVENTS -Icore -Iscripts/bench scripts/bench/model_slice_bench.c \
-	  $(BUILD)/bench/slice_cuda.o -L$(BUILD) -lkdtree -Wl,-rpath,$(abspath $(BUILD)) \
-	  -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lnccl -lstdc++ -ldl -lm -o $@
+	$(CC) -O2 -g -std=c11 -D_GNU_SOURCE $(filter -DKD_WITH_CUDA,$(CFLAGS)) -DKD_SLICE_EVENTS -Icore -Iscripts/bench \
+	  scripts/bench/model_slice_bench.c $(BUILD)/bench/slice_cuda.o $(BUILD)/libkdtree_internal.a $(LDLIBS) -lnccl -ldl -o $@
 
 # The small-M INT4 kernel's launch timeline (%globaltimer per block at six points, 32 launches
 # in a graph with PDL): w4a16_skinny.cu built again with KD_W4A16_TRACE, apart from the library.
@@ -102,8 +130,8 @@ bench-trace: $(BENCH_TRACE)
 
 bench: $(BENCH_W4)
 	$(BENCH_W4) --md $(BUILD)/bench/w4a16.md
-	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c -L$(BUILD) -lkdtree \
-	  -Wl,-rpath,$(CURDIR)/$(BUILD) -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench --md $(BUILD)/bench/ddtree_round.md
+	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c $(BUILD)/libkdtree_internal.a $(LDLIBS) \
+	  -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench --md $(BUILD)/bench/ddtree_round.md
 	-$(MAKE) $(BENCH_SLICE) && $(BENCH_SLICE) --md $(BUILD)/bench/model_slice.md
 	-mkdir -p $(BUILD)/bench && KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/bench/memory_report.lua --md $(BUILD)/bench/memory.md
 

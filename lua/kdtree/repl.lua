@@ -69,7 +69,12 @@ function R.env(opts)
 
   function E.load(dir, o)
     if E.m then pcall(function() E.s:close() end) end
-    E.m = kd.open_model(dir, { backend = (o and o.backend) or opts.backend })
+    local mo = {}   -- the start's model options (flags, environment), then load's own
+    for k, v in pairs(opts.options or { backend = opts.backend, tp = opts.tp, devices = opts.devices }) do mo[k] = v end
+    for _, k in ipairs({ "backend", "tp", "devices" }) do
+      if o and o[k] ~= nil then mo[k] = o[k] end
+    end
+    E.m = kd.open_model(dir, mo)
     E.s = E.m:new_seq((o and o.capacity) or 4096)
     local f = io.open(dir .. "/tiktoken.model")
     if E.tok then E.tok:close(); E.tok = nil end

@@ -3,13 +3,15 @@
  * 1K..64K, 1 and 64 query tokens; 256 queries causal and as a tree at 4K and 32K, with the
  * roofline of each row), the per-depth top-k of a DDTree build
  * (log_softmax + top-K over 163840, L = 7 rows, K = 256), and the DDTree round on the
- * device (cuda/ddtree.cu): the whole tree build (top-K + best-first selection) at B = 256,
- * L = 7, V = 163840, and accept over a 257-node tree (greedy: argmax + walk; sampled:
- * the keyed rule + walk), each with the one small result download a round makes.
+ * device (cuda/ddtree.cu): the tree build (top-K + best-first selection) at B = 16, 64, 256,
+ * L = 7, V = 163840, and accept over its 1 + B rows (greedy: argmax + walk; sampled with four
+ * samplers, min-p among them: the keyed rule + walk), each with the one small result download
+ * a round makes, as a markdown table (also into FILE with --md FILE).
  *
- * Build (on the GPU machine, after make; `make bench` does this and writes build/bench/ddtree_round.md):
- *   cc -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c -Lbuild -lkdtree \
- *      -Wl,-rpath,$PWD/build -o build/cuda_ops_bench && build/cuda_ops_bench --round
+ *   cuda_ops_bench [--round] [--md FILE]     --round: the round's table alone (under a minute)
+ *
+ * Build: `make bench` (against build/libkdtree_internal.a: the backend's ops are not exported by
+ * libkdtree.so), which runs it with --md build/bench/ddtree_round.md.
  * Method: each case runs 3 warm-up calls, then N timed calls between two stream syncs
  * (host monotonic clock: includes launch overheads, as a decode step pays them); the median
  * of 5 such batches is reported. Weights rotate over enough copies to exceed the 50 MB L2
@@ -274,7 +276,11 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    CK(kd_backend_cuda_create(0, &be));
+    /* KDTREE_MLA_TC=0: the attention rows on the CUDA-core kernel (a bench maps the old variable to
+     * the option; the library reads no environment) */
+    const char *tc = getenv("KDTREE_MLA_TC");
+    const kd_model_options opt = { .mla_kernel = tc && !strcmp(tc, "0") ? KD_MLA_CUDA_CORES : KD_MLA_DEFAULT };
+    CK(kd_backend_cuda_create(0, &opt, &be));
     if (round_only) {
         bench_round(md_path);
         be->ops->destroy(be);
@@ -291,8 +297,8 @@ int main(int argc, char **argv) {
     bench_linear("lm_head", 163840, 7168);
     int ctxs[] = {1024, 4096, 16384, 65536};
     int Hs[] = {64, 8}, Ts[] = {1, 64};
-    printf("# attention path: %s\n", getenv("KDTREE_MLA_TC") && !strcmp(getenv("KDTREE_MLA_TC"), "0")
-                                         ? "CUDA cores (KDTREE_MLA_TC=0)" : "tensor cores (mla_tc.cuh)");
+    printf("# attention path: %s\n", opt.mla_kernel == KD_MLA_CUDA_CORES ? "CUDA cores (KDTREE_MLA_TC=0)"
+                                                                         : "tensor cores (mla_tc.cuh)");
     for (int h = 0; h < 2; h++)
         for (int t = 0; t < 2; t++)
             for (int c = 0; c < 4; c++) bench_attention(Hs[h], ctxs[c], Ts[t], 0);

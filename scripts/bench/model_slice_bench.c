@@ -29,7 +29,7 @@
  * CPU), summed by kind; (3) 2 warm-up steps, then N timed steps (N from --row-seconds,
  * 5..30, or --steps), each between two CUDA events on the backend's stream, the median
  * reported with the host wall time of the same steps; (4) when the library has step graphs
- * (model.c, KDTREE_CUDA_GRAPHS), the same steps on a second sequence opened in graph mode
+ * (model.c, the graphs option), the same steps on a second sequence opened in graph mode
  * (the measured one has graphs off: the wrapped ops must run from the host), counting the
  * steps that replayed a captured graph (they call no backend op).
  * Roofline: bytes the step must read (every attention, norm, dense, shared, router and
@@ -60,12 +60,13 @@
  * --tiny runs the same at the tiny dims (the CPU spec).
  *
  * Build: `make bench` (with scripts/bench/slice_cuda.cu: CUDA events and ceilings), or
- * plain C against libkdtree (host clock between syncs), as spec/model_slice_bench_spec.lua does:
- *   cc -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/model_slice_bench.c -Lbuild -lkdtree \
- *      -Wl,-rpath,$PWD/build -ldl -lm -o model_slice_bench */
+ * plain C against the engine's objects (host clock between syncs; it reaches inside the engine,
+ * and libkdtree.so exports only kdtree.h), as spec/model_slice_bench_spec.lua does:
+ *   cc -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/model_slice_bench.c build/libkdtree_internal.a \
+ *      $(cat build/engine.flags) -lm -o model_slice_bench */
+#include "forward.h"
 #include "plan.h"
 #include "error.h"
-#include <dlfcn.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -406,7 +407,7 @@ static void write_config(const char *dir, const dims *d) {
 
 static void build_layer(kd_model *m, int l) {
     const kd_config *c = &m->cfg;
-    kd_layer *ly = &m->layers[l];
+    kd_layer *ly = &m->ranks[0].layers[l];
     int H = c->n_heads, r = c->kv_lora_rank, dr = c->qk_rope_dim, dn = c->qk_nope_dim, dv = c->v_head_dim;
     int64_t D = c->hidden;
 #define N(s) name_of("model.layers.%d.%s", l, s)
@@ -519,9 +520,13 @@ static kd_model *build_model(const dims *d) {
     kd_model *m = xcalloc(1, sizeof *m, "model");
     load_config(d, &m->cfg);
     const kd_config *c = &m->cfg;
-    m->be = g_be;
+    /* one rank holding the whole model */
+    m->tp = 1;
+    m->ranks = xcalloc(1, sizeof *m->ranks, "ranks");
+    m->ranks[0].be = m->be = g_be;
+    m->split = (kd_widths){c->n_heads, c->intermediate, c->moe_intermediate, c->vocab};
     snprintf(m->dir, sizeof m->dir, "(model slice: %s, random weights in memory)", d->name);
-    m->layers = xcalloc((size_t)c->n_layers, sizeof *m->layers, "layers");
+    m->ranks[0].layers = xcalloc((size_t)c->n_layers, sizeof *m->ranks[0].layers, "layers");
     S.bias_host = xcalloc((size_t)c->n_layers, sizeof *S.bias_host, "biases");
     S.experts_loaded = xcalloc((size_t)c->n_layers, sizeof *S.experts_loaded, "flags");
     S.used = xcalloc((size_t)c->n_layers * (size_t)c->n_experts, 1, "expert marks");
@@ -543,7 +548,7 @@ static kd_model *build_model(const dims *d) {
         fill_bf16(S.scales[p], S.n_scales, 0.75f * base, 1.25f * base);
     }
     uint64_t t0 = kd_time_ns();
-    load_bf16(&m->embed, name_of("model.embed_tokens.weight"), d->embed_vocab ? d->embed_vocab : c->vocab, c->hidden,
+    load_bf16(&m->ranks[0].embed, name_of("model.embed_tokens.weight"), d->embed_vocab ? d->embed_vocab : c->vocab, c->hidden,
               -1.0f, 1.0f, B_EMBED);
     kd_mem_usage u0;
     g_be->ops->mem_usage(g_be, &u0);
@@ -551,12 +556,12 @@ static kd_model *build_model(const dims *d) {
     for (int l = 0; l < c->n_layers; l++) {
         build_layer(m, l);
         check_layer_memory(l, c->n_layers, &free_before);
-        printf("  layer %d built (%s), %.1f s\n", l, m->layers[l].is_moe ? "MoE" : "dense",
+        printf("  layer %d built (%s), %.1f s\n", l, m->ranks[0].layers[l].is_moe ? "MoE" : "dense",
                (double)(kd_time_ns() - t0) * 1e-9);
         fflush(stdout);
     }
-    load_norm(&m->final_norm, name_of("model.norm.weight"), c->hidden, B_NORM);
-    load_linear(&m->lm_head, name_of("lm_head.weight"), c->vocab, c->hidden, B_LMHEAD);
+    load_norm(&m->ranks[0].final_norm, name_of("model.norm.weight"), c->hidden, B_NORM);
+    load_linear(&m->ranks[0].lm_head, name_of("lm_head.weight"), c->vocab, c->hidden, B_LMHEAD);
     /* RoPE (YaRN) inverse frequencies, as kd_model_load_weights */
     int half = c->qk_rope_dim / 2;
     float *inv = xmalloc((size_t)half * sizeof(float), "rope");
@@ -565,11 +570,11 @@ static kd_model *build_model(const dims *d) {
     CK(g_be->ops->alloc(g_be, (size_t)half * sizeof(float), &dev));
     CK(g_be->ops->upload(g_be, dev, inv, (size_t)half * sizeof(float)));
     free(inv);
-    m->rope_inv_freq = dev;
-    m->rope.dim = c->qk_rope_dim;
-    m->rope.interleaved = true;
-    m->rope.attn_factor = c->rope_attn_factor;
-    m->rope.inv_freq = m->rope_inv_freq;
+    m->ranks[0].rope_inv_freq = dev;
+    m->ranks[0].rope.dim = c->qk_rope_dim;
+    m->ranks[0].rope.interleaved = true;
+    m->ranks[0].rope.attn_factor = c->rope_attn_factor;
+    m->ranks[0].rope.inv_freq = m->ranks[0].rope_inv_freq;
     CK(g_be->ops->sync(g_be));
     /* router logits for the expert count: up to KD_SEQ_MAX_ROWS (1024) rows */
     S.logit_rows = 1024;
@@ -585,7 +590,7 @@ static void free_w(kd_weight *w) {
 }
 static void free_model(kd_model *m) {
     for (int l = 0; l < m->cfg.n_layers; l++) {
-        kd_layer *ly = &m->layers[l];
+        kd_layer *ly = &m->ranks[0].layers[l];
         kd_experts *e = &ly->experts;
         if (S.experts_loaded[l]) g_be->ops->experts_free(g_be, e);
         for (int j = 0; e->gate && j < e->n; j++) {
@@ -603,13 +608,14 @@ static void free_model(kd_model *m) {
         for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) free_w(ws[i]);
         free(S.bias_host[l]);
     }
-    free_w(&m->embed);
-    free_w(&m->final_norm);
-    free_w(&m->lm_head);
-    if (m->rope_inv_freq) g_be->ops->free(g_be, m->rope_inv_freq);
+    free_w(&m->ranks[0].embed);
+    free_w(&m->ranks[0].final_norm);
+    free_w(&m->ranks[0].lm_head);
+    if (m->ranks[0].rope_inv_freq) g_be->ops->free(g_be, m->ranks[0].rope_inv_freq);
     if (S.d_logits) g_be->ops->free(g_be, S.d_logits);
     free(S.h_logits);
-    free(m->layers);
+    free(m->ranks[0].layers);
+    free(m->ranks);
     kd_config_free(&m->cfg);
     free(m);
     for (int i = 0; i < S.n_keep; i++) free(S.keep[i]);
@@ -629,7 +635,7 @@ static void count_experts(kd_backend *be, kd_act x, const kd_experts *e) {
     kd_model *m = S.m;
     int l = -1;
     for (int i = 0; i < m->cfg.n_layers; i++)
-        if (&m->layers[i].experts == e) l = i;
+        if (&m->ranks[0].layers[i].experts == e) l = i;
     if (l < 0 || x.rows > S.logit_rows) { fprintf(stderr, "FATAL: moe call of an unknown layer\n"); exit(2); }
     int T = x.rows, E = e->n, K = e->top_k, ng = e->n_group > 1 ? e->n_group : 1, per = E / ng;
     kd_act lg = {S.d_logits, T, E, E, KD_F32};
@@ -787,7 +793,7 @@ typedef struct row {
 } row;
 
 static double g_copy_gbs, g_read_gbs;
-static kd_seq *g_seq_graph;           /* a second sequence in step-graph mode (KDTREE_CUDA_GRAPHS=1), or NULL */
+static kd_seq *g_seq_graph;           /* a second sequence in step-graph mode (graphs "on"), or NULL */
 static int g_fail;                    /* failed checks (exit 1 after the tables) */
 
 static void bench_row(kd_seq *s, const opts *o, row *r, int ctx, int B) {
@@ -807,7 +813,7 @@ static void bench_row(kd_seq *s, const opts *o, row *r, int ctx, int B) {
     S.counting = false;
     CK(g_real->sync(g_be));
     for (int l = 0; l < c->n_layers && l < 64; l++) {
-        if (!m->layers[l].is_moe) continue;
+        if (!m->ranks[0].layers[l].is_moe) continue;
         for (int j = 0; j < c->n_experts; j++) r->distinct[l] += S.used[(size_t)l * c->n_experts + j];
         r->distinct_sum += r->distinct[l];
         /* the count is the host's routing of the backend's own router logits: it must lie in
@@ -1078,34 +1084,15 @@ static void memory_table(const kd_model *m, int n_seqs, int capacity) {
        (unsigned long long)r.graph_fallbacks);
 }
 
-/* a sequence with KDTREE_CUDA_GRAPHS set to `mode` while kd_seq_new reads it (restored after) */
-static kd_seq *new_seq_mode(kd_model *m, int cap, const char *mode) {
-    const char *old = getenv("KDTREE_CUDA_GRAPHS");
-    char *saved = old ? strdup(old) : NULL;
-    setenv("KDTREE_CUDA_GRAPHS", mode, 1);
+/* a sequence with step graphs in `mode` (and the full 1024-row forward: a verify of 257 rows) */
+static kd_seq *new_seq_mode(kd_model *m, int cap, kd_graphs_mode mode) {
     kd_seq *s = NULL;
-    kd_status st = kd_seq_new(m, cap, &s);
-    if (saved) setenv("KDTREE_CUDA_GRAPHS", saved, 1);
-    else unsetenv("KDTREE_CUDA_GRAPHS");
-    free(saved);
-    if (st != KD_OK) die_st("kd_seq_new", __LINE__);
+    const kd_seq_options so = { .graphs = mode };
+    if (kd_seq_new_opts(m, cap, &so, &s) != KD_OK) die_st("kd_seq_new_opts", __LINE__);
     return s;
 }
-/* whether this library and backend run step graphs when KDTREE_CUDA_GRAPHS=1 (model.c's
- * kd_graphs_mode_from_env, looked up at run time: libraries without step graphs answer no) */
-static bool graphs_available(void) {
-    typedef int (*mode_fn)(const kd_backend *);
-    mode_fn f = (mode_fn)dlsym(RTLD_DEFAULT, "kd_graphs_mode_from_env");
-    if (!f) return false;
-    const char *old = getenv("KDTREE_CUDA_GRAPHS");
-    char *saved = old ? strdup(old) : NULL;
-    setenv("KDTREE_CUDA_GRAPHS", "1", 1);
-    int mode = f(g_be);
-    if (saved) setenv("KDTREE_CUDA_GRAPHS", saved, 1);
-    else unsetenv("KDTREE_CUDA_GRAPHS");
-    free(saved);
-    return mode == 1;
-}
+/* whether the backend runs step graphs (its optional graph ops: forward.h) */
+static bool graphs_available(void) { return kd_graphs_resolve(g_be, KD_GRAPHS_CAPTURE) == KD_GRAPHS_CAPTURE; }
 
 /* random latent rows [0, rows) in every layer of s's cache */
 static void fill_cache(kd_seq *s, int rows) {
@@ -1115,7 +1102,7 @@ static void fill_cache(kd_seq *s, int rows) {
     void *h = xmalloc(n * es, "cache rows");
     if (g_be->act_dtype == KD_BF16) fill_bf16(h, n, -1.7f, 1.7f);
     else fill_f32(h, n, -1.7f, 1.7f);
-    for (int l = 0; l < c->n_layers; l++) CK(g_real->upload(g_be, s->cache[l].data, h, n * es));
+    for (int l = 0; l < c->n_layers; l++) CK(g_real->upload(g_be, s->rk[0].cache[l].data, h, n * es));
     free(h);
 }
 
@@ -1195,7 +1182,7 @@ static void projection(const opts *o) {
     if (!same) g_fail++;
 
     bool graphs = o->graphs && graphs_available();
-    kd_seq *s = new_seq_mode(m, cap, graphs ? "1" : "0");
+    kd_seq *s = new_seq_mode(m, cap, graphs ? KD_GRAPHS_CAPTURE : KD_GRAPHS_OFF);
     fill_cache(s, ctxs[1]);
     checks(s, o, ctxs[0]);
 
@@ -1291,8 +1278,8 @@ static void slice_run(const opts *o, const dims *d) {
     int nctx = o->tiny ? 2 : 3, nbud = 3, maxT = 1 + buds[nbud - 1];
     /* the measured sequence runs every op from the host (step graphs off: the profile and the
      * expert count wrap the ops); a second one in step-graph mode when the library has it */
-    kd_seq *s = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, "0");
-    if (o->graphs && graphs_available()) g_seq_graph = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, "1");
+    kd_seq *s = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, KD_GRAPHS_OFF);
+    if (o->graphs && graphs_available()) g_seq_graph = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, KD_GRAPHS_CAPTURE);
     fill_cache(s, ctxs[nctx - 1]);
     if (g_seq_graph) fill_cache(g_seq_graph, ctxs[nctx - 1]);
 
@@ -1314,7 +1301,7 @@ static void slice_run(const opts *o, const dims *d) {
        "KV of ctx + T rows in every layer; roofline = bytes / copy ceiling (%.0f GB/s).\n\n",
        g_events ? "CUDA events on the backend's stream around it" : "host clock between syncs", g_copy_gbs);
     if (g_seq_graph)
-        md("\"graph\" columns: the same steps on a second sequence opened with KDTREE_CUDA_GRAPHS=1 (step graphs: "
+        md("\"graph\" columns: the same steps on a second sequence opened with graphs on (step graphs: "
            "first run eager, second captured, then replayed); replays = timed steps that called no backend op "
            "(launched from a captured graph).\n\n");
     md("| step | ctx | T | experts read (per MoE layer) | weights read | KV read | roofline ms | step ms (median) | "
@@ -1325,7 +1312,7 @@ static void slice_run(const opts *o, const dims *d) {
         char ex[128] = "";
         size_t at = 0;
         for (int l = 0; l < c->n_layers && l < 64; l++)
-            if (m->layers[l].is_moe)
+            if (m->ranks[0].layers[l].is_moe)
                 at += (size_t)snprintf(ex + at, sizeof ex - at, "%s%d", at ? "/" : "", r->distinct[l]);
         char name[32];
         if (r->B) snprintf(name, sizeof name, "verify B=%d", r->B);
@@ -1374,7 +1361,7 @@ static void usage(void) {
            "  --steps N    exactly N timed steps per row\n"
            "  --row-seconds S  time budget per row that picks N (default 1)\n"
            "  --no-mla     skip the MLA attention rows\n"
-           "  --no-graphs  skip the step-graph column (KDTREE_CUDA_GRAPHS=1 sequence)\n"
+           "  --no-graphs  skip the step-graph column (a sequence with graphs on)\n"
            "  --tolerance X    accept a tree row within X (max |diff| / max |logit|) of its causal path\n"
            "                   (default 0: bit-identical, the engine's batch invariance)\n"
            "  --k26-rank N     the TP-N projection: all 61 layers of Kimi K2.6 at rank 0 of TP-N dims, decode and\n"
@@ -1404,21 +1391,22 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); return 0; }
         else { fprintf(stderr, "model_slice_bench: unknown or incomplete argument '%s'\n", a); usage(); return 2; }
     }
-    /* the CUDA backend, when the library has it (resolved at run time: one binary for both) */
-    typedef kd_status (*cuda_create_fn)(int, kd_backend **);
-    cuda_create_fn cuda_create = (cuda_create_fn)dlsym(RTLD_DEFAULT, "kd_backend_cuda_create");
-    if (o.cuda && !cuda_create) {
-        if (backend_given) { fprintf(stderr, "FATAL: this libkdtree has no CUDA backend\n"); return 2; }
-        o.cuda = false;
-    }
+    /* the CUDA backend, when the engine's objects have it (KD_WITH_CUDA: `make -s engine-flags`) */
+#ifdef KD_WITH_CUDA
+    (void)backend_given;   /* only a build without CUDA refuses --backend cuda */
+#else
+    if (o.cuda && backend_given) { fprintf(stderr, "FATAL: this libkdtree has no CUDA backend\n"); return 2; }
+    o.cuda = false;
+#endif
     if (o.k26_rank && !o.tiny && !o.cuda) {
         fprintf(stderr, "model_slice_bench: --k26-rank builds tens of GB of weights: it needs the CUDA backend "
                 "(or --tiny)\n");
         return 2;
     }
-    if (o.cuda) CK(cuda_create(0, &g_be));
-    else CK(kd_backend_cpu_create(&g_be));
-    unsetenv("KDTREE_SEQ_ROWS");   /* a verify of 257 rows needs the full 1024-row forward */
+#ifdef KD_WITH_CUDA
+    if (o.cuda) CK(kd_backend_cuda_create(0, NULL, &g_be));
+#endif
+    if (!o.cuda) CK(kd_backend_cpu_create(&g_be));
     const dims *d = o.tiny ? &TINY : &K26;
 
     char date[32];
