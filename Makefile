@@ -6,6 +6,8 @@ CC      ?= cc
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA    ?= $(if $(NVCC),1,0)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+# NCCL (the communicator between GPUs, cuda/comm.cu): with the CUDA toolkit unless told otherwise
+NCCL_HOME ?= $(CUDA_HOME)
 
 CFLAGS  ?= -O2 -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -fPIC -Wall -Wextra -Wno-unused-parameter -Icore
@@ -22,8 +24,10 @@ NVFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -Icore -lineinfo \
 
 ifeq ($(CUDA),1)
   CFLAGS += -DKD_WITH_CUDA
+  NVFLAGS += -I$(NCCL_HOME)/include
   OBJ := $(CORE_OBJ) $(CUDA_OBJ)
-  LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lstdc++
+  LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lstdc++ \
+            -L$(NCCL_HOME)/lib64 -Wl,-rpath,$(NCCL_HOME)/lib64 -lnccl -ldl
 else
   OBJ := $(CORE_OBJ)
 endif
