@@ -37,7 +37,7 @@ LUAJIT  := luajit
 BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/busted)
 DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8
 
-.PHONY: all test test-gpu run bench bench-trace deps install clean
+.PHONY: all test test-gpu run bench bench-trace bench-comm deps install clean
 all: $(BUILD)/libkdtree.so
 
 $(BUILD)/libkdtree.so: $(OBJ)
@@ -103,11 +103,23 @@ $(BENCH_TRACE): scripts/bench/w4a16_bench.cu $(TRACE_OBJS)
 bench-trace: $(BENCH_TRACE)
 	$(BENCH_TRACE) --trace
 
+# The communicator (cuda/comm.cu) on the GPUs there are: the loopback with 2, 4 and 8 ranks on device 0
+# checked against a host fp32 fold, NCCL with 1 rank (and with every GPU when there are several),
+# NCCL captured in a graph, and all-reduce timings for 1..256 rows of 7168 bf16: $(BUILD)/bench/comm.md.
+# Linked with the library's objects, not libkdtree.so: kd_comm_cuda_create is internal (not in kdtree.h).
+BENCH_COMM := $(BUILD)/bench/comm_bench
+$(BENCH_COMM): scripts/bench/comm_bench.c $(OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $< $(OBJ) $(LDLIBS)
+bench-comm: $(BENCH_COMM)
+	$(BENCH_COMM) --md $(BUILD)/bench/comm.md
+
 bench: $(BENCH_W4)
 	$(BENCH_W4) --md $(BUILD)/bench/w4a16.md
 	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c -L$(BUILD) -lkdtree \
 	  -Wl,-rpath,$(CURDIR)/$(BUILD) -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench
 	-$(MAKE) $(BENCH_SLICE) && $(BENCH_SLICE) --md $(BUILD)/bench/model_slice.md
+	-$(MAKE) bench-comm
 	-mkdir -p $(BUILD)/bench && KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/bench/memory_report.lua --md $(BUILD)/bench/memory.md
 
 install: all
