@@ -394,8 +394,12 @@ void comm_reset(kd_comm *k) {
     pthread_mutex_unlock(&c->mu);
     if (!was_aborted) return;
     if (!c->loopback) {
+        int prev = 0;
+        cudaGetDevice(&prev);
         nccl_free(c);
-        if (nccl_init(c) != KD_OK) return;   /* stays aborted: the next collective says so */
+        const kd_status st = nccl_init(c);
+        cudaSetDevice(prev);
+        if (st != KD_OK) return;   /* stays aborted: the next collective says so */
         for (int i = 0; i < c->n; i++) kd_cuda_of(c->be[i])->ws_epoch++;   /* graphs name the old comms */
     }
     pthread_mutex_lock(&c->mu);

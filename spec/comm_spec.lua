@@ -6,13 +6,7 @@
 -- (and with every GPU when there are several); NCCL captured in a graph and replayed with new inputs.
 -- Needs CUDA and NCCL: #gpu.
 
-local function sh(cmd)
-  local p = io.popen(cmd .. " 2>&1; echo \"__rc=$?\"")
-  local out = p:read("*a")
-  p:close()
-  local rc = tonumber(out:match("__rc=(%d+)%s*$"))
-  return rc, (out:gsub("__rc=%d+%s*$", ""))
-end
+local sh = require("helpers.sh")
 
 local function count(text, pattern)
   local n = 0

@@ -8,13 +8,7 @@
 -- The CPU case runs in CI; the #gpu case runs the same program on the CUDA backend.
 package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
 
-local function sh(cmd)
-  local p = io.popen(cmd .. " 2>&1; echo \"__rc=$?\"")
-  local out = p:read("*a")
-  p:close()
-  local rc = tonumber(out:match("__rc=(%d+)%s*$"))
-  return rc, (out:gsub("__rc=%d+%s*$", ""))
-end
+local sh = require("helpers.sh")
 
 local function abs_lib()
   local lib = os.getenv("KDTREE_LIB") or "build/libkdtree.so"

@@ -246,6 +246,18 @@ static void free_bufs(group *g, void **buf) {
         if (buf[r]) g->be[r]->ops->free(g->be[r], buf[r]);
 }
 
+/* inputs of c's shape for g's ranks, their fold, and a buffer on each rank */
+static int round_setup(group *g, reduce_ctx *c, host_data *h, int small_ints, char *why, size_t why_len) {
+    host_make(h, g->n, (size_t)c->rows * c->cols, c->dt, small_ints);
+    int ok = alloc_bufs(g, c->buf, h->n * h->es);
+    if (!ok) snprintf(why, why_len, "alloc: %s", kd_last_error());
+    return ok;
+}
+static void round_teardown(group *g, reduce_ctx *c, host_data *h) {
+    free_bufs(g, c->buf);
+    host_free(h);
+}
+
 /* ---- (a) the loopback ---- */
 static void check_loopback_reduce(group *g) {
     static const struct { int rows, cols; kd_dtype dt; } shapes[] = {
@@ -256,16 +268,13 @@ static void check_loopback_reduce(group *g) {
     for (int s = 0; s < n_shapes && ok; s++) {
         reduce_ctx c = {.rows = shapes[s].rows, .cols = shapes[s].cols, .dt = shapes[s].dt};
         host_data h;
-        host_make(&h, g->n, (size_t)c.rows * c.cols, c.dt, 0);
-        ok = alloc_bufs(g, c.buf, h.n * h.es);
-        if (!ok) snprintf(round_why, sizeof round_why, "alloc: %s", kd_last_error());
+        ok = round_setup(g, &c, &h, 0, round_why, sizeof round_why);
         for (int order = 0; order < 3 && ok; order++) {   /* rank r waits ((r*5 + order*3) mod N) * 300 us */
             for (int r = 0; r < g->n; r++) c.delay_us[r] = ((r * 5 + order * 3) % g->n) * 300;
             ok = reduce_round(g, &c, &h, 0, round_why, sizeof round_why);
         }
         if (!ok) snprintf(why, sizeof why, ": %d x %d %s: %s", c.rows, c.cols, kd_dtype_name(c.dt), round_why);
-        free_bufs(g, c.buf);
-        host_free(&h);
+        round_teardown(g, &c, &h);
     }
     report(ok, "loopback all-reduce, %d ranks on device 0: %d shapes (bf16 1/3/64 x 7168 and 5 x 1000, f32 3 x 7168) "
            "x 3 arrival orders, every rank bit-identical to the host fp32 fold%s", g->n, n_shapes, why);
@@ -325,8 +334,7 @@ static void check_loopback_errors(group *g) {
     char why[600] = "";
     reduce_ctx c = {.rows = 2, .cols = HIDDEN, .dt = KD_BF16};
     host_data h;
-    host_make(&h, g->n, (size_t)c.rows * c.cols, c.dt, 0);
-    int ok = alloc_bufs(g, c.buf, h.n * h.es);
+    int ok = round_setup(g, &c, &h, 0, why, sizeof why);
     rank_arg args[MAX_RANKS];
     if (ok) {
         run_ranks(g, task_mismatch, &c, args);
@@ -356,8 +364,7 @@ static void check_loopback_errors(group *g) {
     report(ok, "loopback, %d ranks: abort wakes a rank waiting at the barrier with KD_ERR_STATE ('another rank failed'), "
            "a call after it fails the same way, and after reset the next all-reduce is right%s%s", g->n,
            ok ? "" : ": ", why);
-    free_bufs(g, c.buf);
-    host_free(&h);
+    round_teardown(g, &c, &h);
 }
 
 /* inside a capture the loopback refuses on every rank (nothing enqueued), and works eagerly after */
@@ -380,10 +387,8 @@ static void check_loopback_capture(group *g) {
     char why[600] = "";
     reduce_ctx c = {.rows = 1, .cols = HIDDEN, .dt = KD_BF16};
     host_data h;
-    host_make(&h, g->n, (size_t)c.rows * c.cols, c.dt, 0);
-    int ok = alloc_bufs(g, c.buf, h.n * h.es);
+    int ok = round_setup(g, &c, &h, 0, why, sizeof why);
     rank_arg args[MAX_RANKS];
-    if (!ok) snprintf(why, sizeof why, "alloc: %s", kd_last_error());
     int bad = ok ? run_ranks(g, task_capture_refused, &c, args) : -1;
     if (bad >= 0) {
         ok = 0;
@@ -392,8 +397,7 @@ static void check_loopback_capture(group *g) {
     ok = ok && reduce_round(g, &c, &h, 0, why, sizeof why);
     report(ok, "loopback, %d ranks: inside a graph capture every rank is refused with KD_ERR_UNSUPPORTED, and the next "
            "eager all-reduce is right%s%s", g->n, ok ? "" : ": ", why);
-    free_bufs(g, c.buf);
-    host_free(&h);
+    round_teardown(g, &c, &h);
 }
 
 /* ---- (b) NCCL ---- */
@@ -405,10 +409,8 @@ static void check_nccl_reduce(group *g) {
         for (int k = 0; k < 2 && ok; k++) {
             reduce_ctx c = {.rows = 3, .cols = HIDDEN, .dt = dts[k]};
             host_data h;
-            host_make(&h, 1, (size_t)c.rows * c.cols, c.dt, 0);
-            ok = alloc_bufs(g, c.buf, h.n * h.es) && reduce_round(g, &c, &h, 0, why, sizeof why);
-            free_bufs(g, c.buf);
-            host_free(&h);
+            ok = round_setup(g, &c, &h, 0, why, sizeof why) && reduce_round(g, &c, &h, 0, why, sizeof why);
+            round_teardown(g, &c, &h);
         }
         report(ok, "NCCL all-reduce, 1 rank on device 0: bf16 and f32 3 x 7168 come back unchanged%s%s", ok ? "" : ": ",
                why);
@@ -417,10 +419,8 @@ static void check_nccl_reduce(group *g) {
     for (int k = 0; k < 2 && ok; k++) {   /* small integers: exact in any order; random: the same bits everywhere */
         reduce_ctx c = {.rows = 3, .cols = HIDDEN, .dt = KD_BF16};
         host_data h;
-        host_make(&h, g->n, (size_t)c.rows * c.cols, c.dt, k == 0);
-        ok = alloc_bufs(g, c.buf, h.n * h.es) && reduce_round(g, &c, &h, k == 1, why, sizeof why);
-        free_bufs(g, c.buf);
-        host_free(&h);
+        ok = round_setup(g, &c, &h, k == 0, why, sizeof why) && reduce_round(g, &c, &h, k == 1, why, sizeof why);
+        round_teardown(g, &c, &h);
     }
     report(ok, "NCCL all-reduce, %d ranks on devices 0..%d: small-integer bf16 sums equal the host fold, random bf16 "
            "sums bit-identical on every rank%s%s", g->n, g->n - 1, ok ? "" : ": ", why);
