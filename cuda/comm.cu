@@ -128,9 +128,11 @@ kd_status check_act(int rank, kd_act x) {
     return KD_OK;
 }
 
+/* the text starts as the CPU communicator's does: the rank threads (core/ranks.c) tell a rank that
+ * failed on its own from one that stopped because another did by this prefix */
 kd_status comm_state(cuda_comm *c, int rank, int op) {
-    return kd_fail(KD_ERR_STATE, "cuda comm %s on rank %d (device %d): another rank failed (the communicator was "
-                   "aborted; reset it when every rank is idle)", op_name(op), rank, c->devices[rank]);
+    return kd_fail(KD_ERR_STATE, "communicator: another rank failed (the CUDA %s on rank %d, device %d, was "
+                   "abandoned; reset the communicator when every rank is idle)", op_name(op), rank, c->devices[rank]);
 }
 
 /* ---- NCCL ---- */
