@@ -6,8 +6,8 @@ CC      ?= cc
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA    ?= $(if $(NVCC),1,0)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
-# NCCL (the communicator between GPUs, cuda/comm.cu): with the CUDA toolkit unless told otherwise
-NCCL_HOME ?= $(CUDA_HOME)
+# NCCL (the communicator between GPUs, cuda/comm.cu): with the CUDA toolkit, else the system's
+NCCL_HOME ?= $(if $(wildcard $(CUDA_HOME)/include/nccl.h),$(CUDA_HOME),/usr)
 
 CFLAGS  ?= -O2 -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -fPIC -Wall -Wextra -Wno-unused-parameter -Icore
@@ -23,6 +23,9 @@ NVFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -Icore -lineinfo \
            -gencode arch=compute_120,code=compute_120
 
 ifeq ($(CUDA),1)
+  ifeq ($(wildcard $(NCCL_HOME)/include/nccl.h),)
+    $(error CUDA=1 builds the NCCL communicator (cuda/comm.cu), but $(NCCL_HOME)/include/nccl.h is missing: set NCCL_HOME to NCCL's prefix, or build with CUDA=0)
+  endif
   CFLAGS += -DKD_WITH_CUDA
   NVFLAGS += -I$(NCCL_HOME)/include
   OBJ := $(CORE_OBJ) $(CUDA_OBJ)
