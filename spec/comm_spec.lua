@@ -39,6 +39,7 @@ describe("the CUDA communicator #gpu", function()
       has("loopback, {n} ranks: abort wakes a rank waiting at the barrier with KD_ERR_STATE")
       has("loopback, {n} ranks: inside a graph capture every rank is refused with KD_ERR_UNSUPPORTED")
     end
+    assert.are.equal(1, count(text, "\n%- ok: bad input refused with KD_ERR_ARG naming it"))
     assert.are.equal(1, count(text, "\n%- ok: NCCL all%-reduce, 1 rank on device 0: bf16 and f32"))
     assert.are.equal(1, count(text, "\n%- ok: NCCL all%-gather, 1 rank:"))
     assert.are.equal(1, count(text, "\n%- ok: NCCL 1 rank in a CUDA graph: copy %-> all%-reduce %-> all%-gather captured"))

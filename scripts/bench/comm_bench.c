@@ -8,6 +8,8 @@
  *   leaves the communicator usable; abort wakes a rank waiting at the barrier with KD_ERR_STATE,
  *   later calls fail the same way until reset, and the next round after reset is right; inside a
  *   graph capture the loopback refuses (KD_ERR_UNSUPPORTED) on every rank and works eagerly after;
+ *   bad input (a missing device or backend, 9 ranks, a strided or i32 x, a bad rank) is refused
+ *   with KD_ERR_ARG and a message naming it;
  * - NCCL with 1 rank on device 0: all-reduce (x unchanged: the sum over one rank) and all-gather;
  * - NCCL captured: one graph holding copy -> all-reduce -> all-gather on the rank's stream, replayed
  *   three times after new inputs were uploaded: the gathered output equals each new input;
@@ -400,6 +402,39 @@ static void check_loopback_capture(group *g) {
     round_teardown(g, &c, &h);
 }
 
+/* st is KD_ERR_ARG with a message holding `want`; else why says what came instead */
+static int refused(kd_status st, const char *want, const char *what, char *why, size_t why_len) {
+    if (st == KD_ERR_ARG && strstr(kd_last_error(), want)) return 1;
+    snprintf(why, why_len, "%s: got %s: %s", what, kd_status_name(st), kd_last_error());
+    return 0;
+}
+
+/* bad input: each refused with KD_ERR_ARG and a message naming what was wrong (g: the loopback) */
+static void check_bad_input(group *g) {
+    char why[600] = "";
+    kd_comm *k = NULL;
+    const int devs_bad[2] = {0, 99}, devs_one[2] = {0, 0};
+    kd_backend *bes[2] = {g->be[0], g->be[0]}, *bes_missing[2] = {g->be[0], NULL};
+    void *buf = NULL;
+    int ok = g->be[0]->ops->alloc(g->be[0], 4 * HIDDEN * 2, &buf) == KD_OK;
+    kd_act strided = {buf, 2, HIDDEN, 2 * HIDDEN, KD_BF16}, ints = {buf, 1, HIDDEN, HIDDEN, KD_I32};
+    ok = ok && refused(kd_comm_cuda_create(2, devs_bad, bes, &k), "device 99 does not exist", "device 99", why,
+                       sizeof why);
+    ok = ok && refused(kd_comm_cuda_create(2, devs_one, bes_missing, &k), "rank 1: expected a CUDA backend on device 0",
+                       "a missing backend", why, sizeof why);
+    ok = ok && refused(kd_comm_cuda_create(9, devs_one, bes, &k), "9 ranks: expected 1..8", "9 ranks", why, sizeof why);
+    ok = ok && refused(g->comm->ops->all_reduce_sum(g->comm, 0, g->be[0], strided), "expected contiguous rows",
+                       "a strided x", why, sizeof why);
+    ok = ok && refused(g->comm->ops->all_reduce_sum(g->comm, 0, g->be[0], ints), "dtype i32: expected f32, bf16 or f16",
+                       "an i32 x", why, sizeof why);
+    ok = ok && refused(g->comm->ops->all_reduce_sum(g->comm, g->n, g->be[0], act_of(buf, 1, HIDDEN, KD_BF16)),
+                       "outside [0,", "a rank past the last", why, sizeof why);
+    ok = ok && k == NULL;
+    if (buf) g->be[0]->ops->free(g->be[0], buf);
+    report(ok, "bad input refused with KD_ERR_ARG naming it: device 99, a missing backend, 9 ranks, a strided x, an i32 "
+           "x, a rank past the last%s%s", ok ? "" : ": ", why);
+}
+
 /* ---- (b) NCCL ---- */
 static void check_nccl_reduce(group *g) {
     char why[600] = "";
@@ -613,6 +648,7 @@ int main(int argc, char **argv) {
         check_gather(&g, "loopback");
         check_loopback_errors(&g);
         check_loopback_capture(&g);
+        if (loop_ns[k] == 2) check_bad_input(&g);
         group_close(&g);
     }
     group g;
