@@ -87,6 +87,24 @@ __global__ void loop_sum_kernel(ptr_table bufs, int n_ranks, int dt, size_t n) {
     }
 }
 
+/* the same sum, 8 bf16 elements (16 bytes) a thread: every pointer 16-byte aligned, n a multiple of 8;
+ * each element is added in the same order as above, so the bits are the same */
+__global__ void loop_sum_bf16x8_kernel(ptr_table bufs, int n_ranks, size_t n8) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+        float acc[8];
+        uint4 v = ((const uint4 *)bufs.p[0])[i];
+        const bf16 *e = (const bf16 *)&v;
+        for (int j = 0; j < 8; j++) acc[j] = __bfloat162float(e[j]);
+        for (int r = 1; r < n_ranks; r++) {
+            v = ((const uint4 *)bufs.p[r])[i];
+            for (int j = 0; j < 8; j++) acc[j] += __bfloat162float(e[j]);
+        }
+        bf16 *o = (bf16 *)&v;
+        for (int j = 0; j < 8; j++) o[j] = __float2bfloat16(acc[j]);
+        for (int r = 0; r < n_ranks; r++) ((uint4 *)bufs.p[r])[i] = v;
+    }
+}
+
 /* dst[d][s*words + j] <- src[s][j] for every destination rank d and source rank s (U: a word) */
 template <typename U>
 __global__ void loop_gather_kernel(ptr_table src, ptr_table dst, int n_ranks, size_t words) {
@@ -269,11 +287,14 @@ kd_status loop_launch(cuda_comm *c, kd_backend *be) {
     const loop_call *k = &c->call[0];
     if (k->op == OP_ALL_REDUCE) {
         const size_t n = (size_t)k->x.rows * (size_t)k->x.cols;
-        for (int r = 0; r < c->n; r++) a.p[r] = c->call[r].x.data;
-        if (n) {
-            loop_sum_kernel<<<grid_for(be, n), 256, 0, s>>>(a, c->n, (int)k->x.dtype, n);
-            KD_CUDA_LAUNCH("loop_sum_kernel");
+        bool x8 = k->x.dtype == KD_BF16 && n % 8 == 0;
+        for (int r = 0; r < c->n; r++) {
+            a.p[r] = c->call[r].x.data;
+            x8 = x8 && (uintptr_t)a.p[r] % 16 == 0;
         }
+        if (x8) loop_sum_bf16x8_kernel<<<grid_for(be, n / 8), 256, 0, s>>>(a, c->n, n / 8);
+        else if (n) loop_sum_kernel<<<grid_for(be, n), 256, 0, s>>>(a, c->n, (int)k->x.dtype, n);
+        if (n) KD_CUDA_LAUNCH("loopback sum kernel");
     } else if (k->bytes) {
         bool words = k->bytes % 4 == 0;
         for (int r = 0; r < c->n; r++) {
