@@ -91,7 +91,7 @@ $(BENCH_SLICE): scripts/bench/model_slice_bench.c scripts/bench/slice_cuda.cu sc
 	$(NVCC) $(NVFLAGS) -c -o $(BUILD)/bench/slice_cuda.o scripts/bench/slice_cuda.cu
 	$(CC) -O2 -g -std=c11 -D_GNU_SOURCE -DKD_SLICE_EVENTS -Icore -Iscripts/bench scripts/bench/model_slice_bench.c \
 	  $(BUILD)/bench/slice_cuda.o -L$(BUILD) -lkdtree -Wl,-rpath,$(abspath $(BUILD)) \
-	  -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ -ldl -lm -o $@
+	  -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lnccl -lstdc++ -ldl -lm -o $@
 
 # The small-M INT4 kernel's launch timeline (%globaltimer per block at six points, 32 launches
 # in a graph with PDL): w4a16_skinny.cu built again with KD_W4A16_TRACE, apart from the library.

@@ -31,6 +31,8 @@ typedef struct kd_fwd_plan {
 } kd_fwd_plan;
 
 void kd_fwd_plan_make(const kd_model *m, int rows, kd_fwd_plan *p);
+/* the same plan from a config and an activation size in bytes (kd_plan sizes a rank's scratch) */
+void kd_fwd_plan_of(const kd_config *c, size_t act_size, int rows, kd_fwd_plan *p);
 /* the scratch region at byte offset off as an activation view [rows, cols] (ld = cols) */
 kd_act kd_fwd_act(const kd_seq *s, size_t off, int rows, int cols, kd_dtype dt);
 /* kd_seq_compact with the kept slots' offsets from start already in backend memory

@@ -80,6 +80,32 @@ typedef struct kd_inspect_report {
 } kd_inspect_report;
 
 kd_status kd_inspect(const char *dir, kd_inspect_report *out);
+
+/* One rank's device memory for tp ranks of tensor parallelism (docs/architecture.md "The per-GPU
+ * plan"), from config.json and, when present, the safetensors headers (else from the config's dims
+ * and quantization_config, as kd_inspect). Sized for the CUDA backend: bf16 activations and KV.
+ * The split gives every rank the same bytes. A tp that does not split heads, widths (INT4 experts:
+ * whole scale groups) or vocab fails with KD_ERR_ARG naming the config field; a plan that does
+ * not fit is KD_OK with fits = 0 and message saying by how much. */
+typedef struct kd_plan_report {
+    int tp;                              /* ranks */
+    int capacity, out_cap;               /* one sequence's tokens; its rows per forward (min(capacity, 1024)) */
+    int fits;                            /* 1: total + margin <= device_bytes; 0: not; -1: not checked (device_bytes 0) */
+    uint64_t device_bytes, margin;       /* per device, as given; what the plan leaves free (docs/architecture.md) */
+    uint64_t weights_attention, weights_dense_mlp, weights_shared_experts, weights_routed_experts,
+             weights_router, weights_embed, weights_lm_head, weights_norms;   /* one rank's, as the backend holds them */
+    uint64_t weights_total;              /* the eight above */
+    uint64_t weights_replicated;         /* of weights_total: tensors every rank holds whole */
+    uint64_t kv_per_1k;                  /* latent KV cache per 1024 tokens (replicated on every rank) */
+    uint64_t kv_cache;                   /* for capacity tokens */
+    uint64_t logits;                     /* the logits shard [out_cap, vocab / tp] fp32 */
+    uint64_t scratch;                    /* the forward's scratch for out_cap rows at one rank's widths */
+    uint64_t workspace;                  /* the backend's scratch, estimated (docs/architecture.md) */
+    uint64_t total;                      /* weights_total + kv_cache + logits + scratch + workspace */
+    uint64_t max_capacity;               /* the longest sequence that fits (0: none, or not checked) */
+    char message[384];                   /* the verdict in words: bytes needed and available */
+} kd_plan_report;
+kd_status kd_plan(const char *dir, int tp, uint64_t device_bytes, int capacity, kd_plan_report *out);
 kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model **out);
 void kd_model_close(kd_model *m);
 kd_status kd_model_get_info(const kd_model *m, kd_model_info *out);

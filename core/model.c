@@ -34,8 +34,11 @@
 #define ALIGN_UP(v) (((v) + 255u) & ~(size_t)255u)
 
 void kd_fwd_plan_make(const kd_model *m, int rows, kd_fwd_plan *p) {
-    const kd_config *c = &m->cfg;
-    size_t a = kd_dtype_size(m->be->act_dtype), off = 0, R = (size_t)rows;
+    kd_fwd_plan_of(&m->cfg, kd_dtype_size(m->be->act_dtype), rows, p);
+}
+
+void kd_fwd_plan_of(const kd_config *c, size_t a, int rows, kd_fwd_plan *p) {
+    size_t off = 0, R = (size_t)rows;
     int H = c->n_heads, r = c->kv_lora_rank, dr = c->qk_rope_dim, dn = c->qk_nope_dim, dv = c->v_head_dim;
     int inter = c->intermediate;
     if (c->moe_intermediate * c->n_shared_experts > inter) inter = c->moe_intermediate * c->n_shared_experts;

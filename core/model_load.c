@@ -16,7 +16,7 @@
  * Errors name the file and tensor and say what was expected; on any failure everything
  * made so far is freed.
  */
-#include "model.h"
+#include "plan.h"
 #include "error.h"
 
 #include <regex.h>
@@ -26,20 +26,25 @@
 
 bool kd_regex_translate(const char *py, char *out, size_t cap);   /* config.c */
 
-/* byte classes of kd_inspect. attention: everything under self_attn (with the q_a/kv_a latent
- * norms, as kimi_k2.md counts it); norms: the per-layer input/post-attention norms and the final norm */
-enum kind { K_ATTN, K_DENSE, K_SHARED, K_ROUTED, K_ROUTER, K_EMBED, K_LMHEAD, K_NORM, K_N };
+/* byte classes of kd_inspect (kd_wkind, plan.h). attention: everything under self_attn (with the
+ * q_a/kv_a latent norms, as kimi_k2.md counts it); norms: the per-layer input/post-attention norms
+ * and the final norm */
 
 typedef struct loader {
     const kd_config *cfg;
-    const kd_st_set *set;
+    const kd_st_set *set;    /* NULL: no weight files (lookup makes the tensors the config implies) */
     const char *dir;
     kd_model *m;             /* NULL: check only (kd_inspect) */
     kd_backend *be;
     regex_t *re;             /* compiled ignore patterns (NULL entries: plain names) */
     bool *is_re;
     int n_pat;
-    uint64_t bytes[K_N];
+    uint64_t bytes[KD_WK_N];    /* as stored */
+    int tp;                     /* ranks of the per-rank share (1: one rank holds everything) */
+    uint64_t rank[KD_WK_N], replicated[KD_WK_N];   /* kd_tally's */
+    kd_st_tensor virt[3];       /* lookup's made tensors: an INT4 weight needs three at once */
+    char virt_name[3][512];
+    int next_virt;
     uint64_t routed_read;    /* routed expert bytes one token reads: per layer top_k / n of them */
     uint64_t embed_row;      /* one row of the embedding table */
     int n_used;
@@ -47,7 +52,45 @@ typedef struct loader {
 
 /* ---- small helpers ---- */
 
-static const char *file_of(const loader *L, const kd_st_tensor *t) { return L->set->files[t->file].path; }
+static const char *file_of(const loader *L, const kd_st_tensor *t) {
+    return L->set ? L->set->files[t->file].path : "(no weight files: the tensor config.json implies)";
+}
+
+static uint64_t st_dtype_size(kd_st_dtype dt) {
+    return dt == KD_ST_I64 ? 8 : dt == KD_ST_F32 || dt == KD_ST_I32 ? 4 : 2;
+}
+
+/* the tensor `name` from the headers (NULL when absent), or, with no weight files, the one the
+ * config implies: dtype dt, shape [d0] (ndim 1) or [d0, d1], no data */
+static const kd_st_tensor *lookup(loader *L, const char *name, kd_st_dtype dt, int ndim, int64_t d0, int64_t d1) {
+    if (L->set) return kd_st_find(L->set, name);
+    int i = L->next_virt;
+    L->next_virt = (i + 1) % 3;
+    kd_st_tensor *t = &L->virt[i];
+    memset(t, 0, sizeof *t);
+    snprintf(L->virt_name[i], sizeof L->virt_name[i], "%s", name);
+    t->name = L->virt_name[i];
+    t->dtype = dt;
+    snprintf(t->dtype_name, sizeof t->dtype_name, "%s", kd_st_dtype_name(dt));
+    t->ndim = ndim;
+    t->shape[0] = d0;
+    t->shape[1] = ndim > 1 ? d1 : 0;
+    t->nbytes = (uint64_t)d0 * (uint64_t)(ndim > 1 ? d1 : 1) * st_dtype_size(dt);
+    t->file = -1;
+    return t;
+}
+
+/* a tensor the walk used: its stored bytes, and one rank's share of the bytes its backend form
+ * holds (split tensors: 1/tp of them, exact once kd_plan_check_tp passed) */
+static void count(loader *L, kd_wkind kind, const char *name, uint64_t stored, uint64_t held) {
+    L->bytes[kind] += stored;
+    if (kd_split_of(name) == KD_SPLIT_NONE) {
+        L->rank[kind] += held;
+        L->replicated[kind] += held;
+    } else {
+        L->rank[kind] += held / (uint64_t)L->tp;
+    }
+}
 
 static void shape_str(char *buf, size_t cap, const int64_t *shape, int ndim) {
     size_t o = 0;
@@ -57,8 +100,9 @@ static void shape_str(char *buf, size_t cap, const int64_t *shape, int ndim) {
     snprintf(buf + o, cap - o, "]");
 }
 
-static kd_status find(const loader *L, const char *name, const char *expect, const kd_st_tensor **out) {
-    *out = kd_st_find(L->set, name);
+static kd_status find(loader *L, const char *name, const char *expect, kd_st_dtype dt, int ndim, int64_t d0, int64_t d1,
+                      const kd_st_tensor **out) {
+    *out = lookup(L, name, dt, ndim, d0, d1);
     if (!*out) return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s' is missing (expected %s)", L->dir, name, expect);
     return KD_OK;
 }
@@ -161,6 +205,7 @@ static kd_status loader_init(loader *L, const kd_config *cfg, const kd_st_set *s
     L->dir = dir;
     L->m = m;
     L->be = m ? m->be : NULL;
+    L->tp = 1;
     int n = cfg->n_quant_ignore;
     if (n == 0) return KD_OK;
     L->re = calloc((size_t)n, sizeof *L->re);
@@ -197,17 +242,18 @@ static kd_status backend_load(loader *L, kd_weight *w) {
 }
 
 /* a bf16 (or f32/f16) matrix [rows, cols], or a vector [rows] when cols == 0 */
-static kd_status bind_dense(loader *L, kd_weight *w, enum kind kind, const char *name, int64_t rows, int64_t cols) {
+static kd_status bind_dense(loader *L, kd_weight *w, kd_wkind kind, const char *name, int64_t rows, int64_t cols) {
     const kd_st_tensor *t;
     char expect[96];
     if (cols) snprintf(expect, sizeof expect, "BF16 [%lld, %lld]", (long long)rows, (long long)cols);
     else snprintf(expect, sizeof expect, "BF16 or F32 [%lld]", (long long)rows);
-    KD_TRY(find(L, name, expect, &t));
+    KD_TRY(find(L, name, expect, KD_ST_BF16, cols ? 2 : 1, rows, cols, &t));
     if (t->dtype != KD_ST_BF16 && t->dtype != KD_ST_F32 && t->dtype != KD_ST_F16)
         return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected dtype BF16 (or F32/F16), got %s", file_of(L, t), name,
                        t->dtype_name);
     KD_TRY(check_shape(L, t, cols ? 2 : 1, rows, cols));
-    L->bytes[kind] += t->nbytes;
+    /* held as loaded: BF16 as is, F32 as is, F16 widened to F32 (below) */
+    count(L, kind, name, t->nbytes, (uint64_t)rows * (uint64_t)(cols ? cols : 1) * (t->dtype == KD_ST_BF16 ? 2u : 4u));
     L->n_used++;
     if (!L->m) return KD_OK;
     memset(w, 0, sizeof *w);
@@ -225,13 +271,13 @@ static kd_status bind_dense(loader *L, kd_weight *w, enum kind kind, const char 
 }
 
 /* compressed-tensors pack-quantized INT4: M.weight_packed / weight_scale / weight_shape */
-static kd_status bind_int4(loader *L, kd_weight *w, enum kind kind, const char *module, int64_t rows, int64_t cols) {
+static kd_status bind_int4(loader *L, kd_weight *w, kd_wkind kind, const char *module, int64_t rows, int64_t cols) {
     int g = L->cfg->quant_group;
     char np[512], ns[512], nsh[512], expect[160];
     snprintf(np, sizeof np, "%s.weight_packed", module);
     snprintf(ns, sizeof ns, "%s.weight_scale", module);
     snprintf(nsh, sizeof nsh, "%s.weight_shape", module);
-    const kd_st_tensor *tp = kd_st_find(L->set, np), *ts, *tsh;
+    const kd_st_tensor *tp = lookup(L, np, KD_ST_I32, 2, rows, cols / 8), *ts, *tsh;
     if (!tp) {
         char nw[512];
         snprintf(nw, sizeof nw, "%s.weight", module);
@@ -248,11 +294,11 @@ static kd_status bind_int4(loader *L, kd_weight *w, enum kind kind, const char *
     KD_TRY(check_shape(L, tp, 2, rows, cols / 8));
     snprintf(expect, sizeof expect, "BF16 [%lld, %lld], one scale per group of %d", (long long)rows,
              (long long)(cols / g), g);
-    KD_TRY(find(L, ns, expect, &ts));
+    KD_TRY(find(L, ns, expect, KD_ST_BF16, 2, rows, cols / g, &ts));
     if (ts->dtype != KD_ST_BF16)
         return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected dtype BF16, got %s", file_of(L, ts), ns, ts->dtype_name);
     KD_TRY(check_shape(L, ts, 2, rows, cols / g));
-    KD_TRY(find(L, nsh, "I64 [2] = [out, in]", &tsh));
+    KD_TRY(find(L, nsh, "I64 [2] = [out, in]", KD_ST_I64, 1, 2, 0, &tsh));
     if (tsh->dtype != KD_ST_I64 && tsh->dtype != KD_ST_I32)
         return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected dtype I64, got %s", file_of(L, tsh), nsh, tsh->dtype_name);
     KD_TRY(check_shape(L, tsh, 1, 2, 0));
@@ -266,7 +312,12 @@ static kd_status bind_int4(loader *L, kd_weight *w, enum kind kind, const char *
             return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected the values [%lld, %lld], got [%lld, %lld]",
                            file_of(L, tsh), nsh, (long long)rows, (long long)cols, (long long)v[0], (long long)v[1]);
     }
-    L->bytes[kind] += tp->nbytes + ts->nbytes + tsh->nbytes;
+    if (L->tp > 1 && kd_split_of(module) == KD_SPLIT_COLS && (cols % L->tp || (cols / L->tp) % g || (cols / L->tp) % 8))
+        return kd_fail(KD_ERR_ARG, "%s: INT4 tensor '%s' [%lld, %lld]: tp %d cannot split its %lld input columns into "
+                       "whole scale groups of %d (and whole 8-code words)", file_of(L, tp), np, (long long)rows,
+                       (long long)cols, L->tp, (long long)cols, g);
+    /* no backend keeps weight_shape */
+    count(L, kind, module, tp->nbytes + ts->nbytes + tsh->nbytes, tp->nbytes + ts->nbytes);
     L->n_used += 3;
     if (!L->m) return KD_OK;
     memset(w, 0, sizeof *w);
@@ -286,11 +337,11 @@ static kd_status bind_int4(loader *L, kd_weight *w, enum kind kind, const char *
 }
 
 /* an nn.Linear [out = rows, in = cols]: INT4 or dense, by the quantization config */
-static kd_status bind_linear(loader *L, kd_weight *w, enum kind kind, const char *module, int64_t rows, int64_t cols) {
+static kd_status bind_linear(loader *L, kd_weight *w, kd_wkind kind, const char *module, int64_t rows, int64_t cols) {
     if (is_quantized(L, module)) return bind_int4(L, w, kind, module, rows, cols);
     char name[512];
     snprintf(name, sizeof name, "%s.weight", module);
-    if (!kd_st_find(L->set, name)) {
+    if (L->set && !kd_st_find(L->set, name)) {
         char np[512];
         snprintf(np, sizeof np, "%s.weight_packed", module);
         if (kd_st_find(L->set, np))
@@ -310,38 +361,38 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
     snprintf(base, sizeof base, "%smodel.layers.%d.", c->prefix, l);
     int64_t H = c->n_heads, qk = c->qk_nope_dim + c->qk_rope_dim;
 #define NAME(s) (snprintf(n, sizeof n, "%s%s", base, s), n)
-    KD_TRY(bind_dense(L, &ly->attn_norm, K_NORM, NAME("input_layernorm.weight"), c->hidden, 0));
-    KD_TRY(bind_dense(L, &ly->ffn_norm, K_NORM, NAME("post_attention_layernorm.weight"), c->hidden, 0));
+    KD_TRY(bind_dense(L, &ly->attn_norm, KD_WK_NORM, NAME("input_layernorm.weight"), c->hidden, 0));
+    KD_TRY(bind_dense(L, &ly->ffn_norm, KD_WK_NORM, NAME("post_attention_layernorm.weight"), c->hidden, 0));
     if (c->q_lora_rank > 0) {
-        KD_TRY(bind_linear(L, &ly->q_a, K_ATTN, NAME("self_attn.q_a_proj"), c->q_lora_rank, c->hidden));
-        KD_TRY(bind_dense(L, &ly->q_a_norm, K_ATTN, NAME("self_attn.q_a_layernorm.weight"), c->q_lora_rank, 0));
-        KD_TRY(bind_linear(L, &ly->q_b, K_ATTN, NAME("self_attn.q_b_proj"), H * qk, c->q_lora_rank));
+        KD_TRY(bind_linear(L, &ly->q_a, KD_WK_ATTN, NAME("self_attn.q_a_proj"), c->q_lora_rank, c->hidden));
+        KD_TRY(bind_dense(L, &ly->q_a_norm, KD_WK_ATTN, NAME("self_attn.q_a_layernorm.weight"), c->q_lora_rank, 0));
+        KD_TRY(bind_linear(L, &ly->q_b, KD_WK_ATTN, NAME("self_attn.q_b_proj"), H * qk, c->q_lora_rank));
     } else {
-        KD_TRY(bind_linear(L, &ly->q_proj, K_ATTN, NAME("self_attn.q_proj"), H * qk, c->hidden));
+        KD_TRY(bind_linear(L, &ly->q_proj, KD_WK_ATTN, NAME("self_attn.q_proj"), H * qk, c->hidden));
     }
-    KD_TRY(bind_linear(L, &ly->kv_a, K_ATTN, NAME("self_attn.kv_a_proj_with_mqa"), c->kv_lora_rank + c->qk_rope_dim, c->hidden));
-    KD_TRY(bind_dense(L, &ly->kv_a_norm, K_ATTN, NAME("self_attn.kv_a_layernorm.weight"), c->kv_lora_rank, 0));
-    KD_TRY(bind_linear(L, &ly->kv_b, K_ATTN, NAME("self_attn.kv_b_proj"), H * (c->qk_nope_dim + c->v_head_dim), c->kv_lora_rank));
-    KD_TRY(bind_linear(L, &ly->o_proj, K_ATTN, NAME("self_attn.o_proj"), c->hidden, H * c->v_head_dim));
+    KD_TRY(bind_linear(L, &ly->kv_a, KD_WK_ATTN, NAME("self_attn.kv_a_proj_with_mqa"), c->kv_lora_rank + c->qk_rope_dim, c->hidden));
+    KD_TRY(bind_dense(L, &ly->kv_a_norm, KD_WK_ATTN, NAME("self_attn.kv_a_layernorm.weight"), c->kv_lora_rank, 0));
+    KD_TRY(bind_linear(L, &ly->kv_b, KD_WK_ATTN, NAME("self_attn.kv_b_proj"), H * (c->qk_nope_dim + c->v_head_dim), c->kv_lora_rank));
+    KD_TRY(bind_linear(L, &ly->o_proj, KD_WK_ATTN, NAME("self_attn.o_proj"), c->hidden, H * c->v_head_dim));
     ly->is_moe = l >= c->first_k_dense;   /* HF: layer_idx >= first_k_dense_replace (moe_layer_freq unused) */
     if (!ly->is_moe) {
-        KD_TRY(bind_linear(L, &ly->mlp_gate, K_DENSE, NAME("mlp.gate_proj"), c->intermediate, c->hidden));
-        KD_TRY(bind_linear(L, &ly->mlp_up, K_DENSE, NAME("mlp.up_proj"), c->intermediate, c->hidden));
-        KD_TRY(bind_linear(L, &ly->mlp_down, K_DENSE, NAME("mlp.down_proj"), c->hidden, c->intermediate));
+        KD_TRY(bind_linear(L, &ly->mlp_gate, KD_WK_DENSE, NAME("mlp.gate_proj"), c->intermediate, c->hidden));
+        KD_TRY(bind_linear(L, &ly->mlp_up, KD_WK_DENSE, NAME("mlp.up_proj"), c->intermediate, c->hidden));
+        KD_TRY(bind_linear(L, &ly->mlp_down, KD_WK_DENSE, NAME("mlp.down_proj"), c->hidden, c->intermediate));
         return KD_OK;
     }
     int E = c->n_experts;
     int64_t I = c->moe_intermediate;
-    KD_TRY(bind_dense(L, &ly->router, K_ROUTER, NAME("mlp.gate.weight"), E, c->hidden));
+    KD_TRY(bind_dense(L, &ly->router, KD_WK_ROUTER, NAME("mlp.gate.weight"), E, c->hidden));
     /* e_score_correction_bias: f32 for the router (selection only) */
     {
         const kd_st_tensor *t;
-        KD_TRY(find(L, NAME("mlp.gate.e_score_correction_bias"), "F32 [n_routed_experts]", &t));
+        KD_TRY(find(L, NAME("mlp.gate.e_score_correction_bias"), "F32 [n_routed_experts]", KD_ST_F32, 1, E, 0, &t));
         if (t->dtype != KD_ST_F32 && t->dtype != KD_ST_BF16 && t->dtype != KD_ST_F16)
             return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected dtype F32 (or BF16/F16), got %s", file_of(L, t), n,
                            t->dtype_name);
         KD_TRY(check_shape(L, t, 1, E, 0));
-        L->bytes[K_ROUTER] += t->nbytes;
+        count(L, KD_WK_ROUTER, n, t->nbytes, (uint64_t)E * sizeof(float));   /* held as F32 */
         L->n_used++;
         if (L->m) {
             kd_weight *w = &ly->router_bias;
@@ -360,9 +411,9 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
     }
     if (c->n_shared_experts > 0) {
         int64_t S = (int64_t)c->n_shared_experts * I;
-        KD_TRY(bind_linear(L, &ly->mlp_gate, K_SHARED, NAME("mlp.shared_experts.gate_proj"), S, c->hidden));
-        KD_TRY(bind_linear(L, &ly->mlp_up, K_SHARED, NAME("mlp.shared_experts.up_proj"), S, c->hidden));
-        KD_TRY(bind_linear(L, &ly->mlp_down, K_SHARED, NAME("mlp.shared_experts.down_proj"), c->hidden, S));
+        KD_TRY(bind_linear(L, &ly->mlp_gate, KD_WK_SHARED, NAME("mlp.shared_experts.gate_proj"), S, c->hidden));
+        KD_TRY(bind_linear(L, &ly->mlp_up, KD_WK_SHARED, NAME("mlp.shared_experts.up_proj"), S, c->hidden));
+        KD_TRY(bind_linear(L, &ly->mlp_down, KD_WK_SHARED, NAME("mlp.shared_experts.down_proj"), c->hidden, S));
     }
     kd_experts *e = &ly->experts;
     if (L->m) {
@@ -377,19 +428,19 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
         e->down = calloc((size_t)E, sizeof *e->down);
         if (!e->gate || !e->up || !e->down) return kd_fail(KD_ERR_NOMEM, "%s: layer %d: cannot allocate the expert table", L->dir, l);
     }
-    uint64_t before = L->bytes[K_ROUTED];
+    uint64_t before = L->bytes[KD_WK_ROUTED];
     kd_weight scratch;   /* check-only walks bind into nothing (bind_* leave it untouched) */
     for (int j = 0; j < E; j++) {
         char m[256];
         kd_weight *g = L->m ? &e->gate[j] : &scratch, *u = L->m ? &e->up[j] : &scratch, *d = L->m ? &e->down[j] : &scratch;
         snprintf(m, sizeof m, "mlp.experts.%d.gate_proj", j);
-        KD_TRY(bind_linear(L, g, K_ROUTED, NAME(m), I, c->hidden));
+        KD_TRY(bind_linear(L, g, KD_WK_ROUTED, NAME(m), I, c->hidden));
         snprintf(m, sizeof m, "mlp.experts.%d.up_proj", j);
-        KD_TRY(bind_linear(L, u, K_ROUTED, NAME(m), I, c->hidden));
+        KD_TRY(bind_linear(L, u, KD_WK_ROUTED, NAME(m), I, c->hidden));
         snprintf(m, sizeof m, "mlp.experts.%d.down_proj", j);
-        KD_TRY(bind_linear(L, d, K_ROUTED, NAME(m), c->hidden, I));
+        KD_TRY(bind_linear(L, d, KD_WK_ROUTED, NAME(m), c->hidden, I));
     }
-    L->routed_read += (L->bytes[K_ROUTED] - before) * (uint64_t)c->n_experts_per_tok / (uint64_t)E;
+    L->routed_read += (L->bytes[KD_WK_ROUTED] - before) * (uint64_t)c->n_experts_per_tok / (uint64_t)E;
     if (L->m) {
         e->router = &ly->router;   /* set: experts_load has run (kd_model_close calls experts_free) */
         kd_status st = L->be->ops->experts_load(L->be, e);
@@ -405,11 +456,8 @@ static kd_status bind_model(loader *L) {
     char n[256];
     snprintf(n, sizeof n, "%smodel.embed_tokens.weight", c->prefix);
     kd_weight scratch;
-    KD_TRY(bind_dense(L, m ? &m->embed : &scratch, K_EMBED, n, c->vocab, c->hidden));
-    {
-        const kd_st_tensor *t = kd_st_find(L->set, n);
-        L->embed_row = t->nbytes / (uint64_t)c->vocab;
-    }
+    KD_TRY(bind_dense(L, m ? &m->embed : &scratch, KD_WK_EMBED, n, c->vocab, c->hidden));
+    L->embed_row = L->bytes[KD_WK_EMBED] / (uint64_t)c->vocab;   /* the walk's first tensor */
     for (int l = 0; l < c->n_layers; l++) {
         kd_layer scratch_layer;
         kd_layer *ly = m ? &m->layers[l] : &scratch_layer;
@@ -417,12 +465,12 @@ static kd_status bind_model(loader *L) {
         KD_TRY(bind_layer(L, l, ly));
     }
     snprintf(n, sizeof n, "%smodel.norm.weight", c->prefix);
-    KD_TRY(bind_dense(L, m ? &m->final_norm : &scratch, K_NORM, n, c->hidden, 0));
+    KD_TRY(bind_dense(L, m ? &m->final_norm : &scratch, KD_WK_NORM, n, c->hidden, 0));
     if (c->tie_embeddings) {
         if (m) m->lm_head = m->embed;   /* shares the embedding's backend form; freed once */
     } else {
         snprintf(n, sizeof n, "%slm_head", c->prefix);
-        KD_TRY(bind_linear(L, m ? &m->lm_head : &scratch, K_LMHEAD, n, c->vocab, c->hidden));
+        KD_TRY(bind_linear(L, m ? &m->lm_head : &scratch, KD_WK_LMHEAD, n, c->vocab, c->hidden));
     }
     return KD_OK;
 }
@@ -625,46 +673,79 @@ kd_status kd_model_get_info(const kd_model *m, kd_model_info *out) {
     return KD_OK;
 }
 
+/* the walk without loading, over the headers (set) or the config alone (set NULL) */
+static kd_status walk(loader *L, const kd_config *cfg, const kd_st_set *set, const char *dir, int tp) {
+    KD_TRY(loader_init(L, cfg, set, dir, NULL));
+    L->tp = tp;
+    kd_status st = bind_model(L);
+    if (st != KD_OK) loader_free_patterns(L);
+    return st;
+}
+
+kd_status kd_weights_tally(const kd_config *cfg, const kd_st_set *set, const char *dir, int tp, kd_tally *out) {
+    if (!cfg || !out || tp < 1) return kd_fail(KD_ERR_ARG, "kd_weights_tally: cfg, out and tp >= 1 are required");
+    memset(out, 0, sizeof *out);
+    loader L;
+    KD_TRY(walk(&L, cfg, set, dir ? dir : "(config)", tp));
+    for (int k = 0; k < KD_WK_N; k++) {
+        out->stored[k] = L.bytes[k];
+        out->rank[k] = L.rank[k];
+        out->replicated[k] = L.replicated[k];
+    }
+    out->routed_read = L.routed_read;
+    out->embed_row = L.embed_row;
+    out->n_used = L.n_used;
+    loader_free_patterns(&L);
+    return KD_OK;
+}
+
+kd_status kd_open_headers(const char *dir, kd_config *cfg, kd_st_set *set, bool *files) {
+    memset(set, 0, sizeof *set);
+    KD_TRY(kd_config_load(dir, cfg));
+    *files = kd_st_dir_has_weights(dir);
+    kd_status st = *files ? kd_st_open_dir(dir, false, set) : KD_OK;
+    if (st != KD_OK) kd_config_free(cfg);
+    return st;
+}
+
+/* Without weight files (a directory holding config.json only) the bytes come from the config's
+ * dims and quantization_config: n_files is 0 and n_tensors counts the tensors the walk implied. */
 kd_status kd_inspect(const char *dir, kd_inspect_report *out) {
     if (!dir || !out) return kd_fail(KD_ERR_ARG, "kd_inspect: dir and out must not be NULL");
     memset(out, 0, sizeof *out);
     kd_config cfg;
-    KD_TRY(kd_config_load(dir, &cfg));
     kd_st_set set;
-    kd_status st = kd_st_open_dir(dir, false, &set);
-    if (st != KD_OK) { kd_config_free(&cfg); return st; }
+    bool files;
+    KD_TRY(kd_open_headers(dir, &cfg, &set, &files));
     loader L;
-    st = loader_init(&L, &cfg, &set, dir, NULL);
+    kd_status st = walk(&L, &cfg, files ? &set : NULL, dir, 1);
     if (st == KD_OK) {
-        st = bind_model(&L);
-        if (st == KD_OK) {
-            const kd_config *c = &cfg;
-            fill_info(c, &out->info);
-            expert_format(c, &L, &out->info);
-            out->info.backend = KD_BACKEND_CPU;
-            out->n_tensors = set.n_tensors;
-            out->n_files = set.n_files;
-            out->n_skipped = set.n_tensors - L.n_used;
-            out->bytes_attention = L.bytes[K_ATTN];
-            out->bytes_dense_mlp = L.bytes[K_DENSE];
-            out->bytes_shared_experts = L.bytes[K_SHARED];
-            out->bytes_routed_experts = L.bytes[K_ROUTED];
-            out->bytes_router = L.bytes[K_ROUTER];
-            out->bytes_embed = L.bytes[K_EMBED];
-            out->bytes_lm_head = L.bytes[K_LMHEAD];
-            out->bytes_norms = L.bytes[K_NORM];
-            uint64_t total = 0;
-            for (int k = 0; k < K_N; k++) total += L.bytes[k];
-            out->bytes_total = total;
-            out->info.bytes_weights = total;
-            out->bytes_per_token_kv = (uint64_t)c->n_layers * (uint64_t)(c->kv_lora_rank + c->qk_rope_dim) * 2u;
-            /* one batch-1 decode step reads every weight once, except: of the embedding
-             * table one row (the lm_head when tied reads it whole), of each MoE layer's
-             * routed experts top_k of n */
-            uint64_t rd = total - L.bytes[K_EMBED] - L.bytes[K_ROUTED] + L.routed_read;
-            rd += c->tie_embeddings ? L.bytes[K_EMBED] : L.embed_row;
-            out->bytes_read_per_token = rd;
-        }
+        const kd_config *c = &cfg;
+        fill_info(c, &out->info);
+        expert_format(c, &L, &out->info);
+        out->info.backend = KD_BACKEND_CPU;
+        out->n_tensors = files ? set.n_tensors : L.n_used;
+        out->n_files = set.n_files;
+        out->n_skipped = out->n_tensors - L.n_used;
+        out->bytes_attention = L.bytes[KD_WK_ATTN];
+        out->bytes_dense_mlp = L.bytes[KD_WK_DENSE];
+        out->bytes_shared_experts = L.bytes[KD_WK_SHARED];
+        out->bytes_routed_experts = L.bytes[KD_WK_ROUTED];
+        out->bytes_router = L.bytes[KD_WK_ROUTER];
+        out->bytes_embed = L.bytes[KD_WK_EMBED];
+        out->bytes_lm_head = L.bytes[KD_WK_LMHEAD];
+        out->bytes_norms = L.bytes[KD_WK_NORM];
+        uint64_t total = 0;
+        for (int k = 0; k < KD_WK_N; k++) total += L.bytes[k];
+        out->bytes_total = total;
+        out->info.bytes_weights = total;
+        out->bytes_per_token_kv = (uint64_t)c->n_layers * (uint64_t)(c->kv_lora_rank + c->qk_rope_dim) * 2u;
+        /* one batch-1 decode step reads every weight once, except: of the embedding
+         * table one row (the lm_head when tied reads it whole), of each MoE layer's
+         * routed experts top_k of n */
+        uint64_t rd = total - L.bytes[KD_WK_EMBED] - L.bytes[KD_WK_ROUTED] + L.routed_read;
+        rd += c->tie_embeddings ? L.bytes[KD_WK_EMBED] : L.embed_row;
+        out->bytes_read_per_token = rd;
         loader_free_patterns(&L);
     }
     kd_st_close(&set);

@@ -39,6 +39,20 @@ function U.inspect_report(cr)
   return t
 end
 
+local PLAN_BYTES = { "device_bytes", "margin", "weights_attention", "weights_dense_mlp", "weights_shared_experts",
+  "weights_routed_experts", "weights_router", "weights_embed", "weights_lm_head", "weights_norms", "weights_total",
+  "weights_replicated", "kv_per_1k", "kv_cache", "logits", "scratch", "workspace", "total", "max_capacity" }
+U.PLAN_BYTES = PLAN_BYTES
+
+function U.plan_report(cr)
+  local t = { tp = tonumber(cr.tp), capacity = tonumber(cr.capacity), out_cap = tonumber(cr.out_cap),
+    message = ffi.string(cr.message) }
+  local f = tonumber(cr.fits)
+  if f >= 0 then t.fits = f == 1 end
+  for _, k in ipairs(PLAN_BYTES) do t[k] = tonumber(cr[k]) end
+  return t
+end
+
 local DRAFTER_INT = { "n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate",
   "block_size", "mask_token_id", "n_taps" }
 function U.drafter_info(ci)
