@@ -10,7 +10,7 @@
 -- to the plan's weights, the checks, and the projection table's arithmetic.
 package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
 
-local sh = require("helpers.sh")
+local sh = require("spec.helpers.sh")
 
 local function abs_lib()
   local lib = os.getenv("KDTREE_LIB") or "build/libkdtree.so"
