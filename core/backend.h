@@ -27,9 +27,14 @@ typedef struct kd_weight {
     int group;               /* INT4: scale group along cols */
     const void *src;         /* mapped checkpoint bytes: bf16/f32 [rows, cols], or int32 [rows, cols/8] */
     const void *src_scale;   /* INT4: bf16 [rows, cols/group] */
+    int64_t ld;              /* elements from one row of src to the next: the full tensor's width when the
+                              * weight is a column slice of it (a rank's part of o_proj or down; INT4 codes
+                              * then step ld/8 words and scales ld/group); 0 = cols (rows are packed) */
     void *dev;               /* the backend's form; CPU uses src directly */
     void *dev_scale;
 } kd_weight;
+/* the row stride of w->src in elements (kd_weight.ld) */
+static inline int64_t kd_weight_ld(const kd_weight *w) { return w->ld ? w->ld : w->cols; }
 /* a weight's bytes as the checkpoint stores them: its values, and (INT4) its bf16 scales */
 static inline uint64_t kd_weight_value_bytes(const kd_weight *w) {
     uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;

@@ -843,7 +843,7 @@ static kd_status draft_body(kd_seq *s, int p0, const int32_t *d_len) {
     int bs = c->block_size, nh = c->n_heads, kvh = c->n_kv_heads, hd = c->head_dim;
     kd_status st;
 #define T(expr, what) do { st = (expr); if (st != KD_OK) return kd_fail_context(st, "kd_draft: %s", what); } while (0)
-    T(op->embed(be, &m->embed, ds->ids, ds->x), "embed (target table)");
+    T(op->embed(be, &m->ranks[0].embed, ds->ids, ds->x), "embed (target table)");
     kd_act qh = {.data = ds->q.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = ds->q.dtype};
     kd_act kt = kd_act_rows(ds->kt, 0, bs);
     kd_act kt_h = {.data = kt.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = kt.dtype};
@@ -890,7 +890,7 @@ static kd_status draft_body(kd_seq *s, int p0, const int32_t *d_len) {
     /* rows 1..bs-1 (the MASK positions) -> norm -> target lm_head -> log_softmax */
     kd_act y = kd_act_rows(ds->h, 0, bs - 1);
     T(op->rmsnorm(be, kd_act_rows(ds->x, 1, bs - 1), &d->norm, c->eps, y), "norm");
-    T(op->linear(be, y, &m->lm_head, ds->logprobs), "lm_head (target)");
+    T(op->linear(be, y, kd_model_full_head(m), ds->logprobs), "lm_head (target)");
     T(op->log_softmax(be, ds->logprobs), "log_softmax");
 #undef T
     return KD_OK;

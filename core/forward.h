@@ -31,10 +31,11 @@ typedef struct kd_fwd_plan {
 } kd_fwd_plan;
 
 void kd_fwd_plan_make(const kd_model *m, int rows, kd_fwd_plan *p);
-/* the same plan from a config and an activation size in bytes (kd_plan sizes a rank's scratch) */
-void kd_fwd_plan_of(const kd_config *c, size_t act_size, int rows, kd_fwd_plan *p);
-/* the scratch region at byte offset off as an activation view [rows, cols] (ld = cols) */
-kd_act kd_fwd_act(const kd_seq *s, size_t off, int rows, int cols, kd_dtype dt);
+/* the same plan from a config, one rank's widths (model.h: kd_widths; the whole model's at tp = 1)
+ * and an activation size in bytes: kd_fwd_plan_make for a loaded model, kd_plan for a rank's scratch */
+void kd_fwd_plan_of(const kd_config *c, const kd_widths *w, size_t act_size, int rows, kd_fwd_plan *p);
+/* the region at byte offset off of a rank's scratch as an activation view [rows, cols] (ld = cols) */
+kd_act kd_fwd_act(void *scratch, size_t off, int rows, int cols, kd_dtype dt);
 /* kd_seq_compact with the kept slots' offsets from start already in backend memory
  * (d_keep[0..n_keep), n_keep <= out_cap, valid: kd_accept's walk on the backend made them) */
 kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int n_keep);

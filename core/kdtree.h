@@ -48,10 +48,16 @@ int kd_backend_available(kd_backend_kind kind);
 uint64_t kd_time_ns(void);               /* monotonic clock, for per-stage timing */
 
 /* ---- model ---- */
+/* the most ranks (devices) one model spans */
+enum { KD_TP_MAX = 8 };
 typedef struct kd_model_options {
     kd_backend_kind backend;
-    int device;              /* first CUDA device used */
-    int n_devices;           /* tensor-parallel width; 0 or 1 = one device */
+    int tp;                  /* ranks (tensor-parallel width) 1..8; 0 or 1 = one */
+    int devices[8];          /* CUDA: the device of each rank */
+    int n_device_list;       /* entries of devices used (0 = devices 0..tp-1; else exactly tp) */
+    /* load progress: called only on the thread that called kd_model_open (NULL = none) */
+    void (*progress)(void *ctx, int rank, uint64_t done, uint64_t total);
+    void *progress_ctx;
 } kd_model_options;
 
 typedef struct kd_model_info {
@@ -65,7 +71,9 @@ typedef struct kd_model_info {
     int n_eos, eos[8];
     int bos;
     kd_backend_kind backend;
-    uint64_t bytes_weights;              /* bytes the backend holds for weights */
+    uint64_t bytes_weights;              /* bytes the backends hold for weights (every rank's) */
+    /* the tensor-parallel split: ranks, and the widths each rank holds */
+    int tp, heads_per_rank, intermediate_per_rank, moe_intermediate_per_rank, vocab_per_rank;
 } kd_model_info;
 
 /* Bytes of a checkpoint by kind, from config.json and the safetensors headers
@@ -137,6 +145,8 @@ kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep);
 /* Read the cached latent rows [row0, row0+n) of one layer as fp32:
  * n x (kv_lora_rank + qk_rope_dim), c_kv then roped k_pe. For tests and tools. */
 kd_status kd_seq_read_cache(kd_seq *s, int layer, int row0, int n, float *dst);
+/* the same from one rank's replica of the cache (tensor parallel: every rank holds the latent cache) */
+kd_status kd_seq_read_cache_rank(kd_seq *s, int rank, int layer, int row0, int n, float *dst);
 
 /* ---- sampling (counter-based RNG keyed by seed and absolute position) ---- */
 typedef struct kd_sampler {

@@ -79,6 +79,19 @@ kd_status kd_test_moe(kd_test_backend *tb, const float *x, int T, int H, int n, 
 kd_status kd_test_log_softmax(kd_test_backend *tb, const float *x, int rows, int cols, float *out);
 kd_status kd_test_argmax(kd_test_backend *tb, const float *x, int rows, int cols, int32_t *out);
 kd_status kd_test_topk(kd_test_backend *tb, const float *x, int rows, int cols, int k, float *vals, int32_t *ids);
+/* one keyed draw from a host row split into n_shards equal shards (tensor parallel's vocabulary
+ * shards; vocab % n_shards == 0, n_shards <= 8), merged as core/sample.c merges them; the
+ * sampler not greedy. The same token as kd_sample_logits over the whole row, or its error. */
+kd_status kd_test_sample_shards(const float *row, int vocab, int n_shards, const kd_sampler *sp, int32_t position,
+                                int32_t *dst);
+
+/* The CPU communicator (core/comm_cpu.c) driven by n_ranks threads: rank r all-reduces its view
+ * [rows, cols] (row stride ld) of bufs + r * rows * ld in place, then all-gathers its first row
+ * into gathered + r * n_ranks * cols. fail_rank >= 0: that rank aborts instead of joining (as a
+ * failing rank does), and the others' statuses say what they saw; after a reset, every rank then
+ * all-reduces once more (status[n_ranks] is that round's first failure, or 0). status: n_ranks + 1. */
+kd_status kd_test_comm_cpu(int n_ranks, int rows, int cols, int ld, float *bufs, float *gathered, int fail_rank,
+                           int32_t *status);
 
 /* Fault injection (core/testing_faults.c): from now on the backend op `op` of the model's
  * backend ("upload", "copy" or "gather_rows") fails with KD_ERR_BACKEND once `after` more calls

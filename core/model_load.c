@@ -17,9 +17,11 @@
  * made so far is freed.
  */
 #include "plan.h"
+#include "comm.h"
 #include "error.h"
 
 #include <regex.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,18 +32,30 @@ bool kd_regex_translate(const char *py, char *out, size_t cap);   /* config.c */
  * q_a/kv_a latent norms, as kimi_k2.md counts it); norms: the per-layer input/post-attention norms
  * and the final norm */
 
+/* bytes loaded per rank, for kd_model_options.progress: the ranks add as they load, the
+ * thread that called kd_model_open (rank 0's) reports */
+typedef struct load_progress {
+    const kd_model_options *opt;
+    _Atomic uint64_t done[KD_TP_MAX];
+    uint64_t total[KD_TP_MAX];     /* each rank's part of the weights (a check-only walk) */
+    uint64_t next;                 /* rank 0's bytes at which to report next */
+} load_progress;
+
 typedef struct loader {
     const kd_config *cfg;
     const kd_st_set *set;    /* NULL: no weight files (lookup makes the tensors the config implies) */
     const char *dir;
     kd_model *m;             /* NULL: check only (kd_inspect) */
-    kd_backend *be;
+    kd_backend *be;          /* the backend of the rank being bound */
+    int rank, tp;            /* which part of a split weight it gets (model.h: kd_rank) */
+    bool whole;              /* binding rank 0's whole copy of a split tensor (the drafter's head) */
+    uint64_t part_bytes;     /* the bytes of this rank's parts (as kd_weight_bytes counts them) */
+    load_progress *prog;     /* NULL: no progress to report */
     regex_t *re;             /* compiled ignore patterns (NULL entries: plain names) */
     bool *is_re;
     int n_pat;
     uint64_t bytes[KD_WK_N];    /* as stored */
-    int tp;                     /* ranks of the per-rank share (1: one rank holds everything) */
-    uint64_t rank[KD_WK_N], replicated[KD_WK_N];   /* kd_tally's */
+    uint64_t rank_share[KD_WK_N], replicated[KD_WK_N];   /* kd_tally's rank and replicated */
     kd_st_tensor virt[3];       /* lookup's made tensors: an INT4 weight needs three at once */
     char virt_name[3][512];
     int next_virt;
@@ -80,15 +94,23 @@ static const kd_st_tensor *lookup(loader *L, const char *name, kd_st_dtype dt, i
     return t;
 }
 
+/* how the tensor `name` splits over the ranks (kd_split_of, the plan's rule), or replicated
+ * while rank 0 binds its whole copy */
+static kd_split split_of(const loader *L, const char *name) {
+    return L->whole ? KD_SPLIT_NONE : kd_split_of(name);
+}
+
 /* a tensor the walk used: its stored bytes, and one rank's share of the bytes its backend form
- * holds (split tensors: 1/tp of them, exact once kd_plan_check_tp passed) */
-static void count(loader *L, kd_wkind kind, const char *name, uint64_t stored, uint64_t held) {
+ * holds (split tensors: 1/tp of them, exact once kd_plan_check_tp passed). Rank 0's whole copy
+ * of lm_head (the drafter's) is not part of the target's split that kd_tally describes. */
+static void count(loader *L, kd_wkind kind, kd_split sp, uint64_t stored, uint64_t held) {
+    if (L->whole) return;
     L->bytes[kind] += stored;
-    if (kd_split_of(name) == KD_SPLIT_NONE) {
-        L->rank[kind] += held;
+    if (sp == KD_SPLIT_NONE) {
+        L->rank_share[kind] += held;
         L->replicated[kind] += held;
     } else {
-        L->rank[kind] += held / (uint64_t)L->tp;
+        L->rank_share[kind] += held / (uint64_t)L->tp;
     }
 }
 
@@ -125,13 +147,24 @@ static bool in_mapping(const kd_st_set *set, const void *p) {
     return false;
 }
 
-/* the mapped bytes, or an aligned private copy when the file places them unaligned */
-static kd_status aligned_src(const kd_st_tensor *t, size_t align, const void **out) {
-    if (((uintptr_t)t->data % align) == 0) { *out = t->data; return KD_OK; }
-    void *p = malloc(t->nbytes ? t->nbytes : 1);
-    if (!p) return kd_fail(KD_ERR_NOMEM, "tensor '%s': cannot allocate %llu bytes", t->name, (unsigned long long)t->nbytes);
-    memcpy(p, t->data, t->nbytes);
-    *out = p;
+/* A rank's part of a weight: rows [r0, r0+nr) and columns [c0, c0+nc) of a tensor `cols` wide. */
+typedef struct part {
+    int64_t r0, nr, c0, nc, cols;
+} part;
+
+/* the part's bytes (elements of esz bytes; for INT4 codes, words): a pointer into the mapping
+ * with the tensor's row stride in *ld (0 when the part spans whole rows), or a packed private
+ * copy of the part when the mapping places them unaligned */
+static kd_status slice_src(const kd_st_tensor *t, size_t esz, const part *p, const void **out, int64_t *ld) {
+    const char *b = (const char *)t->data + ((size_t)p->r0 * (size_t)p->cols + (size_t)p->c0) * esz;
+    *ld = p->nc < p->cols ? p->cols : 0;
+    if (((uintptr_t)b % esz) == 0) { *out = b; return KD_OK; }
+    size_t row = (size_t)p->nc * esz, n = row * (size_t)p->nr;
+    char *q = malloc(n ? n : 1);
+    if (!q) return kd_fail(KD_ERR_NOMEM, "tensor '%s': cannot allocate %zu bytes", t->name, n);
+    for (int64_t r = 0; r < p->nr; r++) memcpy(q + (size_t)r * row, b + (size_t)r * (size_t)p->cols * esz, row);
+    *out = q;
+    *ld = 0;
     return KD_OK;
 }
 
@@ -150,22 +183,32 @@ static float half_to_float(uint16_t h) {
     return v.f;
 }
 
-/* f32 host copy of a BF16/F16 tensor (or the F32 bytes themselves, aligned) */
-static kd_status as_f32(const kd_st_tensor *t, const void **out) {
-    if (t->dtype == KD_ST_F32) return aligned_src(t, 4, out);
-    uint64_t n = t->nbytes / 2;
-    float *p = malloc((size_t)(n ? n : 1) * sizeof(float));
-    if (!p) return kd_fail(KD_ERR_NOMEM, "tensor '%s': cannot allocate %llu floats", t->name, (unsigned long long)n);
+/* f32 form of the part of a BF16/F16 tensor (a packed copy), or of an F32 one (slice_src) */
+static kd_status as_f32(const kd_st_tensor *t, const part *p, const void **out, int64_t *ld) {
+    if (t->dtype == KD_ST_F32) return slice_src(t, 4, p, out, ld);
+    uint64_t n = (uint64_t)p->nr * (uint64_t)p->nc;
+    float *d = malloc((size_t)(n ? n : 1) * sizeof(float));
+    if (!d) return kd_fail(KD_ERR_NOMEM, "tensor '%s': cannot allocate %llu floats", t->name, (unsigned long long)n);
     const unsigned char *s = t->data;
-    for (uint64_t i = 0; i < n; i++) {
-        uint16_t h = (uint16_t)(s[2 * i] | s[2 * i + 1] << 8);
-        if (t->dtype == KD_ST_BF16) {
+    for (int64_t r = 0; r < p->nr; r++)
+        for (int64_t c = 0; c < p->nc; c++) {
+            size_t i = (size_t)(p->r0 + r) * (size_t)p->cols + (size_t)(p->c0 + c);
+            uint16_t h = (uint16_t)(s[2 * i] | s[2 * i + 1] << 8);
             union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
-            p[i] = v.f;
-        } else p[i] = half_to_float(h);
-    }
-    *out = p;
+            d[(size_t)r * (size_t)p->nc + (size_t)c] = t->dtype == KD_ST_BF16 ? v.f : half_to_float(h);
+        }
+    *out = d;
+    *ld = 0;
     return KD_OK;
+}
+
+/* the part of a [rows, cols] weight that rank L->rank holds (kd_model_open checked that tp
+ * divides the split width) */
+static part part_of(const loader *L, kd_split sp, int64_t rows, int64_t cols) {
+    part p = {0, rows, 0, cols, cols};
+    if (sp == KD_SPLIT_ROWS) { p.nr = rows / L->tp; p.r0 = p.nr * L->rank; }
+    if (sp == KD_SPLIT_COLS) { p.nc = cols / L->tp; p.c0 = p.nc * L->rank; }
+    return p;
 }
 
 /* ---- which modules are INT4 ---- */
@@ -204,7 +247,6 @@ static kd_status loader_init(loader *L, const kd_config *cfg, const kd_st_set *s
     L->set = set;
     L->dir = dir;
     L->m = m;
-    L->be = m ? m->be : NULL;
     L->tp = 1;
     int n = cfg->n_quant_ignore;
     if (n == 0) return KD_OK;
@@ -228,8 +270,20 @@ static kd_status loader_init(loader *L, const kd_config *cfg, const kd_st_set *s
 
 /* ---- binding one weight ---- */
 
+static void report(load_progress *p, int n_ranks) {
+    for (int r = 0; r < n_ranks; r++) p->opt->progress(p->opt->progress_ctx, r, atomic_load(&p->done[r]), p->total[r]);
+}
+
 static kd_status backend_load(loader *L, kd_weight *w) {
     kd_status st = L->be->ops->weight_load(L->be, w);
+    load_progress *p = L->prog;
+    if (st == KD_OK && p) {
+        uint64_t done = atomic_fetch_add(&p->done[L->rank], kd_weight_bytes(w)) + kd_weight_bytes(w);
+        if (L->rank == 0 && p->opt->progress && done >= p->next) {      /* about every 1% of rank 0's part */
+            p->next = done + p->total[0] / 100 + 1;
+            report(p, L->tp);
+        }
+    }
     if (st != KD_OK) {
         /* the backend did not take it: drop our private copies and the binding */
         if (w->src && !in_mapping(L->set, w->src)) free((void *)w->src);
@@ -253,18 +307,21 @@ static kd_status bind_dense(loader *L, kd_weight *w, kd_wkind kind, const char *
                        t->dtype_name);
     KD_TRY(check_shape(L, t, cols ? 2 : 1, rows, cols));
     /* held as loaded: BF16 as is, F32 as is, F16 widened to F32 (below) */
-    count(L, kind, name, t->nbytes, (uint64_t)rows * (uint64_t)(cols ? cols : 1) * (t->dtype == KD_ST_BF16 ? 2u : 4u));
+    kd_split sp = split_of(L, name);
+    count(L, kind, sp, t->nbytes, (uint64_t)rows * (uint64_t)(cols ? cols : 1) * (t->dtype == KD_ST_BF16 ? 2u : 4u));
     L->n_used++;
+    part p = part_of(L, sp, rows, cols ? cols : 1);
+    L->part_bytes += (uint64_t)p.nr * (uint64_t)p.nc * (t->dtype == KD_ST_BF16 ? 2u : 4u);   /* F16 is widened */
     if (!L->m) return KD_OK;
     memset(w, 0, sizeof *w);
-    w->rows = rows;
-    w->cols = cols ? cols : 1;
+    w->rows = p.nr;
+    w->cols = p.nc;
     if (t->dtype == KD_ST_BF16) {
         w->format = KD_W_BF16;
-        KD_TRY(aligned_src(t, 2, &w->src));
+        KD_TRY(slice_src(t, 2, &p, &w->src, &w->ld));
     } else {
         w->format = KD_W_F32;    /* F16 is widened to F32 once, here */
-        KD_TRY(as_f32(t, &w->src));
+        KD_TRY(as_f32(t, &p, &w->src, &w->ld));
     }
     w->name = t->name;
     return backend_load(L, w);
@@ -312,22 +369,35 @@ static kd_status bind_int4(loader *L, kd_weight *w, kd_wkind kind, const char *m
             return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected the values [%lld, %lld], got [%lld, %lld]",
                            file_of(L, tsh), nsh, (long long)rows, (long long)cols, (long long)v[0], (long long)v[1]);
     }
-    if (L->tp > 1 && kd_split_of(module) == KD_SPLIT_COLS && (cols % L->tp || (cols / L->tp) % g || (cols / L->tp) % 8))
+    kd_split sp = split_of(L, module);
+    if (L->tp > 1 && sp == KD_SPLIT_COLS && (cols % L->tp || (cols / L->tp) % g || (cols / L->tp) % 8))
         return kd_fail(KD_ERR_ARG, "%s: INT4 tensor '%s' [%lld, %lld]: tp %d cannot split its %lld input columns into "
                        "whole scale groups of %d (and whole 8-code words)", file_of(L, tp), np, (long long)rows,
                        (long long)cols, L->tp, (long long)cols, g);
     /* no backend keeps weight_shape */
-    count(L, kind, module, tp->nbytes + ts->nbytes + tsh->nbytes, tp->nbytes + ts->nbytes);
+    count(L, kind, sp, tp->nbytes + ts->nbytes + tsh->nbytes, tp->nbytes + ts->nbytes);
     L->n_used += 3;
+    part p = part_of(L, sp, rows, cols);
+    L->part_bytes += (uint64_t)p.nr * (uint64_t)p.nc / 2 + (uint64_t)p.nr * (uint64_t)(p.nc / g) * 2;
     if (!L->m) return KD_OK;
     memset(w, 0, sizeof *w);
     w->format = KD_W_INT4;
-    w->rows = rows;
-    w->cols = cols;
+    w->rows = p.nr;
+    w->cols = p.nc;
     w->group = g;
     w->name = tp->name;
-    kd_status st = aligned_src(tp, 4, &w->src);
-    if (st == KD_OK) st = aligned_src(ts, 2, &w->src_scale);
+    part pc = {p.r0, p.nr, p.c0 / 8, p.nc / 8, cols / 8}, ps = {p.r0, p.nr, p.c0 / g, p.nc / g, cols / g};
+    int64_t ld_codes = 0, ld_scales = 0;
+    kd_status st = slice_src(tp, 4, &pc, &w->src, &ld_codes);
+    if (st == KD_OK) st = slice_src(ts, 2, &ps, &w->src_scale, &ld_scales);
+    /* one stride in elements for both; a part copied out of an unaligned mapping is packed in both */
+    if (st == KD_OK && (ld_codes == 0) != (ld_scales == 0)) {
+        if (w->src_scale && !in_mapping(L->set, w->src_scale)) free((void *)w->src_scale);
+        w->src_scale = NULL;
+        st = kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': its codes and scales are aligned differently in the mapping",
+                     file_of(L, ts), ns);
+    }
+    w->ld = ld_codes ? cols : 0;
     if (st != KD_OK) {
         if (w->src && !in_mapping(L->set, w->src)) free((void *)w->src);
         memset(w, 0, sizeof *w);
@@ -392,15 +462,17 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
             return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected dtype F32 (or BF16/F16), got %s", file_of(L, t), n,
                            t->dtype_name);
         KD_TRY(check_shape(L, t, 1, E, 0));
-        count(L, KD_WK_ROUTER, n, t->nbytes, (uint64_t)E * sizeof(float));   /* held as F32 */
+        count(L, KD_WK_ROUTER, KD_SPLIT_NONE, t->nbytes, (uint64_t)E * sizeof(float));   /* held as F32 */
         L->n_used++;
+        L->part_bytes += (uint64_t)E * 4;
         if (L->m) {
             kd_weight *w = &ly->router_bias;
             memset(w, 0, sizeof *w);
             w->format = KD_W_F32;
             w->rows = E;
             w->cols = 1;
-            KD_TRY(as_f32(t, &w->src));
+            part whole = {0, E, 0, 1, 1};
+            KD_TRY(as_f32(t, &whole, &w->src, &w->ld));
             w->name = t->name;
             KD_TRY(backend_load(L, w));
             void *dev = NULL;
@@ -450,70 +522,95 @@ static kd_status bind_layer(loader *L, int l, kd_layer *ly) {
     return KD_OK;
 }
 
+/* the walk for rank L->rank (m NULL: check only) */
 static kd_status bind_model(loader *L) {
     const kd_config *c = L->cfg;
-    kd_model *m = L->m;
+    kd_rank *R = L->m ? &L->m->ranks[L->rank] : NULL;
     char n[256];
     snprintf(n, sizeof n, "%smodel.embed_tokens.weight", c->prefix);
     kd_weight scratch;
-    KD_TRY(bind_dense(L, m ? &m->embed : &scratch, KD_WK_EMBED, n, c->vocab, c->hidden));
+    KD_TRY(bind_dense(L, R ? &R->embed : &scratch, KD_WK_EMBED, n, c->vocab, c->hidden));
     L->embed_row = L->bytes[KD_WK_EMBED] / (uint64_t)c->vocab;   /* the walk's first tensor */
     for (int l = 0; l < c->n_layers; l++) {
         kd_layer scratch_layer;
-        kd_layer *ly = m ? &m->layers[l] : &scratch_layer;
-        if (!m) memset(ly, 0, sizeof *ly);
+        kd_layer *ly = R ? &R->layers[l] : &scratch_layer;
+        if (!R) memset(ly, 0, sizeof *ly);
         KD_TRY(bind_layer(L, l, ly));
     }
     snprintf(n, sizeof n, "%smodel.norm.weight", c->prefix);
-    KD_TRY(bind_dense(L, m ? &m->final_norm : &scratch, KD_WK_NORM, n, c->hidden, 0));
+    KD_TRY(bind_dense(L, R ? &R->final_norm : &scratch, KD_WK_NORM, n, c->hidden, 0));
     if (c->tie_embeddings) {
-        if (m) m->lm_head = m->embed;   /* shares the embedding's backend form; freed once */
+        /* the embedding's form, its rows of this rank's vocabulary (never freed on its own) */
+        if (R) {
+            part p = part_of(L, KD_SPLIT_ROWS, c->vocab, c->hidden);
+            size_t off = (size_t)p.r0 * (size_t)c->hidden * (R->embed.format == KD_W_F32 ? 4 : 2);
+            R->lm_head = R->embed;
+            R->lm_head.rows = p.nr;
+            R->lm_head.src = (const char *)R->embed.src + off;
+            if (R->embed.dev) R->lm_head.dev = (char *)R->embed.dev + off;
+        }
     } else {
         snprintf(n, sizeof n, "%slm_head", c->prefix);
-        KD_TRY(bind_linear(L, m ? &m->lm_head : &scratch, KD_WK_LMHEAD, n, c->vocab, c->hidden));
+        KD_TRY(bind_linear(L, R ? &R->lm_head : &scratch, KD_WK_LMHEAD, n, c->vocab, c->hidden));
+        if (L->tp > 1 && L->rank == 0) {    /* the drafter's whole head on rank 0 */
+            L->whole = true;
+            kd_status st = bind_linear(L, R ? &L->m->head : &scratch, KD_WK_LMHEAD, n, c->vocab, c->hidden);
+            L->whole = false;
+            KD_TRY(st);
+        }
     }
+    if (R && c->tie_embeddings && L->tp > 1 && L->rank == 0) L->m->head = R->embed;
     return KD_OK;
 }
 
 /* ---- freeing ---- */
 
-static void free_weight(kd_model *m, kd_weight *w) {
+static void free_weight(kd_model *m, kd_backend *be, kd_weight *w) {
     if (!w->name) return;
-    if (m->be) m->be->ops->weight_free(m->be, w);
+    if (be) be->ops->weight_free(be, w);
     if (w->src && !in_mapping(&m->files, w->src)) free((void *)w->src);
     if (w->src_scale && !in_mapping(&m->files, w->src_scale)) free((void *)w->src_scale);
     memset(w, 0, sizeof *w);
 }
 
-static void free_model(kd_model *m) {
-    if (!m) return;
-    if (m->layers) {
+static void free_rank(kd_model *m, kd_rank *R) {
+    kd_backend *be = R->be;
+    if (R->layers) {
         for (int l = 0; l < m->cfg.n_layers; l++) {
-            kd_layer *ly = &m->layers[l];
+            kd_layer *ly = &R->layers[l];
             kd_experts *e = &ly->experts;
-            if (e->router && m->be) m->be->ops->experts_free(m->be, e);
+            if (e->router && be) be->ops->experts_free(be, e);
             e->router = NULL;
             for (int j = 0; j < e->n; j++) {
-                if (e->gate) free_weight(m, &e->gate[j]);
-                if (e->up) free_weight(m, &e->up[j]);
-                if (e->down) free_weight(m, &e->down[j]);
+                if (e->gate) free_weight(m, be, &e->gate[j]);
+                if (e->up) free_weight(m, be, &e->up[j]);
+                if (e->down) free_weight(m, be, &e->down[j]);
             }
             free(e->gate);
             free(e->up);
             free(e->down);
-            if (e->bias && m->be) m->be->ops->free(m->be, (void *)e->bias);
+            if (e->bias && be) be->ops->free(be, (void *)e->bias);
             kd_weight *ws[] = {&ly->attn_norm, &ly->ffn_norm, &ly->q_a, &ly->q_a_norm, &ly->q_b, &ly->q_proj,
                                &ly->kv_a, &ly->kv_a_norm, &ly->kv_b, &ly->o_proj, &ly->mlp_gate, &ly->mlp_up,
                                &ly->mlp_down, &ly->router, &ly->router_bias};
-            for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) free_weight(m, ws[i]);
+            for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) free_weight(m, be, ws[i]);
         }
-        free(m->layers);
+        free(R->layers);
     }
-    if (!m->cfg.tie_embeddings) free_weight(m, &m->lm_head);   /* tied: a copy of embed */
-    free_weight(m, &m->embed);
-    free_weight(m, &m->final_norm);
-    if (m->rope_inv_freq && m->be) m->be->ops->free(m->be, m->rope_inv_freq);
-    if (m->be) m->be->ops->destroy(m->be);
+    if (!m->cfg.tie_embeddings) free_weight(m, be, &R->lm_head);   /* tied: a view of embed */
+    free_weight(m, be, &R->embed);
+    free_weight(m, be, &R->final_norm);
+    if (R->rope_inv_freq && be) be->ops->free(be, R->rope_inv_freq);
+    if (be) be->ops->destroy(be);
+}
+
+static void free_model(kd_model *m) {
+    if (!m) return;
+    kd_workers_stop(m);
+    if (m->tp > 1 && !m->cfg.tie_embeddings && m->ranks) free_weight(m, m->ranks[0].be, &m->head);
+    for (int r = 0; m->ranks && r < m->tp; r++) free_rank(m, &m->ranks[r]);
+    free(m->ranks);
+    if (m->comm) m->comm->ops->destroy(m->comm);
     kd_st_close(&m->files);
     kd_config_free(&m->cfg);
     free(m);
@@ -521,12 +618,24 @@ static void free_model(kd_model *m) {
 
 /* ---- public ---- */
 
-kd_status kd_model_load_weights(kd_model *m) {
-    if (!m || !m->be) return kd_fail(KD_ERR_ARG, "kd_model_load_weights: model and backend must be set");
-    m->layers = calloc((size_t)m->cfg.n_layers, sizeof *m->layers);
-    if (!m->layers) return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %d layers", m->dir, m->cfg.n_layers);
+/* the loader of rank r's part (m NULL: a check-only walk, which adds up part_bytes) */
+static kd_status rank_loader(loader *L, kd_model *m, const kd_config *cfg, const kd_st_set *set, const char *dir,
+                             int r, int tp) {
+    KD_TRY(loader_init(L, cfg, set, dir, m));
+    L->rank = r;
+    L->tp = tp;
+    return KD_OK;
+}
+
+/* rank r's weights and small buffers (RoPE table, router biases) on its backend */
+static kd_status load_rank(kd_model *m, int r, load_progress *prog) {
+    kd_rank *R = &m->ranks[r];
+    R->layers = calloc((size_t)m->cfg.n_layers, sizeof *R->layers);
+    if (!R->layers) return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %d layers", m->dir, m->cfg.n_layers);
     loader L;
-    KD_TRY(loader_init(&L, &m->cfg, &m->files, m->dir, m));
+    KD_TRY(rank_loader(&L, m, &m->cfg, &m->files, m->dir, r, m->tp));
+    L.be = R->be;
+    L.prog = prog;
     kd_status st = bind_model(&L);
     loader_free_patterns(&L);
     if (st != KD_OK) return st;
@@ -537,51 +646,149 @@ kd_status kd_model_load_weights(kd_model *m) {
     if (!inv) return kd_fail(KD_ERR_NOMEM, "%s: out of memory", m->dir);
     kd_rope_inv_freq(&m->cfg, m->cfg.qk_rope_dim, inv);
     void *dev = NULL;
-    st = m->be->ops->alloc(m->be, (size_t)half * sizeof(float), &dev);
+    st = R->be->ops->alloc(R->be, (size_t)half * sizeof(float), &dev);
     if (st == KD_OK) {
-        m->rope_inv_freq = dev;
-        st = m->be->ops->upload(m->be, dev, inv, (size_t)half * sizeof(float));
+        R->rope_inv_freq = dev;
+        st = R->be->ops->upload(R->be, dev, inv, (size_t)half * sizeof(float));
     }
     if (inv != host) free(inv);
     if (st != KD_OK) return st;
-    m->rope.dim = m->cfg.qk_rope_dim;
-    m->rope.interleaved = true;
-    m->rope.attn_factor = m->cfg.rope_attn_factor;
-    m->rope.inv_freq = m->rope_inv_freq;
-    return m->be->ops->sync(m->be);
+    R->rope.dim = m->cfg.qk_rope_dim;
+    R->rope.interleaved = true;
+    R->rope.attn_factor = m->cfg.rope_attn_factor;
+    R->rope.inv_freq = R->rope_inv_freq;
+    return R->be->ops->sync(R->be);
+}
+
+typedef struct load_job {
+    kd_model *m;
+    load_progress *prog;
+} load_job;
+
+static kd_status load_job_run(void *ctx, int r) {
+    load_job *j = ctx;
+    return load_rank(j->m, r, j->prog);
+}
+
+/* every rank's part, the ranks in parallel on their threads (each reads only its slices of the
+ * mapping); progress (when asked for) on the caller's thread */
+static kd_status load_weights(kd_model *m, const kd_model_options *opt) {
+    load_progress prog;
+    memset(&prog, 0, sizeof prog);
+    prog.opt = opt;
+    for (int r = 0; opt->progress && r < m->tp; r++) {
+        loader L;
+        KD_TRY(rank_loader(&L, NULL, &m->cfg, &m->files, m->dir, r, m->tp));
+        kd_status st = bind_model(&L);
+        loader_free_patterns(&L);
+        KD_TRY(st);
+        prog.total[r] = L.part_bytes;
+    }
+    load_job job = {m, &prog};
+    KD_TRY(kd_ranks_run(m, load_job_run, &job));
+    if (opt->progress) report(&prog, m->tp);
+    return KD_OK;
+}
+
+/* Refuse before any weight is read when a rank will not fit its device: the per-GPU plan
+ * (kd_plan_tp) of the weights and the smallest sequence against the free memory of the rank's
+ * device, shared evenly by the ranks that run on it. The CPU backend is not checked (host
+ * memory is the operating system's to give). */
+static kd_status check_fits(const kd_model *m, const kd_model_options *opt) {
+    if (opt->backend == KD_BACKEND_CPU) return KD_OK;
+    uint64_t avail = UINT64_MAX;
+    for (int r = 0; r < m->tp; r++) {
+        kd_backend *be = m->ranks[r].be;
+        if (!be->ops->mem_usage) continue;
+        kd_mem_usage u;
+        memset(&u, 0, sizeof u);
+        be->ops->mem_usage(be, &u);
+        int sharing = 0;
+        for (int q = 0; q < m->tp; q++) sharing += m->ranks[q].be->device == be->device;
+        if (u.device_free / (uint64_t)sharing < avail) avail = u.device_free / (uint64_t)sharing;
+    }
+    if (avail == UINT64_MAX || avail == 0) return KD_OK;
+    kd_plan_report rep;
+    kd_status st = kd_plan_tp(&m->cfg, m->tp, avail, 1, &rep);
+    return st == KD_OK ? KD_OK : kd_fail_context(st, "kd_model_open: %s", m->dir);
+}
+
+static kd_status open_backends(kd_model *m, const kd_model_options *opt) {
+    for (int r = 0; r < m->tp; r++) {
+        kd_rank *R = &m->ranks[r];
+        if (opt->backend == KD_BACKEND_CPU) {
+            KD_TRY(kd_backend_cpu_create(&R->be));
+            continue;
+        }
+#ifdef KD_WITH_CUDA
+        int dev = opt->n_device_list > 0 ? opt->devices[r] : r;
+        kd_status st = kd_backend_cuda_create(dev, &R->be);
+        if (st != KD_OK && m->tp > 1) return kd_fail_context(st, "kd_model_open: rank %d of %d", r, m->tp);
+        KD_TRY(st);
+#else
+        return kd_fail(KD_ERR_UNSUPPORTED, "kd_model_open: the CUDA backend is not compiled into this build (no nvcc)");
+#endif
+    }
+    m->be = m->ranks[0].be;
+    if (m->tp == 1) return KD_OK;
+    if (opt->backend == KD_BACKEND_CPU) KD_TRY(kd_comm_cpu_create(m->tp, &m->comm));
+    else {
+        kd_backend *bes[KD_TP_MAX];
+        int devs[KD_TP_MAX];
+        for (int r = 0; r < m->tp; r++) {
+            bes[r] = m->ranks[r].be;
+            devs[r] = bes[r]->device;
+        }
+        KD_TRY(kd_comm_cuda_create(m->tp, devs, bes, &m->comm));
+    }
+    return kd_workers_start(m);
+}
+
+static kd_status check_options(const kd_model_options *opt, int tp) {
+    if (opt->backend != KD_BACKEND_CPU && opt->backend != KD_BACKEND_CUDA)
+        return kd_fail(KD_ERR_ARG, "kd_model_open: options.backend is %d: expected KD_BACKEND_CPU (0) or KD_BACKEND_CUDA (1)",
+                       (int)opt->backend);
+    if (tp < 1 || tp > KD_TP_MAX)
+        return kd_fail(KD_ERR_ARG, "kd_model_open: options.tp is %d: expected 1..%d ranks", opt->tp, KD_TP_MAX);
+    if (opt->n_device_list < 0 || opt->n_device_list > KD_TP_MAX)
+        return kd_fail(KD_ERR_ARG, "kd_model_open: options.n_device_list is %d: expected 0..%d", opt->n_device_list,
+                       KD_TP_MAX);
+    if (opt->n_device_list > 0 && opt->n_device_list != tp)
+        return kd_fail(KD_ERR_ARG, "kd_model_open: options.devices lists %d devices for tp %d: expected one per rank",
+                       opt->n_device_list, tp);
+    for (int i = 0; i < opt->n_device_list; i++)
+        if (opt->devices[i] < 0)
+            return kd_fail(KD_ERR_ARG, "kd_model_open: options.devices[%d] is %d: expected a device index >= 0", i,
+                           opt->devices[i]);
+    return KD_OK;
 }
 
 kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_model_open: out must not be NULL");
     *out = NULL;
     if (!dir) return kd_fail(KD_ERR_ARG, "kd_model_open: dir must not be NULL");
-    kd_model_options def = {KD_BACKEND_CPU, 0, 1};
+    kd_model_options def;
+    memset(&def, 0, sizeof def);
     if (!opt) opt = &def;
-    if (opt->backend != KD_BACKEND_CPU && opt->backend != KD_BACKEND_CUDA)
-        return kd_fail(KD_ERR_ARG, "kd_model_open: options.backend is %d: expected KD_BACKEND_CPU (0) or KD_BACKEND_CUDA (1)",
-                       (int)opt->backend);
-    if (opt->n_devices > 1)
-        return kd_fail(KD_ERR_UNSUPPORTED, "kd_model_open: options.n_devices is %d: tensor parallelism is not built yet (use 1)",
-                       opt->n_devices);
+    int tp = opt->tp == 0 ? 1 : opt->tp;
+    KD_TRY(check_options(opt, tp));
     if (strlen(dir) >= sizeof ((kd_model *)0)->dir)
         return kd_fail(KD_ERR_ARG, "kd_model_open: directory path longer than %zu bytes", sizeof ((kd_model *)0)->dir - 1);
     kd_model *m = calloc(1, sizeof *m);
     if (!m) return kd_fail(KD_ERR_NOMEM, "kd_model_open: out of memory");
     snprintf(m->dir, sizeof m->dir, "%s", dir);
-    kd_status st = kd_config_load(dir, &m->cfg);
-    if (st == KD_OK) st = kd_st_open_dir(dir, true, &m->files);
+    m->tp = tp;
+    m->ranks = calloc((size_t)tp, sizeof *m->ranks);
+    kd_status st = m->ranks ? kd_config_load(dir, &m->cfg) : kd_fail(KD_ERR_NOMEM, "kd_model_open: out of memory");
     if (st == KD_OK) {
-        if (opt->backend == KD_BACKEND_CPU) {
-            st = kd_backend_cpu_create(&m->be);
-        } else {
-#ifdef KD_WITH_CUDA
-            st = kd_backend_cuda_create(opt->device, &m->be);
-#else
-            st = kd_fail(KD_ERR_UNSUPPORTED, "kd_model_open: the CUDA backend is not compiled into this build (no nvcc)");
-#endif
-        }
+        st = kd_plan_check_tp(&m->cfg, tp);
+        if (st == KD_OK) m->split = kd_widths_of(&m->cfg, tp);
+        else kd_fail_context(st, "kd_model_open: %s/config.json: options.tp", dir);
     }
-    if (st == KD_OK) st = kd_model_load_weights(m);
+    if (st == KD_OK) st = kd_st_open_dir(dir, true, &m->files);
+    if (st == KD_OK) st = open_backends(m, opt);
+    if (st == KD_OK) st = check_fits(m, opt);
+    if (st == KD_OK) st = load_weights(m, opt);
     if (st != KD_OK) {
         free_model(m);
         return st;
@@ -651,24 +858,37 @@ kd_status kd_model_get_info(const kd_model *m, kd_model_info *out) {
     if (!m || !out) return kd_fail(KD_ERR_ARG, "kd_model_get_info: model and out must not be NULL");
     fill_info(&m->cfg, out);
     out->backend = m->be ? m->be->kind : KD_BACKEND_CPU;
+    out->tp = m->tp;
+    out->heads_per_rank = m->split.heads;
+    out->intermediate_per_rank = m->split.intermediate;
+    out->moe_intermediate_per_rank = m->split.moe_intermediate;
+    out->vocab_per_rank = m->split.vocab;
     /* which format the experts were loaded in */
-    for (int l = 0; m->layers && l < m->cfg.n_layers; l++)
-        if (m->layers[l].is_moe && m->layers[l].experts.gate && m->layers[l].experts.gate[0].format == KD_W_INT4) {
+    const kd_rank *R0 = &m->ranks[0];
+    for (int l = 0; R0->layers && l < m->cfg.n_layers; l++)
+        if (R0->layers[l].is_moe && R0->layers[l].experts.gate && R0->layers[l].experts.gate[0].format == KD_W_INT4) {
             out->expert_bits = m->cfg.quant_bits;
-            out->expert_group = m->layers[l].experts.gate[0].group;
+            out->expert_group = R0->layers[l].experts.gate[0].group;
             break;
         }
-    uint64_t b = weight_bytes(&m->embed) + weight_bytes(&m->final_norm);
-    if (!m->cfg.tie_embeddings) b += weight_bytes(&m->lm_head);
-    for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
-        const kd_layer *ly = &m->layers[l];
-        const kd_weight *ws[] = {&ly->attn_norm, &ly->ffn_norm, &ly->q_a, &ly->q_a_norm, &ly->q_b, &ly->q_proj,
-                                 &ly->kv_a, &ly->kv_a_norm, &ly->kv_b, &ly->o_proj, &ly->mlp_gate, &ly->mlp_up,
-                                 &ly->mlp_down, &ly->router, &ly->router_bias};
-        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) b += weight_bytes(ws[i]);
-        for (int j = 0; ly->experts.gate && j < ly->experts.n; j++)
-            b += weight_bytes(&ly->experts.gate[j]) + weight_bytes(&ly->experts.up[j]) + weight_bytes(&ly->experts.down[j]);
+    /* every rank's weights */
+    uint64_t b = 0;
+    for (int r = 0; r < m->tp; r++) {
+        const kd_rank *R = &m->ranks[r];
+        b += weight_bytes(&R->embed) + weight_bytes(&R->final_norm);
+        if (!m->cfg.tie_embeddings) b += weight_bytes(&R->lm_head);
+        for (int l = 0; R->layers && l < m->cfg.n_layers; l++) {
+            const kd_layer *ly = &R->layers[l];
+            const kd_weight *ws[] = {&ly->attn_norm, &ly->ffn_norm, &ly->q_a, &ly->q_a_norm, &ly->q_b, &ly->q_proj,
+                                     &ly->kv_a, &ly->kv_a_norm, &ly->kv_b, &ly->o_proj, &ly->mlp_gate, &ly->mlp_up,
+                                     &ly->mlp_down, &ly->router, &ly->router_bias};
+            for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) b += weight_bytes(ws[i]);
+            for (int j = 0; ly->experts.gate && j < ly->experts.n; j++)
+                b += weight_bytes(&ly->experts.gate[j]) + weight_bytes(&ly->experts.up[j]) +
+                     weight_bytes(&ly->experts.down[j]);
+        }
     }
+    if (m->tp > 1 && !m->cfg.tie_embeddings) b += weight_bytes(&m->head);   /* the drafter's whole head */
     out->bytes_weights = b;
     return KD_OK;
 }
@@ -689,7 +909,7 @@ kd_status kd_weights_tally(const kd_config *cfg, const kd_st_set *set, const cha
     KD_TRY(walk(&L, cfg, set, dir ? dir : "(config)", tp));
     for (int k = 0; k < KD_WK_N; k++) {
         out->stored[k] = L.bytes[k];
-        out->rank[k] = L.rank[k];
+        out->rank[k] = L.rank_share[k];
         out->replicated[k] = L.replicated[k];
     }
     out->routed_read = L.routed_read;

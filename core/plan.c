@@ -59,15 +59,19 @@ kd_status kd_plan_check_tp(const kd_config *c, int tp) {
     return KD_OK;
 }
 
-/* The config of one rank: the split widths divided by tp (the forward's scratch is planned on it). */
-static kd_config rank_config(const kd_config *c, int tp) {
+kd_widths kd_widths_of(const kd_config *c, int tp) {
+    return (kd_widths){c->n_heads / tp, c->intermediate / tp, c->moe_intermediate / tp, c->vocab / tp};
+}
+
+/* The config of one rank: the split widths of kd_widths_of (the workspace bound reads them). */
+static kd_config rank_config(const kd_config *c, const kd_widths *w) {
     kd_config r = *c;
     r.quant_ignore = NULL;   /* a view: never freed through this copy */
     r.n_quant_ignore = 0;
-    r.n_heads = c->n_heads / tp;
-    r.intermediate = c->intermediate / tp;
-    r.moe_intermediate = c->moe_intermediate / tp;
-    r.vocab = c->vocab / tp;
+    r.n_heads = w->heads;
+    r.intermediate = w->intermediate;
+    r.moe_intermediate = w->moe_intermediate;
+    r.vocab = w->vocab;
     return r;
 }
 
@@ -98,17 +102,18 @@ static uint64_t workspace_estimate(const kd_config *r, int out_cap, int capacity
 }
 
 /* the capacity-dependent parts of the plan, and the total */
-static void size_for(const kd_config *c, const kd_config *rc, int capacity, kd_plan_report *o) {
+static void size_for(const kd_config *c, const kd_widths *w, int capacity, kd_plan_report *o) {
     o->capacity = capacity;
     o->out_cap = capacity < KD_SEQ_MAX_ROWS ? capacity : KD_SEQ_MAX_ROWS;
     uint64_t per_token = (uint64_t)c->n_layers * (uint64_t)(c->kv_lora_rank + c->qk_rope_dim) * 2u;
     o->kv_per_1k = per_token * 1024u;
     o->kv_cache = per_token * (uint64_t)capacity;
-    o->logits = (uint64_t)o->out_cap * (uint64_t)rc->vocab * sizeof(float);
+    o->logits = (uint64_t)o->out_cap * (uint64_t)w->vocab * sizeof(float);
     kd_fwd_plan p;
-    kd_fwd_plan_of(rc, 2, o->out_cap, &p);
+    kd_fwd_plan_of(c, w, 2, o->out_cap, &p);
     o->scratch = p.bytes;
-    o->workspace = workspace_estimate(rc, o->out_cap, capacity);
+    kd_config rc = rank_config(c, w);
+    o->workspace = workspace_estimate(&rc, o->out_cap, capacity);
     o->total = o->weights_total + o->kv_cache + o->logits + o->scratch + o->workspace;
 }
 
@@ -129,8 +134,8 @@ static void plan_from(const kd_config *c, int tp, uint64_t device_bytes, int cap
         o->weights_total += t->rank[k];
         o->weights_replicated += t->replicated[k];
     }
-    kd_config rc = rank_config(c, tp);
-    size_for(c, &rc, capacity, o);
+    kd_widths rw = kd_widths_of(c, tp);
+    size_for(c, &rw, capacity, o);
     char parts[160];
     snprintf(parts, sizeof parts, "weights %.2f GB, KV %.2f GB for %d tokens, activations %.2f GB, workspace %.2f GB",
              gb(o->weights_total), gb(o->kv_cache), capacity, gb(o->logits + o->scratch), gb(o->workspace));
@@ -150,11 +155,11 @@ static void plan_from(const kd_config *c, int tp, uint64_t device_bytes, int cap
     /* the longest sequence that fits: the total grows with the capacity (bisection) */
     kd_plan_report probe = *o;
     uint64_t lo = (uint64_t)capacity, hi = (uint64_t)c->max_positions > lo ? (uint64_t)c->max_positions : lo;
-    size_for(c, &rc, (int)hi, &probe);
+    size_for(c, &rw, (int)hi, &probe);
     if (probe.total + o->margin > device_bytes) {
         while (hi - lo > 1) {
             uint64_t mid = lo + (hi - lo) / 2;
-            size_for(c, &rc, (int)mid, &probe);
+            size_for(c, &rw, (int)mid, &probe);
             if (probe.total + o->margin <= device_bytes) lo = mid; else hi = mid;
         }
         o->max_capacity = lo;

@@ -11,9 +11,6 @@
 #define KD_PLAN_H
 #include "model.h"
 
-/* the most ranks one model drives (kd_model_options.devices) */
-enum { KD_TP_MAX = 8 };
-
 typedef enum kd_split {
     KD_SPLIT_NONE = 0,   /* replicated: every rank holds the whole tensor */
     KD_SPLIT_ROWS,       /* rank r holds output rows [r*rows/tp, (r+1)*rows/tp) */
@@ -27,6 +24,8 @@ kd_split kd_split_of(const char *name);
  * widths, INT4 experts in whole scale groups of whole 8-code words; vocab); else KD_ERR_ARG
  * naming the config field, its value and tp */
 kd_status kd_plan_check_tp(const kd_config *cfg, int tp);
+/* the widths one of tp ranks holds (cfg's split widths / tp); tp must pass kd_plan_check_tp */
+kd_widths kd_widths_of(const kd_config *cfg, int tp);
 
 /* weight classes, as kd_inspect and kd_model_memory count them */
 typedef enum kd_wkind { KD_WK_ATTN, KD_WK_DENSE, KD_WK_SHARED, KD_WK_ROUTED, KD_WK_ROUTER, KD_WK_EMBED,

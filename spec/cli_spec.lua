@@ -63,6 +63,24 @@ describe("kdtree generate", function()
     end
   end)
 
+  it("--tp 2 prints the ids --tp 1 prints, greedy and sampled, ar and ddtree; a tp that does not split exits 1", function()
+    local s = "--temperature 0.8 --top-p 0.9 --top-k 40 --seed 7"
+    for _, case in ipairs({ { "", ref_greedy }, { s, ref_sampled } }) do
+      for _, policy in ipairs({ "", "--draft " .. DRAFT .. " --budget 8" }) do
+        local args = "generate --prompt-ids 5,77,300 -n 24 --ids " .. case[1] .. " " .. policy
+        local code1, out1, err1 = run(args .. " --tp 1")
+        local code2, out2, err2 = run(args .. " --tp 2 --backend cpu")
+        assert.are.equal(0, code1, err1)
+        assert.are.equal(0, code2, err2)
+        assert.are.same(case[2], split_ids(out1))
+        assert.are.same(split_ids(out1), split_ids(out2))
+      end
+    end
+    local code, _, err = run("generate --prompt-ids 5,77,300 -n 4 --ids --tp 3 --backend cpu")
+    assert.are.equal(1, code)
+    assert.truthy(err:find("tp 3 does not divide num_attention_heads (4)", 1, true), err)
+  end)
+
   it("samples with --temperature/--top-p/--top-k/--seed, identically under ddtree", function()
     local s = "--temperature 0.8 --top-p 0.9 --top-k 40 --seed 7"
     local code, out = run("generate --prompt-ids 5,77,300 -n 24 --ids " .. s)

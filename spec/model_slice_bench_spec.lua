@@ -116,7 +116,8 @@ local function check_projection(rc, out, md, tp)
     assert.is_true(ms > 0)
     -- 1 / (step + 8 all-reduces (4 layers) at the estimate): 8 us up to 8 tokens, else 17 us
     local ar = (T <= 8 and 8 or 17) * 8 * 1e-3
-    assert.is_true(math.abs(est - 1e3 / (ms + ar)) <= 0.05 + 1e-3 * est, step .. ": " .. est)
+    -- ms is printed to 3 decimals: its rounding (up to 0.0005 ms) moves 1e3 / ms by est * 0.0005 / ms
+    assert.is_true(math.abs(est - 1e3 / (ms + ar)) <= 0.05 + est * (1e-3 + 0.0005 / ms), step .. ": " .. est)
   end
   assert.are.equal(6, rows, md)
 end

@@ -9,14 +9,16 @@ Model.__index = Model
 Model.__tostring = function(m)
   if rawget(m, "_h") == nil then return "kdtree.model (closed)" end
   local i = m.info
-  return string.format("kdtree.model(%s, %d layers, hidden %d, vocab %d, %s)", m.dir, i.n_layers,
-    i.hidden, i.vocab, i.backend)
+  return string.format("kdtree.model(%s, %d layers, hidden %d, vocab %d, %s%s)", m.dir, i.n_layers,
+    i.hidden, i.vocab, i.backend, i.tp > 1 and (" x " .. i.tp .. " ranks") or "")
 end
 
 local function free_model(p) C.kd_model_close(p) end
 
 -- Model.open(dir, opts): opts.backend = "cpu" | "cuda" (default env KDTREE_BACKEND or "cpu"),
--- opts.device, opts.n_devices
+-- opts.tp = ranks (tensor parallel, 1..8), opts.devices = { device of each rank } (CUDA;
+-- default 0..tp-1), opts.progress = function(rank, bytes_done, bytes_total) called while the
+-- weights load (about every 1% of rank 0's part, and once per rank at the end)
 function Model.open(dir, opts)
   opts = opts or {}
   if type(dir) ~= "string" then error("kdtree: open_model: expected a directory path, got " .. type(dir), 2) end
@@ -27,10 +29,39 @@ function Model.open(dir, opts)
   end
   local o = ffi.new("kd_model_options")
   o.backend = bk
-  o.device = opts.device or 0
-  o.n_devices = opts.n_devices or 1
+  local tp = opts.tp or 1
+  if type(tp) ~= "number" or tp ~= math.floor(tp) then
+    error(string.format("kdtree: open_model: tp: expected a whole number of ranks, got %s", tostring(tp)), 2)
+  end
+  o.tp = tp
+  if opts.devices ~= nil then
+    if type(opts.devices) ~= "table" or #opts.devices > 8 then
+      error("kdtree: open_model: devices: expected a list of at most 8 device indices", 2)
+    end
+    for i, d in ipairs(opts.devices) do
+      if type(d) ~= "number" then
+        error(string.format("kdtree: open_model: devices[%d]: expected a device index, got %s", i, type(d)), 2)
+      end
+      o.devices[i - 1] = d
+    end
+    o.n_device_list = #opts.devices
+  end
+  local cb
+  if opts.progress ~= nil then
+    if type(opts.progress) ~= "function" then
+      error("kdtree: open_model: progress: expected a function(rank, done, total), got " .. type(opts.progress), 2)
+    end
+    local fn = opts.progress
+    -- called on this thread only (kd_model_options.progress), so a Lua callback is safe
+    cb = ffi.cast("void (*)(void *, int, uint64_t, uint64_t)", function(_, rank, done, total)
+      fn(rank, tonumber(done), tonumber(total))
+    end)
+    o.progress = cb
+  end
   local out = ffi.new("kd_model*[1]")
-  check(C.kd_model_open(dir, o, out), "kd_model_open(" .. dir .. ")")
+  local rc = C.kd_model_open(dir, o, out)
+  if cb then cb:free() end
+  check(rc, "kd_model_open(" .. dir .. ")")
   local st, h = H.own(out[0], "kd_model*", free_model, "model")
   local ci = ffi.new("kd_model_info")
   local m = setmetatable({ _h = h, _st = st, dir = dir }, Model)

@@ -69,7 +69,8 @@ function R.env(opts)
 
   function E.load(dir, o)
     if E.m then pcall(function() E.s:close() end) end
-    E.m = kd.open_model(dir, { backend = (o and o.backend) or opts.backend })
+    E.m = kd.open_model(dir, { backend = (o and o.backend) or opts.backend, tp = (o and o.tp) or opts.tp,
+      devices = (o and o.devices) or opts.devices })
     E.s = E.m:new_seq((o and o.capacity) or 4096)
     local f = io.open(dir .. "/tiktoken.model")
     if E.tok then E.tok:close(); E.tok = nil end

@@ -134,12 +134,13 @@ end
 
 -- cached latent rows [row0, row0+n) of layer `layer` (both 0-based), as one flat Lua list
 -- of n * (kv_lora_rank + qk_rope_dim) floats
-function Seq:read_cache(layer, row0, n)
+-- rank: which rank's replica of the latent cache (tensor parallel; default 0)
+function Seq:read_cache(layer, row0, n, rank)
   local h = H.get(self, "seq")
   n = n or 1
   local w = self.model.info.kv_lora_rank + self.model.info.qk_rope_dim
   local buf = ffi.new("float[?]", math.max(n * w, 1))
-  check(C.kd_seq_read_cache(h, layer, row0, n, buf), "kd_seq_read_cache")
+  check(C.kd_seq_read_cache_rank(h, rank or 0, layer, row0, n, buf), "kd_seq_read_cache")
   return U.list_from(buf, n * w)
 end
 

@@ -6,7 +6,7 @@ local U = {}
 local MODEL_INFO_INT = { "n_layers", "first_k_dense", "hidden", "vocab", "n_heads", "q_lora_rank",
   "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim", "intermediate", "moe_intermediate",
   "n_experts", "n_experts_per_tok", "n_shared_experts", "n_group", "topk_group", "norm_topk_prob",
-  "expert_bits", "expert_group", "max_positions", "n_eos", "bos" }
+  "expert_bits", "expert_group", "max_positions", "n_eos", "bos", "tp" }
 local MODEL_INFO_FLOAT = { "rms_norm_eps", "routed_scaling_factor", "rope_theta", "softmax_scale" }
 local BACKEND_NAMES = { [0] = "cpu", [1] = "cuda" }
 U.BACKENDS = { cpu = 0, cuda = 1 }
@@ -21,6 +21,9 @@ function U.model_info(ci)
   for i = 0, t.n_eos - 1 do t.eos[#t.eos + 1] = tonumber(ci.eos[i]) end
   t.backend = BACKEND_NAMES[tonumber(ci.backend)] or tostring(tonumber(ci.backend))
   t.bytes_weights = tonumber(ci.bytes_weights)
+  -- the tensor-parallel split: what each of the tp ranks holds
+  t.split = { heads = tonumber(ci.heads_per_rank), intermediate = tonumber(ci.intermediate_per_rank),
+    moe_intermediate = tonumber(ci.moe_intermediate_per_rank), vocab = tonumber(ci.vocab_per_rank) }
   return t
 end
 

@@ -406,7 +406,7 @@ static void write_config(const char *dir, const dims *d) {
 
 static void build_layer(kd_model *m, int l) {
     const kd_config *c = &m->cfg;
-    kd_layer *ly = &m->layers[l];
+    kd_layer *ly = &m->ranks[0].layers[l];
     int H = c->n_heads, r = c->kv_lora_rank, dr = c->qk_rope_dim, dn = c->qk_nope_dim, dv = c->v_head_dim;
     int64_t D = c->hidden;
 #define N(s) name_of("model.layers.%d.%s", l, s)
@@ -519,9 +519,13 @@ static kd_model *build_model(const dims *d) {
     kd_model *m = xcalloc(1, sizeof *m, "model");
     load_config(d, &m->cfg);
     const kd_config *c = &m->cfg;
-    m->be = g_be;
+    /* one rank holding the whole model */
+    m->tp = 1;
+    m->ranks = xcalloc(1, sizeof *m->ranks, "ranks");
+    m->ranks[0].be = m->be = g_be;
+    m->split = (kd_widths){c->n_heads, c->intermediate, c->moe_intermediate, c->vocab};
     snprintf(m->dir, sizeof m->dir, "(model slice: %s, random weights in memory)", d->name);
-    m->layers = xcalloc((size_t)c->n_layers, sizeof *m->layers, "layers");
+    m->ranks[0].layers = xcalloc((size_t)c->n_layers, sizeof *m->ranks[0].layers, "layers");
     S.bias_host = xcalloc((size_t)c->n_layers, sizeof *S.bias_host, "biases");
     S.experts_loaded = xcalloc((size_t)c->n_layers, sizeof *S.experts_loaded, "flags");
     S.used = xcalloc((size_t)c->n_layers * (size_t)c->n_experts, 1, "expert marks");
@@ -543,7 +547,7 @@ static kd_model *build_model(const dims *d) {
         fill_bf16(S.scales[p], S.n_scales, 0.75f * base, 1.25f * base);
     }
     uint64_t t0 = kd_time_ns();
-    load_bf16(&m->embed, name_of("model.embed_tokens.weight"), d->embed_vocab ? d->embed_vocab : c->vocab, c->hidden,
+    load_bf16(&m->ranks[0].embed, name_of("model.embed_tokens.weight"), d->embed_vocab ? d->embed_vocab : c->vocab, c->hidden,
               -1.0f, 1.0f, B_EMBED);
     kd_mem_usage u0;
     g_be->ops->mem_usage(g_be, &u0);
@@ -551,12 +555,12 @@ static kd_model *build_model(const dims *d) {
     for (int l = 0; l < c->n_layers; l++) {
         build_layer(m, l);
         check_layer_memory(l, c->n_layers, &free_before);
-        printf("  layer %d built (%s), %.1f s\n", l, m->layers[l].is_moe ? "MoE" : "dense",
+        printf("  layer %d built (%s), %.1f s\n", l, m->ranks[0].layers[l].is_moe ? "MoE" : "dense",
                (double)(kd_time_ns() - t0) * 1e-9);
         fflush(stdout);
     }
-    load_norm(&m->final_norm, name_of("model.norm.weight"), c->hidden, B_NORM);
-    load_linear(&m->lm_head, name_of("lm_head.weight"), c->vocab, c->hidden, B_LMHEAD);
+    load_norm(&m->ranks[0].final_norm, name_of("model.norm.weight"), c->hidden, B_NORM);
+    load_linear(&m->ranks[0].lm_head, name_of("lm_head.weight"), c->vocab, c->hidden, B_LMHEAD);
     /* RoPE (YaRN) inverse frequencies, as kd_model_load_weights */
     int half = c->qk_rope_dim / 2;
     float *inv = xmalloc((size_t)half * sizeof(float), "rope");
@@ -565,11 +569,11 @@ static kd_model *build_model(const dims *d) {
     CK(g_be->ops->alloc(g_be, (size_t)half * sizeof(float), &dev));
     CK(g_be->ops->upload(g_be, dev, inv, (size_t)half * sizeof(float)));
     free(inv);
-    m->rope_inv_freq = dev;
-    m->rope.dim = c->qk_rope_dim;
-    m->rope.interleaved = true;
-    m->rope.attn_factor = c->rope_attn_factor;
-    m->rope.inv_freq = m->rope_inv_freq;
+    m->ranks[0].rope_inv_freq = dev;
+    m->ranks[0].rope.dim = c->qk_rope_dim;
+    m->ranks[0].rope.interleaved = true;
+    m->ranks[0].rope.attn_factor = c->rope_attn_factor;
+    m->ranks[0].rope.inv_freq = m->ranks[0].rope_inv_freq;
     CK(g_be->ops->sync(g_be));
     /* router logits for the expert count: up to KD_SEQ_MAX_ROWS (1024) rows */
     S.logit_rows = 1024;
@@ -585,7 +589,7 @@ static void free_w(kd_weight *w) {
 }
 static void free_model(kd_model *m) {
     for (int l = 0; l < m->cfg.n_layers; l++) {
-        kd_layer *ly = &m->layers[l];
+        kd_layer *ly = &m->ranks[0].layers[l];
         kd_experts *e = &ly->experts;
         if (S.experts_loaded[l]) g_be->ops->experts_free(g_be, e);
         for (int j = 0; e->gate && j < e->n; j++) {
@@ -603,13 +607,14 @@ static void free_model(kd_model *m) {
         for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) free_w(ws[i]);
         free(S.bias_host[l]);
     }
-    free_w(&m->embed);
-    free_w(&m->final_norm);
-    free_w(&m->lm_head);
-    if (m->rope_inv_freq) g_be->ops->free(g_be, m->rope_inv_freq);
+    free_w(&m->ranks[0].embed);
+    free_w(&m->ranks[0].final_norm);
+    free_w(&m->ranks[0].lm_head);
+    if (m->ranks[0].rope_inv_freq) g_be->ops->free(g_be, m->ranks[0].rope_inv_freq);
     if (S.d_logits) g_be->ops->free(g_be, S.d_logits);
     free(S.h_logits);
-    free(m->layers);
+    free(m->ranks[0].layers);
+    free(m->ranks);
     kd_config_free(&m->cfg);
     free(m);
     for (int i = 0; i < S.n_keep; i++) free(S.keep[i]);
@@ -629,7 +634,7 @@ static void count_experts(kd_backend *be, kd_act x, const kd_experts *e) {
     kd_model *m = S.m;
     int l = -1;
     for (int i = 0; i < m->cfg.n_layers; i++)
-        if (&m->layers[i].experts == e) l = i;
+        if (&m->ranks[0].layers[i].experts == e) l = i;
     if (l < 0 || x.rows > S.logit_rows) { fprintf(stderr, "FATAL: moe call of an unknown layer\n"); exit(2); }
     int T = x.rows, E = e->n, K = e->top_k, ng = e->n_group > 1 ? e->n_group : 1, per = E / ng;
     kd_act lg = {S.d_logits, T, E, E, KD_F32};
@@ -807,7 +812,7 @@ static void bench_row(kd_seq *s, const opts *o, row *r, int ctx, int B) {
     S.counting = false;
     CK(g_real->sync(g_be));
     for (int l = 0; l < c->n_layers && l < 64; l++) {
-        if (!m->layers[l].is_moe) continue;
+        if (!m->ranks[0].layers[l].is_moe) continue;
         for (int j = 0; j < c->n_experts; j++) r->distinct[l] += S.used[(size_t)l * c->n_experts + j];
         r->distinct_sum += r->distinct[l];
         /* the count is the host's routing of the backend's own router logits: it must lie in
@@ -1115,7 +1120,7 @@ static void fill_cache(kd_seq *s, int rows) {
     void *h = xmalloc(n * es, "cache rows");
     if (g_be->act_dtype == KD_BF16) fill_bf16(h, n, -1.7f, 1.7f);
     else fill_f32(h, n, -1.7f, 1.7f);
-    for (int l = 0; l < c->n_layers; l++) CK(g_real->upload(g_be, s->cache[l].data, h, n * es));
+    for (int l = 0; l < c->n_layers; l++) CK(g_real->upload(g_be, s->rk[0].cache[l].data, h, n * es));
     free(h);
 }
 
@@ -1325,7 +1330,7 @@ static void slice_run(const opts *o, const dims *d) {
         char ex[128] = "";
         size_t at = 0;
         for (int l = 0; l < c->n_layers && l < 64; l++)
-            if (m->layers[l].is_moe)
+            if (m->ranks[0].layers[l].is_moe)
                 at += (size_t)snprintf(ex + at, sizeof ex - at, "%s%d", at ? "/" : "", r->distinct[l]);
         char name[32];
         if (r->B) snprintf(name, sizeof name, "verify B=%d", r->B);
