@@ -20,7 +20,6 @@ local kd = require("kdtree")
 local gen = require("kdtree.generate")
 local Oracle = require("kdtree.drafters.oracle")
 local ck = require("spec.helpers.checkpoint")
-local err_of = require("spec.helpers.err_of")
 
 local K26, DSV3, DRAFT = ck.K26, ck.DSV3, "models/tiny-k2.6-dflash"
 local REL_TOL = 2e-2
@@ -113,21 +112,8 @@ describe("tensor parallel on one GPU through the loopback #gpu", function()
   end
 
   it("a rank that fails while the other waits at the loopback's barrier: the caller gets its error, the model goes on", function()
-    local O = require("spec.helpers.ops")
     local m = open(DSV3, 2)
-    local ref_toks = gen.run(m, PROMPT, { n = 8, eos = false }).tokens
-    local s = m:new_seq(64)
-    s:forward(PROMPT)
-    local len = s:len()
-    O.check(O.C.kd_test_fail_op(m:handle(), "copy", 0), "kd_test_fail_op")
-    local e = err_of(s.forward, s, { 5 })
-    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op (clear)")
-    assert.matches("rank 0 of 2: forward: layer 0: backend op copy failed", e, 1, true)
-    assert.are.equal(len, s:len())
-    s:forward({ 5 })
-    assert.are.equal(len + 1, s:len())
-    s:close()
-    assert.are.same(ref_toks, gen.run(m, PROMPT, { n = 8, eos = false }).tokens)
+    require("spec.helpers.rank_failure")(m, PROMPT)
     m:close()
   end)
 end)
