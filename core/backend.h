@@ -219,7 +219,9 @@ struct kd_backend {
 };
 
 kd_status kd_backend_cpu_create(kd_backend **out);
-kd_status kd_backend_cuda_create(int device, kd_backend **out);   /* UNSUPPORTED without CUDA */
+/* opt: the MLA kernel fields (mla_kernel, mla_value_slices, mla_row_groups), checked by
+ * kd_model_options_check; NULL = the defaults */
+kd_status kd_backend_cuda_create(int device, const kd_model_options *opt, kd_backend **out);   /* UNSUPPORTED without CUDA */
 
 /* helpers shared by both backends and the model code */
 static inline kd_act kd_act_cols(kd_act a, int col0, int ncols) {

@@ -33,7 +33,7 @@
 /* the round on the backend's ops: one rank only (at tp > 1 the logits are shards on several
  * backends, and the targets come from the merged argmax / sampling on the host) */
 static bool round_on_device(const kd_seq *s) {
-    return s->model->tp == 1 && kd_ddtree_on_device(s->model->be);
+    return s->model->tp == 1 && kd_ddtree_on_device(s->model);
 }
 
 enum { ACCEPT_MAX = (int)(sizeof(((kd_seq *)0)->accepted) / sizeof(int32_t)) };

@@ -13,6 +13,9 @@
 #define KDTREE_H
 #include <stddef.h>
 #include <stdint.h>
+/* The library is compiled with -fvisibility=hidden: the declarations of this header are the
+ * ones it exports (with build/kdtree.map, the version script made from them). */
+#pragma GCC visibility push(default)
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -48,8 +51,34 @@ int kd_backend_available(kd_backend_kind kind);
 uint64_t kd_time_ns(void);               /* monotonic clock, for per-stage timing */
 
 /* ---- model ---- */
+/* Step graphs: a decode / verify step (and a DFlash draft pass) captured once per shape and
+ * replayed (CUDA graphs); the lengths they need are read from backend memory when they run. */
+typedef enum kd_graphs_mode {
+    KD_GRAPHS_DEFAULT = 0,   /* capture where the backend has graph ops (CUDA), else off; in
+                                kd_seq_options: the model's choice */
+    KD_GRAPHS_CAPTURE = 1,   /* as the default, said explicitly */
+    KD_GRAPHS_OFF = 2,       /* every step eager, its lengths passed from the host */
+    KD_GRAPHS_EAGER = 3      /* the graph path's kernels (lengths from backend memory), never captured */
+} kd_graphs_mode;
+
+/* Where the DDTree round (tree selection, the accept walk, the sampling of a verify's rows and
+ * the compaction it drives) runs. */
+typedef enum kd_ddtree_round {
+    KD_ROUND_DEFAULT = 0,    /* on the backend */
+    KD_ROUND_BACKEND = 1,    /* on the backend's ops: no tree data travels through the host */
+    KD_ROUND_HOST = 2        /* on the host: top-K lists, logits rows or argmax ids and the accepted
+                                ids travel through the host */
+} kd_ddtree_round;
+
+/* The CUDA backend's MLA attention kernel (the CPU backend has one kernel and ignores these). */
+typedef enum kd_mla_kernel {
+    KD_MLA_DEFAULT = 0,      /* the tensor-core kernel where the shape allows, else the CUDA-core one */
+    KD_MLA_CUDA_CORES = 1    /* every shape on the CUDA-core kernel */
+} kd_mla_kernel;
+
 /* the most ranks (devices) one model spans */
 enum { KD_TP_MAX = 8 };
+/* Zero-initialised options are the defaults (FFI users may pass NULL). */
 typedef struct kd_model_options {
     kd_backend_kind backend;
     int tp;                  /* ranks (tensor-parallel width) 1..8; 0 or 1 = one */
@@ -58,6 +87,16 @@ typedef struct kd_model_options {
     /* load progress: called only on the thread that called kd_model_open (NULL = none) */
     void (*progress)(void *ctx, int rank, uint64_t done, uint64_t total);
     void *progress_ctx;
+    kd_graphs_mode graphs;        /* step graphs of decode / verify steps */
+    kd_graphs_mode draft_graphs;  /* of the draft pass; DEFAULT = as `graphs` */
+    int graphs_verbose;           /* nonzero: a capture that fails says why on stderr */
+    kd_ddtree_round ddtree_round;
+    kd_mla_kernel mla_kernel;
+    int mla_value_slices;    /* tensor-core kernel on small grids: 0 = by the shape rule; -1 = no
+                                split (2-warp 16-row blocks); 1, 2 or 4 = that many value slices of
+                                8-warp blocks where they fit (tests, benches) */
+    int mla_row_groups;      /* row groups per block: 0 = by the shape rule; 1 or 4 = forced where
+                                the shared memory fits (tests, benches) */
 } kd_model_options;
 
 typedef struct kd_model_info {
@@ -119,7 +158,15 @@ void kd_model_close(kd_model *m);
 kd_status kd_model_get_info(const kd_model *m, kd_model_info *out);
 
 /* ---- sequences and forward passes ---- */
-kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out);
+/* Zero-initialised options are the defaults (NULL is the same). */
+typedef struct kd_seq_options {
+    int max_rows;                 /* output rows of one forward (a longer causal forward runs in chunks
+                                     of this many); 0 = min(capacity, 1024) */
+    kd_graphs_mode graphs;        /* DEFAULT = the model's option */
+    kd_graphs_mode draft_graphs;  /* DEFAULT = the model's draft_graphs, else this sequence's graphs */
+} kd_seq_options;
+kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out);   /* default options */
+kd_status kd_seq_new_opts(kd_model *m, int capacity, const kd_seq_options *opt, kd_seq **out);
 void kd_seq_free(kd_seq *s);
 int kd_seq_len(const kd_seq *s);
 int kd_seq_capacity(const kd_seq *s);
@@ -154,6 +201,8 @@ typedef struct kd_sampler {
     int top_k;               /* <= 0: off */
     float top_p;             /* >= 1 or <= 0: off */
     uint64_t seed;
+    float min_p;             /* <= 0: off; (0, 1]: keep tokens with probability >= min_p * the top one's
+                              * (after top-k, before top-p; docs/ddtree.md) */
 } kd_sampler;
 /* One token per output row of the last forward; row i's token is drawn with the
  * key (seed, positions[i]) where positions[i] is the absolute position of the token
@@ -266,4 +315,5 @@ kd_status kd_model_memory(const kd_model *m, kd_memory_report *out);
 #ifdef __cplusplus
 }
 #endif
+#pragma GCC visibility pop
 #endif

@@ -276,7 +276,7 @@ typedef struct kd_graph_entry {
 } kd_graph_entry;
 
 typedef struct kd_seq_graphs {
-    int mode;
+    kd_graphs_mode mode;
     kd_graph_entry e[KD_GRAPH_SLOTS];
     uint64_t clock;
     char *host;                   /* host image of the input span [dlen, vis + rows*words*8) */
@@ -284,19 +284,15 @@ typedef struct kd_seq_graphs {
     bool verbose;
 } kd_seq_graphs;
 
-int kd_graphs_mode_from_env(const kd_backend *be) {
+kd_graphs_mode kd_graphs_resolve(const kd_backend *be, kd_graphs_mode asked) {
     const kd_backend_ops *o = be->ops;
     if (!o->store_rows_at || !o->attention_at || !o->graph_begin || !o->graph_end || !o->graph_launch ||
         !o->graph_free || !o->graph_epoch)
         return KD_GRAPHS_OFF;
-    const char *v = getenv("KDTREE_CUDA_GRAPHS");
-    if (!v || !*v) return KD_GRAPHS_DEFAULT;
-    if (!strcmp(v, "1") || !strcmp(v, "on")) return KD_GRAPHS_ON;
-    if (!strcmp(v, "eager")) return KD_GRAPHS_EAGER;
-    return KD_GRAPHS_OFF;
+    return asked == KD_GRAPHS_DEFAULT ? KD_GRAPHS_CAPTURE : asked;
 }
 
-kd_status kd_seq_graphs_new(kd_seq *s, int mode) {
+kd_status kd_seq_graphs_new(kd_seq *s, kd_graphs_mode mode) {
     s->graphs = NULL;
     kd_fwd_plan p;
     kd_fwd_plan_make(s->model, s->out_cap, &p);
@@ -311,8 +307,7 @@ kd_status kd_seq_graphs_new(kd_seq *s, int mode) {
     g->mode = mode;
     g->host = host;
     g->host_bytes = bytes;
-    const char *v = getenv("KDTREE_CUDA_GRAPHS_VERBOSE");
-    g->verbose = v && *v && strcmp(v, "0");
+    g->verbose = s->model->opt.graphs_verbose != 0;
     s->graphs = g;
     return KD_OK;
 }
@@ -389,7 +384,7 @@ static kd_status chunk_rank(void *ctx, int r) {
     const int32_t *d_pos = (const int32_t *)(base + p->pos);
     const uint64_t *d_vis = j->masked ? (const uint64_t *)(base + p->vis) : NULL;
     if (j->span) KD_TRY(f.be->ops->upload(f.be, base + p->dlen, g->host, j->span));
-    if (!j->step || g->mode != KD_GRAPHS_ON) return forward_body(&f, j->T, d_ids, d_pos, d_vis, d_len, j->want_logits);
+    if (!j->step || g->mode != KD_GRAPHS_CAPTURE) return forward_body(&f, j->T, d_ids, d_pos, d_vis, d_len, j->want_logits);
 
     /* graph mode (one rank: kd_seq_new keeps graphs off at tp > 1) */
     kd_graph_entry *e = graph_entry(s, j->T, j->masked);

@@ -73,6 +73,7 @@ struct kd_comm;
 
 struct kd_model {
     kd_config cfg;
+    kd_model_options opt;                     /* as opened (kd_model_open checked them) */
     int tp;                                   /* ranks (1..8) */
     kd_widths split;
     kd_rank *ranks;                           /* [tp] */
@@ -104,6 +105,10 @@ typedef kd_status (*kd_rank_fn)(void *ctx, int rank);
 kd_status kd_ranks_run(kd_model *m, kd_rank_fn fn, void *ctx);
 kd_status kd_workers_start(kd_model *m);
 void kd_workers_stop(kd_model *m);
+
+/* Every field in its range, or KD_ERR_ARG naming the field (options.c). */
+kd_status kd_model_options_check(const kd_model_options *o);
+kd_status kd_seq_options_check(const kd_seq_options *o);
 
 /* Reference counting (model_load.c): kd_seq_new / kd_drafter_open take a reference with
  * m->n_seqs++; kd_seq_free / kd_drafter_close give it back with kd_model_unref(m), which
@@ -145,6 +150,7 @@ struct kd_seq {
     kd_draft_state *draft;
     /* step graphs (CUDA graphs of decode / verify steps; model.c), NULL when off */
     struct kd_seq_graphs *graphs;
+    kd_graphs_mode draft_graphs;   /* asked for the draft pass (kd_seq_options), resolved at attach */
 };
 
 /* Model forward over n tokens (internal form of kd_forward; taps_rows: which layer outputs to keep).

@@ -722,7 +722,7 @@ static kd_status open_backends(kd_model *m, const kd_model_options *opt) {
         }
 #ifdef KD_WITH_CUDA
         int dev = opt->n_device_list > 0 ? opt->devices[r] : r;
-        kd_status st = kd_backend_cuda_create(dev, &R->be);
+        kd_status st = kd_backend_cuda_create(dev, opt, &R->be);
         if (st != KD_OK && m->tp > 1) return kd_fail_context(st, "kd_model_open: rank %d of %d", r, m->tp);
         KD_TRY(st);
 #else
@@ -744,25 +744,6 @@ static kd_status open_backends(kd_model *m, const kd_model_options *opt) {
     return kd_workers_start(m);
 }
 
-static kd_status check_options(const kd_model_options *opt, int tp) {
-    if (opt->backend != KD_BACKEND_CPU && opt->backend != KD_BACKEND_CUDA)
-        return kd_fail(KD_ERR_ARG, "kd_model_open: options.backend is %d: expected KD_BACKEND_CPU (0) or KD_BACKEND_CUDA (1)",
-                       (int)opt->backend);
-    if (tp < 1 || tp > KD_TP_MAX)
-        return kd_fail(KD_ERR_ARG, "kd_model_open: options.tp is %d: expected 1..%d ranks", opt->tp, KD_TP_MAX);
-    if (opt->n_device_list < 0 || opt->n_device_list > KD_TP_MAX)
-        return kd_fail(KD_ERR_ARG, "kd_model_open: options.n_device_list is %d: expected 0..%d", opt->n_device_list,
-                       KD_TP_MAX);
-    if (opt->n_device_list > 0 && opt->n_device_list != tp)
-        return kd_fail(KD_ERR_ARG, "kd_model_open: options.devices lists %d devices for tp %d: expected one per rank",
-                       opt->n_device_list, tp);
-    for (int i = 0; i < opt->n_device_list; i++)
-        if (opt->devices[i] < 0)
-            return kd_fail(KD_ERR_ARG, "kd_model_open: options.devices[%d] is %d: expected a device index >= 0", i,
-                           opt->devices[i]);
-    return KD_OK;
-}
-
 kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_model_open: out must not be NULL");
     *out = NULL;
@@ -770,13 +751,14 @@ kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model *
     kd_model_options def;
     memset(&def, 0, sizeof def);
     if (!opt) opt = &def;
+    KD_TRY(kd_model_options_check(opt));
     int tp = opt->tp == 0 ? 1 : opt->tp;
-    KD_TRY(check_options(opt, tp));
     if (strlen(dir) >= sizeof ((kd_model *)0)->dir)
         return kd_fail(KD_ERR_ARG, "kd_model_open: directory path longer than %zu bytes", sizeof ((kd_model *)0)->dir - 1);
     kd_model *m = calloc(1, sizeof *m);
     if (!m) return kd_fail(KD_ERR_NOMEM, "kd_model_open: out of memory");
     snprintf(m->dir, sizeof m->dir, "%s", dir);
+    m->opt = *opt;
     m->tp = tp;
     m->ranks = calloc((size_t)tp, sizeof *m->ranks);
     kd_status st = m->ranks ? kd_config_load(dir, &m->cfg) : kd_fail(KD_ERR_NOMEM, "kd_model_open: out of memory");

@@ -327,7 +327,7 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
     kd_model *m = s->model;
     kd_backend *be = m->be;
     /* several ranks: logits are shards on several backends (the merge is on the host) */
-    if (m->tp > 1 || !kd_ddtree_on_device(be)) return seq_sample_host(s, sp, positions, dst);
+    if (m->tp > 1 || !kd_ddtree_on_device(m)) return seq_sample_host(s, sp, positions, dst);
     if (m->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_seq_sample: vocabulary %d above %d", m->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
     int32_t pos[KD_SEQ_MAX_ROWS], res[2 * KD_SEQ_MAX_ROWS];

@@ -9,8 +9,8 @@
  * and once:
  *   out_positions out_cap int32 on the host
  *   graphs        the forward inputs' host staging, and step graphs in graph mode (model.c)
- * out_cap = min(capacity, 1024) rows per forward chunk (env KDTREE_SEQ_ROWS lowers it,
- * for tests of the chunked path). A longer causal forward runs in chunks; a masked
+ * out_cap = min(capacity, 1024) rows per forward chunk (kd_seq_options.max_rows lowers it,
+ * for tests of the chunked path and to bound the logits' memory). A longer causal forward runs in chunks; a masked
  * (tree) forward must fit in out_cap rows. */
 #include "forward.h"
 #include "drafter.h"
@@ -76,15 +76,19 @@ static kd_status seq_rank_new(kd_seq *s, int r) {
     return KD_OK;
 }
 
-kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) {
+kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) { return kd_seq_new_opts(m, capacity, NULL, out); }
+
+kd_status kd_seq_new_opts(kd_model *m, int capacity, const kd_seq_options *opt, kd_seq **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_seq_new: out is NULL");
     *out = NULL;
     if (!m) return kd_fail(KD_ERR_ARG, "kd_seq_new: model is NULL");
     if (m->closing) return kd_fail(KD_ERR_STATE, "kd_seq_new: the model is closed");
     if (capacity <= 0) return kd_fail(KD_ERR_ARG, "kd_seq_new: capacity %d: expected a positive number of tokens", capacity);
+    const kd_seq_options o = opt ? *opt : (kd_seq_options){ 0 };
+    KD_TRY(kd_seq_options_check(&o));
     int out_cap = capacity < KD_SEQ_MAX_ROWS ? capacity : KD_SEQ_MAX_ROWS;
-    const char *env = getenv("KDTREE_SEQ_ROWS");
-    if (env && atoi(env) > 0 && atoi(env) < out_cap) out_cap = atoi(env);
+    if (o.max_rows > 0 && o.max_rows < out_cap) out_cap = o.max_rows;
+    const kd_graphs_mode graphs = o.graphs ? o.graphs : m->opt.graphs;
 
     kd_seq *s = calloc(1, sizeof *s);
     if (!s) return kd_fail(KD_ERR_NOMEM, "kd_seq_new: out of host memory");
@@ -95,6 +99,8 @@ kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) {
     kd_fwd_plan p;
     kd_fwd_plan_make(m, out_cap, &p);
     s->scratch_bytes = p.bytes;
+    /* the draft pass's mode: this sequence's, else the model's, else as the steps' */
+    s->draft_graphs = o.draft_graphs ? o.draft_graphs : m->opt.draft_graphs ? m->opt.draft_graphs : graphs;
     kd_status st = KD_OK;
     s->rk = calloc((size_t)m->tp, sizeof *s->rk);
     s->out_positions = calloc((size_t)out_cap, sizeof(int32_t));
@@ -104,7 +110,7 @@ kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) {
         if (st != KD_OK && m->tp > 1) kd_fail_context(st, "rank %d of %d", r, m->tp);
     }
     /* step graphs capture one backend's work: one rank only */
-    if (st == KD_OK) st = kd_seq_graphs_new(s, m->tp > 1 ? KD_GRAPHS_OFF : kd_graphs_mode_from_env(m->be));
+    if (st == KD_OK) st = kd_seq_graphs_new(s, m->tp > 1 ? KD_GRAPHS_OFF : kd_graphs_resolve(m->be, graphs));
     if (st != KD_OK) {
         seq_release(s);
         return st;

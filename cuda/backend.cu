@@ -367,7 +367,7 @@ static kd_backend_ops make_ops() {
 }
 static const kd_backend_ops cuda_ops = make_ops();
 
-extern "C" kd_status kd_backend_cuda_create(int device, kd_backend **out) {
+extern "C" kd_status kd_backend_cuda_create(int device, const kd_model_options *opt, kd_backend **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_backend_cuda_create: out is NULL");
     *out = NULL;
     int count = 0;
@@ -391,6 +391,11 @@ extern "C" kd_status kd_backend_cuda_create(int device, kd_backend **out) {
     be->device = device;
     be->impl = c;
     c->device = device;
+    const kd_model_options none = {};
+    if (!opt) opt = &none;
+    c->mla_tc = opt->mla_kernel != KD_MLA_CUDA_CORES;
+    c->mla_vsplit = opt->mla_value_slices == 0 ? 8 : opt->mla_value_slices < 0 ? 0 : opt->mla_value_slices;
+    c->mla_rg = opt->mla_row_groups;
     kd_status st = KD_OK;
     cudaDeviceProp prop;
     e = cudaSetDevice(device);

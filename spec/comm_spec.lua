@@ -6,7 +6,7 @@
 -- (and with every GPU when there are several); NCCL captured in a graph and replayed with new inputs.
 -- Needs CUDA and NCCL: #gpu.
 
-local sh = require("spec.helpers.sh")
+local sh = require("spec.helpers.shell")
 
 local function count(text, pattern)
   local n = 0

@@ -54,6 +54,7 @@ function kd.plan(dir, opts)
 end
 
 function kd.open_model(dir, opts) return kd.Model.open(dir, opts) end
+kd.shipped = U.shipped
 function kd.open_drafter(dir, model) return kd.Drafter.open(dir, model) end
 function kd.open_tokenizer(dir) return kd.Tokenizer.open(dir) end
 

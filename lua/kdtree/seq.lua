@@ -18,13 +18,14 @@ end
 
 local function free_seq(p) C.kd_seq_free(p) end
 
-function Seq.new(model, capacity)
+function Seq.new(model, capacity, opts)
   local mh = H.get(model, "model")
   if type(capacity) ~= "number" or capacity ~= math.floor(capacity) then
     error("kdtree: new_seq: capacity: expected an integer, got " .. tostring(capacity), 2)
   end
+  local o = require("kdtree.options").seq(opts or {})
   local out = ffi.new("kd_seq*[1]")
-  check(C.kd_seq_new(mh, capacity, out), "kd_seq_new")
+  check(C.kd_seq_new_opts(mh, capacity, o, out), "kd_seq_new")
   -- the sequence holds its model: natively (refs) and in Lua (s.model)
   local st, h = H.own(out[0], "kd_seq*", free_seq, "seq", { model._st })
   return setmetatable({ _h = h, _st = st, model = model, vocab = model.info.vocab,

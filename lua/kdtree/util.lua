@@ -97,7 +97,7 @@ function U.list_from(arr, n, offset)
   return t
 end
 
--- a kd_sampler from a Lua table {temperature=, top_k=, top_p=, seed=}; nil -> nil
+-- a kd_sampler from a Lua table {temperature=, top_k=, top_p=, min_p=, seed=}; nil -> nil
 function U.sampler(sp)
   if sp == nil then return nil end
   if type(sp) == "cdata" then return sp end
@@ -107,7 +107,24 @@ function U.sampler(sp)
   c.top_k = sp.top_k or 0
   c.top_p = sp.top_p or 1
   c.seed = sp.seed or 0
+  c.min_p = sp.min_p or 0
   return c
+end
+
+-- the path of a checkpoint shipped with kdtree ("tiny-k2.6"): models/ beside lua/ in the source
+-- tree, PREFIX/share/kdtree/models beside PREFIX/share/lua/5.1 when installed
+local lua_dir = debug.getinfo(1, "S").source:match("^@(.*)/kdtree/util%.lua$") or "."
+function U.shipped(name)
+  if type(name) ~= "string" then error("kdtree: shipped: expected a checkpoint name, got " .. type(name), 2) end
+  local tried = {}
+  for _, root in ipairs({ lua_dir .. "/../models", lua_dir .. "/../../kdtree/models" }) do
+    local dir = root .. "/" .. name
+    repeat local prev = dir; dir = dir:gsub("[^/%.][^/]*/%.%./", "", 1) until dir == prev   -- lua/../m -> m
+    local f = io.open(dir .. "/config.json")
+    if f then f:close(); return dir end
+    tried[#tried + 1] = dir
+  end
+  error("kdtree: shipped: no checkpoint '" .. name .. "' (looked in " .. table.concat(tried, ", ") .. ")", 2)
 end
 
 return U

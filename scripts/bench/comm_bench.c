@@ -91,7 +91,7 @@ static kd_status group_open(group *g, int n, int distinct) {
     g->n = n;
     for (int r = 0; r < n; r++) {
         g->devices[r] = distinct ? r : 0;
-        kd_status st = kd_backend_cuda_create(g->devices[r], &g->be[r]);
+        kd_status st = kd_backend_cuda_create(g->devices[r], NULL, &g->be[r]);
         if (st != KD_OK) {
             group_close(g);
             return st;
@@ -629,7 +629,7 @@ int main(int argc, char **argv) {
     int n_gpus = 0;
     for (int d = 0; d < 16; d++) {   /* devices that open (kd_backend_cuda_create checks the count) */
         kd_backend *be = NULL;
-        if (kd_backend_cuda_create(d, &be) != KD_OK) break;
+        if (kd_backend_cuda_create(d, NULL, &be) != KD_OK) break;
         be->ops->destroy(be);
         n_gpus++;
     }

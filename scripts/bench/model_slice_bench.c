@@ -29,7 +29,7 @@
  * CPU), summed by kind; (3) 2 warm-up steps, then N timed steps (N from --row-seconds,
  * 5..30, or --steps), each between two CUDA events on the backend's stream, the median
  * reported with the host wall time of the same steps; (4) when the library has step graphs
- * (model.c, KDTREE_CUDA_GRAPHS), the same steps on a second sequence opened in graph mode
+ * (model.c, the graphs option), the same steps on a second sequence opened in graph mode
  * (the measured one has graphs off: the wrapped ops must run from the host), counting the
  * steps that replayed a captured graph (they call no backend op).
  * Roofline: bytes the step must read (every attention, norm, dense, shared, router and
@@ -60,12 +60,13 @@
  * --tiny runs the same at the tiny dims (the CPU spec).
  *
  * Build: `make bench` (with scripts/bench/slice_cuda.cu: CUDA events and ceilings), or
- * plain C against libkdtree (host clock between syncs), as spec/model_slice_bench_spec.lua does:
- *   cc -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/model_slice_bench.c -Lbuild -lkdtree \
- *      -Wl,-rpath,$PWD/build -ldl -lm -o model_slice_bench */
+ * plain C against the engine's objects (host clock between syncs; it reaches inside the engine,
+ * and libkdtree.so exports only kdtree.h), as spec/model_slice_bench_spec.lua does:
+ *   cc -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/model_slice_bench.c build/libkdtree_internal.a \
+ *      $(cat build/engine.flags) -lm -o model_slice_bench */
+#include "forward.h"
 #include "plan.h"
 #include "error.h"
-#include <dlfcn.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -792,7 +793,7 @@ typedef struct row {
 } row;
 
 static double g_copy_gbs, g_read_gbs;
-static kd_seq *g_seq_graph;           /* a second sequence in step-graph mode (KDTREE_CUDA_GRAPHS=1), or NULL */
+static kd_seq *g_seq_graph;           /* a second sequence in step-graph mode (graphs "on"), or NULL */
 static int g_fail;                    /* failed checks (exit 1 after the tables) */
 
 static void bench_row(kd_seq *s, const opts *o, row *r, int ctx, int B) {
@@ -1083,34 +1084,15 @@ static void memory_table(const kd_model *m, int n_seqs, int capacity) {
        (unsigned long long)r.graph_fallbacks);
 }
 
-/* a sequence with KDTREE_CUDA_GRAPHS set to `mode` while kd_seq_new reads it (restored after) */
-static kd_seq *new_seq_mode(kd_model *m, int cap, const char *mode) {
-    const char *old = getenv("KDTREE_CUDA_GRAPHS");
-    char *saved = old ? strdup(old) : NULL;
-    setenv("KDTREE_CUDA_GRAPHS", mode, 1);
+/* a sequence with step graphs in `mode` (and the full 1024-row forward: a verify of 257 rows) */
+static kd_seq *new_seq_mode(kd_model *m, int cap, kd_graphs_mode mode) {
     kd_seq *s = NULL;
-    kd_status st = kd_seq_new(m, cap, &s);
-    if (saved) setenv("KDTREE_CUDA_GRAPHS", saved, 1);
-    else unsetenv("KDTREE_CUDA_GRAPHS");
-    free(saved);
-    if (st != KD_OK) die_st("kd_seq_new", __LINE__);
+    const kd_seq_options so = { .graphs = mode };
+    if (kd_seq_new_opts(m, cap, &so, &s) != KD_OK) die_st("kd_seq_new_opts", __LINE__);
     return s;
 }
-/* whether this library and backend run step graphs when KDTREE_CUDA_GRAPHS=1 (model.c's
- * kd_graphs_mode_from_env, looked up at run time: libraries without step graphs answer no) */
-static bool graphs_available(void) {
-    typedef int (*mode_fn)(const kd_backend *);
-    mode_fn f = (mode_fn)dlsym(RTLD_DEFAULT, "kd_graphs_mode_from_env");
-    if (!f) return false;
-    const char *old = getenv("KDTREE_CUDA_GRAPHS");
-    char *saved = old ? strdup(old) : NULL;
-    setenv("KDTREE_CUDA_GRAPHS", "1", 1);
-    int mode = f(g_be);
-    if (saved) setenv("KDTREE_CUDA_GRAPHS", saved, 1);
-    else unsetenv("KDTREE_CUDA_GRAPHS");
-    free(saved);
-    return mode == 1;
-}
+/* whether the backend runs step graphs (its optional graph ops: forward.h) */
+static bool graphs_available(void) { return kd_graphs_resolve(g_be, KD_GRAPHS_CAPTURE) == KD_GRAPHS_CAPTURE; }
 
 /* random latent rows [0, rows) in every layer of s's cache */
 static void fill_cache(kd_seq *s, int rows) {
@@ -1200,7 +1182,7 @@ static void projection(const opts *o) {
     if (!same) g_fail++;
 
     bool graphs = o->graphs && graphs_available();
-    kd_seq *s = new_seq_mode(m, cap, graphs ? "1" : "0");
+    kd_seq *s = new_seq_mode(m, cap, graphs ? KD_GRAPHS_CAPTURE : KD_GRAPHS_OFF);
     fill_cache(s, ctxs[1]);
     checks(s, o, ctxs[0]);
 
@@ -1296,8 +1278,8 @@ static void slice_run(const opts *o, const dims *d) {
     int nctx = o->tiny ? 2 : 3, nbud = 3, maxT = 1 + buds[nbud - 1];
     /* the measured sequence runs every op from the host (step graphs off: the profile and the
      * expert count wrap the ops); a second one in step-graph mode when the library has it */
-    kd_seq *s = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, "0");
-    if (o->graphs && graphs_available()) g_seq_graph = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, "1");
+    kd_seq *s = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, KD_GRAPHS_OFF);
+    if (o->graphs && graphs_available()) g_seq_graph = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, KD_GRAPHS_CAPTURE);
     fill_cache(s, ctxs[nctx - 1]);
     if (g_seq_graph) fill_cache(g_seq_graph, ctxs[nctx - 1]);
 
@@ -1319,7 +1301,7 @@ static void slice_run(const opts *o, const dims *d) {
        "KV of ctx + T rows in every layer; roofline = bytes / copy ceiling (%.0f GB/s).\n\n",
        g_events ? "CUDA events on the backend's stream around it" : "host clock between syncs", g_copy_gbs);
     if (g_seq_graph)
-        md("\"graph\" columns: the same steps on a second sequence opened with KDTREE_CUDA_GRAPHS=1 (step graphs: "
+        md("\"graph\" columns: the same steps on a second sequence opened with graphs on (step graphs: "
            "first run eager, second captured, then replayed); replays = timed steps that called no backend op "
            "(launched from a captured graph).\n\n");
     md("| step | ctx | T | experts read (per MoE layer) | weights read | KV read | roofline ms | step ms (median) | "
@@ -1379,7 +1361,7 @@ static void usage(void) {
            "  --steps N    exactly N timed steps per row\n"
            "  --row-seconds S  time budget per row that picks N (default 1)\n"
            "  --no-mla     skip the MLA attention rows\n"
-           "  --no-graphs  skip the step-graph column (KDTREE_CUDA_GRAPHS=1 sequence)\n"
+           "  --no-graphs  skip the step-graph column (a sequence with graphs on)\n"
            "  --tolerance X    accept a tree row within X (max |diff| / max |logit|) of its causal path\n"
            "                   (default 0: bit-identical, the engine's batch invariance)\n"
            "  --k26-rank N     the TP-N projection: all 61 layers of Kimi K2.6 at rank 0 of TP-N dims, decode and\n"
@@ -1409,21 +1391,22 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); return 0; }
         else { fprintf(stderr, "model_slice_bench: unknown or incomplete argument '%s'\n", a); usage(); return 2; }
     }
-    /* the CUDA backend, when the library has it (resolved at run time: one binary for both) */
-    typedef kd_status (*cuda_create_fn)(int, kd_backend **);
-    cuda_create_fn cuda_create = (cuda_create_fn)dlsym(RTLD_DEFAULT, "kd_backend_cuda_create");
-    if (o.cuda && !cuda_create) {
-        if (backend_given) { fprintf(stderr, "FATAL: this libkdtree has no CUDA backend\n"); return 2; }
-        o.cuda = false;
-    }
+    /* the CUDA backend, when the engine's objects have it (KD_WITH_CUDA: `make -s engine-flags`) */
+#ifdef KD_WITH_CUDA
+    (void)backend_given;   /* only a build without CUDA refuses --backend cuda */
+#else
+    if (o.cuda && backend_given) { fprintf(stderr, "FATAL: this libkdtree has no CUDA backend\n"); return 2; }
+    o.cuda = false;
+#endif
     if (o.k26_rank && !o.tiny && !o.cuda) {
         fprintf(stderr, "model_slice_bench: --k26-rank builds tens of GB of weights: it needs the CUDA backend "
                 "(or --tiny)\n");
         return 2;
     }
-    if (o.cuda) CK(cuda_create(0, &g_be));
-    else CK(kd_backend_cpu_create(&g_be));
-    unsetenv("KDTREE_SEQ_ROWS");   /* a verify of 257 rows needs the full 1024-row forward */
+#ifdef KD_WITH_CUDA
+    if (o.cuda) CK(kd_backend_cuda_create(0, NULL, &g_be));
+#endif
+    if (!o.cuda) CK(kd_backend_cpu_create(&g_be));
     const dims *d = o.tiny ? &TINY : &K26;
 
     char date[32];

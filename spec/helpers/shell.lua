@@ -1,4 +1,5 @@
--- spec/helpers/sh.lua: sh(cmd) runs a shell command and returns (exit status, stdout + stderr).
+-- spec/helpers/shell.lua: run a shell command, returning its exit status and its output
+-- (stdout and stderr together)
 return function(cmd)
   local p = io.popen(cmd .. " 2>&1; echo \"__rc=$?\"")
   local out = p:read("*a")

@@ -6,6 +6,7 @@
 #include "backend.h"
 #include "error.h"
 #include "cpu/cpu.h"
+#include "model.h"
 #include "sample.h"
 #include "comm.h"
 #include <pthread.h>
@@ -109,21 +110,25 @@ static kd_status up_weight(arena *a, const kd_test_weight *tw, const char *name,
 
 #define RUN(expr) do { st = (expr); if (st != KD_OK) goto done; } while (0)
 
-kd_status kd_test_backend_new(kd_backend_kind kind, int device, kd_test_backend **out) {
+kd_status kd_test_raw_backend_new(kd_backend_kind kind, int device, const kd_model_options *opt,
+                                  struct kd_backend **out) {
+    if (!out) return kd_fail(KD_ERR_ARG, "kd_test_raw_backend_new: out is NULL");
+    *out = NULL;
+    if (opt) KD_TRY(kd_model_options_check(opt));
+    if (kind == KD_BACKEND_CPU) return kd_backend_cpu_create(out);
+    if (kind != KD_BACKEND_CUDA) return kd_fail(KD_ERR_ARG, "kd_test_raw_backend_new: unknown backend kind %d", (int)kind);
+#ifdef KD_WITH_CUDA
+    return kd_backend_cuda_create(device, opt, out);
+#else
+    return kd_fail(KD_ERR_UNSUPPORTED, "kd_test_raw_backend_new: this build has no CUDA backend");
+#endif
+}
+
+kd_status kd_test_backend_new(kd_backend_kind kind, int device, const kd_model_options *opt, kd_test_backend **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_test_backend_new: out is NULL");
     *out = NULL;
     kd_backend *be = NULL;
-    if (kind == KD_BACKEND_CPU) {
-        KD_TRY(kd_backend_cpu_create(&be));
-    } else if (kind == KD_BACKEND_CUDA) {
-#ifdef KD_WITH_CUDA
-        KD_TRY(kd_backend_cuda_create(device, &be));
-#else
-        return kd_fail(KD_ERR_UNSUPPORTED, "kd_test_backend_new: this build has no CUDA backend");
-#endif
-    } else {
-        return kd_fail(KD_ERR_ARG, "kd_test_backend_new: unknown backend kind %d", (int)kind);
-    }
+    KD_TRY(kd_test_raw_backend_new(kind, device, opt, &be));
     kd_test_backend *tb = calloc(1, sizeof *tb);
     if (!tb) {
         be->ops->destroy(be);
@@ -545,4 +550,13 @@ kd_status kd_test_topk(kd_test_backend *tb, const float *x, int rows, int cols, 
 done:
     arena_free(&a);
     return st;
+}
+
+kd_status kd_test_rope_inv_freq(const char *dir, int dim, float *inv_freq) {
+    if (!dir || !inv_freq) return kd_fail(KD_ERR_ARG, "kd_test_rope_inv_freq: dir and inv_freq must not be NULL");
+    kd_config cfg;
+    KD_TRY(kd_config_load(dir, &cfg));
+    kd_rope_inv_freq(&cfg, dim, inv_freq);
+    kd_config_free(&cfg);
+    return KD_OK;
 }
