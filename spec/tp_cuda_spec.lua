@@ -15,7 +15,7 @@
 --   * a rank that fails mid-forward while the other waits at the loopback's barrier: the error
 --     reaches the caller (the waiting rank was released by abort), the sequence is unchanged and
 --     the model goes on with the same tokens as before (the communicator was reset).
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
 local gen = require("kdtree.generate")
 local Oracle = require("kdtree.drafters.oracle")

@@ -14,7 +14,7 @@
 --   * refusals naming the field where a width does not split, and a rank's failure reported on
 --     the caller's thread with the model and sequence still usable.
 -- Always on the CPU backend (the CUDA ranks need the NCCL communicator: a #gpu spec of its own).
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
 local gen = require("kdtree.generate")
 local Ngram = require("kdtree.drafters.ngram")
