@@ -28,6 +28,7 @@
 #include "forward.h"
 #include "graph_step.h"
 #include "error.h"
+#include "sample.h"
 #include "json.h"
 #include <math.h>
 #include <stdio.h>
@@ -947,7 +948,8 @@ kd_status kd_draft_argmax(kd_seq *s, int32_t *ids_dst) {
         return kd_fail(KD_ERR_STATE, "kd_draft_argmax: no draft since the context last changed (call kd_draft)");
     kd_backend *be = s->model->be;
     KD_TRY(be->ops->argmax(be, ds->logprobs, ds->argmax));
-    return be->ops->download(be, ids_dst, ds->argmax, (size_t)ds->logprobs.rows * sizeof(int32_t));
+    KD_TRY(be->ops->download(be, ids_dst, ds->argmax, (size_t)ds->logprobs.rows * sizeof(int32_t)));
+    return kd_argmax_check(ids_dst, ds->logprobs.rows, "kd_draft_argmax", "the drafter forward's log-prob");
 }
 
 kd_status kd_draft_logprobs(kd_seq *s, kd_act *out, int32_t *bonus) {

@@ -13,6 +13,7 @@
 #include "forward.h"
 #include "drafter.h"
 #include "error.h"
+#include "sample.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -158,7 +159,8 @@ kd_status kd_seq_argmax(kd_seq *s, int32_t *dst) {
     kd_fwd_plan_make(s->model, s->out_cap, &p);
     int32_t *d = (int32_t *)((char *)s->scratch + p.idx);
     KD_TRY(be->ops->argmax(be, kd_act_rows(s->logits, 0, s->out_rows), d));
-    return be->ops->download(be, dst, d, sizeof(int32_t) * (size_t)s->out_rows);
+    KD_TRY(be->ops->download(be, dst, d, sizeof(int32_t) * (size_t)s->out_rows));
+    return kd_argmax_check(dst, s->out_rows, "kd_seq_argmax", "the target forward's output");
 }
 
 /* the round (if any) and the pending rows are void after the cache changes shape */
