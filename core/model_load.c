@@ -498,7 +498,7 @@ kd_status kd_model_load_weights(kd_model *m) {
     if (st != KD_OK) return st;
     m->rope.dim = m->cfg.qk_rope_dim;
     m->rope.interleaved = true;
-    m->rope.attn_factor = m->cfg.rope_attn_factor;
+    m->rope.attn_factor = (float)m->cfg.rope.amp;
     m->rope.inv_freq = m->rope_inv_freq;
     return m->be->ops->sync(m->be);
 }
@@ -584,7 +584,7 @@ static void fill_info(const kd_config *c, kd_model_info *o) {
     o->max_positions = c->max_positions;
     o->rms_norm_eps = c->rms_norm_eps;
     o->routed_scaling_factor = c->routed_scaling_factor;
-    o->rope_theta = c->rope_theta;
+    o->rope_theta = (float)c->rope.theta;
     o->softmax_scale = c->softmax_scale;
     o->n_eos = c->n_eos;
     for (int i = 0; i < c->n_eos && i < 8; i++) o->eos[i] = c->eos[i];

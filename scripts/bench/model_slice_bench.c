@@ -517,7 +517,7 @@ static kd_model *build_model(const dims *d) {
     m->rope_inv_freq = dev;
     m->rope.dim = c->qk_rope_dim;
     m->rope.interleaved = true;
-    m->rope.attn_factor = c->rope_attn_factor;
+    m->rope.attn_factor = (float)c->rope.amp;
     m->rope.inv_freq = m->rope_inv_freq;
     CK(g_be->ops->sync(g_be));
     /* router logits for the expert count: up to KD_SEQ_MAX_ROWS (1024) rows */
@@ -1150,7 +1150,7 @@ int main(int argc, char **argv) {
        d->name, c->hidden, c->n_heads, c->q_lora_rank, c->kv_lora_rank, c->qk_rope_dim, c->qk_nope_dim,
        c->v_head_dim, c->vocab, c->n_layers, c->first_k_dense, c->intermediate, c->n_layers - c->first_k_dense,
        c->n_experts, c->n_experts_per_tok, c->quant_group, c->moe_intermediate, c->n_shared_experts,
-       (double)c->yarn_factor, build_s);
+       c->rope.factor, build_s);
     char hb[64];
     md("| weights | bytes |\n|---|---|\n");
     for (int k = 0; k < B_N; k++) md("| %s | %s |\n", bkind_name[k], human((double)S.bytes[k], hb, sizeof hb));
