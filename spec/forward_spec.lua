@@ -298,6 +298,7 @@ describe("target forward (" .. BACKEND .. ")", function()
     assert.matches("positions%[1%] = %-1", err)
     ok, err = pcall(s.forward, s, {})
     assert.is_false(ok)
+    assert.matches("kd_forward: 0 tokens: expected at least 1", err, 1, true)
     assert.are.equal(0, s:len())
     -- still usable
     s:forward({ 5, 6, 7 })

@@ -289,8 +289,6 @@ describe("DDTree round ops on the " .. OTHER .. " backend against the host defin
 end)
 
 describe("a DDTree round on the " .. OTHER .. " backend equals the CPU rule on the same logits #gpu", function()
-  local have = io.open("models/tiny-k2.6-dflash/config.json") ~= nil
-  local it_d = have and it or pending
   local PROMPT = { 5, 77, 300, 12, 999, 77, 300 }
 
   -- the host's accept of a verified tree: per-node targets from the downloaded logits with
@@ -334,7 +332,7 @@ describe("a DDTree round on the " .. OTHER .. " backend equals the CPU rule on t
   for _, mode in ipairs({ 1, 0 }) do
   for _, sp in ipairs({ false, { temperature = 0.8, top_k = 50, top_p = 0.95, seed = 77 },
                         { temperature = 1.3, seed = 5 } }) do
-    it_d((sp and "sampled" or "greedy") .. " rounds (drafted and planted trees), round on the "
+    it((sp and "sampled" or "greedy") .. " rounds (drafted and planted trees), round on the "
       .. (mode == 1 and "backend" or "host") .. ": accept equals the host rule round by round, and the tokens "
       .. "equal autoregressive decoding", function()
       C.kd_test_dd_force_round(mode)
@@ -381,7 +379,7 @@ describe("a DDTree round on the " .. OTHER .. " backend equals the CPU rule on t
   end
   end
 
-  it_d("a host-built tree is uploaded once and accepted the same way (round on the backend)", function()
+  it("a host-built tree is uploaded once and accepted the same way (round on the backend)", function()
     C.kd_test_dd_force_round(1)
     local m = kd.open_model("models/tiny-k2.6", { backend = OTHER })
     local s = m:new_seq(128)
