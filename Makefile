@@ -8,7 +8,9 @@ CUDA    ?= $(if $(NVCC),1,0)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 
 CFLAGS  ?= -O2 -g
-CFLAGS  += -std=c11 -D_GNU_SOURCE -fPIC -Wall -Wextra -Wno-unused-parameter -Icore
+# SAN: sanitizer flags for compiling and linking the library (test-asan sets them)
+SAN     ?=
+CFLAGS  += -std=c11 -D_GNU_SOURCE -fPIC -Wall -Wextra -Wno-unused-parameter -Icore $(SAN)
 LDLIBS  := -lcjson -lpcre2-8 -lm -lpthread
 CORE_SRC := $(wildcard core/*.c core/cpu/*.c)
 CUDA_SRC := $(wildcard cuda/*.cu)
@@ -31,13 +33,13 @@ endif
 LUAJIT  := luajit
 # Debian's busted script starts with `#!/usr/bin/env lua`: run it under LuaJIT
 BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/busted)
-DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8
+DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8 clang python3
 
-.PHONY: all test test-gpu run bench bench-trace deps install clean
+.PHONY: all test test-gpu test-asan fuzz fuzz-build run bench bench-trace deps install clean
 all: $(BUILD)/libkdtree.so
 
 $(BUILD)/libkdtree.so: $(OBJ)
-	$(CC) -shared -o $@ $^ $(LDLIBS)
+	$(CC) $(SAN) -shared -o $@ $^ $(LDLIBS)
 
 $(BUILD)/%.o: %.c $(wildcard core/*.h core/cpu/*.h)
 	@mkdir -p $(dir $@)
@@ -56,6 +58,35 @@ deps:
 
 test: deps all
 	KDTREE_LIB=$(BUILD)/libkdtree.so $(BUSTED) --exclude-tags=gpu,slow spec
+
+# test-asan: the CPU suite against the library built with ASan + UBSan (every report fatal) in
+# $(BUILD)/asan; LuaJIT is not instrumented, so the ASan runtime is preloaded into it, and
+# LeakSanitizer checks at each process's exit (busted's, and every CLI the specs run).
+ASAN_SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+ASAN_ENV := LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=1 \
+            UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+test-asan: deps
+	$(MAKE) CUDA=0 BUILD=$(BUILD)/asan SAN="$(ASAN_SAN)" all
+	$(ASAN_ENV) KDTREE_LIB=$(BUILD)/asan/libkdtree.so $(BUSTED) --exclude-tags=gpu,slow spec
+
+# fuzz: libFuzzer harnesses (fuzz/*.c; clang, ASan + UBSan) over the loaders, seeded from the
+# fixtures (fuzz/seeds.py), each for FUZZ_SECONDS (fuzz/run.sh). Crashes land in $(BUILD)/fuzz/crashes/.
+FUZZ_TARGETS := safetensors config drafter tokenizer encode
+FUZZ_SECONDS ?= 45
+FUZZ_CC      ?= clang
+FUZZ_SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+FUZZ_OBJ     := $(CORE_SRC:%.c=$(BUILD)/fuzz/%.o)
+FUZZ_BIN     := $(FUZZ_TARGETS:%=$(BUILD)/fuzz/fuzz_%)
+$(BUILD)/fuzz/%.o: %.c $(wildcard core/*.h core/cpu/*.h)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) -O1 -g -std=c11 -D_GNU_SOURCE -Icore $(FUZZ_SAN) -fsanitize=fuzzer-no-link -c -o $@ $<
+$(BUILD)/fuzz/fuzz_%: fuzz/%.c fuzz/common.h $(FUZZ_OBJ)
+	$(FUZZ_CC) -O1 -g -std=c11 -D_GNU_SOURCE -Icore $(FUZZ_SAN) -fsanitize=fuzzer -o $@ $< $(FUZZ_OBJ) $(LDLIBS)
+fuzz-build: deps $(FUZZ_BIN)
+	rm -rf $(BUILD)/fuzz/seeds && python3 fuzz/seeds.py $(BUILD)/fuzz/seeds
+fuzz: fuzz-build
+	fuzz/run.sh $(BUILD)/fuzz $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+.SECONDARY: $(FUZZ_OBJ)
 
 test-gpu: all
 	KDTREE_LIB=$(BUILD)/libkdtree.so KDTREE_BACKEND=cuda $(BUSTED) spec
