@@ -1,7 +1,8 @@
 -- nonfinite_spec: a NaN in the logits is an error naming where it appeared (the op, the row
 -- or tree node, the column), on every path that turns logits into tokens: greedy argmax
 -- (kd_seq_argmax, the AR policy, the CLI), the greedy and the sampled DDTree accept, the
--- sampler, and the drafter's argmax. The fixture is made here the real way: a temp copy of the
+-- sampler, the drafter's argmax and the trees built from its log-probs (on the backend and on
+-- the host). The fixture is made here the real way: a temp copy of the
 -- tiny K2.6 checkpoint whose lm_head row 3 holds one NaN (bf16 0x7FC0) in its safetensors
 -- data, so every logits row has NaN at column 3. Runs on the backend the suite runs on
 -- (KDTREE_BACKEND: CPU in `make test`, CUDA in `make test-gpu`). After each error the
@@ -88,6 +89,14 @@ describe("NaN in the logits (lm_head row 3 holds a NaN)", function()
     s:forward(PROMPT)
     s:draft(7, false)
     matches_all(err_of(s.draft_argmax, s), "kd_draft_argmax: the drafter forward's log-prob row 0", "is NaN")
+    -- the tree built on the backend from those log-probs: accept names the depth and rank
+    local tree = kd.tree.new()
+    tree:build_drafted(s, 16)
+    s:verify(tree)
+    matches_all(err_of(s.accept, s, tree), "kd_accept", "draft log-prob that is NaN (depth 1 rank 0)")
+    -- a tree built on the host from the downloaded log-probs (a Lua drafter's path)
+    s:truncate(3)
+    matches_all(err_of(kd.tree.build, s:draft(7), 16, { logprobs = true }), "kd_tree_build: logprobs[0][0] is NaN")
     s:close()
     for _, policy in ipairs({ "ddtree", "dflash" }) do
       local e = err_of(gen.run, m, PROMPT, { policy = policy, drafter = d, n = 6, budget = 8 })
