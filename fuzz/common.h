@@ -65,6 +65,16 @@ static inline void fuzz_write(const char *name, fuzz_part p) {
     fclose(f);
 }
 
+/* the input as two files: dir/name0 <- part 0 (the whole input when it has no FUZZ_SEP),
+ * dir/name1 <- part 1 (removed when absent) */
+static inline void fuzz_two_files(const uint8_t *data, size_t size, const char *name0, const char *name1) {
+    fuzz_part p[2];
+    fuzz_split(data, size, p, 2);
+    if (!p[0].data) p[0] = (fuzz_part){data, 0};
+    fuzz_write(name0, p[0]);
+    fuzz_write(name1, p[1]);
+}
+
 /* dir/name -> a symlink to a shipped file (the parts the input does not vary) */
 static inline void fuzz_link(const char *name, const char *target) {
     char path[512], abs_target[4096];

@@ -5,11 +5,7 @@
 #include "model.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    fuzz_part p[2];
-    fuzz_split(data, size, p, 2);
-    if (!p[0].data) p[0] = (fuzz_part){data, 0};
-    fuzz_write("config.json", p[0]);
-    fuzz_write("generation_config.json", p[1]);
+    fuzz_two_files(data, size, "config.json", "generation_config.json");
     kd_config cfg;
     if (kd_config_load(fuzz_dir(), &cfg) != KD_OK) return 0;
     float inv[2048];

@@ -5,11 +5,7 @@
 #include "kdtree.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    fuzz_part p[2];
-    fuzz_split(data, size, p, 2);
-    if (!p[0].data) p[0] = (fuzz_part){data, 0};
-    fuzz_write("config.json", p[0]);
-    fuzz_write("model.safetensors", p[1]);
+    fuzz_two_files(data, size, "config.json", "model.safetensors");
     kd_drafter *d;
     if (kd_drafter_open(fuzz_dir(), NULL, &d) != KD_OK) return 0;
     kd_drafter_info info;

@@ -5,11 +5,7 @@
 #include "kdtree.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    fuzz_part p[2];
-    fuzz_split(data, size, p, 2);
-    if (!p[0].data) p[0] = (fuzz_part){data, 0};
-    fuzz_write("tiktoken.model", p[0]);
-    fuzz_write("tokenizer_config.json", p[1]);
+    fuzz_two_files(data, size, "tiktoken.model", "tokenizer_config.json");
     kd_tokenizer *t;
     if (kd_tokenizer_open(fuzz_dir(), &t) != KD_OK) return 0;
     static const char text[] = "Hello <|im_end|> world 123 \xe4\xbd\xa0\xe5\xa5\xbd!!";
