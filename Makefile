@@ -61,9 +61,11 @@ test: deps all
 
 # test-asan: the CPU suite against the library built with ASan + UBSan (every report fatal) in
 # $(BUILD)/asan; LuaJIT is not instrumented, so the ASan runtime is preloaded into it, and
-# LeakSanitizer checks at each process's exit (busted's, and every CLI the specs run).
+# LeakSanitizer checks at each process's exit (busted's, and every CLI the specs run; the C
+# toolchain a spec runs is suppressed: scripts/sanitize/lsan.supp).
 ASAN_SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 ASAN_ENV := LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=1 \
+            LSAN_OPTIONS=suppressions=$(CURDIR)/scripts/sanitize/lsan.supp:print_suppressions=0 \
             UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 test-asan: deps
 	$(MAKE) CUDA=0 BUILD=$(BUILD)/asan SAN="$(ASAN_SAN)" all
