@@ -73,8 +73,9 @@ describe("NaN in the logits (lm_head row 3 holds a NaN)", function()
     s:forward(PROMPT)
     local tree = kd.tree.chain(7, { 8, 9 })
     s:verify(tree)
-    matches_all(err_of(s.accept, s, tree), "kd_accept", "node 0", "argmax: logits[3] is NaN")
-    matches_all(err_of(s.accept, s, tree, { temperature = 0.8, seed = 3 }), "kd_accept: node 0",
+    -- node 0 produces the token at position 4 (3 cached tokens, depth 0, + 1)
+    matches_all(err_of(s.accept, s, tree), "kd_accept", "node 0", "position 4", "argmax: logits[3] is NaN")
+    matches_all(err_of(s.accept, s, tree, { temperature = 0.8, seed = 3 }), "kd_accept: node 0 (position 4)",
                 "logits[3] is NaN")
     s:truncate(3)                     -- ends the round: the sequence takes a new forward
     s:forward({ 7 })
