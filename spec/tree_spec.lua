@@ -188,6 +188,15 @@ describe("tree invariants (no reference needed)", function()
     t:close()
   end)
 
+  it("a -inf log-prob is the lowest value there is: the finite entries pop first, then the -inf ones by rank", function()
+    local ninf = -math.huge
+    local t = kd.tree.build({ { -1, ninf, -2, ninf } }, 4, { logprobs = true })
+    assert.are.same({ 0, 2, 1, 3 }, t.tokens)
+    t:build({ { ninf, -30, ninf, -0.5 } }, 4, { logprobs = true })
+    assert.are.same({ 3, 1, 0, 2 }, t.tokens)
+    t:close()
+  end)
+
   it("a chain: root -> tokens[1] -> tokens[2] ...", function()
     local t = kd.tree.chain(7, { 10, 11, 12, 13 })
     assert.are.equal(4, t.n)
