@@ -33,9 +33,10 @@ endif
 LUAJIT  := luajit
 # Debian's busted script starts with `#!/usr/bin/env lua`: run it under LuaJIT
 BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/busted)
-DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8 clang python3
+DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8
+FUZZ_PKGS := clang python3
 
-.PHONY: all test test-gpu test-asan fuzz fuzz-build run bench bench-trace deps install clean
+.PHONY: all test test-gpu test-asan fuzz fuzz-build deps-fuzz run bench bench-trace deps install clean
 all: $(BUILD)/libkdtree.so
 
 $(BUILD)/libkdtree.so: $(OBJ)
@@ -50,11 +51,15 @@ $(BUILD)/%.o: %.cu $(wildcard core/*.h cuda/*.cuh)
 	$(NVCC) $(NVFLAGS) -c -o $@ $<
 
 # deps: the Debian packages; as root install them, otherwise print the command.
-deps:
-	@missing=""; for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+# deps-fuzz: the same for what `make fuzz` needs besides (clang's libFuzzer, python3 for the seeds)
+install_pkgs = @missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else echo "missing packages:$$missing"; echo "run: sudo apt-get install -y$$missing"; exit 1; fi; fi
+deps:
+	$(call install_pkgs,$(DEB_PKGS))
+deps-fuzz: deps
+	$(call install_pkgs,$(FUZZ_PKGS))
 
 test: deps all
 	KDTREE_LIB=$(BUILD)/libkdtree.so $(BUSTED) --exclude-tags=gpu,slow spec
@@ -84,7 +89,7 @@ $(BUILD)/fuzz/%.o: %.c $(wildcard core/*.h core/cpu/*.h)
 	$(FUZZ_CC) -O1 -g -std=c11 -D_GNU_SOURCE -Icore $(FUZZ_SAN) -fsanitize=fuzzer-no-link -c -o $@ $<
 $(BUILD)/fuzz/fuzz_%: fuzz/%.c fuzz/common.h $(FUZZ_OBJ)
 	$(FUZZ_CC) -O1 -g -std=c11 -D_GNU_SOURCE -Icore $(FUZZ_SAN) -fsanitize=fuzzer -o $@ $< $(FUZZ_OBJ) $(LDLIBS)
-fuzz-build: deps $(FUZZ_BIN)
+fuzz-build: deps-fuzz $(FUZZ_BIN)
 	rm -rf $(BUILD)/fuzz/seeds && python3 fuzz/seeds.py $(BUILD)/fuzz/seeds
 fuzz: fuzz-build
 	fuzz/run.sh $(BUILD)/fuzz $(FUZZ_SECONDS) $(FUZZ_TARGETS)
