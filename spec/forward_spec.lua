@@ -239,6 +239,32 @@ describe("target forward (" .. BACKEND .. ")", function()
     s:close()
   end)
 
+  it("a compaction of more slots than a forward's rows moves them in chunks, to the same cache", function()
+    pcall(ffi.cdef, "int setenv(const char *, const char *, int); int unsetenv(const char *);")
+    local toks = tokens(20, 5)
+    local keep = { 0, 2, 3, 5, 8, 9, 12, 15, 16 }          -- 9 slots of the 17 after slot 3
+    local function compacted(rows)
+      if rows then ffi.C.setenv("KDTREE_SEQ_ROWS", tostring(rows), 1) end
+      local ok, res = pcall(function()
+        local s = m:new_seq(40)
+        s:forward(toks)
+        s:compact(3, keep)
+        local c = {}
+        for l = 0, m.info.n_layers - 1 do c[l + 1] = s:read_cache(l, 0, s:len()) end
+        assert.are.equal(3 + #keep, s:len())
+        s:close()
+        return c
+      end)
+      ffi.C.unsetenv("KDTREE_SEQ_ROWS")
+      if not ok then error(res, 0) end
+      return res
+    end
+    local whole, chunked = compacted(nil), compacted(2)    -- chunks of 2 kept slots
+    for l = 1, #whole do
+      assert.is_true(maxdiff(whole[l], chunked[l]) <= TOL, "layer " .. (l - 1))
+    end
+  end)
+
   it("compaction to an accepted path gives the cache an autoregressive build gives", function()
     local prefix = tokens(7, 12)
     local parent = { -1, 0, 0, 1, 2, 3, 3, 5, 6 }
