@@ -188,12 +188,16 @@ describe("tree invariants (no reference needed)", function()
     t:close()
   end)
 
-  it("a -inf log-prob is the lowest value there is: the finite entries pop first, then the -inf ones by rank", function()
+  it("a -inf log-prob is the lowest value there is: every finite path pops before it", function()
     local ninf = -math.huge
-    local t = kd.tree.build({ { -1, ninf, -2, ninf } }, 4, { logprobs = true })
-    assert.are.same({ 0, 2, 1, 3 }, t.tokens)
-    t:build({ { ninf, -30, ninf, -0.5 } }, 4, { logprobs = true })
-    assert.are.same({ 3, 1, 0, 2 }, t.tokens)
+    local t = kd.tree.build({ { -1, -2, ninf, ninf } }, 4, { logprobs = true })
+    assert.are.same({ 0, 1, 2, 3 }, t.tokens)              -- siblings by rank
+    -- depth 1's second entry is -inf: both depth-2 children of node 1 (scores -1.5, -1.7) pop
+    -- before it
+    t:build({ { -1, ninf }, { -0.5, -0.7 } }, 4, { logprobs = true })
+    assert.are.same({ 0, 0, 1, 1 }, t.tokens)
+    assert.are.same({ 0, 1, 1, 0 }, t.parents)
+    assert.are.same({ 1, 2, 2, 1 }, t.depths)
     t:close()
   end)
 
