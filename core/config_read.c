@@ -51,6 +51,19 @@ static const cJSON *field_of(const cJSON *o, const char *field) {
     return j && !cJSON_IsNull(j) ? j : NULL;
 }
 
+kd_status kd_cfg_int_value(const kd_cfg_ctx *c, const cJSON *j, const char *field, int item, int lo, int hi, int *out) {
+    char v[64], at[24] = "";
+    if (item >= 0) snprintf(at, sizeof at, "[%d]", item);
+    if (!cJSON_IsNumber(j) || j->valuedouble != floor(j->valuedouble))
+        return kd_fail(KD_ERR_CONFIG, "%s: field '%s%s%s' is %s: expected an integer", c->path, c->where, field, at,
+                       kd_json_value_text(j, v, sizeof v));
+    if (!(j->valuedouble >= lo && j->valuedouble <= hi))
+        return kd_fail(KD_ERR_CONFIG, "%s: field '%s%s%s' is %s: expected an integer in %d..%d", c->path, c->where, field,
+                       at, kd_json_value_text(j, v, sizeof v), lo, hi);
+    *out = (int)j->valuedouble;
+    return KD_OK;
+}
+
 kd_status kd_cfg_int(const kd_cfg_ctx *c, const cJSON *o, const char *field, bool required, int def, int lo, int hi,
                      int *out) {
     const cJSON *j = field_of(o, field);
@@ -59,15 +72,7 @@ kd_status kd_cfg_int(const kd_cfg_ctx *c, const cJSON *o, const char *field, boo
         *out = def;
         return KD_OK;
     }
-    char v[64];
-    if (!cJSON_IsNumber(j) || j->valuedouble != floor(j->valuedouble))
-        return kd_fail(KD_ERR_CONFIG, "%s: field '%s%s' is %s: expected an integer", c->path, c->where, field,
-                       kd_json_value_text(j, v, sizeof v));
-    if (!(j->valuedouble >= lo && j->valuedouble <= hi))
-        return kd_fail(KD_ERR_CONFIG, "%s: field '%s%s' is %s: expected an integer in %d..%d", c->path, c->where, field,
-                       kd_json_value_text(j, v, sizeof v), lo, hi);
-    *out = (int)j->valuedouble;
-    return KD_OK;
+    return kd_cfg_int_value(c, j, field, -1, lo, hi, out);
 }
 
 kd_status kd_cfg_double(const kd_cfg_ctx *c, const cJSON *o, const char *field, double def, bool positive, double *out) {

@@ -22,6 +22,8 @@ const char *kd_json_value_text(const cJSON *j, char *buf, size_t cap);
 /* An integer field in [lo, hi]. Missing or null: an error when required, else def. */
 kd_status kd_cfg_int(const kd_cfg_ctx *c, const cJSON *o, const char *field, bool required, int def, int lo, int hi,
                      int *out);
+/* the same for a value already found: j is field (item >= 0: its item [item]) */
+kd_status kd_cfg_int_value(const kd_cfg_ctx *c, const cJSON *j, const char *field, int item, int lo, int hi, int *out);
 /* A number that stays finite as a float (1e300 is refused), and when `positive` stays above
  * 0 as a float (1e-300 is refused, quoted as written). Missing or null: def. */
 kd_status kd_cfg_float(const kd_cfg_ctx *c, const cJSON *o, const char *field, double def, bool positive, float *out);

@@ -190,13 +190,8 @@ static kd_status parse_config(const char *dir, kd_dcfg *c) {
         }
         c->n_taps = n;
         for (int i = 0; i < n; i++) {
-            const cJSON *e = cJSON_GetArrayItem(tl, i);
-            if (!cJSON_IsNumber(e) || e->valuedouble != floor(e->valuedouble) || e->valuedouble < 0) {
-                st = kd_fail(KD_ERR_CONFIG, "%s: field 'dflash_config.target_layer_ids[%d]': expected a "
-                             "non-negative integer", file, i);
-                goto done;
-            }
-            c->taps[i] = (int)e->valuedouble;
+            /* in the target's layers: check_target */
+            CK(kd_cfg_int_value(&cd, cJSON_GetArrayItem(tl, i), "target_layer_ids", i, 0, INT_MAX, &c->taps[i]));
         }
     } else {
         if (c->num_target_layers <= 0) {
