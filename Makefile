@@ -1,26 +1,44 @@
 # kdtree: build, test, run, bench, deps, install, clean.
-# `make` builds libkdtree.so (C core + CPU backend, + the CUDA backend when nvcc is found).
+# `make` builds libkdtree.so: the C core and the CPU backend, plus the CUDA backend when nvcc is
+# found (CUDA=0 leaves it out, CUDA=1 insists on it); it exports exactly the functions of
+# core/kdtree.h. The specs run against libkdtree_test.so: the same objects plus the test surface
+# of spec/c/ (op harness, fault injection, graph emulation), which no installed file contains.
+# CUDA_ARCHS lists the GPU architectures compiled (machine code for each, PTX for the last one):
+# "90 120" = H100/H200 and RTX PRO 6000 Blackwell. A change of CUDA, CUDA_ARCHS, CC, CFLAGS or
+# NVFLAGS rebuilds every object (build/config.stamp records the last one).
 PREFIX  ?= /usr/local
 DESTDIR ?=
 CC      ?= cc
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA    ?= $(if $(NVCC),1,0)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CUDA_ARCHS ?= 90 120
+JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
+# the model `make run` decodes with, and its drafter
+RUN_MODEL ?= models/tiny-k2.6
+RUN_DRAFT ?= models/tiny-k2.6-dflash
+# the library's version: kd_version() in core/error.c is the one place it is written
+VERSION := $(shell sed -n 's/.*kd_version(void) { return "\([0-9.]*\)".*/\1/p' core/error.c)
+SOVERSION := $(firstword $(subst ., ,$(VERSION)))
 
 CFLAGS  ?= -O2 -g
 # SAN: sanitizer flags for compiling and linking the library (test-asan sets them)
 SAN     ?=
 CFLAGS  += -std=c11 -D_GNU_SOURCE -fPIC -Wall -Wextra -Wno-unused-parameter -Icore $(SAN)
+# the library's own objects: nothing exported but what the version script names
+HIDDEN  := -fvisibility=hidden
 LDLIBS  := -lcjson -lpcre2-8 -lm -lpthread
 CORE_SRC := $(wildcard core/*.c core/cpu/*.c)
 CUDA_SRC := $(wildcard cuda/*.cu)
 BUILD   := build
 CORE_OBJ := $(CORE_SRC:%.c=$(BUILD)/%.o)
 CUDA_OBJ := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
-# sm_90 (H200) and sm_120 (RTX PRO 6000 Blackwell) machine code, plus sm_120 PTX for newer parts
-NVFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -Icore -lineinfo \
-           -gencode arch=compute_90,code=sm_90 -gencode arch=compute_120,code=sm_120 \
-           -gencode arch=compute_120,code=compute_120
+TEST_SRC := $(wildcard spec/c/*.c)
+TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
+# machine code for every architecture of CUDA_ARCHS, plus PTX of the last one for newer parts
+NVFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -Icore -lineinfo \
+           $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+           -gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
 
 ifeq ($(CUDA),1)
   CFLAGS += -DKD_WITH_CUDA
@@ -33,20 +51,59 @@ endif
 LUAJIT  := luajit
 # Debian's busted script starts with `#!/usr/bin/env lua`: run it under LuaJIT
 BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/busted)
-DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8
+DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8 pkg-config
 FUZZ_PKGS := clang python3
 
-.PHONY: all test test-gpu test-asan fuzz fuzz-build deps-fuzz run bench bench-trace deps install clean
-all: $(BUILD)/libkdtree.so
+.PHONY: all test test-gpu test-asan fuzz fuzz-build deps-fuzz run bench bench-trace deps install clean FORCE
+all: $(BUILD)/libkdtree.so $(BUILD)/libkdtree_test.so $(BUILD)/libkdtree_internal.a
 
-$(BUILD)/libkdtree.so: $(OBJ)
+# The configuration of this build, rewritten (and so newer than every object) only when it
+# changes: objects depend on it, so `make CUDA=0` then `make` cannot link CPU-built objects
+# into a CUDA library. Each make says which backends it builds and how to change that.
+CONFIG := CUDA=$(CUDA) CC=$(CC) CFLAGS=$(CFLAGS)$(if $(filter 1,$(CUDA)), CUDA_ARCHS=$(CUDA_ARCHS) NVFLAGS=$(NVFLAGS))
+STAMP  := $(BUILD)/config.stamp
+ifeq ($(CUDA),1)
+  BACKENDS_MSG := cpu + cuda (sm $(CUDA_ARCHS), $(NVCC)); CPU only: make CUDA=0; other GPUs: make CUDA_ARCHS="90 120"
+else
+  BACKENDS_MSG := cpu only$(if $(NVCC),, (no nvcc found)); with CUDA: make CUDA=1 (CUDA_ARCHS="90 120" picks the GPUs)
+endif
+$(STAMP): FORCE
+	@mkdir -p $(BUILD)
+	@echo 'kdtree: backends $(BACKENDS_MSG)'
+	@if ! echo '$(CONFIG)' | cmp -s - $@; then \
+	  [ -f $@ ] && echo 'kdtree: the configuration changed: rebuilding every object'; echo '$(CONFIG)' > $@; fi
+
+# the version script: every function declared in kdtree.h (a declaration starts a line with its
+# return type; comments and continuation lines start with a blank or '/'), all else local
+$(BUILD)/kdtree.map: core/kdtree.h
+	@mkdir -p $(dir $@)
+	{ echo '{ global:'; sed -n 's/^[a-z][^(]*[ *]\(kd_[a-z0-9_]*\)(.*/  \1;/p' $<; echo 'local: *; };'; } > $@
+
+# SONAME libkdtree.so.$(SOVERSION); the build directory's link of that name lets programs
+# linked against build/libkdtree.so run from there
+$(BUILD)/libkdtree.so: $(OBJ) $(BUILD)/kdtree.map
+	$(CC) $(SAN) -shared -Wl,-soname,libkdtree.so.$(SOVERSION) -Wl,--version-script=$(BUILD)/kdtree.map -o $@ $(OBJ) $(LDLIBS)
+	@ln -sf libkdtree.so $(BUILD)/libkdtree.so.$(SOVERSION)
+
+$(BUILD)/libkdtree_test.so: $(OBJ) $(TEST_OBJ)
 	$(CC) $(SAN) -shared -o $@ $^ $(LDLIBS)
 
-$(BUILD)/%.o: %.c $(wildcard core/*.h core/cpu/*.h)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -c -o $@ $<
+# the engine's objects for programs that reach inside it (benches: backend ops, config, weights),
+# linked statically with the flags written beside it (engine.flags: KD_WITH_CUDA when the
+# objects have the CUDA backend, and the libraries)
+$(BUILD)/libkdtree_internal.a: $(OBJ)
+	rm -f $@ && ar rcs $@ $^
+	echo $(filter -DKD_WITH_CUDA,$(CFLAGS)) $(LDLIBS) > $(BUILD)/engine.flags
 
-$(BUILD)/%.o: %.cu $(wildcard core/*.h cuda/*.cuh)
+$(BUILD)/core/%.o: core/%.c $(wildcard core/*.h core/cpu/*.h) $(STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(HIDDEN) -c -o $@ $<
+
+$(BUILD)/spec/c/%.o: spec/c/%.c $(wildcard core/*.h core/cpu/*.h spec/c/*.h) $(STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Ispec/c -c -o $@ $<
+
+$(BUILD)/%.o: %.cu $(wildcard core/*.h cuda/*.cuh) $(STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c -o $@ $<
 
@@ -61,8 +118,12 @@ deps:
 deps-fuzz: deps
 	$(call install_pkgs,$(FUZZ_PKGS))
 
-test: deps all
-	KDTREE_LIB=$(BUILD)/libkdtree.so $(BUSTED) --exclude-tags=gpu,slow spec
+# run and test build in parallel ($(JOBS) jobs: the CUDA fat binary takes minutes serially);
+# the specs load libkdtree_test.so (the library plus spec/c's test surface)
+test: deps
+	@$(MAKE) --no-print-directory -j$(JOBS) all $(EXAMPLE)
+	$(EXAMPLE) $(RUN_MODEL) $(RUN_DRAFT)
+	KDTREE_LIB=$(BUILD)/libkdtree_test.so $(BUSTED) --exclude-tags=gpu,slow spec
 
 # test-asan: the CPU suite against the library built with ASan + UBSan (every report fatal) in
 # $(BUILD)/asan; LuaJIT is not instrumented, so the ASan runtime is preloaded into it, and
@@ -73,8 +134,8 @@ ASAN_ENV := LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) ASAN_OPTIONS=detect
             LSAN_OPTIONS=suppressions=$(CURDIR)/scripts/sanitize/lsan.supp:print_suppressions=0 \
             UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 test-asan: deps
-	$(MAKE) CUDA=0 BUILD=$(BUILD)/asan SAN="$(ASAN_SAN)" all
-	$(ASAN_ENV) KDTREE_LIB=$(BUILD)/asan/libkdtree.so $(BUSTED) --exclude-tags=gpu,slow spec
+	$(MAKE) --no-print-directory -j$(JOBS) CUDA=0 BUILD=$(BUILD)/asan SAN="$(ASAN_SAN)" all
+	$(ASAN_ENV) KDTREE_LIB=$(BUILD)/asan/libkdtree_test.so $(BUSTED) --exclude-tags=gpu,slow spec
 
 # fuzz: libFuzzer harnesses (fuzz/*.c; clang, ASan + UBSan) over the loaders, seeded from the
 # fixtures (fuzz/seeds.py), each for FUZZ_SECONDS (fuzz/run.sh). Crashes land in $(BUILD)/fuzz/crashes/.
@@ -95,12 +156,21 @@ fuzz: fuzz-build
 	fuzz/run.sh $(BUILD)/fuzz $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 .SECONDARY: $(FUZZ_OBJ)
 
-test-gpu: all
-	KDTREE_LIB=$(BUILD)/libkdtree.so KDTREE_BACKEND=cuda $(BUSTED) spec
+test-gpu:
+	@$(MAKE) --no-print-directory -j$(JOBS) all $(EXAMPLE)
+	$(EXAMPLE) $(RUN_MODEL) $(RUN_DRAFT) cuda
+	KDTREE_LIB=$(BUILD)/libkdtree_test.so KDTREE_BACKEND=cuda $(BUSTED) spec
 
-run: deps all
-	KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/kdtree generate --model models/tiny-k2.6 \
-	  --draft models/tiny-k2.6-dflash --policy ddtree --budget 16 --prompt-ids 5,77,300 -n 32 --stats
+run: deps
+	@$(MAKE) --no-print-directory -j$(JOBS) all
+	KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/kdtree generate --model $(RUN_MODEL) \
+	  --draft $(RUN_DRAFT) --policy ddtree --budget 16 --chat 'Tell me about trees.' -n 48 --compare-ar
+
+# the C API's example program: a whole DDTree decode against kdtree.h (docs/c-api.md)
+EXAMPLE := $(BUILD)/examples/ddtree
+$(EXAMPLE): scripts/examples/ddtree.c core/kdtree.h $(BUILD)/libkdtree.so
+	@mkdir -p $(dir $@)
+	$(CC) -O2 -std=c11 -Wall -Wextra -Icore -o $@ $< -L$(BUILD) -lkdtree -Wl,-rpath,$(abspath $(BUILD))
 
 # bench (GPU machine, one run): the W4A16 program first (ceilings measured in the same run:
 # D2D copy, a read-only kernel, cuBLAS bf16 8192^3; fp64 checks; GEMM and MoE timings; it
@@ -116,13 +186,14 @@ $(BENCH_W4): scripts/bench/w4a16_bench.cu cuda/w4a16.cuh $(W4_OBJS)
 # Then the decode step of a K2.6-dims model slice (1 dense + 3 MoE layers, random weights built
 # in memory) against its weight-bytes roofline, and the MLA attention rows: $(BUILD)/bench/model_slice.md.
 BENCH_SLICE := $(BUILD)/bench/model_slice_bench
+# The benches that reach inside the engine (backend ops, config, weights) link its objects: the
+# shared library exports only kdtree.h.
 $(BENCH_SLICE): scripts/bench/model_slice_bench.c scripts/bench/slice_cuda.cu scripts/bench/slice_cuda.h \
-                $(BUILD)/libkdtree.so
+                $(BUILD)/libkdtree_internal.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c -o $(BUILD)/bench/slice_cuda.o scripts/bench/slice_cuda.cu
-	$(CC) -O2 -g -std=c11 -D_GNU_SOURCE -DKD_SLICE_EVENTS -Icore -Iscripts/bench scripts/bench/model_slice_bench.c \
-	  $(BUILD)/bench/slice_cuda.o -L$(BUILD) -lkdtree -Wl,-rpath,$(abspath $(BUILD)) \
-	  -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ -ldl -lm -o $@
+	$(CC) -O2 -g -std=c11 -D_GNU_SOURCE $(filter -DKD_WITH_CUDA,$(CFLAGS)) -DKD_SLICE_EVENTS -Icore -Iscripts/bench \
+	  scripts/bench/model_slice_bench.c $(BUILD)/bench/slice_cuda.o $(BUILD)/libkdtree_internal.a $(LDLIBS) -lnccl -ldl -o $@
 
 # The small-M INT4 kernel's launch timeline (%globaltimer per block at six points, 32 launches
 # in a graph with PDL): w4a16_skinny.cu built again with KD_W4A16_TRACE, apart from the library.
@@ -139,22 +210,35 @@ bench-trace: $(BENCH_TRACE)
 
 bench: $(BENCH_W4)
 	$(BENCH_W4) --md $(BUILD)/bench/w4a16.md
-	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c -L$(BUILD) -lkdtree \
-	  -Wl,-rpath,$(CURDIR)/$(BUILD) -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench
+	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c $(BUILD)/libkdtree_internal.a $(LDLIBS) \
+	  -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench
 	-$(MAKE) $(BENCH_SLICE) && $(BENCH_SLICE) --md $(BUILD)/bench/model_slice.md
 	-mkdir -p $(BUILD)/bench && KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/bench/memory_report.lua --md $(BUILD)/bench/memory.md
 
+# install: the library (libkdtree.so.VERSION, with the SONAME link and the development link), the
+# header, kdtree.pc, the Lua modules under share/lua/5.1 (LuaJIT's own search path for
+# /usr/local and /usr), the CLI and the shipped tiny models; then a line on LUA_PATH when this
+# LuaJIT would not find the modules under PREFIX.
+LUA_DIR := $(PREFIX)/share/lua/5.1
 install: all
-	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin \
-	  $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/policy $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/drafters \
+	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin \
+	  $(DESTDIR)$(LUA_DIR)/kdtree/policy $(DESTDIR)$(LUA_DIR)/kdtree/drafters \
 	  $(DESTDIR)$(PREFIX)/share/kdtree/models
-	install -m 644 $(BUILD)/libkdtree.so $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(BUILD)/libkdtree.so $(DESTDIR)$(PREFIX)/lib/libkdtree.so.$(VERSION)
+	ln -sf libkdtree.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libkdtree.so.$(SOVERSION)
+	ln -sf libkdtree.so.$(SOVERSION) $(DESTDIR)$(PREFIX)/lib/libkdtree.so
 	install -m 644 core/kdtree.h $(DESTDIR)$(PREFIX)/include/
+	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: kdtree\nDescription: %s\nVersion: %s\nLibs: -L$${libdir} -lkdtree\nCflags: -I$${includedir}\n' \
+	  '$(PREFIX)' 'Kimi K2.6 inference with DDTree speculative decoding' '$(VERSION)' \
+	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/kdtree.pc
 	install -m 644 lua/kdtree/*.lua $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/
 	install -m 644 lua/kdtree/policy/*.lua $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/policy/
 	install -m 644 lua/kdtree/drafters/*.lua $(DESTDIR)$(PREFIX)/share/lua/5.1/kdtree/drafters/
 	install -m 755 scripts/kdtree $(DESTDIR)$(PREFIX)/bin/kdtree
 	cp -r models/tiny-k2.6 models/tiny-k2.6-dflash $(DESTDIR)$(PREFIX)/share/kdtree/models/
+	@if ! $(LUAJIT) -e 'os.exit(package.path:find("$(LUA_DIR)/?.lua", 1, true) and 0 or 1)' 2>/dev/null; then \
+	  echo 'kdtree: $(LUAJIT) does not search $(LUA_DIR); for require("kdtree") add to your shell profile:'; \
+	  echo '  export LUA_PATH="$(LUA_DIR)/?.lua;$(LUA_DIR)/?/init.lua;;"'; fi
 
 clean:
 	rm -rf $(BUILD)

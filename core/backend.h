@@ -27,9 +27,14 @@ typedef struct kd_weight {
     int group;               /* INT4: scale group along cols */
     const void *src;         /* mapped checkpoint bytes: bf16/f32 [rows, cols], or int32 [rows, cols/8] */
     const void *src_scale;   /* INT4: bf16 [rows, cols/group] */
+    int64_t ld;              /* elements from one row of src to the next: the full tensor's width when the
+                              * weight is a column slice of it (a rank's part of o_proj or down; INT4 codes
+                              * then step ld/8 words and scales ld/group); 0 = cols (rows are packed) */
     void *dev;               /* the backend's form; CPU uses src directly */
     void *dev_scale;
 } kd_weight;
+/* the row stride of w->src in elements (kd_weight.ld) */
+static inline int64_t kd_weight_ld(const kd_weight *w) { return w->ld ? w->ld : w->cols; }
 /* a weight's bytes as the checkpoint stores them: its values, and (INT4) its bf16 scales */
 static inline uint64_t kd_weight_value_bytes(const kd_weight *w) {
     uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
@@ -216,7 +221,9 @@ struct kd_backend {
 };
 
 kd_status kd_backend_cpu_create(kd_backend **out);
-kd_status kd_backend_cuda_create(int device, kd_backend **out);   /* UNSUPPORTED without CUDA */
+/* opt: the MLA kernel fields (mla_kernel, mla_value_slices, mla_row_groups), checked by
+ * kd_model_options_check; NULL = the defaults */
+kd_status kd_backend_cuda_create(int device, const kd_model_options *opt, kd_backend **out);   /* UNSUPPORTED without CUDA */
 
 /* helpers shared by both backends and the model code */
 static inline kd_act kd_act_cols(kd_act a, int col0, int ncols) {

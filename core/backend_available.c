@@ -9,7 +9,7 @@ int kd_backend_available(kd_backend_kind kind) {
     if (kind == KD_BACKEND_CUDA) {
 #ifdef KD_WITH_CUDA
         kd_backend *be = NULL;
-        if (kd_backend_cuda_create(0, &be) != KD_OK || !be) return 0;
+        if (kd_backend_cuda_create(0, NULL, &be) != KD_OK || !be) return 0;
         be->ops->destroy(be);
         return 1;
 #else

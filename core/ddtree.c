@@ -30,6 +30,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+/* the round on the backend's ops: one rank only (at tp > 1 the logits are shards on several
+ * backends, and the targets come from the merged argmax / sampling on the host) */
+static bool round_on_device(const kd_seq *s) {
+    return s->model->tp == 1 && kd_ddtree_on_device(s->model);
+}
+
 enum { ACCEPT_MAX = (int)(sizeof(((kd_seq *)0)->accepted) / sizeof(int32_t)) };
 
 static const char *phase_name(kd_seq_phase p) {
@@ -77,9 +83,9 @@ static kd_status verify_host_tree(kd_seq *s, kd_tree *t, int T) {
     if (st == KD_OK) {
         for (int i = 0; i < T; i++) pos[i] = s->len + t->depth[i];
         kd_tree_mask(t->parent, t->n, vis);
-        if (kd_ddtree_on_device(s->model->be)) st = kd_tree_to_backend(t, s->model, "kd_verify");
+        if (round_on_device(s)) st = kd_tree_to_backend(t, s->model, "kd_verify");
     }
-    if (st == KD_OK && kd_ddtree_on_device(s->model->be)) {
+    if (st == KD_OK && round_on_device(s)) {
         kd_backend *be = s->model->be;
         st = be->ops->tree_stage(be, &t->dev, t->n, t->token[0], s->len, NULL, NULL, NULL);
     }
@@ -98,7 +104,7 @@ static kd_status verify_dev_tree(kd_seq *s, kd_tree *t, int T) {
     kd_backend *be = s->model->be;
     kd_fwd_plan p;
     kd_fwd_plan_make(s->model, s->out_cap, &p);
-    char *sc = (char *)s->scratch;
+    char *sc = (char *)s->rk[0].scratch;
     uint64_t *d_vis = (uint64_t *)(sc + p.vis);
     KD_TRY(be->ops->tree_stage(be, &t->dev, t->n, t->token[0], s->len, (int32_t *)(sc + p.ids),
                                (int32_t *)(sc + p.pos), d_vis));
@@ -123,7 +129,8 @@ kd_status kd_verify(kd_seq *s, kd_tree *t) {
         return kd_fail(KD_ERR_ARG, "kd_verify: tree depth %d: expected at most %d (longest accepted path)",
                        t->depth_bound, ACCEPT_MAX - 1);
     int T = t->n + 1;
-    if (!t->host_valid && t->model != s->model) KD_TRY(kd_tree_host(t, "kd_verify"));   /* built on another backend */
+    /* built on another backend, or for several ranks (each gets the host arrays) */
+    if (!t->host_valid && (t->model != s->model || s->model->tp > 1)) KD_TRY(kd_tree_host(t, "kd_verify"));
     kd_status st = t->host_valid ? verify_host_tree(s, t, T) : verify_dev_tree(s, t, T);
     if (st != KD_OK) return st;
     s->phase = KD_PHASE_VERIFIED;
@@ -147,10 +154,8 @@ typedef struct targets {
 
 static kd_status target_of(targets *g, int node, int32_t *tok) {
     if (g->greedy) { *tok = g->greedy[node]; return KD_OK; }
-    int V = g->s->model->cfg.vocab;
     int32_t pos = g->s->len + g->t->depth[node] + 1;
-    KD_TRY(kd_seq_logits(g->s, node, 1, g->row));
-    kd_status st = kd_sample_row(g->row, V, g->sp, pos, g->q, g->a, tok);
+    kd_status st = kd_seq_sample_row(g->s, node, g->sp, pos, g->row, g->q, g->a, tok);
     if (st != KD_OK) return kd_fail_context(st, "kd_accept: node %d (position %d)", node, (int)pos);
     return KD_OK;
 }
@@ -168,7 +173,7 @@ static kd_status accept_host(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_
     } else {
         g.row = malloc(sizeof(float) * (size_t)V);
         g.q = malloc(sizeof(uint64_t) * (size_t)V);
-        g.a = malloc(sizeof(int32_t) * (size_t)V);
+        g.a = malloc(sizeof(int32_t) * 2 * (size_t)V);
         if (!g.row || !g.q || !g.a) st = kd_fail(KD_ERR_NOMEM, "kd_accept: cannot allocate sampling scratch (vocab %d)", V);
     }
     int tau = 0;
@@ -204,7 +209,7 @@ static kd_status accept_device(kd_seq *s, kd_tree *t, const kd_sampler *sp, int3
     int n = t->n, T = n + 1;
     if (s->model->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_accept: vocabulary %d above %d", s->model->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
-    kd_act rows = kd_act_rows(s->logits, 0, T);
+    kd_act rows = kd_act_rows(s->rk[0].logits, 0, T);
     bool greedy = kd_sampler_is_greedy(sp);
     if (greedy) KD_TRY(be->ops->argmax(be, rows, d->target));
     else KD_TRY(be->ops->sample_rows(be, rows, sp, d->pos, 1, d->target, d->row_status));
@@ -266,7 +271,7 @@ kd_status kd_accept(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_t *accept
     KD_TRY(check_round_tree(s, t, "kd_accept"));
     int32_t acc[ACCEPT_MAX], toks[ACCEPT_MAX], next = -1;
     int tau = 0;
-    bool on_device = kd_ddtree_on_device(s->model->be);
+    bool on_device = round_on_device(s);
     KD_TRY(on_device ? accept_device(s, t, sp, acc, toks, &tau, &next) : accept_host(s, t, sp, acc, toks, &tau, &next));
     for (int i = 0; i < tau; i++) {
         s->accepted[i] = acc[i];

@@ -86,7 +86,7 @@ struct kd_draft_state {
     int32_t *argmax;            /* backend memory: bs-1 ids, kd_draft_argmax */
     int32_t bonus;              /* the root token of the last draft */
     bool have_logprobs;
-    int graph_mode;             /* KD_GRAPHS_* (forward.h), read at attach */
+    kd_graphs_mode graph_mode;  /* resolved at attach (forward.h) */
     bool graph_verbose;
     kd_graph_slot graph;        /* the captured draft pass */
 };
@@ -581,11 +581,8 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
         st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: out of host memory for the draft input staging");
         goto fail;
     }
-    ds->graph_mode = kd_graphs_mode_from_env(be);
-    const char *dg = getenv("KDTREE_CUDA_DRAFT_GRAPHS");
-    if (dg && (!strcmp(dg, "0") || !strcmp(dg, "off"))) ds->graph_mode = KD_GRAPHS_OFF;
-    const char *vb = getenv("KDTREE_CUDA_GRAPHS_VERBOSE");
-    ds->graph_verbose = vb && *vb && strcmp(vb, "0");
+    ds->graph_mode = kd_graphs_resolve(be, s->draft_graphs);
+    ds->graph_verbose = s->model->opt.graphs_verbose != 0;
     ds->logprobs.rows = bs - 1;
     ds->logprobs.cols = ds->logprobs.ld = V;
     ds->logprobs.dtype = KD_F32;
@@ -715,7 +712,7 @@ static kd_status draft_body(kd_seq *s, int p0, const int32_t *d_len) {
     int bs = c->block_size, nh = c->n_heads, kvh = c->n_kv_heads, hd = c->head_dim;
     kd_status st;
 #define T(expr, what) do { st = (expr); if (st != KD_OK) return kd_fail_context(st, "kd_draft: %s", what); } while (0)
-    T(op->embed(be, &m->embed, ds->ids, ds->x), "embed (target table)");
+    T(op->embed(be, &m->ranks[0].embed, ds->ids, ds->x), "embed (target table)");
     kd_act qh = {.data = ds->q.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = ds->q.dtype};
     kd_act kt = kd_act_rows(ds->kt, 0, bs);
     kd_act kt_h = {.data = kt.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = kt.dtype};
@@ -762,7 +759,7 @@ static kd_status draft_body(kd_seq *s, int p0, const int32_t *d_len) {
     /* rows 1..bs-1 (the MASK positions) -> norm -> target lm_head -> log_softmax */
     kd_act y = kd_act_rows(ds->h, 0, bs - 1);
     T(op->rmsnorm(be, kd_act_rows(ds->x, 1, bs - 1), &d->norm, c->eps, y), "norm");
-    T(op->linear(be, y, &m->lm_head, ds->logprobs), "lm_head (target)");
+    T(op->linear(be, y, kd_model_full_head(m), ds->logprobs), "lm_head (target)");
     T(op->log_softmax(be, ds->logprobs), "log_softmax");
 #undef T
     return KD_OK;
@@ -796,7 +793,7 @@ kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst) {
     h[IN_DLEN] = p0;
     for (int i = 0; i < bs; i++) { h[IN_IDS + i] = i ? c->mask_token_id : bonus; h[ip + i] = p0 + i; }
     T(be->ops->upload(be, ds->in, h, (size_t)(ip + bs) * sizeof(int32_t)), "upload inputs");
-    if (ds->graph_mode == KD_GRAPHS_ON) {
+    if (ds->graph_mode == KD_GRAPHS_CAPTURE) {
         char what[64];
         if (ds->graph_verbose) snprintf(what, sizeof what, "draft pass (%d rows)", bs);
         KD_TRY(kd_graph_run(m, &ds->graph, draft_body_at, s, ds->graph_verbose ? what : NULL));

@@ -31,24 +31,25 @@ typedef struct kd_fwd_plan {
 } kd_fwd_plan;
 
 void kd_fwd_plan_make(const kd_model *m, int rows, kd_fwd_plan *p);
-/* the scratch region at byte offset off as an activation view [rows, cols] (ld = cols) */
-kd_act kd_fwd_act(const kd_seq *s, size_t off, int rows, int cols, kd_dtype dt);
+/* the same plan from a config, one rank's widths (model.h: kd_widths; the whole model's at tp = 1)
+ * and an activation size in bytes: kd_fwd_plan_make for a loaded model, kd_plan for a rank's scratch */
+void kd_fwd_plan_of(const kd_config *c, const kd_widths *w, size_t act_size, int rows, kd_fwd_plan *p);
+/* the region at byte offset off of a rank's scratch as an activation view [rows, cols] (ld = cols) */
+kd_act kd_fwd_act(void *scratch, size_t off, int rows, int cols, kd_dtype dt);
 /* kd_seq_compact with the kept slots' offsets from start already in backend memory
  * (d_keep[0..n_keep), n_keep <= out_cap, valid: kd_accept's walk on the backend made them) */
 kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int n_keep);
 
-/* Step graphs (model.c). Mode from env KDTREE_CUDA_GRAPHS, read by kd_seq_new:
- * 0 / off: every step as before; 1 / on: decode (causal T = 1) and verify (masked) steps
+/* Step graphs (model.c). The mode a sequence runs (kd_graphs_mode, kdtree.h), resolved when it is
+ * created: OFF: every step as before; CAPTURE: decode (causal T = 1) and verify (masked) steps
  * read the length on the device and are captured as graphs (first use of a shape runs
- * eagerly, the second captures, later ones replay); eager: the device-length path without
+ * eagerly, the second captures, later ones replay); EAGER: the device-length path without
  * capture (a diagnostic: it isolates the kernels from the capture). Needs the backend's
- * optional graph ops (CUDA); elsewhere the mode is 0. */
-enum { KD_GRAPHS_OFF = 0, KD_GRAPHS_ON = 1, KD_GRAPHS_EAGER = 2 };
-/* the mode when KDTREE_CUDA_GRAPHS is unset: on, since the H200 run of spec/graphs_spec.lua
- * (2026-11-30) showed graph replay bit-identical to eager steps (docs/architecture.md "Step graphs") */
-enum { KD_GRAPHS_DEFAULT = KD_GRAPHS_ON };
-int kd_graphs_mode_from_env(const kd_backend *be);
+ * optional graph ops (CUDA); elsewhere the mode is OFF. DEFAULT is CAPTURE, since the H200 run of
+ * spec/graphs_spec.lua (2026-11-30) showed graph replay bit-identical to eager steps
+ * (docs/architecture.md "Step graphs"). Returns OFF, CAPTURE or EAGER. */
+kd_graphs_mode kd_graphs_resolve(const kd_backend *be, kd_graphs_mode asked);
 /* s->graphs: the host staging of every forward's inputs, and the step graphs in graph mode */
-kd_status kd_seq_graphs_new(kd_seq *s, int mode);
+kd_status kd_seq_graphs_new(kd_seq *s, kd_graphs_mode mode);
 void kd_seq_graphs_free(kd_seq *s);
 #endif

@@ -13,6 +13,9 @@
 #define KDTREE_H
 #include <stddef.h>
 #include <stdint.h>
+/* The library is compiled with -fvisibility=hidden: the declarations of this header are the
+ * ones it exports (with build/kdtree.map, the version script made from them). */
+#pragma GCC visibility push(default)
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -48,10 +51,52 @@ int kd_backend_available(kd_backend_kind kind);
 uint64_t kd_time_ns(void);               /* monotonic clock, for per-stage timing */
 
 /* ---- model ---- */
+/* Step graphs: a decode / verify step (and a DFlash draft pass) captured once per shape and
+ * replayed (CUDA graphs); the lengths they need are read from backend memory when they run. */
+typedef enum kd_graphs_mode {
+    KD_GRAPHS_DEFAULT = 0,   /* capture where the backend has graph ops (CUDA), else off; in
+                                kd_seq_options: the model's choice */
+    KD_GRAPHS_CAPTURE = 1,   /* as the default, said explicitly */
+    KD_GRAPHS_OFF = 2,       /* every step eager, its lengths passed from the host */
+    KD_GRAPHS_EAGER = 3      /* the graph path's kernels (lengths from backend memory), never captured */
+} kd_graphs_mode;
+
+/* Where the DDTree round (tree selection, the accept walk, the sampling of a verify's rows and
+ * the compaction it drives) runs. */
+typedef enum kd_ddtree_round {
+    KD_ROUND_DEFAULT = 0,    /* on the backend */
+    KD_ROUND_BACKEND = 1,    /* on the backend's ops: no tree data travels through the host */
+    KD_ROUND_HOST = 2        /* on the host: top-K lists, logits rows or argmax ids and the accepted
+                                ids travel through the host */
+} kd_ddtree_round;
+
+/* The CUDA backend's MLA attention kernel (the CPU backend has one kernel and ignores these). */
+typedef enum kd_mla_kernel {
+    KD_MLA_DEFAULT = 0,      /* the tensor-core kernel where the shape allows, else the CUDA-core one */
+    KD_MLA_CUDA_CORES = 1    /* every shape on the CUDA-core kernel */
+} kd_mla_kernel;
+
+/* the most ranks (devices) one model spans */
+enum { KD_TP_MAX = 8 };
+/* Zero-initialised options are the defaults (FFI users may pass NULL). */
 typedef struct kd_model_options {
     kd_backend_kind backend;
-    int device;              /* first CUDA device used */
-    int n_devices;           /* tensor-parallel width; 0 or 1 = one device */
+    int tp;                  /* ranks (tensor-parallel width) 1..8; 0 or 1 = one */
+    int devices[8];          /* CUDA: the device of each rank */
+    int n_device_list;       /* entries of devices used (0 = devices 0..tp-1; else exactly tp) */
+    /* load progress: called only on the thread that called kd_model_open (NULL = none) */
+    void (*progress)(void *ctx, int rank, uint64_t done, uint64_t total);
+    void *progress_ctx;
+    kd_graphs_mode graphs;        /* step graphs of decode / verify steps */
+    kd_graphs_mode draft_graphs;  /* of the draft pass; DEFAULT = as `graphs` */
+    int graphs_verbose;           /* nonzero: a capture that fails says why on stderr */
+    kd_ddtree_round ddtree_round;
+    kd_mla_kernel mla_kernel;
+    int mla_value_slices;    /* tensor-core kernel on small grids: 0 = by the shape rule; -1 = no
+                                split (2-warp 16-row blocks); 1, 2 or 4 = that many value slices of
+                                8-warp blocks where they fit (tests, benches) */
+    int mla_row_groups;      /* row groups per block: 0 = by the shape rule; 1 or 4 = forced where
+                                the shared memory fits (tests, benches) */
 } kd_model_options;
 
 typedef struct kd_model_info {
@@ -65,7 +110,9 @@ typedef struct kd_model_info {
     int n_eos, eos[8];
     int bos;
     kd_backend_kind backend;
-    uint64_t bytes_weights;              /* bytes the backend holds for weights */
+    uint64_t bytes_weights;              /* bytes the backends hold for weights (every rank's) */
+    /* the tensor-parallel split: ranks, and the widths each rank holds */
+    int tp, heads_per_rank, intermediate_per_rank, moe_intermediate_per_rank, vocab_per_rank;
 } kd_model_info;
 
 /* Bytes of a checkpoint by kind, from config.json and the safetensors headers
@@ -80,12 +127,46 @@ typedef struct kd_inspect_report {
 } kd_inspect_report;
 
 kd_status kd_inspect(const char *dir, kd_inspect_report *out);
+
+/* One rank's device memory for tp ranks of tensor parallelism (docs/architecture.md "The per-GPU
+ * plan"), from config.json and, when present, the safetensors headers (else from the config's dims
+ * and quantization_config, as kd_inspect). Sized for the CUDA backend: bf16 activations and KV.
+ * The split gives every rank the same bytes. A tp that does not split heads, widths (INT4 experts:
+ * whole scale groups) or vocab fails with KD_ERR_ARG naming the config field; a plan that does
+ * not fit is KD_OK with fits = 0 and message saying by how much. */
+typedef struct kd_plan_report {
+    int tp;                              /* ranks */
+    int capacity, out_cap;               /* one sequence's tokens; its rows per forward (min(capacity, 1024)) */
+    int fits;                            /* 1: total + margin <= device_bytes; 0: not; -1: not checked (device_bytes 0) */
+    uint64_t device_bytes, margin;       /* per device, as given; what the plan leaves free (docs/architecture.md) */
+    uint64_t weights_attention, weights_dense_mlp, weights_shared_experts, weights_routed_experts,
+             weights_router, weights_embed, weights_lm_head, weights_norms;   /* one rank's, as the backend holds them */
+    uint64_t weights_total;              /* the eight above */
+    uint64_t weights_replicated;         /* of weights_total: tensors every rank holds whole */
+    uint64_t kv_per_1k;                  /* latent KV cache per 1024 tokens (replicated on every rank) */
+    uint64_t kv_cache;                   /* for capacity tokens */
+    uint64_t logits;                     /* the logits shard [out_cap, vocab / tp] fp32 */
+    uint64_t scratch;                    /* the forward's scratch for out_cap rows at one rank's widths */
+    uint64_t workspace;                  /* the backend's scratch, estimated (docs/architecture.md) */
+    uint64_t total;                      /* weights_total + kv_cache + logits + scratch + workspace */
+    uint64_t max_capacity;               /* the longest sequence that fits (0: none, or not checked) */
+    char message[384];                   /* the verdict in words: bytes needed and available */
+} kd_plan_report;
+kd_status kd_plan(const char *dir, int tp, uint64_t device_bytes, int capacity, kd_plan_report *out);
 kd_status kd_model_open(const char *dir, const kd_model_options *opt, kd_model **out);
 void kd_model_close(kd_model *m);
 kd_status kd_model_get_info(const kd_model *m, kd_model_info *out);
 
 /* ---- sequences and forward passes ---- */
-kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out);
+/* Zero-initialised options are the defaults (NULL is the same). */
+typedef struct kd_seq_options {
+    int max_rows;                 /* output rows of one forward (a longer causal forward runs in chunks
+                                     of this many); 0 = min(capacity, 1024) */
+    kd_graphs_mode graphs;        /* DEFAULT = the model's option */
+    kd_graphs_mode draft_graphs;  /* DEFAULT = the model's draft_graphs, else this sequence's graphs */
+} kd_seq_options;
+kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out);   /* default options */
+kd_status kd_seq_new_opts(kd_model *m, int capacity, const kd_seq_options *opt, kd_seq **out);
 void kd_seq_free(kd_seq *s);
 int kd_seq_len(const kd_seq *s);
 int kd_seq_capacity(const kd_seq *s);
@@ -111,6 +192,8 @@ kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep);
 /* Read the cached latent rows [row0, row0+n) of one layer as fp32:
  * n x (kv_lora_rank + qk_rope_dim), c_kv then roped k_pe. For tests and tools. */
 kd_status kd_seq_read_cache(kd_seq *s, int layer, int row0, int n, float *dst);
+/* the same from one rank's replica of the cache (tensor parallel: every rank holds the latent cache) */
+kd_status kd_seq_read_cache_rank(kd_seq *s, int rank, int layer, int row0, int n, float *dst);
 
 /* ---- sampling (counter-based RNG keyed by seed and absolute position) ---- */
 typedef struct kd_sampler {
@@ -118,6 +201,8 @@ typedef struct kd_sampler {
     int top_k;               /* <= 0: off */
     float top_p;             /* >= 1 or <= 0: off */
     uint64_t seed;
+    float min_p;             /* <= 0: off; (0, 1]: keep tokens with probability >= min_p * the top one's
+                              * (after top-k, before top-p; docs/ddtree.md) */
 } kd_sampler;
 /* One token per output row of the last forward; row i's token is drawn with the
  * key (seed, positions[i]) where positions[i] is the absolute position of the token
@@ -230,4 +315,5 @@ kd_status kd_model_memory(const kd_model *m, kd_memory_report *out);
 #ifdef __cplusplus
 }
 #endif
+#pragma GCC visibility pop
 #endif

@@ -22,8 +22,19 @@
  *
  * A causal forward longer than the sequence's out_cap rows runs in chunks (each
  * commits before the next); only the last chunk computes logits, so the output rows
- * are the last min(T, out_cap) tokens. A masked forward must fit in one chunk. */
+ * are the last min(T, out_cap) tokens. A masked forward must fit in one chunk.
+ *
+ * Tensor parallel (model.h: kd_rank): this forward runs on every rank, each on its own thread
+ * (kd_ranks_run), over its slice of the weights: its heads of q_b / kv_b (the absorbed attention
+ * of those heads), its input columns of o_proj, its part of every intermediate dim. o_proj and
+ * the down projections then hold partial sums, and the two all-reduces per layer (after o_proj;
+ * after the MLP or MoE, routed + shared summed locally first) complete them before the residual
+ * add. Every rank then holds the same residual bits (comm.h), so the replicated parts (norms,
+ * q_a / kv_a, the router, the latent cache rows) compute the same values everywhere. The
+ * lm_head gives each rank its vocabulary shard of the logits. Megatron's Column/RowParallel
+ * pairing, as in DeepSeek's model.py. */
 #include "forward.h"
+#include "comm.h"
 #include "drafter.h"
 #include "graph_step.h"
 #include "error.h"
@@ -34,11 +45,15 @@
 #define ALIGN_UP(v) (((v) + 255u) & ~(size_t)255u)
 
 void kd_fwd_plan_make(const kd_model *m, int rows, kd_fwd_plan *p) {
-    const kd_config *c = &m->cfg;
-    size_t a = kd_dtype_size(m->be->act_dtype), off = 0, R = (size_t)rows;
-    int H = c->n_heads, r = c->kv_lora_rank, dr = c->qk_rope_dim, dn = c->qk_nope_dim, dv = c->v_head_dim;
-    int inter = c->intermediate;
-    if (c->moe_intermediate * c->n_shared_experts > inter) inter = c->moe_intermediate * c->n_shared_experts;
+    kd_fwd_plan_of(&m->cfg, &m->split, kd_dtype_size(m->be->act_dtype), rows, p);
+}
+
+void kd_fwd_plan_of(const kd_config *c, const kd_widths *w, size_t a, int rows, kd_fwd_plan *p) {
+    size_t off = 0, R = (size_t)rows;
+    /* one rank's widths (the whole model's at tp = 1) */
+    int H = w->heads, r = c->kv_lora_rank, dr = c->qk_rope_dim, dn = c->qk_nope_dim, dv = c->v_head_dim;
+    int inter = w->intermediate;
+    if (w->moe_intermediate * c->n_shared_experts > inter) inter = w->moe_intermediate * c->n_shared_experts;
     memset(p, 0, sizeof *p);
     p->rows = rows;
     p->words = (rows + 63) / 64;
@@ -65,8 +80,8 @@ void kd_fwd_plan_make(const kd_model *m, int rows, kd_fwd_plan *p) {
     p->bytes = off;
 }
 
-kd_act kd_fwd_act(const kd_seq *s, size_t off, int rows, int cols, kd_dtype dt) {
-    kd_act v = { (char *)s->scratch + off, rows, cols, cols, dt };
+kd_act kd_fwd_act(void *scratch, size_t off, int rows, int cols, kd_dtype dt) {
+    kd_act v = { (char *)scratch + off, rows, cols, cols, dt };
     return v;
 }
 
@@ -79,61 +94,83 @@ static kd_act heads_as_rows(kd_act a, int H) {
     return v;
 }
 
-/* out = down(silu(gate x) * up x) */
-static kd_status mlp(kd_seq *s, const kd_fwd_plan *p, kd_act x, const kd_weight *gate, const kd_weight *up,
+/* what one rank's forward works on */
+typedef struct rank_fwd {
+    kd_seq *s;
+    int r;                        /* the rank */
+    const kd_rank *R;             /* its weights */
+    kd_seq_rank *S;               /* its cache, logits shard and scratch */
+    kd_backend *be;
+    const kd_fwd_plan *p;
+} rank_fwd;
+
+static kd_act act(const rank_fwd *f, size_t off, int rows, int cols) {
+    return kd_fwd_act(f->S->scratch, off, rows, cols, f->be->act_dtype);
+}
+
+/* x <- the sum of every rank's x (a no-op on one rank) */
+static kd_status reduce(const rank_fwd *f, kd_act x) {
+    kd_comm *c = f->s->model->comm;
+    return c ? c->ops->all_reduce_sum(c, f->r, f->be, x) : KD_OK;
+}
+
+/* out = down(silu(gate x) * up x): this rank's part of the intermediate dim (a partial sum) */
+static kd_status mlp(const rank_fwd *f, kd_act x, const kd_weight *gate, const kd_weight *up,
                      const kd_weight *down, kd_act out) {
-    kd_backend *be = s->model->be;
+    kd_backend *be = f->be;
     int T = x.rows, I = (int)gate->rows;
-    kd_act g = kd_fwd_act(s, p->gate, T, I, be->act_dtype), u = kd_fwd_act(s, p->up, T, I, be->act_dtype);
+    kd_act g = act(f, f->p->gate, T, I), u = act(f, f->p->up, T, I);
     KD_TRY(be->ops->linear(be, x, gate, g));
     KD_TRY(be->ops->linear(be, x, up, u));
     KD_TRY(be->ops->swiglu(be, g, u, g));
     return be->ops->linear(be, g, down, out);
 }
 
-/* MLA attention of layer l: writes the layer's cache rows [len, len+T) and x += attn(h).
+/* MLA attention of layer l over this rank's heads: writes the layer's cache rows [len, len+T)
+ * and x += attn(h) (after the all-reduce of o_proj's partial sums).
  * d_len NULL: len is the host's s->len; else the device int32 holding it (graph steps:
  * the new latent rows are finished in kva and stored at rows *d_len.., and attention reads
  * the length on the device; the same kernels on the same values, so the same bits). */
-static kd_status attention_block(kd_seq *s, const kd_fwd_plan *p, int l, kd_act h, kd_act x, const int32_t *pos,
+static kd_status attention_block(const rank_fwd *f, int l, kd_act h, kd_act x, const int32_t *pos,
                                  const uint64_t *vis, const int32_t *d_len) {
-    kd_model *m = s->model;
-    kd_backend *be = m->be;
-    const kd_config *c = &m->cfg;
-    const kd_layer *L = &m->layers[l];
-    kd_dtype dt = be->act_dtype;
-    int T = h.rows, H = c->n_heads, r = c->kv_lora_rank, dr = c->qk_rope_dim, dn = c->qk_nope_dim,
-        dv = c->v_head_dim, len = s->len;
+    const kd_fwd_plan *p = f->p;
+    kd_backend *be = f->be;
+    const kd_config *c = &f->s->model->cfg;
+    const kd_layer *L = &f->R->layers[l];
+    const kd_rope *rope = &f->R->rope;
+    kd_act *cache = f->S->cache;
+    int T = h.rows, H = f->s->model->split.heads, r = c->kv_lora_rank, dr = c->qk_rope_dim, dn = c->qk_nope_dim,
+        dv = c->v_head_dim, len = f->s->len;
 
     /* queries */
-    kd_act q = kd_fwd_act(s, p->q, T, H * (dn + dr), dt);
+    kd_act q = act(f, p->q, T, H * (dn + dr));
     if (c->q_lora_rank > 0) {
-        kd_act qa = kd_fwd_act(s, p->qa, T, c->q_lora_rank, dt);
+        kd_act qa = act(f, p->qa, T, c->q_lora_rank);
         KD_TRY(be->ops->linear(be, h, &L->q_a, qa));
         KD_TRY(be->ops->rmsnorm(be, qa, &L->q_a_norm, c->q_a_norm_eps, qa));
         KD_TRY(be->ops->linear(be, qa, &L->q_b, q));
     } else {
         KD_TRY(be->ops->linear(be, h, &L->q_proj, q));
     }
-    KD_TRY(be->ops->rope(be, q, H, dn + dr, dn, pos, &m->rope));
+    KD_TRY(be->ops->rope(be, q, H, dn + dr, dn, pos, rope));
 
     /* the latent of the new tokens goes straight into the cache: [c_kv | roped k_pe] */
-    kd_act kva = kd_fwd_act(s, p->kva, T, r + dr, dt);
+    kd_act kva = act(f, p->kva, T, r + dr);
     KD_TRY(be->ops->linear(be, h, &L->kv_a, kva));
     if (d_len) {
         KD_TRY(be->ops->rmsnorm(be, kd_act_cols(kva, 0, r), &L->kv_a_norm, c->kv_a_norm_eps, kd_act_cols(kva, 0, r)));
-        KD_TRY(be->ops->rope(be, kva, 1, r + dr, r, pos, &m->rope));
-        KD_TRY(be->ops->store_rows_at(be, s->cache[l], d_len, kva));
+        KD_TRY(be->ops->rope(be, kva, 1, r + dr, r, pos, rope));
+        KD_TRY(be->ops->store_rows_at(be, cache[l], d_len, kva));
     } else {
-        kd_act rows = kd_act_rows(s->cache[l], len, T);
+        kd_act rows = kd_act_rows(cache[l], len, T);
         KD_TRY(be->ops->rmsnorm(be, kd_act_cols(kva, 0, r), &L->kv_a_norm, c->kv_a_norm_eps, kd_act_cols(rows, 0, r)));
         KD_TRY(be->ops->copy(be, kd_act_cols(rows, r, dr), kd_act_cols(kva, r, dr)));
-        KD_TRY(be->ops->rope(be, rows, 1, r + dr, r, pos, &m->rope));
+        KD_TRY(be->ops->rope(be, rows, 1, r + dr, r, pos, rope));
     }
 
     /* absorbed query per head: [q_nope W_UK | q_pe] */
-    kd_act lat = kd_fwd_act(s, p->lat, T, H * r, dt);
-    kd_act qfull = kd_fwd_act(s, p->qfull, T, H * (r + dr), dt);
+    kd_act lat = act(f, p->lat, T, H * r);
+    kd_act qfull = act(f, p->qfull, T, H * (r + dr));
     KD_TRY(be->ops->head_matmul(be, q, H, dn + dr, dn, &L->kv_b, dn + dv, 0, false, lat, r));
     kd_act qf_rows = heads_as_rows(qfull, H);
     KD_TRY(be->ops->copy(be, kd_act_cols(qf_rows, 0, r), heads_as_rows(lat, H)));
@@ -141,79 +178,82 @@ static kd_status attention_block(kd_seq *s, const kd_fwd_plan *p, int l, kd_act 
 
     /* one latent KV head (MQA) over the cache rows [0, len+T) */
     if (d_len) {
-        kd_act kv = s->cache[l];      /* all rows: the bound; the kernels read len */
+        kd_act kv = cache[l];      /* all rows: the bound; the kernels read len */
         KD_TRY(be->ops->attention_at(be, qfull, H, r + dr, kv, kd_act_cols(kv, 0, r), 1, d_len, vis == NULL, vis, 0,
                                      c->softmax_scale, lat));
     } else {
-        kd_act kv = kd_act_rows(s->cache[l], 0, len + T);
+        kd_act kv = kd_act_rows(cache[l], 0, len + T);
         KD_TRY(be->ops->attention(be, qfull, H, r + dr, kv, kd_act_cols(kv, 0, r), 1, len, vis == NULL, vis, 0,
                                   c->softmax_scale, lat));
     }
 
-    /* back to per-head values, output projection, residual */
-    kd_act o = kd_fwd_act(s, p->o, T, H * dv, dt);
+    /* back to per-head values, output projection (this rank's heads: a partial sum), residual */
+    kd_act o = act(f, p->o, T, H * dv);
     KD_TRY(be->ops->head_matmul(be, lat, H, r, r, &L->kv_b, dn + dv, dn, true, o, dv));
-    kd_act t1 = kd_fwd_act(s, p->t1, T, c->hidden, dt);
+    kd_act t1 = act(f, p->t1, T, c->hidden);
     KD_TRY(be->ops->linear(be, o, &L->o_proj, t1));
+    KD_TRY(reduce(f, t1));
     return be->ops->add(be, x, t1);
 }
 
-/* x += mlp(h) (dense layer) or moe(h) + shared(h) */
-static kd_status ffn_block(kd_seq *s, const kd_fwd_plan *p, int l, kd_act h, kd_act x) {
-    kd_model *m = s->model;
-    kd_backend *be = m->be;
-    const kd_layer *L = &m->layers[l];
+/* x += mlp(h) (dense layer) or moe(h) + shared(h), each rank's partial sums all-reduced */
+static kd_status ffn_block(const rank_fwd *f, int l, kd_act h, kd_act x) {
+    kd_model *m = f->s->model;
+    kd_backend *be = f->be;
+    const kd_layer *L = &f->R->layers[l];
     int T = h.rows, D = m->cfg.hidden;
-    kd_act t1 = kd_fwd_act(s, p->t1, T, D, be->act_dtype);
+    kd_act t1 = act(f, f->p->t1, T, D);
     if (!L->is_moe) {
-        KD_TRY(mlp(s, p, h, &L->mlp_gate, &L->mlp_up, &L->mlp_down, t1));
-        return be->ops->add(be, x, t1);
+        KD_TRY(mlp(f, h, &L->mlp_gate, &L->mlp_up, &L->mlp_down, t1));
+    } else {
+        KD_TRY(be->ops->moe(be, h, &L->experts, t1));
+        if (m->cfg.n_shared_experts > 0) {
+            kd_act t2 = act(f, f->p->t2, T, D);
+            KD_TRY(mlp(f, h, &L->mlp_gate, &L->mlp_up, &L->mlp_down, t2));
+            KD_TRY(be->ops->add(be, t1, t2));        /* HF order: experts + shared, then the residual */
+        }
     }
-    KD_TRY(be->ops->moe(be, h, &L->experts, t1));
-    if (m->cfg.n_shared_experts > 0) {
-        kd_act t2 = kd_fwd_act(s, p->t2, T, D, be->act_dtype);
-        KD_TRY(mlp(s, p, h, &L->mlp_gate, &L->mlp_up, &L->mlp_down, t2));
-        KD_TRY(be->ops->add(be, t1, t2));        /* HF order: experts + shared, then the residual */
-    }
+    KD_TRY(reduce(f, t1));
     return be->ops->add(be, x, t1);
 }
 
-/* keep x (the output of layer l) for the drafter when l is one of its taps */
-static kd_status keep_taps(kd_seq *s, int l, kd_act x) {
-    if (!s->drafter || !s->taps.data) return KD_OK;
+/* keep x (the output of layer l) for the drafter when l is one of its taps (rank 0, where the
+ * drafter runs: x is the same on every rank) */
+static kd_status keep_taps(const rank_fwd *f, int l, kd_act x) {
+    kd_seq *s = f->s;
+    if (f->r != 0 || !s->drafter || !s->taps.data) return KD_OK;
     const int *taps = NULL;
     int n = kd_drafter_taps(s->drafter, &taps), D = s->model->cfg.hidden;
     for (int j = 0; j < n; j++)
         if (taps[j] == l) {
             kd_act dst = kd_act_cols(kd_act_rows(s->taps, 0, x.rows), j * D, D);
-            KD_TRY(s->model->be->ops->copy(s->model->be, dst, x));
+            KD_TRY(f->be->ops->copy(f->be, dst, x));
         }
     return KD_OK;
 }
 
 /* the layers and the head over T tokens whose ids, positions and visibility are already in
- * the scratch (d_ids, d_pos, d_vis); d_len: see attention_block */
-static kd_status forward_body(kd_seq *s, const kd_fwd_plan *p, int T, const int32_t *d_ids, const int32_t *d_pos,
+ * the rank's scratch (d_ids, d_pos, d_vis); d_len: see attention_block */
+static kd_status forward_body(const rank_fwd *f, int T, const int32_t *d_ids, const int32_t *d_pos,
                               const uint64_t *d_vis, const int32_t *d_len, bool want_logits) {
-    kd_model *m = s->model;
-    kd_backend *be = m->be;
-    const kd_config *c = &m->cfg;
-    kd_act x = kd_fwd_act(s, p->x, T, c->hidden, be->act_dtype);
-    kd_act h = kd_fwd_act(s, p->h, T, c->hidden, be->act_dtype);
-    KD_TRY(be->ops->embed(be, &m->embed, d_ids, x));
+    kd_backend *be = f->be;
+    const kd_config *c = &f->s->model->cfg;
+    kd_act x = act(f, f->p->x, T, c->hidden);
+    kd_act h = act(f, f->p->h, T, c->hidden);
+    KD_TRY(be->ops->embed(be, &f->R->embed, d_ids, x));
     for (int l = 0; l < c->n_layers; l++) {
-        const kd_layer *L = &m->layers[l];
+        const kd_layer *L = &f->R->layers[l];
         kd_status st = be->ops->rmsnorm(be, x, &L->attn_norm, c->rms_norm_eps, h);
-        if (st == KD_OK) st = attention_block(s, p, l, h, x, d_pos, d_vis, d_len);
+        if (st == KD_OK) st = attention_block(f, l, h, x, d_pos, d_vis, d_len);
         if (st == KD_OK) st = be->ops->rmsnorm(be, x, &L->ffn_norm, c->rms_norm_eps, h);
-        if (st == KD_OK) st = ffn_block(s, p, l, h, x);
-        if (st == KD_OK) st = keep_taps(s, l, x);
+        if (st == KD_OK) st = ffn_block(f, l, h, x);
+        if (st == KD_OK) st = keep_taps(f, l, x);
         if (st != KD_OK) return kd_fail_context(st, "forward: layer %d", l);
     }
     if (!want_logits) return KD_OK;
-    KD_TRY(be->ops->rmsnorm(be, x, &m->final_norm, c->rms_norm_eps, h));
-    /* logits are fp32 on every backend: linear writes out.dtype */
-    return be->ops->linear(be, h, &m->lm_head, kd_act_rows(s->logits, 0, T));
+    KD_TRY(be->ops->rmsnorm(be, x, &f->R->final_norm, c->rms_norm_eps, h));
+    /* logits are fp32 on every backend: linear writes out.dtype; this rank's vocabulary shard */
+    return be->ops->linear(be, h, &f->R->lm_head, kd_act_rows(f->S->logits, 0, T));
 }
 
 /* ---- step graphs ----
@@ -236,7 +276,7 @@ typedef struct kd_graph_entry {
 } kd_graph_entry;
 
 typedef struct kd_seq_graphs {
-    int mode;
+    kd_graphs_mode mode;
     kd_graph_entry e[KD_GRAPH_SLOTS];
     uint64_t clock;
     char *host;                   /* host image of the input span [dlen, vis + rows*words*8) */
@@ -244,19 +284,15 @@ typedef struct kd_seq_graphs {
     bool verbose;
 } kd_seq_graphs;
 
-int kd_graphs_mode_from_env(const kd_backend *be) {
+kd_graphs_mode kd_graphs_resolve(const kd_backend *be, kd_graphs_mode asked) {
     const kd_backend_ops *o = be->ops;
     if (!o->store_rows_at || !o->attention_at || !o->graph_begin || !o->graph_end || !o->graph_launch ||
         !o->graph_free || !o->graph_epoch)
         return KD_GRAPHS_OFF;
-    const char *v = getenv("KDTREE_CUDA_GRAPHS");
-    if (!v || !*v) return KD_GRAPHS_DEFAULT;
-    if (!strcmp(v, "1") || !strcmp(v, "on")) return KD_GRAPHS_ON;
-    if (!strcmp(v, "eager")) return KD_GRAPHS_EAGER;
-    return KD_GRAPHS_OFF;
+    return asked == KD_GRAPHS_DEFAULT ? KD_GRAPHS_CAPTURE : asked;
 }
 
-kd_status kd_seq_graphs_new(kd_seq *s, int mode) {
+kd_status kd_seq_graphs_new(kd_seq *s, kd_graphs_mode mode) {
     s->graphs = NULL;
     kd_fwd_plan p;
     kd_fwd_plan_make(s->model, s->out_cap, &p);
@@ -271,8 +307,7 @@ kd_status kd_seq_graphs_new(kd_seq *s, int mode) {
     g->mode = mode;
     g->host = host;
     g->host_bytes = bytes;
-    const char *v = getenv("KDTREE_CUDA_GRAPHS_VERBOSE");
-    g->verbose = v && *v && strcmp(v, "0");
+    g->verbose = s->model->opt.graphs_verbose != 0;
     s->graphs = g;
     return KD_OK;
 }
@@ -308,10 +343,15 @@ static kd_graph_entry *graph_entry(kd_seq *s, int T, bool masked) {
     return victim;
 }
 
+/* rank r's view of a sequence and its forward plan */
+static rank_fwd rank_of(kd_seq *s, const kd_fwd_plan *p, int r) {
+    rank_fwd f = {s, r, &s->model->ranks[r], &s->rk[r], s->model->ranks[r].be, p};
+    return f;
+}
+
 /* forward_body with its arguments, as a kd_graph_body */
 typedef struct step_body_ctx {
-    kd_seq *s;
-    const kd_fwd_plan *p;
+    const rank_fwd *f;
     int T;
     const int32_t *d_ids, *d_pos;
     const uint64_t *d_vis;
@@ -320,25 +360,55 @@ typedef struct step_body_ctx {
 
 static kd_status step_body(void *ctx) {
     const step_body_ctx *c = ctx;
-    return forward_body(c->s, c->p, c->T, c->d_ids, c->d_pos, c->d_vis, c->d_len, true);
+    return forward_body(c->f, c->T, c->d_ids, c->d_pos, c->d_vis, c->d_len, true);
+}
+
+/* one chunk as every rank runs it */
+typedef struct chunk_job {
+    kd_seq *s;
+    const kd_fwd_plan *p;
+    int T;
+    size_t span;                  /* bytes of the host staging each rank uploads (0: none) */
+    bool masked, step, want_logits;
+} chunk_job;
+
+/* rank r's part of a chunk: its inputs go up from the host staging, then the layers */
+static kd_status chunk_rank(void *ctx, int r) {
+    const chunk_job *j = ctx;
+    kd_seq *s = j->s;
+    kd_seq_graphs *g = s->graphs;
+    const kd_fwd_plan *p = j->p;
+    rank_fwd f = rank_of(s, p, r);
+    char *base = (char *)f.S->scratch;
+    const int32_t *d_len = j->step ? (const int32_t *)(base + p->dlen) : NULL, *d_ids = (const int32_t *)(base + p->ids);
+    const int32_t *d_pos = (const int32_t *)(base + p->pos);
+    const uint64_t *d_vis = j->masked ? (const uint64_t *)(base + p->vis) : NULL;
+    if (j->span) KD_TRY(f.be->ops->upload(f.be, base + p->dlen, g->host, j->span));
+    if (!j->step || g->mode != KD_GRAPHS_CAPTURE) return forward_body(&f, j->T, d_ids, d_pos, d_vis, d_len, j->want_logits);
+
+    /* graph mode (one rank: kd_seq_new keeps graphs off at tp > 1) */
+    kd_graph_entry *e = graph_entry(s, j->T, j->masked);
+    e->stamp = ++g->clock;
+    step_body_ctx body = {&f, j->T, d_ids, d_pos, d_vis, d_len};
+    char what[64];
+    if (g->verbose) snprintf(what, sizeof what, "step (%d rows, %s)", j->T, j->masked ? "masked" : "causal");
+    return kd_graph_run(s->model, &e->g, step_body, &body, g->verbose ? what : NULL);
 }
 
 /* one chunk of T <= out_cap tokens at cache rows [len, len+T); pos: host positions.
- * tokens NULL: ids, pos and vis are staged in the scratch already (kd_verify of a tree on the
- * backend). The inputs go up in one copy, laid out as in the scratch: [dlen | ids | pos | vis]. */
+ * tokens NULL: ids, pos and vis are staged in rank 0's scratch already (kd_verify of a tree on
+ * the backend, one rank only). The inputs go up in one copy per rank, laid out as in the
+ * scratch: [dlen | ids | pos | vis]. */
 static kd_status forward_chunk(kd_seq *s, const int32_t *tokens, int T, const int32_t *pos,
                                const uint64_t *visible, bool want_logits) {
     kd_model *m = s->model;
-    kd_backend *be = m->be;
     kd_seq_graphs *g = s->graphs;
     kd_fwd_plan p;
     kd_fwd_plan_make(m, s->out_cap, &p);
+    if (!tokens && m->tp > 1)
+        return kd_fail(KD_ERR_STATE, "forward: inputs staged on one backend cannot feed %d ranks", m->tp);
     /* decode (causal, T = 1) and verify (masked) steps in graph mode read the length on the device */
     bool step = g->mode != KD_GRAPHS_OFF && want_logits && (visible || T == 1);
-    char *base = (char *)s->scratch;
-    const int32_t *d_len = step ? (const int32_t *)(base + p.dlen) : NULL, *d_ids = (const int32_t *)(base + p.ids);
-    const int32_t *d_pos = (const int32_t *)(base + p.pos);
-    const uint64_t *d_vis = visible ? (const uint64_t *)(base + p.vis) : NULL;
     size_t words = (size_t)(T + 63) / 64;
     size_t span = !tokens ? sizeof(int32_t) : p.vis - p.dlen + (visible ? (size_t)T * words * sizeof(uint64_t) : 0);
     if (span > g->host_bytes)
@@ -352,16 +422,9 @@ static kd_status forward_chunk(kd_seq *s, const int32_t *tokens, int T, const in
             memcpy(g->host + (p.pos - p.dlen), pos, sizeof(int32_t) * (size_t)T);
             if (visible) memcpy(g->host + (p.vis - p.dlen), visible, (size_t)T * words * sizeof(uint64_t));
         }
-        KD_TRY(be->ops->upload(be, base + p.dlen, g->host, span));
-    }
-    if (!step || g->mode != KD_GRAPHS_ON) return forward_body(s, &p, T, d_ids, d_pos, d_vis, d_len, want_logits);
-
-    kd_graph_entry *e = graph_entry(s, T, visible != NULL);
-    e->stamp = ++g->clock;
-    step_body_ctx ctx = {s, &p, T, d_ids, d_pos, d_vis, d_len};
-    char what[64];
-    if (g->verbose) snprintf(what, sizeof what, "step (%d rows, %s)", T, visible ? "masked" : "causal");
-    return kd_graph_run(m, &e->g, step_body, &ctx, g->verbose ? what : NULL);
+    } else span = 0;
+    chunk_job job = {s, &p, T, span, visible != NULL, step, want_logits};
+    return kd_ranks_run(m, chunk_rank, &job);
 }
 
 kd_status kd_model_forward(kd_seq *s, const int32_t *tokens, int n, const int32_t *positions,
@@ -442,8 +505,10 @@ kd_status kd_model_memory(const kd_model *m, kd_memory_report *out) {
     kd_memory_report *r = out;
     uint64_t alloc = 0, other = 0;
     r->backend = (uint64_t)m->be->kind;
+    /* rank 0's weights (the backend rank 0's totals below describe): one device's view */
+    const kd_rank *R0 = &m->ranks[0];
     for (int l = 0; l < c->n_layers; l++) {
-        const kd_layer *L = &m->layers[l];
+        const kd_layer *L = &R0->layers[l];
         const kd_weight *attn[] = {&L->q_a, &L->q_a_norm, &L->q_b, &L->q_proj, &L->kv_a, &L->kv_a_norm, &L->kv_b,
                                    &L->o_proj};
         for (size_t i = 0; i < sizeof attn / sizeof attn[0]; i++) count_weight(m, attn[i], &r->weights_attention, &alloc);
@@ -464,11 +529,13 @@ kd_status kd_model_memory(const kd_model *m, kd_memory_report *out) {
         }
         if (e->bias) other += (uint64_t)e->n * sizeof(float);      /* the router's f32 bias buffer */
     }
-    count_weight(m, &m->embed, &r->weights_embed, &alloc);
-    count_weight(m, &m->final_norm, &r->weights_norms, &alloc);
-    bool tied = m->lm_head.src == m->embed.src && m->lm_head.dev == m->embed.dev;   /* one form, counted once */
-    if (!tied) count_weight(m, &m->lm_head, &r->weights_lm_head, &alloc);
-    if (m->rope_inv_freq) other += (uint64_t)(c->qk_rope_dim / 2) * sizeof(float);
+    count_weight(m, &R0->embed, &r->weights_embed, &alloc);
+    count_weight(m, &R0->final_norm, &r->weights_norms, &alloc);
+    if (!c->tie_embeddings) {                    /* tied: a view of the embedding, counted once */
+        count_weight(m, &R0->lm_head, &r->weights_lm_head, &alloc);
+        if (m->tp > 1) count_weight(m, &m->head, &r->weights_lm_head, &alloc);   /* the drafter's whole head */
+    }
+    if (R0->rope_inv_freq) other += (uint64_t)(c->qk_rope_dim / 2) * sizeof(float);
     r->weights_total = r->weights_attention + r->weights_dense_mlp + r->weights_shared_experts +
                        r->weights_routed_experts + r->weights_router + r->weights_embed + r->weights_lm_head +
                        r->weights_norms;

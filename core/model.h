@@ -44,22 +44,66 @@ typedef struct kd_layer {
     kd_experts experts;
 } kd_layer;
 
-struct kd_model {
-    kd_config cfg;
+/* One rank of a tensor-parallel model (tp = 1: the only one): its backend instance and its slice
+ * of every weight (the split, docs/architecture.md "Several devices"): q_b and kv_b by heads,
+ * o_proj by its input columns, the dense MLP and every expert (shared and routed) on the
+ * intermediate dim (gate/up rows, down input columns), lm_head by vocab rows; q_a, kv_a, the
+ * norms, the router and the embedding replicated. Row slices point into the mapping; column
+ * slices point into it too, with the full row stride in kd_weight.ld. */
+typedef struct kd_rank {
     kd_backend *be;
-    kd_st_set files;                          /* the mapped checkpoint */
-    kd_weight embed, final_norm, lm_head;
+    kd_weight embed, final_norm, lm_head;     /* lm_head: vocab rows [rank * vocab/tp, +vocab/tp) */
     kd_layer *layers;
     float *rope_inv_freq;                     /* backend memory, qk_rope_dim/2 */
     kd_rope rope;
+} kd_rank;
+
+/* the widths one rank holds (kd_widths_of: config widths / tp, once kd_plan_check_tp passed) */
+typedef struct kd_widths {
+    int heads, intermediate, moe_intermediate, vocab;
+} kd_widths;
+
+struct kd_workers;                            /* the rank threads (ranks.c) */
+struct kd_comm;
+
+struct kd_model {
+    kd_config cfg;
+    kd_model_options opt;                     /* as opened (kd_model_open checked them) */
+    int tp;                                   /* ranks (1..8) */
+    kd_widths split;
+    kd_rank *ranks;                           /* [tp] */
+    kd_backend *be;                           /* ranks[0].be: the drafter, trees and host staging live here */
+    kd_weight head;                           /* tp > 1: the whole lm_head on rank 0, for the drafter */
+    struct kd_comm *comm;                     /* tp > 1: the ranks' all-reduce */
+    struct kd_workers *workers;               /* tp > 1: one persistent thread per rank past rank 0 */
+    kd_st_set files;                          /* the mapped checkpoint */
     char dir[1024];
     int n_seqs;                               /* open sequences (a model outlives them) */
     bool closing;                             /* kd_model_close was called while n_seqs > 0 */
-    /* tallies of the open sequences for kd_model_memory (seq.c, model.c) */
+    /* tallies of the open sequences for kd_model_memory (seq.c, model.c); rank 0's */
     uint64_t mem_kv, mem_act;                 /* backend bytes: KV caches; logits + forward scratch */
     uint64_t mem_trees;                       /* backend bytes of the trees' backend copies (tree.c) */
     uint64_t graphs_held, graph_captures, graph_launches, graph_fallbacks;
 };
+
+/* the lm_head over the whole vocabulary on rank 0's backend (the drafter's) */
+static inline const kd_weight *kd_model_full_head(const kd_model *m) {
+    return m->tp > 1 ? &m->head : &m->ranks[0].lm_head;
+}
+
+/* Run fn(ctx, r) for every rank r, each on its rank's thread (tp = 1: inline on the caller's).
+ * A rank that fails aborts the communicator, so the others leave their collectives; the
+ * communicator is reset once every rank returned. The result is the first failing rank's
+ * status, with its message in the caller's kd_last_error (a rank's own failure preferred
+ * to "another rank failed"). */
+typedef kd_status (*kd_rank_fn)(void *ctx, int rank);
+kd_status kd_ranks_run(kd_model *m, kd_rank_fn fn, void *ctx);
+kd_status kd_workers_start(kd_model *m);
+void kd_workers_stop(kd_model *m);
+
+/* Every field in its range, or KD_ERR_ARG naming the field (options.c). */
+kd_status kd_model_options_check(const kd_model_options *o);
+kd_status kd_seq_options_check(const kd_seq_options *o);
 
 /* Reference counting (model_load.c): kd_seq_new / kd_drafter_open take a reference with
  * m->n_seqs++; kd_seq_free / kd_drafter_close give it back with kd_model_unref(m), which
@@ -67,8 +111,6 @@ struct kd_model {
  * was the last reference. kd_model_close frees at once when n_seqs == 0. */
 void kd_model_unref(kd_model *m);
 
-/* Load all weights of cfg from the mapped set into m (shapes and dtypes checked). */
-kd_status kd_model_load_weights(kd_model *m);
 
 /* The sequence. The cache is one buffer per layer, rows = capacity,
  * cols = kv_lora_rank + qk_rope_dim (c_kv then roped k_pe). */
@@ -77,18 +119,23 @@ typedef enum kd_seq_phase { KD_PHASE_IDLE, KD_PHASE_VERIFIED, KD_PHASE_ACCEPTED 
 struct kd_drafter;
 typedef struct kd_draft_state kd_draft_state;   /* the drafter's per-sequence state (drafter.c) */
 
+/* a sequence's state on one rank: its KV cache (the latent cache is replicated: every rank
+ * writes the same rows), its logits shard and its forward scratch */
+typedef struct kd_seq_rank {
+    kd_act *cache;                 /* n_layers */
+    kd_act logits;                 /* [out_cap, vocab/tp] f32: vocab ids [rank * vocab/tp, ...) */
+    void *scratch;                 /* the forward's plan for out_cap rows (forward.h) */
+} kd_seq_rank;
+
 struct kd_seq {
     kd_model *model;
     int capacity, len, pending;    /* pending: rows written by a masked forward, not committed */
-    kd_act *cache;                 /* n_layers */
+    kd_seq_rank *rk;               /* [model->tp] */
     /* outputs of the last forward */
     int out_rows, out_cap;
-    kd_act logits;                 /* [out_cap, vocab] f32 */
-    kd_act taps;                   /* [out_cap, n_taps*hidden] act dtype (when a drafter is attached) */
+    kd_act taps;                   /* [out_cap, n_taps*hidden] act dtype on rank 0 (when a drafter is attached) */
     int32_t *out_positions;        /* host copy of the positions of the last forward */
-    /* scratch activations, sized for out_cap rows */
-    void *scratch;
-    size_t scratch_bytes;
+    size_t scratch_bytes;          /* each rank's */
     /* DDTree round state */
     kd_seq_phase phase;
     int32_t accepted[1024];
@@ -98,6 +145,7 @@ struct kd_seq {
     kd_draft_state *draft;
     /* step graphs (CUDA graphs of decode / verify steps; model.c), NULL when off */
     struct kd_seq_graphs *graphs;
+    kd_graphs_mode draft_graphs;   /* asked for the draft pass (kd_seq_options), resolved at attach */
 };
 
 /* Model forward over n tokens (internal form of kd_forward; taps_rows: which layer outputs to keep).

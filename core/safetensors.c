@@ -422,6 +422,15 @@ done:
     return st;
 }
 
+bool kd_st_dir_has_weights(const char *dir) {
+    char path[4096];
+    struct stat sb;
+    const char *names[] = {"model.safetensors.index.json", "model.safetensors"};
+    for (int i = 0; i < 2; i++)
+        if (snprintf(path, sizeof path, "%s/%s", dir, names[i]) < (int)sizeof path && stat(path, &sb) == 0) return true;
+    return false;
+}
+
 kd_status kd_st_open_dir(const char *dir, bool map, kd_st_set *set) {
     if (!dir || !set) return kd_fail(KD_ERR_ARG, "kd_st_open_dir: dir and set must not be NULL");
     memset(set, 0, sizeof *set);

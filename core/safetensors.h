@@ -36,6 +36,8 @@ typedef struct kd_st_set {
 /* Open DIR/model.safetensors or the shards DIR/model.safetensors.index.json names.
  * map = false reads the headers only (for inspect on checkpoints too large to map usefully). */
 kd_status kd_st_open_dir(const char *dir, bool map, kd_st_set *set);
+/* whether DIR holds model.safetensors or model.safetensors.index.json */
+bool kd_st_dir_has_weights(const char *dir);
 /* Open one file (used by the drafter and by tests). */
 kd_status kd_st_open_file(const char *path, bool map, kd_st_set *set);
 void kd_st_close(kd_st_set *set);

@@ -120,28 +120,83 @@ static void select_first(const float *x, int V, int k, int32_t *out) {
     }
 }
 
-int32_t kd_sample_row_code(const float *x, int V, const kd_sampler *sp, int32_t position, uint64_t *q, int32_t *a,
-                           int32_t *dst) {
+/* ---- the rule over a row held in shards ----
+ * Tensor parallel: each rank holds a shard of the row (ascending, adjacent id ranges). The rule
+ * runs per shard and merges, with the same integers as over the whole row: the global max is the
+ * max of the shard maxima; the masses use that max, and the shards' mass sums add up exactly
+ * (128-bit integers, so the order does not matter); top-k merges the shards' own first-k lists
+ * (the first k of the row are among them); top-p gathers the shards' first kk candidates each,
+ * merged, growing kk as the whole-row rule does; the draw's target is found by the shards'
+ * kept masses in id order, then within its shard. One shard is the whole row (tp = 1). */
+
+/* the logit of (global) id */
+static float shard_val(const kd_shard *sh, int ns, int32_t id) {
+    int k = ns - 1;
+    while (k > 0 && id < sh[k].id0) k--;
+    return sh[k].x[id - sh[k].id0];
+}
+
+/* out[0..k): the first k ids of the whole row's order; loc: scratch for the shards' own lists
+ * (at most k from each shard) */
+static void select_first_shards(const kd_shard *sh, int ns, int k, int32_t *loc, int32_t *out) {
+    if (ns == 1) { select_first(sh[0].x, sh[0].n, k, out); return; }   /* one shard: ids from 0 */
+    int32_t *head[KD_TP_MAX];
+    int left[KD_TP_MAX];
+    int32_t *p = loc;
+    for (int k2 = 0; k2 < ns; k2++) {
+        int kk = k < sh[k2].n ? k : sh[k2].n;
+        select_first(sh[k2].x, sh[k2].n, kk, p);
+        for (int j = 0; j < kk; j++) p[j] += sh[k2].id0;
+        head[k2] = p;
+        left[k2] = kk;
+        p += kk;
+    }
+    for (int j = 0; j < k; j++) {
+        int b = -1;
+        for (int k2 = 0; k2 < ns; k2++) {
+            if (!left[k2]) continue;
+            float xb = b < 0 ? 0.0f : shard_val(sh, ns, *head[b]), xc = shard_val(sh, ns, *head[k2]);
+            if (b < 0 || xc > xb) b = k2;     /* equal values: the earlier shard's, the lower id */
+        }
+        out[j] = *head[b]++;
+        left[b]--;
+    }
+}
+
+int32_t kd_sample_shards_code(const kd_shard *sh, int ns, const kd_sampler *sp, int32_t position, uint64_t *q,
+                              int32_t *a, int32_t *dst) {
     double T = (double)sp->temperature;
     float m = -INFINITY;
-    for (int i = 0; i < V; i++) {
-        int32_t code = kd_rule_logit_code(x[i], i);
-        if (code) return code;
-        if (x[i] > m) m = x[i];
+    int V = 0;
+    for (int k = 0; k < ns; k++) {                  /* shards in id order: the first bad value by id */
+        const float *x = sh[k].x;
+        for (int i = 0; i < sh[k].n; i++) {
+            int32_t col = sh[k].id0 + i;
+            int32_t code = kd_rule_logit_code(x[i], col);
+            if (code) return code;
+            if (x[i] > m) m = x[i];
+        }
+        V += sh[k].n;
     }
     if (isinf(m)) return KD_SAMPLE_ERR_ALLNEG;
     double z = kd_rule_zmax(m, T);
-    kd_u128 total = kd_u128_of(0);
-    for (int i = 0; i < V; i++) {
-        q[i] = kd_rule_mass(x[i], T, z);
-        total = kd_u128_add64(total, q[i]);
+    kd_u128 total = kd_u128_of(0), mass[KD_TP_MAX];
+    for (int k = 0; k < ns; k++) {
+        mass[k] = kd_u128_of(0);
+        for (int i = 0; i < sh[k].n; i++) {
+            uint64_t w = kd_rule_mass(sh[k].x[i], T, z);
+            q[sh[k].id0 + i] = w;
+            mass[k] = kd_u128_add64(mass[k], w);
+        }
+        total = kd_u128_add(total, mass[k]);
     }
     /* the kept set: every id (last < 0), or the ids up to `last` in the row's order */
     int32_t last = -1;
     kd_u128 kept = total;
+    int32_t *loc = a + V;
     int k = sp->top_k;
     if (k > 0 && k < V) {
-        select_first(x, V, k, a);
+        select_first_shards(sh, ns, k, loc, a);
         last = a[k - 1];
         kept = kd_u128_of(0);
         for (int j = 0; j < k; j++) kept = kd_u128_add64(kept, q[a[j]]);
@@ -154,7 +209,7 @@ int32_t kd_sample_row_code(const float *x, int V, const kd_sampler *sp, int32_t 
         int lim = last >= 0 ? k : V;
         int kk = last >= 0 ? k : (V < 64 ? V : 64);
         for (;;) {
-            if (last < 0) select_first(x, V, kk, a);
+            if (last < 0) select_first_shards(sh, ns, kk, loc, a);
             kd_u128 cum = kd_u128_of(0);
             int j;
             for (j = 0; j < kk; j++) {
@@ -167,17 +222,39 @@ int32_t kd_sample_row_code(const float *x, int V, const kd_sampler *sp, int32_t 
         }
     }
     kd_u128 target = kd_rule_target(kd_rule_u53(sp->seed, position), kept);
+    float xl = last >= 0 ? shard_val(sh, ns, last) : 0.0f;
+    /* the kept tokens in ascending id: a shard whose kept mass ends at or before the target is
+     * passed whole; the target's shard is walked */
     kd_u128 c = kd_u128_of(0);
     int32_t found = -1;
-    for (int i = 0; i < V; i++) {
-        if (last >= 0 && i != last && behind(x, i, last)) continue;
-        if (!q[i]) continue;
-        c = kd_u128_add64(c, q[i]);
-        found = i;
-        if (kd_u128_lt(target, c)) break;
+    for (int s2 = 0; s2 < ns; s2++) {
+        const float *x = sh[s2].x;
+        int32_t id0 = sh[s2].id0;
+        kd_u128 ms = mass[s2];
+        if (last >= 0) {
+            ms = kd_u128_of(0);
+            for (int i = 0; i < sh[s2].n; i++)
+                if (!(x[i] < xl || (x[i] == xl && id0 + i > last))) ms = kd_u128_add64(ms, q[id0 + i]);
+        }
+        if (s2 + 1 < ns && !kd_u128_lt(target, kd_u128_add(c, ms))) { c = kd_u128_add(c, ms); continue; }
+        for (int i = 0; i < sh[s2].n; i++) {
+            int32_t id = id0 + i;
+            if (last >= 0 && id != last && (x[i] < xl || (x[i] == xl && id > last))) continue;
+            if (!q[id]) continue;
+            c = kd_u128_add64(c, q[id]);
+            found = id;
+            if (kd_u128_lt(target, c)) break;
+        }
+        break;
     }
-    *dst = found;   /* target < kept mass: the loop always stops at a token */
+    *dst = found;   /* target < kept mass: the walk always stops at a token */
     return 0;
+}
+
+int32_t kd_sample_row_code(const float *x, int V, const kd_sampler *sp, int32_t position, uint64_t *q, int32_t *a,
+                           int32_t *dst) {
+    kd_shard whole = {x, V, 0};
+    return kd_sample_shards_code(&whole, 1, sp, position, q, a, dst);
 }
 
 kd_status kd_sample_row(const float *x, int V, const kd_sampler *sp, int32_t position, uint64_t *q, int32_t *a,
@@ -187,10 +264,10 @@ kd_status kd_sample_row(const float *x, int V, const kd_sampler *sp, int32_t pos
     return code ? kd_sample_fail(code) : KD_OK;
 }
 
-/* scratch for kd_sample_row: V masses + V int32s */
+/* scratch for kd_sample_row / kd_seq_sample_row: V masses + 2V int32s */
 static kd_status scratch_alloc(int V, uint64_t **q, int32_t **a) {
     *q = malloc(sizeof(uint64_t) * (size_t)V);
-    *a = malloc(sizeof(int32_t) * (size_t)V);
+    *a = malloc(sizeof(int32_t) * 2 * (size_t)V);
     if (!*q || !*a) {
         free(*q); free(*a);
         *q = NULL; *a = NULL;
@@ -212,7 +289,24 @@ kd_status kd_sample_logits(const float *logits, int vocab, const kd_sampler *sp,
     return st;
 }
 
-/* every output row on the host: each row's logits come down (kd_ddtree_on_device false) */
+kd_status kd_seq_sample_row(kd_seq *s, int i, const kd_sampler *sp, int32_t position, float *row, uint64_t *q,
+                            int32_t *a, int32_t *dst) {
+    kd_model *m = s->model;
+    kd_shard sh[KD_TP_MAX];
+    int Vr = m->split.vocab;
+    for (int r = 0; r < m->tp; r++) {
+        kd_backend *be = m->ranks[r].be;
+        kd_act src = kd_act_rows(s->rk[r].logits, i, 1);
+        KD_TRY(be->ops->download(be, row + (size_t)r * Vr, src.data, sizeof(float) * (size_t)Vr));
+        sh[r] = (kd_shard){row + (size_t)r * Vr, Vr, r * Vr};
+    }
+    if (kd_sampler_is_greedy(sp)) return kd_argmax_row(row, m->cfg.vocab, dst);
+    int32_t code = kd_sample_shards_code(sh, m->tp, sp, position, q, a, dst);
+    return code ? kd_sample_fail(code) : KD_OK;
+}
+
+/* every output row on the host: each row's shards come down (kd_ddtree_on_device false, or
+ * several ranks) */
 static kd_status seq_sample_host(kd_seq *s, const kd_sampler *sp, const int32_t *positions, int32_t *dst) {
     int n = s->out_rows, V = s->model->cfg.vocab;
     uint64_t *q; int32_t *a;
@@ -220,9 +314,8 @@ static kd_status seq_sample_host(kd_seq *s, const kd_sampler *sp, const int32_t 
     float *row = malloc(sizeof(float) * (size_t)V);
     kd_status st = row ? KD_OK : kd_fail(KD_ERR_NOMEM, "kd_seq_sample: cannot allocate a row of %d logits", V);
     for (int i = 0; i < n && st == KD_OK; i++) {
-        st = kd_seq_logits(s, i, 1, row);
         int32_t pos = positions ? positions[i] : s->out_positions[i] + 1;
-        if (st == KD_OK) st = kd_sample_row(row, V, sp, pos, q, a, &dst[i]);
+        st = kd_seq_sample_row(s, i, sp, pos, row, q, a, &dst[i]);
         if (st != KD_OK) st = kd_fail_context(st, "kd_seq_sample: row %d (position %d)", i, (int)pos);
     }
     free(row); free(q); free(a);
@@ -242,7 +335,8 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
                        "(a verify of a tree built on the backend): pass the positions");
     kd_model *m = s->model;
     kd_backend *be = m->be;
-    if (!kd_ddtree_on_device(be)) return seq_sample_host(s, sp, positions, dst);
+    /* several ranks: logits are shards on several backends (the merge is on the host) */
+    if (m->tp > 1 || !kd_ddtree_on_device(m)) return seq_sample_host(s, sp, positions, dst);
     if (m->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_seq_sample: vocabulary %d above %d", m->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
     int32_t pos[KD_SEQ_MAX_ROWS], res[2 * KD_SEQ_MAX_ROWS];
@@ -251,10 +345,10 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
      * out in one download; vis holds at least 2 int32 per row) */
     kd_fwd_plan p;
     kd_fwd_plan_make(m, s->out_cap, &p);
-    int32_t *d_pos = (int32_t *)((char *)s->scratch + p.ids);
-    int32_t *d_out = (int32_t *)((char *)s->scratch + p.vis), *d_code = d_out + n;
+    int32_t *d_pos = (int32_t *)((char *)s->rk[0].scratch + p.ids);
+    int32_t *d_out = (int32_t *)((char *)s->rk[0].scratch + p.vis), *d_code = d_out + n;
     KD_TRY(be->ops->upload(be, d_pos, pos, sizeof(int32_t) * (size_t)n));
-    KD_TRY(be->ops->sample_rows(be, kd_act_rows(s->logits, 0, n), sp, d_pos, 0, d_out, d_code));
+    KD_TRY(be->ops->sample_rows(be, kd_act_rows(s->rk[0].logits, 0, n), sp, d_pos, 0, d_out, d_code));
     KD_TRY(be->ops->download(be, res, d_out, sizeof(int32_t) * 2 * (size_t)n));
     const int32_t *code = res + n;
     for (int i = 0; i < n; i++)

@@ -29,4 +29,20 @@ kd_status kd_sample_fail(int32_t code);
 kd_status kd_argmax_check(const int32_t *ids, int rows, const char *fn, const char *rows_name);
 /* the same report for any op ("argmax", "sample"): "OP: logits[COL] is NaN: ..." */
 kd_status kd_logit_fail(const char *op, int32_t code);
+/* a row held in shards (tensor parallel, one per rank): x[0..n) are the logits of ids
+ * [id0, id0 + n); shards in ascending, adjacent id ranges */
+typedef struct kd_shard {
+    const float *x;
+    int n;
+    int32_t id0;
+} kd_shard;
+/* kd_sample_row_code over the shards (the same token as over the whole row; sample.c says how
+ * the shards merge); scratch: qscratch vocab uint64s, iscratch 2 * vocab int32s (vocab when
+ * there is one shard) */
+/* one token from output row i of a sequence's last forward (greedy or keyed), from its ranks'
+ * logits shards (brought down into row, vocab floats); scratch as kd_sample_shards_code */
+kd_status kd_seq_sample_row(kd_seq *s, int i, const kd_sampler *sp, int32_t position, float *row,
+                            uint64_t *qscratch, int32_t *iscratch, int32_t *dst);
+int32_t kd_sample_shards_code(const kd_shard *shards, int n_shards, const kd_sampler *sp, int32_t position,
+                              uint64_t *qscratch, int32_t *iscratch, int32_t *dst);
 #endif

@@ -1,14 +1,16 @@
 /* seq.c: sequences: the latent KV cache, the outputs of the last forward, and the
  * calls that validate input before the forward (model.c) runs.
  *
- * Memory of a sequence (all allocated by kd_seq_new, nothing later):
- *   cache[l]      [capacity, kv_lora_rank + qk_rope_dim] act dtype, per layer
- *   logits        [out_cap, vocab] fp32
+ * Memory of a sequence (all allocated by kd_seq_new, nothing later), on each rank r (rk[r]):
+ *   cache[l]      [capacity, kv_lora_rank + qk_rope_dim] act dtype, per layer (replicated:
+ *                 every rank writes the same rows)
+ *   logits        [out_cap, vocab/tp] fp32: the rank's vocabulary shard
  *   scratch       the forward's plan for out_cap rows (forward.h)
+ * and once:
  *   out_positions out_cap int32 on the host
  *   graphs        the forward inputs' host staging, and step graphs in graph mode (model.c)
- * out_cap = min(capacity, 1024) rows per forward chunk (env KDTREE_SEQ_ROWS lowers it,
- * for tests of the chunked path). A longer causal forward runs in chunks; a masked
+ * out_cap = min(capacity, 1024) rows per forward chunk (kd_seq_options.max_rows lowers it,
+ * for tests of the chunked path and to bound the logits' memory). A longer causal forward runs in chunks; a masked
  * (tree) forward must fit in out_cap rows. */
 #include "forward.h"
 #include "drafter.h"
@@ -27,35 +29,67 @@ static uint64_t seq_kv_bytes(const kd_seq *s) {
            kd_dtype_size(m->be->act_dtype);
 }
 static uint64_t seq_act_bytes(const kd_seq *s) {
-    return (uint64_t)s->out_cap * (uint64_t)s->model->cfg.vocab * sizeof(float) + s->scratch_bytes;
+    return (uint64_t)s->out_cap * (uint64_t)s->model->split.vocab * sizeof(float) + s->scratch_bytes;
 }
 
 static void seq_release(kd_seq *s) {
     kd_model *m = s->model;
-    kd_backend *be = m->be;
     kd_seq_graphs_free(s);     /* before the buffers its graphs point at */
-    if (s->cache) {
-        for (int l = 0; l < m->cfg.n_layers; l++)
-            if (s->cache[l].data) be->ops->free(be, s->cache[l].data);
-        free(s->cache);
+    for (int r = 0; s->rk && r < m->tp; r++) {
+        kd_backend *be = m->ranks[r].be;
+        kd_seq_rank *S = &s->rk[r];
+        if (S->cache) {
+            for (int l = 0; l < m->cfg.n_layers; l++)
+                if (S->cache[l].data) be->ops->free(be, S->cache[l].data);
+            free(S->cache);
+        }
+        if (S->logits.data) be->ops->free(be, S->logits.data);
+        if (S->scratch) be->ops->free(be, S->scratch);
     }
-    if (s->logits.data) be->ops->free(be, s->logits.data);
-    if (s->scratch) be->ops->free(be, s->scratch);
+    free(s->rk);
     free(s->out_positions);
     free(s);
 }
 
-kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) {
+/* rank r's cache, logits shard and scratch */
+static kd_status seq_rank_new(kd_seq *s, int r) {
+    kd_model *m = s->model;
+    kd_backend *be = m->ranks[r].be;
+    const kd_config *c = &m->cfg;
+    kd_seq_rank *S = &s->rk[r];
+    size_t asz = kd_dtype_size(be->act_dtype);
+    int V = m->split.vocab;
+    S->cache = calloc((size_t)c->n_layers, sizeof *S->cache);
+    if (!S->cache) return kd_fail(KD_ERR_NOMEM, "kd_seq_new: out of host memory");
+    for (int l = 0; l < c->n_layers; l++) {
+        kd_act *a = &S->cache[l];
+        a->rows = s->capacity;
+        a->cols = a->ld = cache_cols(m);
+        a->dtype = be->act_dtype;
+        kd_status st = be->ops->alloc(be, (size_t)s->capacity * a->cols * asz, &a->data);
+        if (st != KD_OK) return kd_fail_context(st, "kd_seq_new: KV cache of layer %d (%d tokens)", l, s->capacity);
+    }
+    S->logits = (kd_act){ NULL, s->out_cap, V, V, KD_F32 };
+    kd_status st = be->ops->alloc(be, (size_t)s->out_cap * V * sizeof(float), &S->logits.data);
+    if (st != KD_OK) return kd_fail_context(st, "kd_seq_new: logits (%d rows x %d)", s->out_cap, V);
+    st = be->ops->alloc(be, s->scratch_bytes, &S->scratch);
+    if (st != KD_OK) return kd_fail_context(st, "kd_seq_new: forward scratch (%zu bytes)", s->scratch_bytes);
+    return KD_OK;
+}
+
+kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) { return kd_seq_new_opts(m, capacity, NULL, out); }
+
+kd_status kd_seq_new_opts(kd_model *m, int capacity, const kd_seq_options *opt, kd_seq **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_seq_new: out is NULL");
     *out = NULL;
     if (!m) return kd_fail(KD_ERR_ARG, "kd_seq_new: model is NULL");
     if (m->closing) return kd_fail(KD_ERR_STATE, "kd_seq_new: the model is closed");
     if (capacity <= 0) return kd_fail(KD_ERR_ARG, "kd_seq_new: capacity %d: expected a positive number of tokens", capacity);
-    kd_backend *be = m->be;
-    const kd_config *c = &m->cfg;
+    const kd_seq_options o = opt ? *opt : (kd_seq_options){ 0 };
+    KD_TRY(kd_seq_options_check(&o));
     int out_cap = capacity < KD_SEQ_MAX_ROWS ? capacity : KD_SEQ_MAX_ROWS;
-    const char *env = getenv("KDTREE_SEQ_ROWS");
-    if (env && atoi(env) > 0 && atoi(env) < out_cap) out_cap = atoi(env);
+    if (o.max_rows > 0 && o.max_rows < out_cap) out_cap = o.max_rows;
+    const kd_graphs_mode graphs = o.graphs ? o.graphs : m->opt.graphs;
 
     kd_seq *s = calloc(1, sizeof *s);
     if (!s) return kd_fail(KD_ERR_NOMEM, "kd_seq_new: out of host memory");
@@ -63,32 +97,21 @@ kd_status kd_seq_new(kd_model *m, int capacity, kd_seq **out) {
     s->capacity = capacity;
     s->out_cap = out_cap;
     s->phase = KD_PHASE_IDLE;
+    kd_fwd_plan p;
+    kd_fwd_plan_make(m, out_cap, &p);
+    s->scratch_bytes = p.bytes;
+    /* the draft pass's mode: this sequence's, else the model's, else as the steps' */
+    s->draft_graphs = o.draft_graphs ? o.draft_graphs : m->opt.draft_graphs ? m->opt.draft_graphs : graphs;
     kd_status st = KD_OK;
-    size_t asz = kd_dtype_size(be->act_dtype);
-    s->cache = calloc((size_t)c->n_layers, sizeof *s->cache);
+    s->rk = calloc((size_t)m->tp, sizeof *s->rk);
     s->out_positions = calloc((size_t)out_cap, sizeof(int32_t));
-    if (!s->cache || !s->out_positions) st = kd_fail(KD_ERR_NOMEM, "kd_seq_new: out of host memory");
-    for (int l = 0; st == KD_OK && l < c->n_layers; l++) {
-        kd_act *a = &s->cache[l];
-        a->rows = capacity;
-        a->cols = a->ld = cache_cols(m);
-        a->dtype = be->act_dtype;
-        st = be->ops->alloc(be, (size_t)capacity * a->cols * asz, &a->data);
-        if (st != KD_OK) kd_fail_context(st, "kd_seq_new: KV cache of layer %d (%d tokens)", l, capacity);
+    if (!s->rk || !s->out_positions) st = kd_fail(KD_ERR_NOMEM, "kd_seq_new: out of host memory");
+    for (int r = 0; st == KD_OK && r < m->tp; r++) {
+        st = seq_rank_new(s, r);
+        if (st != KD_OK && m->tp > 1) kd_fail_context(st, "rank %d of %d", r, m->tp);
     }
-    if (st == KD_OK) {
-        s->logits = (kd_act){ NULL, out_cap, c->vocab, c->vocab, KD_F32 };
-        st = be->ops->alloc(be, (size_t)out_cap * c->vocab * sizeof(float), &s->logits.data);
-        if (st != KD_OK) kd_fail_context(st, "kd_seq_new: logits (%d rows x %d)", out_cap, c->vocab);
-    }
-    if (st == KD_OK) {
-        kd_fwd_plan p;
-        kd_fwd_plan_make(m, out_cap, &p);
-        s->scratch_bytes = p.bytes;
-        st = be->ops->alloc(be, p.bytes, &s->scratch);
-        if (st != KD_OK) kd_fail_context(st, "kd_seq_new: forward scratch (%zu bytes)", p.bytes);
-    }
-    if (st == KD_OK) st = kd_seq_graphs_new(s, kd_graphs_mode_from_env(be));
+    /* step graphs capture one backend's work: one rank only */
+    if (st == KD_OK) st = kd_seq_graphs_new(s, m->tp > 1 ? KD_GRAPHS_OFF : kd_graphs_resolve(m->be, graphs));
     if (st != KD_OK) {
         seq_release(s);
         return st;
@@ -145,22 +168,70 @@ kd_status kd_seq_logits(kd_seq *s, int row0, int n_rows, float *dst) {
                        row0, row0 + n_rows, s->out_rows);
     if (!dst && n_rows) return kd_fail(KD_ERR_ARG, "kd_seq_logits: dst is NULL");
     if (!n_rows) return KD_OK;
-    kd_backend *be = s->model->be;
-    kd_act rows = kd_act_rows(s->logits, row0, n_rows);
-    return be->ops->download(be, dst, rows.data, (size_t)n_rows * s->logits.ld * sizeof(float));
+    kd_model *m = s->model;
+    if (m->tp == 1) {
+        kd_act rows = kd_act_rows(s->rk[0].logits, row0, n_rows);
+        return m->be->ops->download(m->be, dst, rows.data, (size_t)n_rows * rows.ld * sizeof(float));
+    }
+    /* full rows assembled from the shards (only here: the sampling and argmax paths merge per shard) */
+    int V = m->cfg.vocab, Vr = m->split.vocab;
+    for (int r = 0; r < m->tp; r++) {
+        kd_backend *be = m->ranks[r].be;
+        for (int i = 0; i < n_rows; i++) {
+            kd_act row = kd_act_rows(s->rk[r].logits, row0 + i, 1);
+            KD_TRY(be->ops->download(be, dst + (size_t)i * V + (size_t)r * Vr, row.data, (size_t)Vr * sizeof(float)));
+        }
+    }
+    return KD_OK;
 }
 
+/* One rank: the backend's argmax. Several: per row, each rank's best (value, id) of its shard
+ * (the backend's top-1, equal values: the lower id); the merge keeps the larger value and, on
+ * equal values, the lower rank, whose ids are the lower ones: the whole row's argmax by the same
+ * rule, from two small downloads per rank. */
 kd_status kd_seq_argmax(kd_seq *s, int32_t *dst) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_seq_argmax: sequence is NULL");
     if (!dst) return kd_fail(KD_ERR_ARG, "kd_seq_argmax: dst is NULL");
     if (s->out_rows <= 0) return kd_fail(KD_ERR_STATE, "kd_seq_argmax: no output rows (run a forward first)");
-    kd_backend *be = s->model->be;
+    kd_model *m = s->model;
     kd_fwd_plan p;
-    kd_fwd_plan_make(s->model, s->out_cap, &p);
-    int32_t *d = (int32_t *)((char *)s->scratch + p.idx);
-    KD_TRY(be->ops->argmax(be, kd_act_rows(s->logits, 0, s->out_rows), d));
-    KD_TRY(be->ops->download(be, dst, d, sizeof(int32_t) * (size_t)s->out_rows));
-    return kd_argmax_check(dst, s->out_rows, "kd_seq_argmax", "the target forward's output");
+    kd_fwd_plan_make(m, s->out_cap, &p);
+    int n = s->out_rows, Vr = m->split.vocab;
+    if (m->tp == 1) {
+        int32_t *d = (int32_t *)((char *)s->rk[0].scratch + p.idx);
+        KD_TRY(m->be->ops->argmax(m->be, kd_act_rows(s->rk[0].logits, 0, n), d));
+        KD_TRY(m->be->ops->download(m->be, dst, d, sizeof(int32_t) * (size_t)n));
+        return kd_argmax_check(dst, n, "kd_seq_argmax", "the target forward's output");
+    }
+    float best[KD_SEQ_MAX_ROWS], vals[KD_SEQ_MAX_ROWS];
+    int32_t ids[KD_SEQ_MAX_ROWS];
+    for (int r = 0; r < m->tp; r++) {
+        kd_backend *be = m->ranks[r].be;
+        char *sc = (char *)s->rk[r].scratch;
+        int32_t *d_ids = (int32_t *)(sc + p.idx);
+        float *d_vals = (float *)(sc + p.tmp);     /* fp32-sized, free after a forward */
+        /* the shard's argmax first, for its NaN / +inf report (top-1 lets NaN lose): its
+         * column is the shard's, the vocabulary's is r * Vr further */
+        KD_TRY(be->ops->argmax(be, kd_act_rows(s->rk[r].logits, 0, n), d_ids));
+        KD_TRY(be->ops->download(be, ids, d_ids, sizeof(int32_t) * (size_t)n));
+        for (int i = 0; i < n; i++)
+            if (ids[i] < 0) ids[i] = -((-ids[i] & 3) | (int32_t)((uint32_t)((-ids[i] >> 2) + r * Vr) << 2));
+        KD_TRY(kd_argmax_check(ids, n, "kd_seq_argmax", "the target forward's output"));
+        KD_TRY(be->ops->topk(be, kd_act_rows(s->rk[r].logits, 0, n), 1, d_vals, d_ids));
+        KD_TRY(be->ops->download(be, ids, d_ids, sizeof(int32_t) * (size_t)n));
+        KD_TRY(be->ops->download(be, vals, d_vals, sizeof(float) * (size_t)n));
+        for (int i = 0; i < n; i++) {
+            if (ids[i] < 0 || ids[i] >= Vr)
+                return kd_fail(KD_ERR_BACKEND, "kd_seq_argmax: rank %d: row %d: top id %d outside its %d ids", r, i,
+                               (int)ids[i], Vr);
+            bool nan = vals[i] != vals[i], best_nan = r > 0 && best[i] != best[i];   /* NaN loses, as in argmax */
+            if (r == 0 || (!nan && (best_nan || vals[i] > best[i]))) {
+                best[i] = vals[i];
+                dst[i] = r * Vr + ids[i];
+            }
+        }
+    }
+    return KD_OK;
 }
 
 /* the round (if any) and the pending rows are void after the cache changes shape */
@@ -182,14 +253,16 @@ kd_status kd_seq_truncate(kd_seq *s, int len) {
 
 /* slots start+d_keep[i] -> slot to+i (i < n <= out_cap) in every layer, d_keep in backend
  * memory: gathered into the staging area, then copied back */
-static kd_status move_slots(kd_seq *s, const kd_fwd_plan *p, int start, const int32_t *d_keep, int n, int to) {
+static kd_status move_slots_rank(kd_seq *s, int r, const kd_fwd_plan *p, int start, const int32_t *d_keep, int n,
+                                 int to) {
     kd_model *m = s->model;
-    kd_backend *be = m->be;
-    kd_act tmp = kd_act_rows(kd_fwd_act(s, p->tmp, s->out_cap, cache_cols(m), be->act_dtype), 0, n);
+    kd_backend *be = m->ranks[r].be;
+    kd_seq_rank *S = &s->rk[r];
+    kd_act tmp = kd_act_rows(kd_fwd_act(S->scratch, p->tmp, s->out_cap, cache_cols(m), be->act_dtype), 0, n);
     int written = s->len + s->pending;
     for (int l = 0; l < m->cfg.n_layers; l++) {
-        KD_TRY(be->ops->gather_rows(be, tmp, kd_act_rows(s->cache[l], start, written - start), d_keep, n));
-        KD_TRY(be->ops->copy(be, kd_act_rows(s->cache[l], to, n), tmp));
+        KD_TRY(be->ops->gather_rows(be, tmp, kd_act_rows(S->cache[l], start, written - start), d_keep, n));
+        KD_TRY(be->ops->copy(be, kd_act_rows(S->cache[l], to, n), tmp));
     }
     return KD_OK;
 }
@@ -231,17 +304,20 @@ kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep) 
             return kd_fail(KD_ERR_ARG, "kd_seq_compact: keep[%d] = %d after keep[%d] = %d: expected strictly increasing",
                            i, keep[i], i - 1, keep[i - 1]);
     }
-    kd_backend *be = s->model->be;
+    kd_model *m = s->model;
     kd_fwd_plan p;
-    kd_fwd_plan_make(s->model, s->out_cap, &p);
-    int32_t *d_idx = (int32_t *)((char *)s->scratch + p.idx);
+    kd_fwd_plan_make(m, s->out_cap, &p);
     /* chunks in increasing order: slot start+keep[i] >= start+i, so a chunk reads only
-     * slots no earlier chunk wrote */
+     * slots no earlier chunk wrote; every rank's replica of the cache moves the same rows */
     for (int c0 = 0; c0 < n_keep; c0 += s->out_cap) {
         int n = n_keep - c0 < s->out_cap ? n_keep - c0 : s->out_cap;
-        kd_status st = be->ops->upload(be, d_idx, keep + c0, sizeof(int32_t) * (size_t)n);
-        if (st == KD_OK) st = move_slots(s, &p, start, d_idx, n, start + c0);
-        if (st != KD_OK) return move_failed(s, start, st, "kd_seq_compact");
+        for (int r = 0; r < m->tp; r++) {
+            kd_backend *be = m->ranks[r].be;
+            int32_t *d_idx = (int32_t *)((char *)s->rk[r].scratch + p.idx);
+            kd_status st = be->ops->upload(be, d_idx, keep + c0, sizeof(int32_t) * (size_t)n);
+            if (st == KD_OK) st = move_slots_rank(s, r, &p, start, d_idx, n, start + c0);
+            if (st != KD_OK) return move_failed(s, start, st, "kd_seq_compact");
+        }
     }
     return compacted(s, start, n_keep);
 }
@@ -252,32 +328,42 @@ kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int
                        "rows, within the staging of %d) at 0..%d", n_keep, start, s->pending, s->out_cap, s->len);
     kd_fwd_plan p;
     kd_fwd_plan_make(s->model, s->out_cap, &p);
-    kd_status st = move_slots(s, &p, start, d_keep, n_keep, start);
+    if (s->model->tp > 1)      /* d_keep lives on rank 0's backend */
+        return kd_fail(KD_ERR_STATE, "kd_seq_compact_staged: slots staged on one backend cannot move %d ranks' caches",
+                       s->model->tp);
+    kd_status st = move_slots_rank(s, 0, &p, start, d_keep, n_keep, start);
     if (st != KD_OK) return move_failed(s, start, st, "kd_seq_compact_staged");
     return compacted(s, start, n_keep);
 }
 
-kd_status kd_seq_read_cache(kd_seq *s, int layer, int row0, int n, float *dst) {
+kd_status kd_seq_read_cache_rank(kd_seq *s, int rank, int layer, int row0, int n, float *dst) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_seq_read_cache: sequence is NULL");
     kd_model *m = s->model;
     int written = s->len + s->pending;
+    if (rank < 0 || rank >= m->tp)
+        return kd_fail(KD_ERR_ARG, "kd_seq_read_cache: rank %d: expected 0..%d", rank, m->tp - 1);
     if (layer < 0 || layer >= m->cfg.n_layers)
         return kd_fail(KD_ERR_ARG, "kd_seq_read_cache: layer %d: expected 0..%d", layer, m->cfg.n_layers - 1);
     if (row0 < 0 || n < 0 || row0 + n > written)
         return kd_fail(KD_ERR_ARG, "kd_seq_read_cache: rows [%d, %d): expected within the %d written rows", row0,
                        row0 + n, written);
     if (!dst && n) return kd_fail(KD_ERR_ARG, "kd_seq_read_cache: dst is NULL");
-    kd_backend *be = m->be;
+    kd_backend *be = m->ranks[rank].be;
+    kd_seq_rank *S = &s->rk[rank];
     int w = cache_cols(m);
-    if (s->cache[layer].dtype == KD_F32)
-        return be->ops->download(be, dst, kd_act_rows(s->cache[layer], row0, n).data, sizeof(float) * (size_t)n * w);
+    if (S->cache[layer].dtype == KD_F32)
+        return be->ops->download(be, dst, kd_act_rows(S->cache[layer], row0, n).data, sizeof(float) * (size_t)n * w);
     kd_fwd_plan p;
     kd_fwd_plan_make(m, s->out_cap, &p);
-    kd_act tmp = kd_fwd_act(s, p.tmp, s->out_cap, w, KD_F32);
+    kd_act tmp = kd_fwd_act(S->scratch, p.tmp, s->out_cap, w, KD_F32);
     for (int c0 = 0; c0 < n; c0 += s->out_cap) {
         int k = n - c0 < s->out_cap ? n - c0 : s->out_cap;
-        KD_TRY(be->ops->copy(be, kd_act_rows(tmp, 0, k), kd_act_rows(s->cache[layer], row0 + c0, k)));
+        KD_TRY(be->ops->copy(be, kd_act_rows(tmp, 0, k), kd_act_rows(S->cache[layer], row0 + c0, k)));
         KD_TRY(be->ops->download(be, dst + (size_t)c0 * w, tmp.data, sizeof(float) * (size_t)k * w));
     }
     return KD_OK;
+}
+
+kd_status kd_seq_read_cache(kd_seq *s, int layer, int row0, int n, float *dst) {
+    return kd_seq_read_cache_rank(s, 0, layer, row0, n, dst);
 }

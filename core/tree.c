@@ -557,21 +557,8 @@ kd_status kd_tree_build(kd_tree *t, const float *scores, int L, int V, int budge
 
 /* ---------------------------------------------------------------- where the round runs */
 
-static int ddtree_forced = -1;   /* kd_ddtree_force */
-
-bool kd_ddtree_on_device(const kd_backend *be) {
-    static int env = -2;         /* -2: not read yet; -1: unset */
-    if (ddtree_forced >= 0) return ddtree_forced == 1;
-    if (env == -2) {
-        const char *v = getenv("KDTREE_DDTREE_DEVICE");
-        env = !v || !*v ? -1 : (!strcmp(v, "0") || !strcmp(v, "off")) ? 0 : 1;
-    }
-    if (env >= 0) return env == 1;
-    (void)be;
-    return true;   /* the H200 run of 2026-11-30 passed the whole suite with the round on the device */
-}
-
-void kd_ddtree_force(int mode) { ddtree_forced = mode == 0 || mode == 1 ? mode : -1; }
+/* the default is the backend: the H200 run of 2026-11-30 passed the whole suite with the round there */
+bool kd_ddtree_on_device(const kd_model *m) { return m->opt.ddtree_round != KD_ROUND_HOST; }
 
 /* ---------------------------------------------------------------- from the drafter */
 
@@ -622,7 +609,7 @@ kd_status kd_tree_build_drafted(kd_tree *t, kd_seq *s, int budget) {
     kd_status st = tree_dev_reserve(t, m, budget, L * K, "kd_tree_build_drafted");
     if (st == KD_OK) st = be->ops->topk(be, lp, K, t->dev.vals, t->dev.ids);
     if (st == KD_OK) {
-        st = kd_ddtree_on_device(be) ? be->ops->tree_select(be, &t->dev, L, K, budget) : KD_ERR_UNSUPPORTED;
+        st = kd_ddtree_on_device(m) ? be->ops->tree_select(be, &t->dev, L, K, budget) : KD_ERR_UNSUPPORTED;
         if (st == KD_ERR_UNSUPPORTED) st = build_on_host(t, be, L, K, budget);
         else if (st == KD_OK) {
             t->n = n;

@@ -81,14 +81,11 @@ kd_status kd_tree_to_backend(kd_tree *t, kd_model *m, const char *fn);
 /* report a bad value the backend build saw (status word 0 set), or an unexpected node count */
 kd_status kd_tree_build_error(const kd_tree *t, const int32_t *status, const char *fn);
 
-/* Where the DDTree round runs (read once from env KDTREE_DDTREE_DEVICE): 1 = on the backend's
- * ops (tree_select, tree_stage, sample_rows / argmax, tree_walk, device-side compaction), 0 =
+/* Where the DDTree round runs (kd_model_options.ddtree_round): true = on the backend's ops
+ * (tree_select, tree_stage, sample_rows / argmax, tree_walk, device-side compaction), false =
  * on the host as before the device round (top-K lists, logits rows or argmax ids and the
- * accepted ids travel through the host). Unset: on the backend (validated on the H200 by the
- * whole suite, spec/gpu_round_spec.lua included).
- * kd_ddtree_force(0 / 1) overrides it, -1 returns to the environment's choice (tests). */
-bool kd_ddtree_on_device(const kd_backend *be);
-void kd_ddtree_force(int mode);
+ * accepted ids travel through the host). */
+bool kd_ddtree_on_device(const kd_model *m);
 
 /* the child of `node` whose token is `token`, or -1 (host view) */
 int kd_tree_child(const kd_tree *t, int node, int32_t token);

@@ -198,9 +198,12 @@ static kd_status cuda_sync(kd_backend *be) {
 }
 
 /* ---- weights ---- */
-static kd_status dev_copy_of(kd_backend *be, const void *src, size_t bytes, const char *what, const char *name,
-                             void **out) {
+/* rows of row_bytes each, src_pitch bytes apart in the host mapping (a rank's column slice of a
+ * wider tensor), packed into one device allocation */
+static kd_status dev_copy_of(kd_backend *be, const void *src, size_t row_bytes, size_t src_pitch, size_t rows,
+                             const char *what, const char *name, void **out) {
     kd_cuda *c = kd_cuda_of(be);
+    size_t bytes = row_bytes * rows;
     *out = NULL;
     cudaError_t e = cudaMalloc(out, bytes ? bytes : 16);
     if (e != cudaSuccess) {
@@ -210,12 +213,12 @@ static kd_status dev_copy_of(kd_backend *be, const void *src, size_t bytes, cons
                        "cuda: cannot allocate %zu bytes of device memory for %s of weight '%s' on device %d: %s", bytes,
                        what, name, be->device, cudaGetErrorString(e));
     }
-    e = cudaMemcpyAsync(*out, src, bytes, cudaMemcpyHostToDevice, c->stream);
+    e = cudaMemcpy2DAsync(*out, row_bytes, src, src_pitch, row_bytes, rows, cudaMemcpyHostToDevice, c->stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
     if (e != cudaSuccess) {
         cudaFree(*out);
         *out = NULL;
-        return kd_cuda_fail(e, "cudaMemcpyAsync (weight upload)", __FILE__, __LINE__);
+        return kd_cuda_fail(e, "cudaMemcpy2DAsync (weight upload)", __FILE__, __LINE__);
     }
     return KD_OK;
 }
@@ -229,13 +232,13 @@ static kd_status cuda_weight_load(kd_backend *be, kd_weight *w) {
         return kd_fail(KD_ERR_ARG, "cuda weight_load: weight '%s' has shape [%lld, %lld]", name, (long long)w->rows,
                        (long long)w->cols);
     KD_TRY(set_dev(be));
-    size_t n = (size_t)w->rows * (size_t)w->cols;
+    size_t cols = (size_t)w->cols, ld = (size_t)kd_weight_ld(w), rows = (size_t)w->rows;
     switch (w->format) {
     case KD_W_BF16:
-        KD_TRY(dev_copy_of(be, w->src, n * 2, "the bf16 values", name, &w->dev));
+        KD_TRY(dev_copy_of(be, w->src, cols * 2, ld * 2, rows, "the bf16 values", name, &w->dev));
         break;
     case KD_W_F32:
-        KD_TRY(dev_copy_of(be, w->src, n * 4, "the f32 values", name, &w->dev));
+        KD_TRY(dev_copy_of(be, w->src, cols * 4, ld * 4, rows, "the f32 values", name, &w->dev));
         break;
     case KD_W_INT4:
         if (!w->src_scale) return kd_fail(KD_ERR_ARG, "cuda weight_load: INT4 weight '%s' has no scales", name);
@@ -364,7 +367,7 @@ static kd_backend_ops make_ops() {
 }
 static const kd_backend_ops cuda_ops = make_ops();
 
-extern "C" kd_status kd_backend_cuda_create(int device, kd_backend **out) {
+extern "C" kd_status kd_backend_cuda_create(int device, const kd_model_options *opt, kd_backend **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_backend_cuda_create: out is NULL");
     *out = NULL;
     int count = 0;
@@ -390,6 +393,11 @@ extern "C" kd_status kd_backend_cuda_create(int device, kd_backend **out) {
     c->device = device;
     c->tp_rank = 0;
     c->tp_world = 1;
+    const kd_model_options none = {};
+    if (!opt) opt = &none;
+    c->mla_tc = opt->mla_kernel != KD_MLA_CUDA_CORES;
+    c->mla_vsplit = opt->mla_value_slices == 0 ? 8 : opt->mla_value_slices < 0 ? 0 : opt->mla_value_slices;
+    c->mla_rg = opt->mla_row_groups;
     kd_status st = KD_OK;
     cudaDeviceProp prop;
     e = cudaSetDevice(device);

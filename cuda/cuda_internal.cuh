@@ -48,6 +48,10 @@ typedef struct kd_cuda {
     int device;
     int n_sms;
     size_t smem_optin;             /* max dynamic shared memory per block */
+    /* the MLA attention kernel's choice (kd_model_options at creation; mla.cu) */
+    bool mla_tc;                   /* the tensor-core kernel where the shape allows */
+    int mla_vsplit;                /* tc_shape's value split: 8 = its rule, 0 = off, 1, 2 or 4 forced */
+    int mla_rg;                    /* tc_shape's row groups: 0 = its rule, 1 or 4 forced */
     cudaStream_t stream;
     cublasHandle_t cublas;         /* created lazily; the dense GEMMs use our own kernels */
     void *ws[KD_WS_COUNT];

@@ -322,41 +322,13 @@ static kd_status check_act(const char *arg, kd_act a) {
 }  // namespace
 
 
-/* KDTREE_MLA_TC=0: every shape on the CUDA-core kernel (read once per process) */
-static bool tc_enabled(void) {
-    static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("KDTREE_MLA_TC");
-        on = (e && !strcmp(e, "0")) ? 0 : 1;
-    }
-    return on == 1;
-}
-
-/* KDTREE_MLA_TC_VSPLIT (read once per process): unset (or any other value): small grids take
- * 16-row blocks of 8 warps split into value slices by tc_shape's rule; 0: the 2-warp 16-row
- * blocks as before; 1, 2 or 4 (tests, benches): force that many slices (capped at DVP / 128,
- * DVP = dv padded to a power of two) where tc_shape takes the 16-row blocks of 8 warps (cp.async
- * loads, DVP >= 128, the shared memory fits). Returns 0 (off), 1, 2, 4 (forced) or 8 (rule). */
-static int vsplit_mode(void) {
-    static int mode = -1;
-    if (mode < 0) {
-        const char *e = getenv("KDTREE_MLA_TC_VSPLIT");
-        mode = !e ? 8 : !strcmp(e, "0") ? 0 : !strcmp(e, "1") ? 1 : !strcmp(e, "2") ? 2 : !strcmp(e, "4") ? 4 : 8;
-    }
-    return mode;
-}
-
-/* KDTREE_MLA_TC_RG=1 or 4 (tests, benches; read once per process): force that many row groups
- * per block (tc_shape still takes 1 where 4 does not fit the shared memory); else 0 (tc_shape's
- * rule) */
-static int rg_mode(void) {
-    static int mode = -1;
-    if (mode < 0) {
-        const char *e = getenv("KDTREE_MLA_TC_RG");
-        mode = e && (!strcmp(e, "1") || !strcmp(e, "4")) ? e[0] - '0' : 0;
-    }
-    return mode;
-}
+/* The kernel's choices come from kd_model_options at the backend's creation (kd_cuda):
+ * mla_kernel = KD_MLA_CUDA_CORES puts every shape on the CUDA-core kernel; mla_value_slices: by
+ * default small grids take 16-row blocks of 8 warps split into value slices by tc_shape's rule;
+ * -1: the 2-warp 16-row blocks as before; 1, 2 or 4 (tests, benches): force that many slices
+ * (capped at DVP / 128, DVP = dv padded to a power of two) where tc_shape takes the 16-row blocks
+ * of 8 warps (cp.async loads, DVP >= 128, the shared memory fits); mla_row_groups = 1 or 4 forces
+ * that many row groups per block (tc_shape still takes 1 where 4 does not fit the shared memory). */
 
 /* the tensor-core path (mla_tc.cuh); arguments already checked by attention_impl */
 static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,
@@ -382,8 +354,8 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
 
     /* the block shape (tc_shape: row groups, warps, value slices); the bits depend on none of it */
     const long long ncq = tc_max_chunks(S, past, T, causal, visible != NULL, d_past != NULL);
-    const TcShape sh = tc_shape(ncq, T, G, n_kv_heads, DVP, a.HDP, async, c->n_sms, c->smem_optin, rg_mode(),
-                                vsplit_mode());
+    const TcShape sh = tc_shape(ncq, T, G, n_kv_heads, DVP, a.HDP, async, c->n_sms, c->smem_optin, c->mla_rg,
+                                c->mla_vsplit);
     const int rows = sh.rg * 16, nth = sh.rg * 32 * sh.kw;
     a.rb_per_q = (G + rows - 1) / rows;
     const size_t smem = tc_smem_bytes(a.HDP, sh.rg, sh.kw);
@@ -456,7 +428,7 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
     if (T == 0) return KD_OK;
     if (S == 0) return kd_fail(KD_ERR_ARG, "cuda attention: no key rows");
     /* the path depends on the model's shapes and the device only (never on T or the context) */
-    if (tc_enabled() && head_dim <= mla::TC_HD_MAX && dv <= mla::TC_DV_MAX &&
+    if (kd_cuda_of(be)->mla_tc && head_dim <= mla::TC_HD_MAX && dv <= mla::TC_DV_MAX &&
         mla::tc_smem_bytes((head_dim + 63) / 64 * 64, 1) <= kd_cuda_of(be)->smem_optin)
         return attention_tc(be, q, n_heads, head_dim, k, v, n_kv_heads, past, d_past, causal, visible, window, scale,
                             out, kstride, vstride, dv);

@@ -93,12 +93,16 @@ extern "C" kd_status kd_cuda_w4a16_repack(kd_backend *be, kd_weight *w) {
                        "%d: %s", al256(codes) + scales, name, be->device, cudaGetErrorString(e));
     }
     char *st = (char *)stage;
-    e = cudaMemcpyAsync(st, w->src, raw_codes, cudaMemcpyHostToDevice, c->stream);
+    /* a column slice (kd_weight.ld > cols) comes out of its rows in the mapping, packed */
+    size_t ld = (size_t)kd_weight_ld(w);
+    e = cudaMemcpy2DAsync(st, (size_t)(k / 8) * 4, w->src, ld / 8 * 4, (size_t)(k / 8) * 4, (size_t)n,
+                          cudaMemcpyHostToDevice, c->stream);
     if (e == cudaSuccess)
-        e = cudaMemcpyAsync(st + al256(raw_codes), w->src_scale, raw_scales, cudaMemcpyHostToDevice, c->stream);
+        e = cudaMemcpy2DAsync(st + al256(raw_codes), (size_t)(k / g) * 2, w->src_scale, ld / (size_t)g * 2,
+                              (size_t)(k / g) * 2, (size_t)n, cudaMemcpyHostToDevice, c->stream);
     if (e != cudaSuccess) {
         cudaFree(dev);
-        return kd_cuda_fail(e, "cudaMemcpyAsync (INT4 weight staging)", __FILE__, __LINE__);
+        return kd_cuda_fail(e, "cudaMemcpy2DAsync (INT4 weight staging)", __FILE__, __LINE__);
     }
     kd_status s = kd_w4a16_repack((const int32_t *)st, (const uint16_t *)(st + al256(raw_codes)), n, k, g, dev,
                                   (char *)dev + al256(codes), c->stream);

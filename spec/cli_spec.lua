@@ -12,13 +12,19 @@ local CLI = "scripts/kdtree"
 
 local function tmpname() return os.tmpname() end
 
--- run the CLI; returns (exit code, stdout, stderr)
-local function run(args)
+-- run the CLI; returns (exit code, stdout, stderr); input: what standard input reads
+local function run(args, input)
   local out, err = tmpname(), tmpname()
   local env = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB") .. "' ") or ""
-  local p = io.popen(string.format("%sluajit %s %s >%s 2>%s; echo $?", env, CLI, args, out, err))
+  local stdin = "/dev/null"
+  if input then
+    stdin = tmpname()
+    local f = io.open(stdin, "wb"); f:write(input); f:close()
+  end
+  local p = io.popen(string.format("%sluajit %s %s <%s >%s 2>%s; echo $?", env, CLI, args, stdin, out, err))
   local code = tonumber(p:read("*a"):match("(%d+)"))
   p:close()
+  if input then os.remove(stdin) end
   local function slurp(f) local h = io.open(f); local s = h:read("*a"); h:close(); os.remove(f); return s end
   return code, slurp(out), slurp(err)
 end
@@ -63,6 +69,24 @@ describe("kdtree generate", function()
     end
   end)
 
+  it("--tp 2 prints the ids --tp 1 prints, greedy and sampled, ar and ddtree; a tp that does not split exits 1", function()
+    local s = "--temperature 0.8 --top-p 0.9 --top-k 40 --seed 7"
+    for _, case in ipairs({ { "", ref_greedy }, { s, ref_sampled } }) do
+      for _, policy in ipairs({ "", "--draft " .. DRAFT .. " --budget 8" }) do
+        local args = "generate --prompt-ids 5,77,300 -n 24 --ids " .. case[1] .. " " .. policy
+        local code1, out1, err1 = run(args .. " --tp 1")
+        local code2, out2, err2 = run(args .. " --tp 2 --backend cpu")
+        assert.are.equal(0, code1, err1)
+        assert.are.equal(0, code2, err2)
+        assert.are.same(case[2], split_ids(out1))
+        assert.are.same(split_ids(out1), split_ids(out2))
+      end
+    end
+    local code, _, err = run("generate --prompt-ids 5,77,300 -n 4 --ids --tp 3 --backend cpu")
+    assert.are.equal(1, code)
+    assert.truthy(err:find("tp 3 does not divide num_attention_heads (4)", 1, true), err)
+  end)
+
   it("samples with --temperature/--top-p/--top-k/--seed, identically under ddtree", function()
     local s = "--temperature 0.8 --top-p 0.9 --top-k 40 --seed 7"
     local code, out = run("generate --prompt-ids 5,77,300 -n 24 --ids " .. s)
@@ -73,13 +97,17 @@ describe("kdtree generate", function()
     assert.are.same(ref_sampled, split_ids(out))
   end)
 
-  it("--stats prints a table of rounds with tau and a summary; --ids keeps stdout clean", function()
+  it("--stats prints a table of rounds with tau and a summary on stderr; stdout keeps the output alone", function()
     local code, out, err = run("generate --prompt-ids 5,77,300 -n 16 --draft " .. DRAFT .. " --budget 16 --stats")
     assert.are.equal(0, code, err)
-    assert.truthy(out:find("round", 1, true))
-    assert.truthy(out:find("tau", 1, true))
-    assert.truthy(out:find("mean tau", 1, true))
-    assert.truthy(out:match("output%s+[%d ]+"))
+    assert.truthy(err:find("round", 1, true))
+    assert.truthy(err:find("tau", 1, true))
+    assert.truthy(err:match("mean tau %d"), err)
+    local tok = kd.open_tokenizer(MODEL)
+    local want = {}
+    for i = 1, 16 do want[i] = ref_greedy[i] end
+    assert.are.equal(tok:decode(want), out)   -- ids in, the model's tokenizer's text out
+    tok:close()
     code, out, err = run("generate --prompt-ids 5,77,300 -n 16 --draft " .. DRAFT .. " --stats --ids")
     assert.are.equal(0, code)
     assert.truthy(out:match("^[%d ]+\n$"))
@@ -130,8 +158,7 @@ describe("kdtree generate", function()
     local err
     code, out, err = run("generate --prompt 'The quick brown fox' -n 6")
     assert.are.equal(0, code, err)
-    local want = tok:decode(ref(tok:encode("The quick brown fox")))
-    assert.truthy(out:find("\ntext     " .. string.format("%q", want):gsub("%p", "%%%0"), 1), out)
+    assert.are.equal(tok:decode(ref(tok:encode("The quick brown fox"))), out)   -- the raw text, nothing else
     code, out, err = run("generate --prompt hi --tokenizer /nonexistent/tok -n 2")
     assert.are.equal(1, code)
     assert.truthy(err:find("/nonexistent/tok/tiktoken.model: cannot open", 1, true), err)
@@ -162,13 +189,25 @@ describe("kdtree help and bad flags", function()
       { "generate --prompt-ids 5,x", "--prompt-ids: expected comma-separated token ids, got '5,x'" },
       { "generate --prompt-ids 5 -n", "-n needs a value" },
       { "generate --prompt-ids 5 -n two", "-n: expected an integer, got 'two'" },
-      { "generate -n 3", "give the prompt once: --prompt-ids 5,77,300, --prompt TEXT or --chat TEXT" },
+      { "generate -n 3", "give the prompt once: --prompt-ids 5,77,300, --prompt TEXT, --prompt-file FILE or --chat TEXT" },
+      { "generate --prompt-ids 5 --prompt-file /nonexistent/p.txt", "give the prompt once" },
+      { "generate --prompt-file /nonexistent/p.txt", "--prompt-file: cannot open /nonexistent/p.txt" },
+      { "generate --model --prompt-ids 5,77", "--model needs a value (DIR), got the flag --prompt-ids" },
+      { "generate --prompt-ids 5 --system hi", "--system is for --chat" },
+      { "generate --prompt-ids 5 --top-p 0.9", "--top-p is a sampling flag: give --temperature T > 0 too" },
+      { "generate --prompt-ids 5 --seed 3 --temperature 0", "--seed is a sampling flag" },
+      { "generate --prompt-ids 5 --min-p 0.1", "--min-p is a sampling flag" },
+      { "generate --prompt-ids 5 --ids --json", "--ids and --json: choose one output" },
+      -- checked before the model loads: the model named here does not exist
+      { "generate --model /nonexistent/m --prompt-ids 5 --draft " .. DRAFT .. " --budget 2000",
+        "--budget: expected 0..1023 (a tree and its root verify in one forward of at most 1024 rows), got 2000" },
+      { "generate --model /nonexistent/m --prompt-ids 5 --draft ngram --depth 100", "--depth: expected 1..64, got 100" },
       { "generate --prompt-ids 5 --prompt hi", "give the prompt once" },
       { "generate --prompt ''", "--prompt: expected some text" },
-      { "generate --prompt-ids 5 --tokenizer models/tiny-k2.6", "--tokenizer is for --prompt or --chat" },
+      { "generate --prompt-ids 5 --ids --tokenizer models/tiny-k2.6", "--tokenizer does nothing with --prompt-ids and --ids" },
       { "generate --prompt-ids 5 --policy beam", "--policy: expected ar, dflash or ddtree, got 'beam'" },
       { "generate --prompt-ids 5 --policy ddtree", "--policy ddtree needs --draft" },
-      { "generate --prompt-ids 5 --draft ngram --budget -4", "--budget: expected >= 0, got -4" },
+      { "generate --prompt-ids 5 --draft ngram --budget -4", "--budget: expected 0..1023" },
       { "generate --prompt-ids 5 --backend tpu", "--backend: expected cpu or cuda, got 'tpu'" },
       { "frobnicate", "unknown command 'frobnicate'" },
       { "inspect --ids", "unknown flag --ids" },
@@ -181,12 +220,20 @@ describe("kdtree help and bad flags", function()
     end
   end)
 
-  it("exits 1 with the engine's message when the model cannot load", function()
+  it("exits 1 with the engine's message, without Lua source locations, when the model cannot load", function()
     local code, out, err = run("generate --model /nonexistent/model --prompt-ids 5 -n 2 --ids")
     assert.are.equal(1, code)
     assert.are.equal("", out)
-    assert.truthy(err:find("^kdtree: error: "))
-    assert.truthy(err:find("/nonexistent/model", 1, true))
+    assert.are.equal("kdtree: kd_model_open(/nonexistent/model) failed (io): /nonexistent/model/config.json: "
+      .. "cannot open: No such file or directory\n", err)
+  end)
+
+  it("--version names the library's version and the backends built in", function()
+    local code, out = run("--version")
+    assert.are.equal(0, code)
+    local want = { "cpu" }
+    if kd.backend_available("cuda") then want[2] = "cuda" end
+    assert.are.equal(string.format("kdtree %s (backends: %s)\n", kd.version(), table.concat(want, ", ")), out)
   end)
 end)
 
@@ -270,19 +317,194 @@ describe("scripts/examples/adaptive_budget.lua (the tutorial's policy)", functio
   end)
 end)
 
-describe("README.md's Lua example", function()
-  it("runs as written and accepts at least the root", function()
-    local readme = assert(io.open("README.md")):read("*a")
-    local code = readme:match("## Lua in ten lines%s+```lua\n(.-)```")
-    assert.is_string(code)
-    assert.is_true(select(2, code:gsub("\n", "")) <= 10)
-    local printed = {}
-    local env = setmetatable({ print = function(...) printed[#printed + 1] = table.concat({ ... }, " ") end },
-      { __index = _G })
-    local f = assert(loadstring(code, "=README"))
-    setfenv(f, env)
-    f()
-    assert.truthy(printed[1]:match("^tree: 16 nodes, root token %d+"), printed[1])
-    assert.truthy(printed[2]:match("^accepted %d+.* tau %d+ next %d+$"), printed[2])
+describe("kdtree generate: streaming, stops, log-probs, JSON, Ctrl-C", function()
+  local m, tok, ref_greedy
+  local function ar(ids, n, extra)
+    local o = { policy = "ar", n = n }
+    for k, v in pairs(extra or {}) do o[k] = v end
+    return gen.run(m, ids, o)
+  end
+  setup(function()
+    m = kd.open_model(MODEL)
+    tok = kd.open_tokenizer(MODEL)
+    ref_greedy = ar({ 5, 77, 300 }, 24).tokens
+  end)
+  teardown(function() tok:close(); m:close() end)
+
+  it("reads the prompt from standard input (--prompt -) and from a file (--prompt-file)", function()
+    local text = "line one\nline two: 你好\n"
+    local want = tok:decode(ar(tok:encode(text), 8).tokens)
+    local code, out, err = run("generate --prompt - -n 8", text)
+    assert.are.equal(0, code, err)
+    assert.are.equal(want, out)
+    local f = os.tmpname()
+    local h = io.open(f, "wb"); h:write(text); h:close()
+    code, out, err = run("generate --prompt-file " .. f .. " -n 8 --draft " .. DRAFT)
+    os.remove(f)
+    assert.are.equal(0, code, err)
+    assert.are.equal(want, out)
+  end)
+
+  it("--system sets the chat's system turn", function()
+    local ids = tok:chat({ { role = "system", content = "Be brief." }, { role = "user", content = "Hi" } })
+    local eos = tok:chat_stops()
+    for _, id in ipairs(m.info.eos) do eos[#eos + 1] = id end
+    local code, out, err = run("generate --chat Hi --system 'Be brief.' -n 8 --ids")
+    assert.are.equal(0, code, err)
+    assert.are.same(ar(ids, 8, { eos = eos }).tokens, split_ids(out))
+  end)
+
+  -- the stop string: three bytes from the middle of the greedy continuation's text, so the
+  -- output must end just before its first occurrence; the ids end at the token completing it
+  it("--stop cuts the text before the stop string, the same under ar and ddtree", function()
+    local prompt = tok:encode("The quick brown fox")
+    local full = ar(prompt, 24).tokens
+    local text = tok:decode(full)
+    local stop = text:sub(12, 14)
+    local at = text:find(stop, 1, true)
+    local k = 1
+    while not tok:decode({ unpack(full, 1, k) }):find(stop, 1, true) do k = k + 1 end
+    for _, pol in ipairs({ "", " --draft " .. DRAFT, " --draft " .. DRAFT .. " --policy dflash", " --draft ngram" }) do
+      local code, out, err = run("generate --prompt 'The quick brown fox' -n 24 --stop " .. ("%q"):format(stop) .. pol)
+      assert.are.equal(0, code, err)
+      assert.are.equal(text:sub(1, at - 1), out, pol)
+      code, out, err = run("generate --prompt 'The quick brown fox' -n 24 --ids --stop " .. ("%q"):format(stop) .. pol)
+      assert.are.equal(0, code, err)
+      assert.are.same({ unpack(full, 1, k) }, split_ids(out), pol)
+    end
+    -- a stop string that never comes changes nothing
+    local code, out = run("generate --prompt 'The quick brown fox' -n 24 --stop 'no such text' --draft " .. DRAFT)
+    assert.are.equal(0, code)
+    assert.are.equal(text, out)
+  end)
+
+  it("--json prints one record per round and a summary whose tokens are the rounds' and AR's", function()
+    local code, out, err = run("generate --prompt-ids 5,77,300 -n 24 --json --draft " .. DRAFT .. " --budget 8")
+    assert.are.equal(0, code, err)
+    local lines = {}
+    for l in out:gmatch("[^\n]+") do lines[#lines + 1] = json.decode(l) end
+    local final = table.remove(lines)
+    local all, text = {}, {}
+    for i, r in ipairs(lines) do
+      assert.are.equal(i, r.round)
+      assert.is_true(r.tau >= 1 and r.tree == 8, out)
+      for _, t in ipairs(r.tokens) do all[#all + 1] = t end
+      text[#text + 1] = r.text
+    end
+    assert.are.same(ref_greedy, all)
+    assert.are.same(ref_greedy, final.tokens)
+    assert.are.equal(tok:decode(ref_greedy), table.concat(text))
+    assert.are.equal(#lines, final.summary.rounds)
+    assert.are.equal(24, final.summary.tokens)
+    assert.is_number(final.summary.mean_tau)
+  end)
+
+  -- log-probs: a greedy token is the likeliest (its log-prob tops the list), the whole list of
+  -- V alternatives sums to probability 1, and DDTree reads the same rows AR does, bit for bit
+  it("--logprobs gives the chosen tokens' log-probs and the likeliest, equal under DDTree and AR", function()
+    local V = m.info.vocab
+    local a = ar({ 5, 77, 300 }, 12, { logprobs = V })
+    for i, lp in ipairs(a.logprobs) do
+      assert.are.equal(a.tokens[i], lp.token)
+      assert.are.equal(a.tokens[i], lp.top[1].token)
+      assert.are.equal(lp.logprob, lp.top[1].logprob)
+      local z = 0
+      for _, alt in ipairs(lp.top) do z = z + math.exp(alt.logprob) end
+      assert.is_true(math.abs(z - 1) < 1e-9, tostring(z))
+    end
+    local d = kd.open_drafter(DRAFT, m)
+    local sp = { temperature = 0.9, top_k = 50, seed = 5 }
+    for _, sampler in ipairs({ false, sp }) do
+      local o = { logprobs = 3, sampler = sampler or nil }
+      local want = ar({ 5, 77, 300 }, 20, o)
+      for _, pol in ipairs({ "ddtree", "dflash" }) do
+        local got = gen.run(m, { 5, 77, 300 }, { policy = pol, drafter = d, budget = 12, n = 20, logprobs = 3,
+          sampler = sampler or nil })
+        assert.are.same(want.tokens, got.tokens)
+        assert.are.same(want.logprobs, got.logprobs)   -- exact: same rows, same arithmetic
+      end
+    end
+    d:close()
+    local code, out, err = run("generate --prompt-ids 5,77,300 -n 12 --json --logprobs 2 --draft " .. DRAFT)
+    assert.are.equal(0, code, err)
+    local final, lps = nil, {}
+    for l in out:gmatch("[^\n]+") do
+      final = json.decode(l)
+      for _, lp in ipairs(final.logprobs or {}) do lps[#lps + 1] = lp end
+    end
+    local want = ar({ 5, 77, 300 }, 12, { logprobs = 2 }).logprobs
+    assert.are.equal(#want, #lps)
+    for i = 1, #want do
+      assert.are.equal(want[i].token, lps[i].token)
+      assert.is_true(math.abs(want[i].logprob - lps[i].logprob) < 1e-12)
+      assert.are.equal(want[i].top[2].token, lps[i].top[2].token)
+    end
+  end)
+
+  it("--min-p samples identically under DDTree and AR", function()
+    local s = "--temperature 0.9 --min-p 0.05 --seed 11"
+    local code, out = run("generate --prompt-ids 5,77,300 -n 24 --ids " .. s)
+    assert.are.equal(0, code)
+    local want = ar({ 5, 77, 300 }, 24, { sampler = { temperature = 0.9, min_p = 0.05, seed = 11 } }).tokens
+    assert.are.same(want, split_ids(out))
+    code, out = run("generate --prompt-ids 5,77,300 -n 24 --ids --draft " .. DRAFT .. " " .. s)
+    assert.are.equal(0, code)
+    assert.are.same(want, split_ids(out))
+  end)
+
+  it("--compare-ar puts AR's tokens/s beside the policy's in one summary line", function()
+    local code, out, err = run("generate --prompt-ids 5,77,300 -n 24 --ids --draft " .. DRAFT .. " --compare-ar")
+    assert.are.equal(0, code, err)
+    assert.are.same(ref_greedy, split_ids(out))
+    assert.truthy(err:match("^kdtree: 24 tokens %(stop: n%), %d+ rounds, mean tau [%d.]+, [%d.]+ tokens/s; "
+      .. "ar [%d.]+ tokens/s %([%d.]+x%), same tokens\n$"), err)
+  end)
+
+  it("ends the text's line before the summary when both go to one place (2>&1), and only then", function()
+    local env = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB") .. "' ") or ""
+    local p = io.popen(env .. "luajit " .. CLI .. " generate --prompt-ids 5,77,300 -n 24 --compare-ar 2>&1")
+    local both = p:read("*a")
+    p:close()
+    local text = tok:decode(ref_greedy)
+    assert.are.equal(text .. (text:sub(-1) == "\n" and "" or "\n"), both:sub(1, #both - #both:match("kdtree: [^\n]*\n$")))
+    local code, out = run("generate --prompt-ids 5,77,300 -n 24 --compare-ar")
+    assert.are.equal(0, code)
+    assert.are.equal(text, out)
+  end)
+
+  -- Ctrl-C: a real SIGINT to the running CLI (kill -INT) once it has printed something
+  it("stops after the current round on SIGINT, keeps what it printed, summarises and exits 130", function()
+    local o, e = os.tmpname(), os.tmpname()
+    local env = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB") .. "' ") or ""
+    local p = io.popen(string.format("%sluajit %s generate --prompt-ids 5,77,300 -n 5000 --no-eos --ids --draft %s >%s 2>%s & "
+      .. "pid=$!; while [ ! -s %s ] && kill -0 $pid 2>/dev/null; do sleep 0.05; done; sleep 0.3; kill -INT $pid; wait $pid; echo $?",
+      env, CLI, DRAFT, o, e, o))
+    local code = tonumber(p:read("*a"):match("(%d+)"))
+    p:close()
+    local out = assert(io.open(o)):read("*a")
+    local err = assert(io.open(e)):read("*a")
+    os.remove(o); os.remove(e)
+    assert.are.equal(130, code, err)
+    local got = split_ids(out)
+    assert.is_true(#got > 0 and #got < 5000, #got)
+    assert.truthy(out:match("^[%d ]+\n$"))   -- whole ids, the line ended
+    assert.are.same(ar({ 5, 77, 300 }, #got, { eos = false }).tokens, got)
+    assert.truthy(err:match("^kdtree: interrupted: " .. #got .. " tokens %(stop: interrupt%), %d+ rounds, mean tau"), err)
+  end)
+end)
+
+describe("kdtree as a symlink, from another directory", function()
+  it("finds its Lua modules, library and models through the link", function()
+    local dir = os.tmpname()
+    os.remove(dir)
+    local root = io.popen("pwd"):read("*l")
+    os.execute(string.format("mkdir -p %s && ln -s %s/%s %s/kdtree", dir, root, CLI, dir))
+    local p = io.popen(string.format("cd / && env -u KDTREE_LIB -u LUA_PATH luajit %s/kdtree generate --prompt-ids 5,77,300 "
+      .. "-n 24 --ids 2>&1; echo rc=$?", dir))
+    local out = p:read("*a")
+    p:close()
+    os.execute("rm -rf " .. dir)
+    local ref = gen.run(kd.open_model(MODEL), { 5, 77, 300 }, { policy = "ar", n = 24 }).tokens
+    assert.are.equal(table.concat(ref, " ") .. "\nrc=0\n", out)
   end)
 end)

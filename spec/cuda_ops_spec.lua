@@ -1,5 +1,5 @@
 -- cuda_ops_spec.lua: every CUDA op against its CPU twin (core/cpu/) on random inputs, through
--- the op test surface (core/kdtree_testing.h), at small, odd and real Kimi K2.6 shapes
+-- the op test surface (spec/c/kdtree_testing.h), at small, odd and real Kimi K2.6 shapes
 -- (7168 hidden, 64 heads, 512 + 64 latent, 2048 expert width, 384 experts top-8).
 --
 -- Inputs are rounded to bf16 first, so both backends see the same numbers; the CPU computes

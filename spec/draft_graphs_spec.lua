@@ -1,14 +1,14 @@
 -- draft_graphs_spec.lua: the DFlash draft pass as a graph (core/drafter.c, core/graph_step.h;
--- docs/architecture.md "Step graphs"). With KDTREE_CUDA_GRAPHS (read when the drafter is
--- attached) the draft pass runs on the device-length path (the context length, ids and
+-- docs/architecture.md "Step graphs"). With the sequence's graphs option (the drafter takes it
+-- when attached) the draft pass runs on the device-length path (the context length, ids and
 -- positions go up in one copy; the block's K/V rows are stored at *dlen; attention_at):
---   0      the host-length pass as before (the reference here)
+--   off    the host-length pass as before (the reference here)
 --   eager  the device-length pass, never captured
---   1      the device-length pass, captured on its second run and replayed after
--- KDTREE_CUDA_DRAFT_GRAPHS=0 puts the draft pass alone back on the host-length path.
+--   on     the device-length pass, captured on its second run and replayed after
+-- draft_graphs = "off" puts the draft pass alone back on the host-length path.
 -- Every mode must give the same draft log-prob bits, round after round, at lengths that move
 -- (rounds, truncation, a prefill crossing the 256-key attention chunk), the same verify
--- logits and tokens; mode 1 must really replay (exact counter deltas of kd_model_memory on a
+-- logits and tokens; mode on must really replay (exact counter deltas of kd_model_memory on a
 -- run of draft passes with no target step in between). The #gpu part runs on CUDA; the rest
 -- runs the same checks on the CPU under the host emulation of the graph ops
 -- (core/testing_graphs.h), which proves the core's draft-graph path on any machine.
@@ -16,11 +16,11 @@ package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
 local gen = require("kdtree.generate")
 local G = require("helpers.graphs")
-local with_env, with_mode, recorder, keep_draft, same_run, prompt_of =
-  G.with_env, G.with_mode, G.recorder, G.keep_draft, G.same_run, G.prompt_of
+local with_seq_options, with_mode, recorder, keep_draft, same_run, prompt_of =
+  G.with_seq_options, G.with_mode, G.recorder, G.keep_draft, G.same_run, G.prompt_of
 
 local TARGET, DRAFT = "models/tiny-k2.6", "models/tiny-k2.6-dflash"
-local MODES = { "eager", "1" }   -- each compared with "0"
+local MODES = { "eager", "on" }   -- each compared with "off"
 
 -- greedy DDTree rounds with the native drafter until n tokens: each round's draft log-probs
 -- (copied) and verify logits are recorded
@@ -91,10 +91,10 @@ local function draft_graph_checks(backend, opts)
   it("draft passes in a row: the same log-prob bits in every mode; mode 1 captures once and replays", function()
     local prompt = prompt_of(20, V, 3)
     local K = 12
-    local ref = with_mode("0", function() return drafts_run(m, d, prompt, K) end, true)
+    local ref = with_mode(m, "off", function() return drafts_run(m, d, prompt, K) end)
     for _, mode in ipairs(MODES) do
       local before, ops0 = m:memory(), opts.replayed_ops and opts.replayed_ops()
-      local got = with_mode(mode, function() return drafts_run(m, d, prompt, K) end, true)
+      local got = with_mode(m, mode, function() return drafts_run(m, d, prompt, K) end)
       same_run(ref, got, backend .. " drafts, mode " .. mode)
       local after, ops1 = m:memory(), opts.replayed_ops and opts.replayed_ops()
       local cap, lau = after.graph_captures - before.graph_captures, after.graph_launches - before.graph_launches
@@ -102,7 +102,7 @@ local function draft_graph_checks(backend, opts)
         backend, mode, K, cap, lau, after.graph_fallbacks - before.graph_fallbacks))
       assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks, "no capture fell back to eager")
       assert.are.equal(0, after.graphs, "closing the sequence frees its draft graph")
-      if mode == "1" then
+      if mode == "on" then
         -- pass 1 warms up, pass 2 captures and launches, passes 3..K launch
         assert.are.equal(1, cap, "the draft pass was captured once")
         assert.are.equal(K - 1, lau, "every pass after the first ran as a graph")
@@ -113,9 +113,9 @@ local function draft_graph_checks(backend, opts)
         if ops0 then assert.are.equal(ops0, ops1) end
       end
     end
-    -- KDTREE_CUDA_DRAFT_GRAPHS=0: the draft pass alone goes back to the host-length path
+    -- draft_graphs = "off": the draft pass alone goes back to the host-length path
     local before = m:memory()
-    local got = with_env({ KDTREE_CUDA_GRAPHS = "1", KDTREE_CUDA_DRAFT_GRAPHS = "0" },
+    local got = with_seq_options(m, { graphs = "on", draft_graphs = "off" },
       function() return drafts_run(m, d, prompt, K) end)
     same_run(ref, got, backend .. " drafts, draft graphs off")
     local after = m:memory()
@@ -127,15 +127,15 @@ local function draft_graph_checks(backend, opts)
     it(string.format("DDTree rounds at budget %d: the same draft log-probs, logits and tokens in every mode", B),
       function()
         local prompt = prompt_of(9, V, 4)
-        local ref = with_mode("0", function() return rounds_run(m, d, prompt, B, 40) end, true)
+        local ref = with_mode(m, "off", function() return rounds_run(m, d, prompt, B, 40) end)
         assert.is_true(#ref.bufs >= 8, "several rounds")
         for _, mode in ipairs(MODES) do
           local before = m:memory()
-          local got = with_mode(mode, function() return rounds_run(m, d, prompt, B, 40) end, true)
+          local got = with_mode(m, mode, function() return rounds_run(m, d, prompt, B, 40) end)
           same_run(ref, got, string.format("%s ddtree budget %d, mode %s", backend, B, mode))
           local after = m:memory()
           assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks, "no capture fell back to eager")
-          if mode == "1" then
+          if mode == "on" then
             -- rounds: the draft graph launches from the second round on, verify graphs too
             assert.is_true(after.graph_launches - before.graph_launches >= #ref.bufs / 2 - 1)
           end
@@ -144,26 +144,26 @@ local function draft_graph_checks(backend, opts)
   end
 
   it("the draft graph replays at other lengths (chunk boundary, truncation, two sequences)", function()
-    local ref = with_mode("0", function() return moving_run(m, d, V) end, true)
+    local ref = with_mode(m, "off", function() return moving_run(m, d, V) end)
     for _, mode in ipairs(MODES) do
       local before = m:memory()
-      local got = with_mode(mode, function() return moving_run(m, d, V) end, true)
+      local got = with_mode(m, mode, function() return moving_run(m, d, V) end)
       same_run(ref, got, backend .. " moving lengths, mode " .. mode)
       local after = m:memory()
       assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks)
       -- per sequence: 1 warm-up, then captured / launched; 25 passes over two sequences
-      if mode == "1" then assert.is_true(after.graph_launches - before.graph_launches >= 23) end
+      if mode == "on" then assert.is_true(after.graph_launches - before.graph_launches >= 23) end
     end
   end)
 
   it("greedy ddtree (native drafter) equals greedy ar with graphs on", function()
     for _, prompt in ipairs({ { 5, 77, 300 }, prompt_of(17, V, 9) }) do
-      local ar = with_mode("1", function() return gen.run(m, prompt, { policy = "ar", n = 48, eos = false }) end)
+      local ar = with_mode(m, "on", function() return gen.run(m, prompt, { policy = "ar", n = 48, eos = false }) end)
       for _, B in ipairs({ 4, 32 }) do
         local before = m:memory()
-        local dt = with_mode("1", function()
+        local dt = with_mode(m, "on", function()
           return gen.run(m, prompt, { policy = "ddtree", drafter = d, budget = B, n = 48, eos = false })
-        end, true)
+        end)
         assert.are.same(ar.tokens, dt.tokens, "budget " .. B)
         assert.are.equal(48, #dt.tokens)
         local after = m:memory()
@@ -182,8 +182,8 @@ describe("the draft pass as a CUDA graph #gpu", function()
     local d = kd.open_drafter(DRAFT, m)
     local prompt = prompt_of(200, m.info.vocab, 5)
     local N = 200
-    for _, mode in ipairs({ "0", "1" }) do
-      with_mode(mode, function()
+    for _, mode in ipairs({ "off", "on" }) do
+      with_mode(m, mode, function()
         local s = m:new_seq(#prompt + 16)
         s:attach_drafter(d)
         s:forward(prompt)
@@ -224,9 +224,9 @@ describe("draft graph recapture and fallback (emulated on the CPU)", function()
 
   it("a stale workspace epoch recaptures; failed captures run eagerly with the same bits", function()
     local prompt = prompt_of(15, V, 31)
-    local ref = with_mode("0", function() return drafts_run(m, d, prompt, 8) end)
+    local ref = with_mode(m, "off", function() return drafts_run(m, d, prompt, 8) end)
     local c0 = m:memory()
-    local got = with_mode("1", function()
+    local got = with_mode(m, "on", function()
       return drafts_run(m, d, prompt, 8, function(i) if i == 5 then G.C.kd_testing_graphs_bump_epoch(m:handle()) end end)
     end)
     same_run(ref, got, "epoch bump")
@@ -237,7 +237,7 @@ describe("draft graph recapture and fallback (emulated on the CPU)", function()
     assert.are.equal(0, c1.graph_fallbacks - c0.graph_fallbacks)
     -- two refused captures: the draft pass falls back to eager and stays there
     G.C.kd_testing_graphs_refuse(2)
-    got = with_mode("1", function() return drafts_run(m, d, prompt, 8) end)
+    got = with_mode(m, "on", function() return drafts_run(m, d, prompt, 8) end)
     same_run(ref, got, "refused captures")
     local c2 = m:memory()
     assert.are.equal(2, c2.graph_fallbacks - c1.graph_fallbacks)
@@ -245,7 +245,7 @@ describe("draft graph recapture and fallback (emulated on the CPU)", function()
     assert.are.equal(0, c2.graph_launches - c1.graph_launches)
     -- one refused capture: pass 2 falls back, pass 3 captures and launches, 4-8 launch
     G.C.kd_testing_graphs_refuse(1)
-    got = with_mode("1", function() return drafts_run(m, d, prompt, 8) end)
+    got = with_mode(m, "on", function() return drafts_run(m, d, prompt, 8) end)
     same_run(ref, got, "one refused capture")
     local c3 = m:memory()
     assert.are.equal(1, c3.graph_fallbacks - c2.graph_fallbacks)
@@ -255,13 +255,13 @@ describe("draft graph recapture and fallback (emulated on the CPU)", function()
 end)
 
 describe("draft graphs on the plain CPU backend", function()
-  it("KDTREE_CUDA_GRAPHS is inert for the draft pass: the same bits, no graphs", function()
+  it("the graphs option is inert for the draft pass: the same bits, no graphs", function()
     local m = kd.open_model(TARGET, { backend = "cpu" })
     local d = kd.open_drafter(DRAFT, m)
     local prompt = prompt_of(12, m.info.vocab, 8)
-    local ref = with_mode("0", function() return drafts_run(m, d, prompt, 4) end)
+    local ref = with_mode(m, "off", function() return drafts_run(m, d, prompt, 4) end)
     for _, mode in ipairs(MODES) do
-      same_run(ref, with_mode(mode, function() return drafts_run(m, d, prompt, 4) end), "cpu mode " .. mode)
+      same_run(ref, with_mode(m, mode, function() return drafts_run(m, d, prompt, 4) end), "cpu mode " .. mode)
     end
     local r = m:memory()
     assert.are.equal(0, r.graphs + r.graph_captures + r.graph_launches + r.graph_fallbacks)

@@ -138,25 +138,18 @@ describe("target forward (" .. BACKEND .. ")", function()
   end)
 
   it("a chunked prefill hands every chunk's tap features to an attached drafter", function()
-    pcall(ffi.cdef, "int setenv(const char *, const char *, int); int unsetenv(const char *);")
     local d = kd.open_drafter("models/tiny-k2.6-dflash", m)
     local toks = tokens(19, 31)
     local function draft_after_prefill(rows)
-      if rows then ffi.C.setenv("KDTREE_SEQ_ROWS", tostring(rows), 1) end
-      local ok, res = pcall(function()
-        local s = m:new_seq(40)
-        s:attach_drafter(d)
-        s:forward(toks)                       -- rows = 4: chunks 3 + 4 + 4 + 4 + 4
-        local out = s:draft(77)
-        local r = {}
-        for i = 0, out.L * out.V - 1 do r[#r + 1] = out.data[i] end
-        local lg = s:logits(s:out_rows())
-        s:close()
-        return { r, lg }
-      end)
-      ffi.C.unsetenv("KDTREE_SEQ_ROWS")
-      if not ok then error(res, 0) end
-      return res
+      local s = m:new_seq(40, { max_rows = rows })
+      s:attach_drafter(d)
+      s:forward(toks)                       -- rows = 4: chunks 3 + 4 + 4 + 4 + 4
+      local out = s:draft(77)
+      local r = {}
+      for i = 0, out.L * out.V - 1 do r[#r + 1] = out.data[i] end
+      local lg = s:logits(s:out_rows())
+      s:close()
+      return { r, lg }
     end
     local whole, chunked = draft_after_prefill(nil), draft_after_prefill(4)
     assert.is_true(maxdiff(whole[2], chunked[2]) <= TOL, "last-token logits")

@@ -5,34 +5,24 @@
 --     -inf, B = 1..512 and the 4096 limit, L = 1..15, V up to 163840; NaN / +inf statuses;
 --   * sample_rows == kd_sample_logits (the host rule) on many rows x seeds x settings:
 --     temperatures, top-k, top-p, ties at both boundaries, -inf, V up to 163840, bad rows;
---   * the accept walk == the walk in Lua on random trees, greedy and sampled (failing rows);
---   * a whole round on a model on that backend (draft, build_drafted, verify, accept, commit)
---     == the CPU rule applied to the same logits and tree, greedy and sampled, with the round
---     on the backend's ops (forced) and on the host.
+--   * the accept walk == the walk in Lua on random trees, greedy and sampled (failing rows).
+-- Whole rounds on a model, with the round on the backend and on the host: ddtree_round_spec.lua.
 -- Tagged #gpu: `make test-gpu` runs it against CUDA. KDTREE_OPS_OTHER=cpu runs it against the
 -- CPU backend (a check of the spec and the CPU twins on a machine without a GPU).
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
-local gen = require("kdtree.generate")
 local O = require("helpers.ops")
 local K = require("kdtree.ffi")
 local ffi, C = K.ffi, K.C
 local bit = require("bit")
 local check = O.check
 
-K.cdef_sibling("kdtree_testing_ddtree.h")
+require("helpers.testlib").cdef("kdtree_testing_ddtree.h")
 
 local OTHER = O.other_kind()
 local KIND = OTHER == "cpu" and C.KD_BACKEND_CPU or C.KD_BACKEND_CUDA
 
--- a deterministic generator (LCG), uniform in [0, 1)
-local function lcg(seed)
-  local x = seed % 2147483648
-  return function()
-    x = (x * 1103515245 + 12345) % 2147483648
-    return x / 2147483648
-  end
-end
+local lcg = require("helpers.lcg")
 
 -- L x V log-probs; kind: "smooth" (distinct values), "ties" (few distinct values: equal
 -- log-probs and equal path scores), "ninf" (some -inf)
@@ -285,115 +275,5 @@ describe("DDTree round ops on the " .. OTHER .. " backend against the host defin
       end
       t:close()
     end
-  end)
-end)
-
-describe("a DDTree round on the " .. OTHER .. " backend equals the CPU rule on the same logits #gpu", function()
-  local PROMPT = { 5, 77, 300, 12, 999, 77, 300 }
-
-  -- the host's accept of a verified tree: per-node targets from the downloaded logits with
-  -- the host rule (argmax / kd_sample_logits at len + depth + 1), the walk in Lua
-  local function host_accept(s, t, sp, len)
-    local V = s.model.info.vocab
-    local out = ffi.new("int32_t[1]")
-    local function target(node)
-      local row = s:logits_cdata(node + 1, 1)
-      local depth = node == 0 and 0 or t.depths[node]
-      check(C.kd_sample_logits(row, V, sp and kd.sampler(sp) or nil, len + depth + 1, out), "kd_sample_logits")
-      return out[0]
-    end
-    local cur, nodes, toks = 0, {}, {}
-    while true do
-      nodes[#nodes + 1] = cur
-      toks[#toks + 1] = cur == 0 and t.root or t.tokens[cur]
-      local nxt, child = target(cur), nil
-      for j = cur + 1, t.n do if t.parents[j] == cur and t.tokens[j] == nxt then child = j; break end end
-      if not child then return { nodes = nodes, tokens = toks, tau = #nodes, bonus = nxt } end
-      cur = child
-    end
-  end
-
-  -- L x V log-probs with the future tokens planted at ranks 0..3 (or missing) among decoys
-  local function planted(V, future, r)
-    local L = 7
-    local a = ffi.new("float[?]", L * V)
-    for d = 0, L - 1 do
-      for i = 0, V - 1 do a[d * V + i] = -12 - r() * 10 end
-      for k = 0, 3 do a[d * V + math.floor(r() * V)] = -0.5 - k - r() end
-      if future[d + 1] and r() < 0.8 then a[d * V + future[d + 1]] = -0.3 - math.floor(r() * 4) * 0.7 end
-    end
-    return { data = a, L = L, V = V }
-  end
-
-  teardown(function() C.kd_test_dd_force_round(-1) end)
-
-  -- mode 1: the round on the backend's ops (the device round); mode 0: on the host (the
-  -- default for CUDA until this spec has passed on a GPU)
-  for _, mode in ipairs({ 1, 0 }) do
-  for _, sp in ipairs({ false, { temperature = 0.8, top_k = 50, top_p = 0.95, seed = 77 },
-                        { temperature = 1.3, seed = 5 } }) do
-    it((sp and "sampled" or "greedy") .. " rounds (drafted and planted trees), round on the "
-      .. (mode == 1 and "backend" or "host") .. ": accept equals the host rule round by round, and the tokens "
-      .. "equal autoregressive decoding", function()
-      C.kd_test_dd_force_round(mode)
-      local m = kd.open_model("models/tiny-k2.6", { backend = OTHER })
-      local d = kd.open_drafter("models/tiny-k2.6-dflash", m)
-      local N = 40
-      -- autoregressive tokens on the same backend: the lossless reference of the rounds
-      local fut = gen.run(m, PROMPT, { policy = "ar", n = N + 10, sampler = sp or nil, eos = false }).tokens
-      local s = m:new_seq(256)
-      s:attach_drafter(d)
-      s:forward(PROMPT)
-      local out = { gen.last_token(s, sp) }
-      local t = kd.tree.new()
-      local taus, r = {}, lcg(31)
-      local round = 0
-      while #out < N do
-        round = round + 1
-        local len, bonus = s:len(), out[#out]
-        s:draft(bonus, false)
-        if round % 2 == 1 then
-          t:build_drafted(s, ({ 0, 1, 8, 32, 64 })[round % 5 + 1])
-          assert.are.equal(bonus, t.root)
-        else
-          local f = {}
-          for i = 1, 7 do f[i] = fut[#out + i] end
-          t:build(planted(m.info.vocab, f, r), ({ 4, 16, 48, 100 })[round % 4 + 1], { logprobs = true, root = bonus })
-        end
-        s:verify(t)
-        local want = host_accept(s, t, sp or nil, len)
-        local got = s:accept(t, sp or nil)
-        assert.are.same(want, got, "round " .. round)
-        s:commit(t)
-        assert.are.equal(len + got.tau, s:len())
-        for i = 2, got.tau do out[#out + 1] = got.tokens[i] end
-        out[#out + 1] = got.bonus
-        taus[#taus + 1] = got.tau
-      end
-      for i = 1, N do assert.are.equal(fut[i], out[i], "token " .. i) end
-      io.stderr:write(string.format("\n[gpu_round] %s on %s (round on the %s): taus %s\n", sp and "sampled" or "greedy",
-        OTHER, mode == 1 and "backend" or "host", table.concat(taus, " ")))
-      t:close(); s:close(); d:close(); m:close()
-      C.kd_test_dd_force_round(-1)
-    end)
-  end
-  end
-
-  it("a host-built tree is uploaded once and accepted the same way (round on the backend)", function()
-    C.kd_test_dd_force_round(1)
-    local m = kd.open_model("models/tiny-k2.6", { backend = OTHER })
-    local s = m:new_seq(128)
-    s:forward(PROMPT)
-    local a = s:argmax()
-    local lp = ffi.new("float[?]", 3 * m.info.vocab)
-    for i = 0, 3 * m.info.vocab - 1 do lp[i] = -((i * 7919) % 1000) / 100 end
-    local t = kd.tree.build({ data = lp, L = 3, V = m.info.vocab }, 40, { logprobs = true, root = a[#a] })
-    local len = s:len()
-    s:verify(t)
-    local sp = { temperature = 0.9, seed = 3 }
-    assert.are.same(host_accept(s, t, sp, len), s:accept(t, sp))
-    s:commit(t)
-    t:close(); s:close(); m:close()
-    C.kd_test_dd_force_round(-1)
   end)
 end)

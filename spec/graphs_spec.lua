@@ -1,13 +1,14 @@
 -- graphs_spec.lua: step graphs (docs/architecture.md "Step graphs"). On the CUDA backend a
 -- decode step (T = 1) and a verify step (T = 1 + B) can run on the device-length path and be
--- captured as CUDA graphs (env KDTREE_CUDA_GRAPHS, read when a sequence is created):
---   0      every step as before (the reference here)
+-- captured as CUDA graphs (the graphs option of the model or the sequence, taken when a sequence
+-- is created):
+--   off    every step as before (the reference here)
 --   eager  the device-length path, never captured (isolates the kernels from the capture)
---   1      the device-length path, captured on a shape's second use and replayed after
+--   on     the device-length path, captured on a shape's second use and replayed after
 -- Every mode must give the same tokens and the same logits bits: autoregressive decoding,
 -- DDTree rounds at several budgets (a native DFlash drafter and host-built trees), lengths
 -- that move backwards (truncate) and across attention chunk boundaries, two sequences
--- interleaved on one model. Mode 1 must really replay graphs (counters of kd_model_memory).
+-- interleaved on one model. Mode on must really replay graphs (counters of kd_model_memory).
 -- The CPU part checks that the switch is inert on the CPU backend.
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
@@ -20,7 +21,7 @@ local TARGETS = {
   { dir = "spec/fixtures/tiny-dsv3" },                                -- bf16 experts, q_proj
 }
 local BUDGETS = { 4, 16, 40 }
-local MODES = { "eager", "1" }   -- each compared with "0"
+local MODES = { "eager", "on" }   -- each compared with "off"
 
 -- k pseudo-random rows of V scores (from the current math.random state)
 local function random_rows(k, V)
@@ -108,7 +109,7 @@ describe("step graphs on the GPU #gpu", function()
     describe(T.dir, function()
       local m, d, V
       setup(function()
-        m = kd.open_model(T.dir, { backend = "cuda" })
+        m = kd.open_model(T.dir, { backend = "cuda", graphs_verbose = true })   -- a failed capture says why
         V = m.info.vocab
         if T.draft then d = kd.open_drafter(T.draft, m) end
       end)
@@ -119,13 +120,13 @@ describe("step graphs on the GPU #gpu", function()
 
       it("autoregressive decoding of 40 tokens: the same tokens and logits bits in every mode", function()
         local prompt = prompt_of(12, V, 3)
-        local ref = with_mode("0", function() return ar_run(m, prompt, 40) end, true)
+        local ref = with_mode(m, "off", function() return ar_run(m, prompt, 40) end)
         local c0 = m:memory()
         assert.are.equal(0, c0.graph_launches, "mode 0 never launches a graph")
         for _, mode in ipairs(MODES) do
           local before = m:memory()
           local t0 = kd.now_ns()
-          local got = with_mode(mode, function() return ar_run(m, prompt, 40) end, true)
+          local got = with_mode(m, mode, function() return ar_run(m, prompt, 40) end)
           local ms = (kd.now_ns() - t0) / 1e6
           same_run(ref, got, T.dir .. " ar, mode " .. mode)
           local after = m:memory()
@@ -133,7 +134,7 @@ describe("step graphs on the GPU #gpu", function()
             T.dir, mode, 40, ms, after.graph_captures - before.graph_captures,
             after.graph_launches - before.graph_launches, after.graph_fallbacks - before.graph_fallbacks))
           assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks, "no capture fell back to eager")
-          if mode == "1" then
+          if mode == "on" then
             assert.is_true(after.graph_captures - before.graph_captures >= 1, "the decode step was captured")
             assert.is_true(after.graph_launches - before.graph_launches >= 38, "later steps replay the graph")
           else
@@ -146,15 +147,15 @@ describe("step graphs on the GPU #gpu", function()
       for _, B in ipairs(BUDGETS) do
         it(string.format("DDTree rounds at budget %d: the same tokens and logits bits in every mode", B), function()
           local prompt = prompt_of(9, V, 4)
-          local ref = with_mode("0", function() return ddtree_run(m, d, prompt, B, 40) end, true)
+          local ref = with_mode(m, "off", function() return ddtree_run(m, d, prompt, B, 40) end)
           for _, mode in ipairs(MODES) do
             local before = m:memory()
-            local got = with_mode(mode, function() return ddtree_run(m, d, prompt, B, 40) end, true)
+            local got = with_mode(m, mode, function() return ddtree_run(m, d, prompt, B, 40) end)
             same_run(ref, got, string.format("%s ddtree budget %d (%s trees), mode %s", T.dir, B,
               d and "drafted" or "host", mode))
             local after = m:memory()
             assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks, "no capture fell back to eager")
-            if mode == "1" and #ref.bufs > 2 then
+            if mode == "on" and #ref.bufs > 2 then
               assert.is_true(after.graph_launches - before.graph_launches >= 1, "verify steps replay a graph")
             end
           end
@@ -162,14 +163,14 @@ describe("step graphs on the GPU #gpu", function()
       end
 
       it("a graph replays at other lengths: chunk boundaries, truncation, interleaved sequences", function()
-        local ref = with_mode("0", function() return moving_run(m, V) end, true)
+        local ref = with_mode(m, "off", function() return moving_run(m, V) end)
         for _, mode in ipairs(MODES) do
           local before = m:memory()
-          local got = with_mode(mode, function() return moving_run(m, V) end, true)
+          local got = with_mode(m, mode, function() return moving_run(m, V) end)
           same_run(ref, got, T.dir .. " moving lengths, mode " .. mode)
           local after = m:memory()
           assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks)
-          if mode == "1" then assert.is_true(after.graph_launches - before.graph_launches >= 30) end
+          if mode == "on" then assert.is_true(after.graph_launches - before.graph_launches >= 30) end
         end
       end)
     end)
@@ -198,22 +199,22 @@ describe("step graphs emulated on the CPU (the core's graph path)", function()
 
       it("decoding and DDTree rounds replay recorded steps with the same bits as mode 0", function()
         local prompt = prompt_of(10, V, 21)
-        local ref = with_mode("0", function() return ar_run(m, prompt, 24) end)
+        local ref = with_mode(m, "off", function() return ar_run(m, prompt, 24) end)
         local refs = {}
         for _, B in ipairs({ 4, 16 }) do
-          refs[B] = with_mode("0", function() return ddtree_run(m, d, prompt, B, 24) end)
+          refs[B] = with_mode(m, "off", function() return ddtree_run(m, d, prompt, B, 24) end)
         end
         assert.are.equal(0, m:memory().graph_launches)
         for _, mode in ipairs(MODES) do
           local before, ops0 = m:memory(), tonumber(G.C.kd_testing_graphs_replayed_ops())
-          same_run(ref, with_mode(mode, function() return ar_run(m, prompt, 24) end), TG.dir .. " ar " .. mode)
+          same_run(ref, with_mode(m, mode, function() return ar_run(m, prompt, 24) end), TG.dir .. " ar " .. mode)
           for _, B in ipairs({ 4, 16 }) do
-            same_run(refs[B], with_mode(mode, function() return ddtree_run(m, d, prompt, B, 24) end),
+            same_run(refs[B], with_mode(m, mode, function() return ddtree_run(m, d, prompt, B, 24) end),
               string.format("%s ddtree %d %s", TG.dir, B, mode))
           end
           local after, ops1 = m:memory(), tonumber(G.C.kd_testing_graphs_replayed_ops())
           assert.are.equal(0, after.graph_fallbacks - before.graph_fallbacks)
-          if mode == "1" then
+          if mode == "on" then
             -- ar: 1 warm-up, 1 capture, 22 replays; each budget: warm-up, capture, replays
             assert.is_true(after.graph_captures - before.graph_captures >= 3)
             assert.is_true(after.graph_launches - before.graph_launches >= 22 + 2)
@@ -227,19 +228,19 @@ describe("step graphs emulated on the CPU (the core's graph path)", function()
       end)
 
       it("a recorded step replays at other lengths (chunk boundaries, truncation, two sequences)", function()
-        local ref = with_mode("0", function() return moving_run(m, V) end)
+        local ref = with_mode(m, "off", function() return moving_run(m, V) end)
         for _, mode in ipairs(MODES) do
           local before = m:memory()
-          same_run(ref, with_mode(mode, function() return moving_run(m, V) end), TG.dir .. " moving " .. mode)
-          if mode == "1" then assert.is_true(m:memory().graph_launches - before.graph_launches >= 30) end
+          same_run(ref, with_mode(m, mode, function() return moving_run(m, V) end), TG.dir .. " moving " .. mode)
+          if mode == "on" then assert.is_true(m:memory().graph_launches - before.graph_launches >= 30) end
         end
       end)
 
       it("a stale workspace epoch recaptures; a failed capture runs eagerly with the same bits", function()
         local prompt = prompt_of(7, V, 31)
-        local ref = with_mode("0", function() return ar_run(m, prompt, 12) end)
+        local ref = with_mode(m, "off", function() return ar_run(m, prompt, 12) end)
         local before = m:memory()
-        local got = with_mode("1", function()
+        local got = with_mode(m, "on", function()
           local rec = recorder()
           local s = m:new_seq(#prompt + 16)
           s:forward(prompt)
@@ -260,7 +261,7 @@ describe("step graphs emulated on the CPU (the core's graph path)", function()
         assert.are.equal(0, mid.graphs)
         -- two refused captures: the shape falls back to eager and stays there
         G.C.kd_testing_graphs_refuse(2)
-        got = with_mode("1", function() return ar_run(m, prompt, 12) end)
+        got = with_mode(m, "on", function() return ar_run(m, prompt, 12) end)
         same_run(ref, got, "refused captures")
         local after = m:memory()
         assert.are.equal(2, after.graph_fallbacks - mid.graph_fallbacks)
@@ -269,7 +270,7 @@ describe("step graphs emulated on the CPU (the core's graph path)", function()
         -- one refused capture: step 1 warms up, step 2 falls back, step 3 captures and launches,
         -- steps 4..12 launch
         G.C.kd_testing_graphs_refuse(1)
-        got = with_mode("1", function() return ar_run(m, prompt, 12) end)
+        got = with_mode(m, "on", function() return ar_run(m, prompt, 12) end)
         same_run(ref, got, "one refused capture")
         local last = m:memory()
         assert.are.equal(1, last.graph_fallbacks - after.graph_fallbacks)
@@ -281,12 +282,12 @@ describe("step graphs emulated on the CPU (the core's graph path)", function()
 end)
 
 describe("step graphs on the plain CPU backend", function()
-  it("KDTREE_CUDA_GRAPHS is inert: the same logits bits, no graphs", function()
+  it("the graphs option is inert: the same logits bits, no graphs", function()
     local m = kd.open_model("spec/fixtures/tiny-dsv3", { backend = "cpu" })
     local prompt = prompt_of(6, m.info.vocab, 8)
-    local ref = with_mode("0", function() return ar_run(m, prompt, 4) end)
+    local ref = with_mode(m, "off", function() return ar_run(m, prompt, 4) end)
     for _, mode in ipairs(MODES) do
-      local got = with_mode(mode, function() return ar_run(m, prompt, 4) end)
+      local got = with_mode(m, mode, function() return ar_run(m, prompt, 4) end)
       same_run(ref, got, "cpu mode " .. mode)
     end
     local r = m:memory()

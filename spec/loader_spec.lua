@@ -328,19 +328,11 @@ describe("loader", function()
   end)
 
   describe("RoPE and softmax scale (HF transformers 5.x numbers)", function()
-    -- internal symbols of the library (model.h), called with an opaque, generous buffer
-    pcall(ffi.cdef, [[
-      int kd_config_load(const char *dir, void *cfg);
-      void kd_config_free(void *cfg);
-      void kd_rope_inv_freq(const void *cfg, int dim, float *inv_freq);
-    ]])
-    local C = kd.C
+    -- the config reader's inverse frequencies, through the test surface (spec/c/kdtree_testing.h)
+    local C = require("helpers.testlib").C
     local function inv_freq(dir, dim)
-      local cfg = ffi.new("uint8_t[65536]")
-      kd.check(C.kd_config_load(dir, cfg), "kd_config_load")
       local out = ffi.new("float[?]", dim / 2)
-      C.kd_rope_inv_freq(cfg, dim, out)
-      C.kd_config_free(cfg)
+      kd.check(C.kd_test_rope_inv_freq(dir, dim, out), "kd_test_rope_inv_freq")
       local t = {}
       for i = 0, dim / 2 - 1 do t[i + 1] = tonumber(out[i]) end
       return t

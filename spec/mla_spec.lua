@@ -1,6 +1,6 @@
 -- mla_spec.lua: the tensor-core MLA attention (cuda/mla_tc.cuh) at Kimi K2.6 dims (64 query
 -- heads, one latent KV head, key 576 = 512 + 64, value 512 = the first 512 cache columns),
--- through the op test surface (core/kdtree_testing.h):
+-- through the op test surface (spec/c/kdtree_testing.h):
 --   1. against the CPU twin (core/cpu/) on random bf16 inputs: decode T=1 over 4K context,
 --      T=7 and T=64 causal across chunk boundaries (chunks of 512 ordinals), a 64-node tree
 --      mask after 1100 committed rows (shared prefix chunks + per-query tail chunks), and
@@ -61,14 +61,15 @@ describe("MLA attention on tensor cores at K2.6 dims #gpu", function()
     return par
   end
 
-  local function compare(name, H, T, past, causal, vis)
+  local function compare(name, H, T, past, causal, vis, other)
+    other = other or gpu
     local S = past + T
     local q = O.rand_floats(T * H * HD)
     local kv = O.rand_floats(S * HD)
     local n = T * H * DV
     local a, b = O.floats(n), O.floats(n)
     O.check(att(cpu, H, q, T, kv, S, past, causal, vis, a), "cpu")
-    O.check(att(gpu, H, q, T, kv, S, past, causal, vis, b), "cuda")
+    O.check(att(other, H, q, T, kv, S, past, causal, vis, b), "cuda")
     O.assert_close(note, string.format("%s (H=%d, T=%d, past=%d)", name, H, T, past), a, b, n, TOL)
   end
 
@@ -145,8 +146,27 @@ describe("MLA attention on tensor cores at K2.6 dims #gpu", function()
     invariance(8)
   end)
 
+  -- every kernel choice of kd_model_options (the CUDA backend takes them at creation) matches
+  -- the CPU twin on decode, a causal prefill and a tree mask
+  it("each MLA kernel option (CUDA cores, value slices, row groups) matches the CPU twin", function()
+    O.seed(25)
+    local vis = tree(random_parents(40))
+    for _, o in ipairs({ { mla_kernel = 1 }, { mla_value_slices = -1 }, { mla_value_slices = 1 },
+                         { mla_value_slices = 2 }, { mla_value_slices = 4 }, { mla_row_groups = 1 },
+                         { mla_row_groups = 4 } }) do
+      local opts = ffi.new("kd_model_options")
+      local what = {}
+      for k, v in pairs(o) do opts[k] = v; what[#what + 1] = k .. "=" .. v end
+      local alt = O.backend(O.other_kind(), opts)
+      local tag = table.concat(what, " ")
+      compare(tag .. ": decode over 2K context", 64, 1, 2047, 1, nil, alt)
+      compare(tag .. ": causal T=64", 64, 64, 700, 1, nil, alt)
+      compare(tag .. ": tree mask, 40 nodes", 8, 40, 900, 0, vis, alt)
+    end
+  end)
+
   -- decode takes 16-row blocks of 8 warps split into value slices (4 up to 16K context, 2 up
-  -- to ~33K, 1 up to ~67K on 132 SMs; KDTREE_MLA_TC_VSPLIT=0: the 2-warp blocks), a T=64
+  -- to ~33K, 1 up to ~67K on 132 SMs; mla_value_slices = -1: the 2-warp blocks), a T=64
   -- prefill the 64-row blocks: a token alone == the same token as a prefill row, bit for bit
   it("decode at 1K / 20K / 40K context (4 / 2 / 1 value slices on 132 SMs) == the same rows of a T=64 prefill", function()
     O.seed(24)

@@ -5,16 +5,12 @@
 -- the same paths prefilled causally (bit-identical: the engine's batch invariance), counts the routed
 -- experts of each step (exactly top-k for one token, top-k..min(n, T*top-k) for T tokens), times decode
 -- and verify rows and writes the markdown tables `make bench` produces at K2.6 dims.
--- The CPU case runs in CI; the #gpu case runs the same program on the CUDA backend.
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+-- The CPU case runs in CI; the #gpu case runs the same program on the CUDA backend. The same for
+-- --k26-rank 2 (the TP projection's mode) at tiny dims: plan first, rank-0 dims built and equal
+-- to the plan's weights, the checks, and the projection table's arithmetic.
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 
-local function sh(cmd)
-  local p = io.popen(cmd .. " 2>&1; echo \"__rc=$?\"")
-  local out = p:read("*a")
-  p:close()
-  local rc = tonumber(out:match("__rc=(%d+)%s*$"))
-  return rc, (out:gsub("__rc=%d+%s*$", ""))
-end
+local sh = require("helpers.shell")
 
 local function abs_lib()
   local lib = os.getenv("KDTREE_LIB") or "build/libkdtree.so"
@@ -23,22 +19,22 @@ local function abs_lib()
   return (out:gsub("%s+$", ""))
 end
 
--- compile the bench (plain C: host clock between syncs) against the library under test
+-- compile the bench (plain C: host clock between syncs) against the objects of the library under
+-- test (the bench reaches inside the engine; the shared library exports only kdtree.h)
 local function build()
-  local lib = abs_lib()
-  local dir, file = lib:match("^(.*)/([^/]+)$")
+  local dir = abs_lib():match("^(.*)/[^/]+$")
   local exe = os.tmpname()
   local rc, out = sh(string.format(
-    "cc -O2 -std=c11 -D_GNU_SOURCE -Wall -Icore scripts/bench/model_slice_bench.c -L'%s' -l:%s " ..
-    "-Wl,-rpath,'%s' -ldl -lm -o '%s'", dir, file, dir, exe))
+    "cc -O2 -std=c11 -D_GNU_SOURCE -Wall -Icore scripts/bench/model_slice_bench.c '%s/libkdtree_internal.a' " ..
+    "$(cat '%s/engine.flags') -lm -o '%s'", dir, dir, exe))
   assert(rc == 0, "compiling scripts/bench/model_slice_bench.c failed:\n" .. out)
   return exe
 end
 
 -- build the bench and run it on a backend: (exit status, its output, the markdown it wrote)
-local function run(backend)
+local function run(backend, extra)
   local exe, md = build(), os.tmpname()
-  local rc, out = sh(string.format("'%s' --tiny --backend %s --steps 3 --md '%s'", exe, backend, md))
+  local rc, out = sh(string.format("'%s' --tiny --backend %s --steps 3 --md '%s' %s", exe, backend, md, extra or ""))
   os.remove(exe)
   local f = io.open(md)
   local text = f and f:read("*a") or ""
@@ -96,5 +92,48 @@ end)
 describe("model slice bench: random model in memory, tiny dims, CUDA #gpu", function()
   it("builds (INT4 experts through the W4A16 repack), decodes, tree rows bit-identical, writes the tables", function()
     check_output(run("cuda"))
+  end)
+end)
+
+-- --k26-rank N: the TP-N projection's program (rank-0 dims of every layer, plan first, step-graph
+-- rows, the projection table); at tiny dims on the CPU there is no NCCL and no CUDA events, so the
+-- all-reduce columns stay empty and the estimate column is filled
+local function check_projection(rc, out, md, tp)
+  assert(rc == 0, "model_slice_bench --k26-rank failed (rc " .. tostring(rc) .. "):\n" .. out)
+  assert.is_truthy(md:find("## TP projection", 1, true), md)
+  assert.is_truthy(md:find("Checks failed: 0.", 1, true), md)
+  assert.is_nil(md:find("FAIL", 1, true), md)
+  -- the plan before building, and the built weights equal to it
+  assert.is_truthy(md:find("each of the " .. tp .. " rank(s) needs", 1, true), md)
+  assert.is_truthy(md:find("%- ok: weights built (%d+) bytes %(kd_model_memory%), the plan's rank %1 bytes"), md)
+  assert.is_truthy(md:find("2 of 4 heads, lm_head 512 of 1024 vocab rows", 1, true), md)
+  assert.is_truthy(md:find("### PROJECTION: " .. tp .. " GPUs in tensor parallel", 1, true))
+  local rows = 0
+  for step, ctx, T, ms, est in md:gmatch("\n| ([%w =]+) | (%d+) | (%d+) | ([%d.]+) | %d+ | %d+/%d+ | [^|]+ | [^|]+ | [^|]+ | ([%d.]+) %a+/s |") do
+    rows = rows + 1
+    ctx, T, ms, est = tonumber(ctx), tonumber(T), tonumber(ms), tonumber(est)
+    assert.is_true(ctx == 64 or ctx == 300)
+    assert.is_true(ms > 0)
+    -- 1 / (step + 8 all-reduces (4 layers) at the estimate): 8 us up to 8 tokens, else 17 us
+    local ar = (T <= 8 and 8 or 17) * 8 * 1e-3
+    -- ms is printed to 3 decimals: its rounding (up to 0.0005 ms) moves 1e3 / ms by est * 0.0005 / ms
+    assert.is_true(math.abs(est - 1e3 / (ms + ar)) <= 0.05 + est * (1e-3 + 0.0005 / ms), step .. ": " .. est)
+  end
+  assert.are.equal(6, rows, md)
+end
+
+describe("model slice bench --k26-rank: the TP projection's program, tiny dims, CPU", function()
+  it("plans, builds rank-0 dims, checks, times decode and verify, prints the projection", function()
+    local rc, out, md = run("cpu", "--k26-rank 2")
+    check_projection(rc, out, md, 2)
+  end)
+end)
+
+describe("model slice bench --k26-rank: the TP projection's program, tiny dims, CUDA #gpu", function()
+  it("plans, builds rank-0 dims (INT4 experts of width 32), checks bit-identical rows, times under step graphs", function()
+    local rc, out, md = run("cuda", "--k26-rank 2")
+    check_projection(rc, out, md, 2)
+    -- every timed step after the two warm-up steps replayed a captured graph
+    for n, r in md:gmatch("\n| [%w =]+ | %d+ | %d+ | [%d.]+ | (%d+) | (%d+)/%d+ |") do assert.are.equal(n, r) end
   end)
 end)

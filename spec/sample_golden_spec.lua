@@ -19,7 +19,7 @@ local O = require("helpers.ops")
 local K = require("kdtree.ffi")
 local ffi, C = K.ffi, K.C
 
-K.cdef_sibling("kdtree_testing_ddtree.h")
+require("helpers.testlib").cdef("kdtree_testing_ddtree.h")
 
 local golden = ck.read_json("spec/fixtures/sample_golden.json")
 

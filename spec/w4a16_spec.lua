@@ -1,5 +1,5 @@
 -- w4a16_spec.lua: the W4A16 kernels (cuda/w4a16.cu) against the CPU twin's INT4 linear and MoE,
--- through the op test surface (core/kdtree_testing.h), and their batch invariance on CUDA.
+-- through the op test surface (spec/c/kdtree_testing.h), and their batch invariance on CUDA.
 --
 -- Weights: random compressed-tensors INT4 (codes 1..15, bf16 scales), groups 32, 64 and 128,
 -- at Kimi K2.6 expert shapes (gate/up 2048 x 7168, down 7168 x 2048), a tensor-parallel slice

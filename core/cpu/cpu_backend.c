@@ -109,7 +109,7 @@ kd_status kd_cpu_check_weight(const char *op, const kd_weight *w) {
 void kd_cpu_weight_row(const kd_weight *w, int64_t r, int64_t c0, int64_t n, float *dst) {
     switch (w->format) {
     case KD_W_BF16: {
-        const uint16_t *p = (const uint16_t *)w->src + r * w->cols + c0;
+        const uint16_t *p = (const uint16_t *)w->src + r * kd_weight_ld(w) + c0;
         for (int64_t i = 0; i < n; i++) {           /* bf16 -> f32: the 16 bits on top */
             uint32_t u = (uint32_t)p[i] << 16;
             memcpy(&dst[i], &u, sizeof u);
@@ -117,13 +117,13 @@ void kd_cpu_weight_row(const kd_weight *w, int64_t r, int64_t c0, int64_t n, flo
         break;
     }
     case KD_W_F32:
-        memcpy(dst, (const float *)w->src + r * w->cols + c0, (size_t)n * sizeof(float));
+        memcpy(dst, (const float *)w->src + r * kd_weight_ld(w) + c0, (size_t)n * sizeof(float));
         break;
     case KD_W_INT4: {
         /* nibble i of int32 word j is element 8j+i (low nibble first), offset binary:
          * W[r, c] = ((word >> 4*(c%8)) & 15) - 8) * scale[r, c / group] */
-        const uint32_t *words = (const uint32_t *)w->src + r * (w->cols / 8);
-        const uint16_t *scales = (const uint16_t *)w->src_scale + r * (w->cols / w->group);
+        const uint32_t *words = (const uint32_t *)w->src + r * (kd_weight_ld(w) / 8);
+        const uint16_t *scales = (const uint16_t *)w->src_scale + r * (kd_weight_ld(w) / w->group);
         int64_t g = w->group;
         if (c0 % g == 0 && n % g == 0) {            /* whole groups: one scale per run of g/8 words */
             for (int64_t c = c0; c < c0 + n; c += g) {
@@ -177,13 +177,13 @@ kd_status kd_cpu_matmul_wt(kd_backend *be, const float *x, int T, int ldx, int k
                            int64_t wrow0, int64_t wcol0, int nout, float *out, int ldo) {
     if (T <= 2 && w->format == KD_W_BF16) {
         for (int o = 0; o < nout; o++) {
-            const uint16_t *p = (const uint16_t *)w->src + (wrow0 + o) * w->cols + wcol0;
+            const uint16_t *p = (const uint16_t *)w->src + (wrow0 + o) * kd_weight_ld(w) + wcol0;
             for (int t = 0; t < T; t++) out[(size_t)t * ldo + o] = dot_bf16(x + (size_t)t * ldx, p, k);
         }
         return KD_OK;
     }
     if (T <= 2 && w->format == KD_W_INT4 && wcol0 == 0 && k == w->cols && w->group % 8 == 0) {
-        int64_t wpr = w->cols / 8, spr = w->cols / w->group;
+        int64_t wpr = kd_weight_ld(w) / 8, spr = kd_weight_ld(w) / w->group;
         for (int o = 0; o < nout; o++) {
             const uint32_t *words = (const uint32_t *)w->src + (wrow0 + o) * wpr;
             const uint16_t *scales = (const uint16_t *)w->src_scale + (wrow0 + o) * spr;

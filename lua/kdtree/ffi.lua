@@ -21,6 +21,7 @@ local header = first_existing({
 if not header then error("kdtree: cannot find kdtree.h (set KDTREE_HEADER)") end
 
 -- cdef_file(path): declare an FFI-clean header: drop the preprocessor lines and the C++ guard
+-- (the specs declare their test surface, spec/c/*.h, with it too)
 local function cdef_file(path)
   local f = assert(io.open(path), "kdtree: cannot open " .. path)
   local text = f:read("*a")
@@ -32,15 +33,6 @@ local function cdef_file(path)
   ffi.cdef((table.concat(decls, "\n"):gsub('\n}%s*$', "\n")))   -- the guard's closing brace
 end
 cdef_file(header)
-
--- declare a header that lives beside kdtree.h (the test surfaces), once per process
-local declared = {}
-local function cdef_sibling(name)
-  if not declared[name] then
-    cdef_file((header:gsub("kdtree%.h$", name)))
-    declared[name] = true
-  end
-end
 
 local lib_path = first_existing({
   os.getenv("KDTREE_LIB") or "",
@@ -62,4 +54,4 @@ local function check(st, what)
   end
 end
 
-return { C = C, ffi = ffi, check = check, header = header, cdef_sibling = cdef_sibling }
+return { C = C, ffi = ffi, check = check, header = header, cdef_file = cdef_file }

@@ -43,7 +43,18 @@ function kd.inspect(dir)
   return U.inspect_report(r)
 end
 
+-- one rank's device memory for tp ranks (kd_plan): opts = {tp = 1, device_bytes = 0 (not checked),
+-- capacity = 32768}. A plain table of the report's fields; fits is true, false or nil (not checked).
+function kd.plan(dir, opts)
+  if type(dir) ~= "string" then error("kdtree: plan: expected a directory path, got " .. type(dir), 2) end
+  opts = opts or {}
+  local r = ffi.new("kd_plan_report")
+  check(C.kd_plan(dir, opts.tp or 1, opts.device_bytes or 0, opts.capacity or 32768, r), "kd_plan(" .. dir .. ")")
+  return U.plan_report(r)
+end
+
 function kd.open_model(dir, opts) return kd.Model.open(dir, opts) end
+kd.shipped = U.shipped
 function kd.open_drafter(dir, model) return kd.Drafter.open(dir, model) end
 function kd.open_tokenizer(dir) return kd.Tokenizer.open(dir) end
 

@@ -2,6 +2,7 @@
 local K = require("kdtree.ffi")
 local H = require("kdtree.handle")
 local U = require("kdtree.util")
+local Options = require("kdtree.options")
 local ffi, C, check = K.ffi, K.C, K.check
 
 local Model = {}
@@ -9,31 +10,35 @@ Model.__index = Model
 Model.__tostring = function(m)
   if rawget(m, "_h") == nil then return "kdtree.model (closed)" end
   local i = m.info
-  return string.format("kdtree.model(%s, %d layers, hidden %d, vocab %d, %s)", m.dir, i.n_layers,
-    i.hidden, i.vocab, i.backend)
+  return string.format("kdtree.model(%s, %d layers, hidden %d, vocab %d, %s%s)", m.dir, i.n_layers,
+    i.hidden, i.vocab, i.backend, i.tp > 1 and (" x " .. i.tp .. " ranks") or "")
 end
 
 local function free_model(p) C.kd_model_close(p) end
 
 -- Model.open(dir, opts): opts.backend = "cpu" | "cuda" (default env KDTREE_BACKEND or "cpu"),
--- opts.device, opts.n_devices
+-- opts.tp = ranks (tensor parallel, 1..8), opts.devices = { device of each rank } (CUDA;
+-- default 0..tp-1), opts.progress = function(rank, bytes_done, bytes_total) called while the
+-- weights load (about every 1% of rank 0's part, and once per rank at the end), the behaviour
+-- switches of kd_model_options (graphs, draft_graphs = "on" | "off" | "eager"; graphs_verbose; ddtree_round = "backend" | "host"; mla_kernel =
+-- "cuda_cores"; mla_value_slices, mla_row_groups; docs/lua-api.md) and opts.seq: the options
+-- every m:new_seq starts from (max_rows, graphs, draft_graphs)
 function Model.open(dir, opts)
   opts = opts or {}
   if type(dir) ~= "string" then error("kdtree: open_model: expected a directory path, got " .. type(dir), 2) end
-  local bname = opts.backend or os.getenv("KDTREE_BACKEND") or "cpu"
-  local bk = U.BACKENDS[bname]
-  if bk == nil then
-    error(string.format("kdtree: open_model: backend: expected \"cpu\" or \"cuda\", got %q", tostring(bname)), 2)
-  end
-  local o = ffi.new("kd_model_options")
-  o.backend = bk
-  o.device = opts.device or 0
-  o.n_devices = opts.n_devices or 1
+  if type(opts) ~= "table" then error("kdtree: open_model: options: expected a table, got " .. type(opts), 2) end
+  local given = opts
+  opts = {}
+  for k, v in pairs(given) do opts[k] = v end
+  opts.backend = opts.backend or os.getenv("KDTREE_BACKEND") or "cpu"
+  local o, cb = Options.model(opts)
   local out = ffi.new("kd_model*[1]")
-  check(C.kd_model_open(dir, o, out), "kd_model_open(" .. dir .. ")")
+  local rc = C.kd_model_open(dir, o, out)
+  if cb then cb:free() end
+  check(rc, "kd_model_open(" .. dir .. ")")
   local st, h = H.own(out[0], "kd_model*", free_model, "model")
   local ci = ffi.new("kd_model_info")
-  local m = setmetatable({ _h = h, _st = st, dir = dir }, Model)
+  local m = setmetatable({ _h = h, _st = st, dir = dir, seq_options = opts.seq or {} }, Model)
   local ok, err = pcall(function() check(C.kd_model_get_info(h, ci), "kd_model_get_info") end)
   if not ok then H.close(m); error(err, 0) end
   m.info = U.model_info(ci)
@@ -43,10 +48,14 @@ end
 function Model:handle() return H.get(self, "model") end
 function Model:is_closed() return rawget(self, "_h") == nil end
 
--- a new sequence with room for `capacity` tokens (committed + pending tree nodes)
-function Model:new_seq(capacity)
+-- a new sequence with room for `capacity` tokens (committed + pending tree nodes); opts: the
+-- kd_seq_options fields (max_rows, graphs, draft_graphs), over m.seq_options (opts.seq at open)
+function Model:new_seq(capacity, opts)
   local Seq = require("kdtree.seq")
-  return Seq.new(self, capacity)
+  local o = {}
+  for k, v in pairs(self.seq_options) do o[k] = v end
+  for k, v in pairs(opts or {}) do o[k] = v end
+  return Seq.new(self, capacity, o)
 end
 
 -- refresh info (bytes_weights may change as the backend allocates)

@@ -18,13 +18,14 @@ end
 
 local function free_seq(p) C.kd_seq_free(p) end
 
-function Seq.new(model, capacity)
+function Seq.new(model, capacity, opts)
   local mh = H.get(model, "model")
   if type(capacity) ~= "number" or capacity ~= math.floor(capacity) then
     error("kdtree: new_seq: capacity: expected an integer, got " .. tostring(capacity), 2)
   end
+  local o = require("kdtree.options").seq(opts or {})
   local out = ffi.new("kd_seq*[1]")
-  check(C.kd_seq_new(mh, capacity, out), "kd_seq_new")
+  check(C.kd_seq_new_opts(mh, capacity, o, out), "kd_seq_new")
   -- the sequence holds its model: natively (refs) and in Lua (s.model)
   local st, h = H.own(out[0], "kd_seq*", free_seq, "seq", { model._st })
   return setmetatable({ _h = h, _st = st, model = model, vocab = model.info.vocab,
@@ -134,12 +135,13 @@ end
 
 -- cached latent rows [row0, row0+n) of layer `layer` (both 0-based), as one flat Lua list
 -- of n * (kv_lora_rank + qk_rope_dim) floats
-function Seq:read_cache(layer, row0, n)
+-- rank: which rank's replica of the latent cache (tensor parallel; default 0)
+function Seq:read_cache(layer, row0, n, rank)
   local h = H.get(self, "seq")
   n = n or 1
   local w = self.model.info.kv_lora_rank + self.model.info.qk_rope_dim
   local buf = ffi.new("float[?]", math.max(n * w, 1))
-  check(C.kd_seq_read_cache(h, layer, row0, n, buf), "kd_seq_read_cache")
+  check(C.kd_seq_read_cache_rank(h, rank or 0, layer, row0, n, buf), "kd_seq_read_cache")
   return U.list_from(buf, n * w)
 end
 

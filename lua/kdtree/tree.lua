@@ -169,6 +169,32 @@ function Tree:dump(out)
   return s
 end
 
+-- Graphviz DOT of the tree (`dot -Tsvg`): one node per tree node, labelled with its token
+-- (and its text, given a tokenizer), the root a box; accepted (node ids of an accepted path,
+-- s:accept's r.nodes) drawn bold and filled, with bold edges between them
+function Tree:dot(accepted, tok)
+  H.get(self, "tree")
+  local on = {}
+  for _, id in ipairs(accepted or {}) do on[id] = true end
+  local lines = { "digraph ddtree {", "  node [shape=ellipse];" }
+  local function node(i, token)
+    local label = tostring(token)
+    if tok and token >= 0 then
+      label = label .. "\\n" .. tok:decode({ token }):gsub("[%c\\\"]", function(c) return string.format("\\\\x%02x", c:byte()) end)
+    end
+    lines[#lines + 1] = string.format('  n%d [label="%s"%s%s];', i, label, i == 0 and ", shape=box" or "",
+      on[i] and ', style="bold,filled", fillcolor="palegreen"' or "")
+  end
+  node(0, self.root)
+  for i = 1, self.n do node(i, self.tokens[i]) end
+  for i = 1, self.n do
+    local p = self.parents[i]
+    lines[#lines + 1] = string.format("  n%d -> n%d%s;", p, i, (on[i] and on[p]) and " [penwidth=3]" or "")
+  end
+  lines[#lines + 1] = "}"
+  return table.concat(lines, "\n") .. "\n"
+end
+
 -- ---- module functions (kd.tree.*) ----
 -- any accepted score form (L x V table, or {data=, L=, V=}) -> {data = float* cdata, L =, V =}
 function M.rows(scores)

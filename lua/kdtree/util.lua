@@ -6,7 +6,7 @@ local U = {}
 local MODEL_INFO_INT = { "n_layers", "first_k_dense", "hidden", "vocab", "n_heads", "q_lora_rank",
   "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim", "intermediate", "moe_intermediate",
   "n_experts", "n_experts_per_tok", "n_shared_experts", "n_group", "topk_group", "norm_topk_prob",
-  "expert_bits", "expert_group", "max_positions", "n_eos", "bos" }
+  "expert_bits", "expert_group", "max_positions", "n_eos", "bos", "tp" }
 local MODEL_INFO_FLOAT = { "rms_norm_eps", "routed_scaling_factor", "rope_theta", "softmax_scale" }
 local BACKEND_NAMES = { [0] = "cpu", [1] = "cuda" }
 U.BACKENDS = { cpu = 0, cuda = 1 }
@@ -21,6 +21,9 @@ function U.model_info(ci)
   for i = 0, t.n_eos - 1 do t.eos[#t.eos + 1] = tonumber(ci.eos[i]) end
   t.backend = BACKEND_NAMES[tonumber(ci.backend)] or tostring(tonumber(ci.backend))
   t.bytes_weights = tonumber(ci.bytes_weights)
+  -- the tensor-parallel split: what each of the tp ranks holds
+  t.split = { heads = tonumber(ci.heads_per_rank), intermediate = tonumber(ci.intermediate_per_rank),
+    moe_intermediate = tonumber(ci.moe_intermediate_per_rank), vocab = tonumber(ci.vocab_per_rank) }
   return t
 end
 
@@ -36,6 +39,20 @@ function U.inspect_report(cr)
   for _, k in ipairs(REPORT_INT) do t[k] = tonumber(cr[k]) end
   -- uint64 -> Lua number: exact below 2^53 bytes (8 PiB)
   for _, k in ipairs(REPORT_BYTES) do t[k] = tonumber(cr[k]) end
+  return t
+end
+
+local PLAN_BYTES = { "device_bytes", "margin", "weights_attention", "weights_dense_mlp", "weights_shared_experts",
+  "weights_routed_experts", "weights_router", "weights_embed", "weights_lm_head", "weights_norms", "weights_total",
+  "weights_replicated", "kv_per_1k", "kv_cache", "logits", "scratch", "workspace", "total", "max_capacity" }
+U.PLAN_BYTES = PLAN_BYTES
+
+function U.plan_report(cr)
+  local t = { tp = tonumber(cr.tp), capacity = tonumber(cr.capacity), out_cap = tonumber(cr.out_cap),
+    message = ffi.string(cr.message) }
+  local f = tonumber(cr.fits)
+  if f >= 0 then t.fits = f == 1 end
+  for _, k in ipairs(PLAN_BYTES) do t[k] = tonumber(cr[k]) end
   return t
 end
 
@@ -80,7 +97,7 @@ function U.list_from(arr, n, offset)
   return t
 end
 
--- a kd_sampler from a Lua table {temperature=, top_k=, top_p=, seed=}; nil -> nil
+-- a kd_sampler from a Lua table {temperature=, top_k=, top_p=, min_p=, seed=}; nil -> nil
 function U.sampler(sp)
   if sp == nil then return nil end
   if type(sp) == "cdata" then return sp end
@@ -90,7 +107,24 @@ function U.sampler(sp)
   c.top_k = sp.top_k or 0
   c.top_p = sp.top_p or 1
   c.seed = sp.seed or 0
+  c.min_p = sp.min_p or 0
   return c
+end
+
+-- the path of a checkpoint shipped with kdtree ("tiny-k2.6"): models/ beside lua/ in the source
+-- tree, PREFIX/share/kdtree/models beside PREFIX/share/lua/5.1 when installed
+local lua_dir = debug.getinfo(1, "S").source:match("^@(.*)/kdtree/util%.lua$") or "."
+function U.shipped(name)
+  if type(name) ~= "string" then error("kdtree: shipped: expected a checkpoint name, got " .. type(name), 2) end
+  local tried = {}
+  for _, root in ipairs({ lua_dir .. "/../models", lua_dir .. "/../../kdtree/models" }) do
+    local dir = root .. "/" .. name
+    repeat local prev = dir; dir = dir:gsub("[^/%.][^/]*/%.%./", "", 1) until dir == prev   -- lua/../m -> m
+    local f = io.open(dir .. "/config.json")
+    if f then f:close(); return dir end
+    tried[#tried + 1] = dir
+  end
+  error("kdtree: shipped: no checkpoint '" .. name .. "' (looked in " .. table.concat(tried, ", ") .. ")", 2)
 end
 
 return U

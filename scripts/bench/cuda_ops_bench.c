@@ -245,7 +245,11 @@ static void bench_ddtree(void) {
 }
 
 int main(void) {
-    CK(kd_backend_cuda_create(0, &be));
+    /* KDTREE_MLA_TC=0: the attention rows on the CUDA-core kernel (a bench maps the old variable to
+     * the option; the library reads no environment) */
+    const char *tc = getenv("KDTREE_MLA_TC");
+    const kd_model_options opt = { .mla_kernel = tc && !strcmp(tc, "0") ? KD_MLA_CUDA_CORES : KD_MLA_DEFAULT };
+    CK(kd_backend_cuda_create(0, &opt, &be));
     printf("# kdtree CUDA ops bench (median of 5 batches; host clock between syncs)\n");
     bench_linear("q_a", 1536, 7168);
     bench_linear("kv_a", 576, 7168);
@@ -257,8 +261,8 @@ int main(void) {
     bench_linear("lm_head", 163840, 7168);
     int ctxs[] = {1024, 4096, 16384, 65536};
     int Hs[] = {64, 8}, Ts[] = {1, 64};
-    printf("# attention path: %s\n", getenv("KDTREE_MLA_TC") && !strcmp(getenv("KDTREE_MLA_TC"), "0")
-                                         ? "CUDA cores (KDTREE_MLA_TC=0)" : "tensor cores (mla_tc.cuh)");
+    printf("# attention path: %s\n", opt.mla_kernel == KD_MLA_CUDA_CORES ? "CUDA cores (KDTREE_MLA_TC=0)"
+                                                                         : "tensor cores (mla_tc.cuh)");
     for (int h = 0; h < 2; h++)
         for (int t = 0; t < 2; t++)
             for (int c = 0; c < 4; c++) bench_attention(Hs[h], ctxs[c], Ts[t], 0);

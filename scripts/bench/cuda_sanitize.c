@@ -51,7 +51,7 @@ static kd_test_weight int4w(int rows, int cols, int group) {
 
 static void ops(void) {
     kd_test_backend *tb;
-    ck(kd_test_backend_new(kind, 0, &tb), "backend");
+    ck(kd_test_backend_new(kind, 0, NULL, &tb), "backend");
     if (!tb) return;
     float *out = malloc(sizeof(float) * 1 << 22);
     float *x = rfloats(1 << 20), *y = rfloats(1 << 20);

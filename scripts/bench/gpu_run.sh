@@ -27,7 +27,8 @@ step() {   # step NAME SECONDS CMD...: output to $OUT/NAME.log, one line in the 
 has build && step build 300 make -j16 all   # the fat binary (sm_90 + sm_120 + PTX), as users get it
 if has test; then step test-gpu 240 make test-gpu; fi
 if has sanitize; then
-  cc -O1 -g -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_sanitize.c -Lbuild -lkdtree -Wl,-rpath,$PWD/build -lm \
+  cc -O1 -g -std=c11 -D_GNU_SOURCE -Icore -Ispec/c scripts/bench/cuda_sanitize.c -Lbuild -lkdtree_test \
+    -Wl,-rpath,$PWD/build -lm \
     -o build/cuda_sanitize > "$OUT/sanitize-build.log" 2>&1
   step memcheck 90 compute-sanitizer --tool memcheck --leak-check full --print-limit 20 build/cuda_sanitize
   step racecheck 90 compute-sanitizer --tool racecheck --print-limit 20 build/cuda_sanitize
@@ -53,7 +54,7 @@ fi
 if has spec-memcheck; then
   for f in ${SPEC_MEMCHECK:-$(ls spec/*_spec.lua | grep -v fatbin_spec)}; do
     n=$(basename "$f" .lua)
-    KDTREE_LIB=build/libkdtree.so KDTREE_BACKEND=cuda step "memcheck-$n" 150 compute-sanitizer --tool memcheck \
+    KDTREE_LIB=build/libkdtree_test.so KDTREE_BACKEND=cuda step "memcheck-$n" 150 compute-sanitizer --tool memcheck \
       --leak-check full --print-limit 20 --error-exitcode 3 luajit -joff "$BUSTED_BIN" "$f"
     if grep -aq "terminated before first instrumented API call" "$OUT/memcheck-$n.log"; then
       echo "  $n: no CUDA calls" >> "$OUT/summary.log"

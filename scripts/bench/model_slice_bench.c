@@ -3,6 +3,7 @@
  *
  *   model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]
  *                     [--row-seconds S] [--no-mla] [--no-graphs] [--tolerance X]
+ *   model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N]
  *
  * The slice: the K2.6 text model's dims (hidden 7168, 64 heads, q_lora 1536, kv_lora 512,
  * rope 64, nope 128, v 128, dense intermediate 18432, 384 routed experts top-8 INT4 group 32,
@@ -28,7 +29,7 @@
  * CPU), summed by kind; (3) 2 warm-up steps, then N timed steps (N from --row-seconds,
  * 5..30, or --steps), each between two CUDA events on the backend's stream, the median
  * reported with the host wall time of the same steps; (4) when the library has step graphs
- * (model.c, KDTREE_CUDA_GRAPHS), the same steps on a second sequence opened in graph mode
+ * (model.c, the graphs option), the same steps on a second sequence opened in graph mode
  * (the measured one has graphs off: the wrapped ops must run from the host), counting the
  * steps that replayed a captured graph (they call no backend op).
  * Roofline: bytes the step must read (every attention, norm, dense, shared, router and
@@ -48,13 +49,24 @@
  * after the same context: the path's last row must equal the node's row (bit for bit unless
  * --tolerance: the batch invariance the engine promises, here at the bench's dims).
  *
+ * --k26-rank N (the TP-N projection, issue 14): all 61 layers (--layers L) at the dims of rank 0 of
+ * TP-N (heads, dense / shared / routed widths and the lm_head's vocab / N; q_a, kv_a, norms, router
+ * and embedding whole): the per-rank compute of TP-N without its all-reduces. kd_plan_tp plans the
+ * rank first (the run stops before building when it does not fit), each built layer's device use is
+ * checked against what is left, and the built weights must equal the plan's. Then the checks below,
+ * the memory table, decode and verify B = 16, 64 at ctx 1K and 8K on one step-graph sequence, the
+ * all-reduce of [T, hidden] bf16 for T = 1, 17, 65 through NCCL on one rank (slice_cuda.cu), and the
+ * table of projected rates 1 / (rank step + 2 x layers x all-reduce), labelled as a projection.
+ * --tiny runs the same at the tiny dims (the CPU spec).
+ *
  * Build: `make bench` (with scripts/bench/slice_cuda.cu: CUDA events and ceilings), or
- * plain C against libkdtree (host clock between syncs), as spec/model_slice_bench_spec.lua does:
- *   cc -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/model_slice_bench.c -Lbuild -lkdtree \
- *      -Wl,-rpath,$PWD/build -ldl -lm -o model_slice_bench */
-#include "model.h"
+ * plain C against the engine's objects (host clock between syncs; it reaches inside the engine,
+ * and libkdtree.so exports only kdtree.h), as spec/model_slice_bench_spec.lua does:
+ *   cc -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/model_slice_bench.c build/libkdtree_internal.a \
+ *      $(cat build/engine.flags) -lm -o model_slice_bench */
+#include "forward.h"
+#include "plan.h"
 #include "error.h"
-#include <dlfcn.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -148,15 +160,19 @@ typedef struct dims {
     const char *name;
     int vocab, hidden, layers, dense, heads, q_lora, kv_lora, nope, rope, v, inter, moe_inter, experts, topk, shared,
         group;
+    int embed_vocab;                  /* embedding rows when not vocab (a rank's lm_head holds a vocab shard) */
 } dims;
-static const dims K26 = {"Kimi K2.6 dims", 163840, 7168, 4, 1, 64, 1536, 512, 128, 64, 128, 18432, 2048, 384, 8, 1, 32};
-static const dims TINY = {"tiny (models/tiny-k2.6 dims)", 1024, 128, 4, 1, 4, 64, 32, 16, 8, 16, 256, 64, 16, 4, 1, 32};
+static const dims K26 = {"Kimi K2.6 dims", 163840, 7168, 4, 1, 64, 1536, 512, 128, 64, 128, 18432, 2048, 384, 8, 1, 32, 0};
+enum { K26_LAYERS = 61 };             /* the whole model's (the slice keeps 4) */
+static const dims TINY = {"tiny (models/tiny-k2.6 dims)", 1024, 128, 4, 1, 4, 64, 32, 16, 8, 16, 256, 64, 16, 4, 1, 32, 0};
 
 typedef struct opts {
     bool cuda, tiny, quick, mla, graphs;
     const char *md;
     int steps;
     double row_s, tol;
+    int k26_rank;                     /* --k26-rank N: the TP-N projection (0: the slice bench) */
+    int layers;                       /* --layers: of the projection's model (default all 61) */
 } opts;
 
 /* ------------------------------------------------------------------ the backend, wrapped */
@@ -391,7 +407,7 @@ static void write_config(const char *dir, const dims *d) {
 
 static void build_layer(kd_model *m, int l) {
     const kd_config *c = &m->cfg;
-    kd_layer *ly = &m->layers[l];
+    kd_layer *ly = &m->ranks[0].layers[l];
     int H = c->n_heads, r = c->kv_lora_rank, dr = c->qk_rope_dim, dn = c->qk_nope_dim, dv = c->v_head_dim;
     int64_t D = c->hidden;
 #define N(s) name_of("model.layers.%d.%s", l, s)
@@ -421,6 +437,15 @@ static void build_layer(kd_model *m, int l) {
     float *bias = xmalloc((size_t)E * sizeof(float), "router bias");
     fill_f32(bias, (size_t)E, -0.02f, 0.02f);
     S.bias_host[l] = bias;
+    /* the bias as the loader keeps it: an f32 weight (counted with the router) and a backend copy */
+    kd_weight *bw = &ly->router_bias;
+    memset(bw, 0, sizeof *bw);
+    bw->name = N("mlp.gate.e_score_correction_bias");
+    bw->format = KD_W_F32;
+    bw->rows = E;
+    bw->cols = 1;
+    bw->src = bias;
+    if (g_be->ops->weight_load(g_be, bw) != KD_OK) die_st("weight_load (router bias)", __LINE__);
     void *dbias = NULL;
     CK(g_be->ops->alloc(g_be, (size_t)E * sizeof(float), &dbias));
     CK(g_be->ops->upload(g_be, dbias, bias, (size_t)E * sizeof(float)));
@@ -458,24 +483,50 @@ static void build_layer(kd_model *m, int l) {
 #undef N
 }
 
-static kd_model *build_model(const dims *d) {
-    memset(&S, 0, sizeof S);
-    S.d = *d;
-    S.keep_host = g_be->kind == KD_BACKEND_CPU;
-    kd_model *m = xcalloc(1, sizeof *m, "model");
+/* d's config through the real parser: a config.json written to a temporary directory */
+static void load_config(const dims *d, kd_config *cfg) {
     char dir[] = "/tmp/kd_slice_XXXXXX";
     if (!mkdtemp(dir)) { fprintf(stderr, "FATAL: mkdtemp failed\n"); exit(2); }
     write_config(dir, d);
     char path[512];
     snprintf(path, sizeof path, "%s/config.json", dir);
-    kd_status st = kd_config_load(dir, &m->cfg);
+    kd_status st = kd_config_load(dir, cfg);
     remove(path);
     rmdir(dir);
     if (st != KD_OK) die_st("kd_config_load (the slice's config.json)", __LINE__);
+}
+
+/* the device memory a built layer took (driver's view); refuses up front when the layers still
+ * to build would not fit at that rate (allocation rounding shows here before it runs out) */
+static void check_layer_memory(int l, int n_layers, uint64_t *free_before) {
+    kd_mem_usage u;
+    g_be->ops->mem_usage(g_be, &u);
+    if (!u.device_total) return;
+    uint64_t took = *free_before > u.device_free ? *free_before - u.device_free : 0;
+    *free_before = u.device_free;
+    uint64_t need = took * (uint64_t)(n_layers - 1 - l) + ((uint64_t)2 << 30);
+    if (l > 0 && need > u.device_free) {
+        fprintf(stderr, "FATAL: layer %d took %.3f GB of device memory; the %d layers still to build need about "
+                "%.3f GB (+ 2 GiB), and %.3f GB are free. Fewer layers: --layers N\n", l, (double)took / 1e9,
+                n_layers - 1 - l, (double)(need - ((uint64_t)2 << 30)) / 1e9, (double)u.device_free / 1e9);
+        exit(2);
+    }
+}
+
+static kd_model *build_model(const dims *d) {
+    memset(&S, 0, sizeof S);
+    S.d = *d;
+    S.keep_host = g_be->kind == KD_BACKEND_CPU;
+    kd_model *m = xcalloc(1, sizeof *m, "model");
+    load_config(d, &m->cfg);
     const kd_config *c = &m->cfg;
-    m->be = g_be;
+    /* one rank holding the whole model */
+    m->tp = 1;
+    m->ranks = xcalloc(1, sizeof *m->ranks, "ranks");
+    m->ranks[0].be = m->be = g_be;
+    m->split = (kd_widths){c->n_heads, c->intermediate, c->moe_intermediate, c->vocab};
     snprintf(m->dir, sizeof m->dir, "(model slice: %s, random weights in memory)", d->name);
-    m->layers = xcalloc((size_t)c->n_layers, sizeof *m->layers, "layers");
+    m->ranks[0].layers = xcalloc((size_t)c->n_layers, sizeof *m->ranks[0].layers, "layers");
     S.bias_host = xcalloc((size_t)c->n_layers, sizeof *S.bias_host, "biases");
     S.experts_loaded = xcalloc((size_t)c->n_layers, sizeof *S.experts_loaded, "flags");
     S.used = xcalloc((size_t)c->n_layers * (size_t)c->n_experts, 1, "expert marks");
@@ -497,15 +548,20 @@ static kd_model *build_model(const dims *d) {
         fill_bf16(S.scales[p], S.n_scales, 0.75f * base, 1.25f * base);
     }
     uint64_t t0 = kd_time_ns();
-    load_bf16(&m->embed, name_of("model.embed_tokens.weight"), c->vocab, c->hidden, -1.0f, 1.0f, B_EMBED);
+    load_bf16(&m->ranks[0].embed, name_of("model.embed_tokens.weight"), d->embed_vocab ? d->embed_vocab : c->vocab, c->hidden,
+              -1.0f, 1.0f, B_EMBED);
+    kd_mem_usage u0;
+    g_be->ops->mem_usage(g_be, &u0);
+    uint64_t free_before = u0.device_free;
     for (int l = 0; l < c->n_layers; l++) {
         build_layer(m, l);
-        printf("  layer %d built (%s), %.1f s\n", l, m->layers[l].is_moe ? "MoE" : "dense",
+        check_layer_memory(l, c->n_layers, &free_before);
+        printf("  layer %d built (%s), %.1f s\n", l, m->ranks[0].layers[l].is_moe ? "MoE" : "dense",
                (double)(kd_time_ns() - t0) * 1e-9);
         fflush(stdout);
     }
-    load_norm(&m->final_norm, name_of("model.norm.weight"), c->hidden, B_NORM);
-    load_linear(&m->lm_head, name_of("lm_head.weight"), c->vocab, c->hidden, B_LMHEAD);
+    load_norm(&m->ranks[0].final_norm, name_of("model.norm.weight"), c->hidden, B_NORM);
+    load_linear(&m->ranks[0].lm_head, name_of("lm_head.weight"), c->vocab, c->hidden, B_LMHEAD);
     /* RoPE (YaRN) inverse frequencies, as kd_model_load_weights */
     int half = c->qk_rope_dim / 2;
     float *inv = xmalloc((size_t)half * sizeof(float), "rope");
@@ -514,11 +570,11 @@ static kd_model *build_model(const dims *d) {
     CK(g_be->ops->alloc(g_be, (size_t)half * sizeof(float), &dev));
     CK(g_be->ops->upload(g_be, dev, inv, (size_t)half * sizeof(float)));
     free(inv);
-    m->rope_inv_freq = dev;
-    m->rope.dim = c->qk_rope_dim;
-    m->rope.interleaved = true;
-    m->rope.attn_factor = (float)c->rope.amp;
-    m->rope.inv_freq = m->rope_inv_freq;
+    m->ranks[0].rope_inv_freq = dev;
+    m->ranks[0].rope.dim = c->qk_rope_dim;
+    m->ranks[0].rope.interleaved = true;
+    m->ranks[0].rope.attn_factor = (float)c->rope.amp;
+    m->ranks[0].rope.inv_freq = m->ranks[0].rope_inv_freq;
     CK(g_be->ops->sync(g_be));
     /* router logits for the expert count: up to KD_SEQ_MAX_ROWS (1024) rows */
     S.logit_rows = 1024;
@@ -534,7 +590,7 @@ static void free_w(kd_weight *w) {
 }
 static void free_model(kd_model *m) {
     for (int l = 0; l < m->cfg.n_layers; l++) {
-        kd_layer *ly = &m->layers[l];
+        kd_layer *ly = &m->ranks[0].layers[l];
         kd_experts *e = &ly->experts;
         if (S.experts_loaded[l]) g_be->ops->experts_free(g_be, e);
         for (int j = 0; e->gate && j < e->n; j++) {
@@ -548,17 +604,18 @@ static void free_model(kd_model *m) {
         if (e->bias) g_be->ops->free(g_be, (void *)e->bias);
         kd_weight *ws[] = {&ly->attn_norm, &ly->ffn_norm, &ly->q_a, &ly->q_a_norm, &ly->q_b, &ly->q_proj, &ly->kv_a,
                            &ly->kv_a_norm, &ly->kv_b, &ly->o_proj, &ly->mlp_gate, &ly->mlp_up, &ly->mlp_down,
-                           &ly->router};
+                           &ly->router, &ly->router_bias};
         for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) free_w(ws[i]);
         free(S.bias_host[l]);
     }
-    free_w(&m->embed);
-    free_w(&m->final_norm);
-    free_w(&m->lm_head);
-    if (m->rope_inv_freq) g_be->ops->free(g_be, m->rope_inv_freq);
+    free_w(&m->ranks[0].embed);
+    free_w(&m->ranks[0].final_norm);
+    free_w(&m->ranks[0].lm_head);
+    if (m->ranks[0].rope_inv_freq) g_be->ops->free(g_be, m->ranks[0].rope_inv_freq);
     if (S.d_logits) g_be->ops->free(g_be, S.d_logits);
     free(S.h_logits);
-    free(m->layers);
+    free(m->ranks[0].layers);
+    free(m->ranks);
     kd_config_free(&m->cfg);
     free(m);
     for (int i = 0; i < S.n_keep; i++) free(S.keep[i]);
@@ -578,7 +635,7 @@ static void count_experts(kd_backend *be, kd_act x, const kd_experts *e) {
     kd_model *m = S.m;
     int l = -1;
     for (int i = 0; i < m->cfg.n_layers; i++)
-        if (&m->layers[i].experts == e) l = i;
+        if (&m->ranks[0].layers[i].experts == e) l = i;
     if (l < 0 || x.rows > S.logit_rows) { fprintf(stderr, "FATAL: moe call of an unknown layer\n"); exit(2); }
     int T = x.rows, E = e->n, K = e->top_k, ng = e->n_group > 1 ? e->n_group : 1, per = E / ng;
     kd_act lg = {S.d_logits, T, E, E, KD_F32};
@@ -736,7 +793,7 @@ typedef struct row {
 } row;
 
 static double g_copy_gbs, g_read_gbs;
-static kd_seq *g_seq_graph;           /* a second sequence in step-graph mode (KDTREE_CUDA_GRAPHS=1), or NULL */
+static kd_seq *g_seq_graph;           /* a second sequence in step-graph mode (graphs "on"), or NULL */
 static int g_fail;                    /* failed checks (exit 1 after the tables) */
 
 static void bench_row(kd_seq *s, const opts *o, row *r, int ctx, int B) {
@@ -756,7 +813,7 @@ static void bench_row(kd_seq *s, const opts *o, row *r, int ctx, int B) {
     S.counting = false;
     CK(g_real->sync(g_be));
     for (int l = 0; l < c->n_layers && l < 64; l++) {
-        if (!m->layers[l].is_moe) continue;
+        if (!m->ranks[0].layers[l].is_moe) continue;
         for (int j = 0; j < c->n_experts; j++) r->distinct[l] += S.used[(size_t)l * c->n_experts + j];
         r->distinct_sum += r->distinct[l];
         /* the count is the host's routing of the backend's own router logits: it must lie in
@@ -1027,114 +1084,172 @@ static void memory_table(const kd_model *m, int n_seqs, int capacity) {
        (unsigned long long)r.graph_fallbacks);
 }
 
-/* a sequence with KDTREE_CUDA_GRAPHS set to `mode` while kd_seq_new reads it (restored after) */
-static kd_seq *new_seq_mode(kd_model *m, int cap, const char *mode) {
-    const char *old = getenv("KDTREE_CUDA_GRAPHS");
-    char *saved = old ? strdup(old) : NULL;
-    setenv("KDTREE_CUDA_GRAPHS", mode, 1);
+/* a sequence with step graphs in `mode` (and the full 1024-row forward: a verify of 257 rows) */
+static kd_seq *new_seq_mode(kd_model *m, int cap, kd_graphs_mode mode) {
     kd_seq *s = NULL;
-    kd_status st = kd_seq_new(m, cap, &s);
-    if (saved) setenv("KDTREE_CUDA_GRAPHS", saved, 1);
-    else unsetenv("KDTREE_CUDA_GRAPHS");
-    free(saved);
-    if (st != KD_OK) die_st("kd_seq_new", __LINE__);
+    const kd_seq_options so = { .graphs = mode };
+    if (kd_seq_new_opts(m, cap, &so, &s) != KD_OK) die_st("kd_seq_new_opts", __LINE__);
     return s;
 }
-/* whether this library and backend run step graphs when KDTREE_CUDA_GRAPHS=1 (model.c's
- * kd_graphs_mode_from_env, looked up at run time: libraries without step graphs answer no) */
-static bool graphs_available(void) {
-    typedef int (*mode_fn)(const kd_backend *);
-    mode_fn f = (mode_fn)dlsym(RTLD_DEFAULT, "kd_graphs_mode_from_env");
-    if (!f) return false;
-    const char *old = getenv("KDTREE_CUDA_GRAPHS");
-    char *saved = old ? strdup(old) : NULL;
-    setenv("KDTREE_CUDA_GRAPHS", "1", 1);
-    int mode = f(g_be);
-    if (saved) setenv("KDTREE_CUDA_GRAPHS", saved, 1);
-    else unsetenv("KDTREE_CUDA_GRAPHS");
-    free(saved);
-    return mode == 1;
+/* whether the backend runs step graphs (its optional graph ops: forward.h) */
+static bool graphs_available(void) { return kd_graphs_resolve(g_be, KD_GRAPHS_CAPTURE) == KD_GRAPHS_CAPTURE; }
+
+/* random latent rows [0, rows) in every layer of s's cache */
+static void fill_cache(kd_seq *s, int rows) {
+    const kd_config *c = &s->model->cfg;
+    int cols = c->kv_lora_rank + c->qk_rope_dim;
+    size_t n = (size_t)rows * cols, es = kd_dtype_size(g_be->act_dtype);
+    void *h = xmalloc(n * es, "cache rows");
+    if (g_be->act_dtype == KD_BF16) fill_bf16(h, n, -1.7f, 1.7f);
+    else fill_f32(h, n, -1.7f, 1.7f);
+    for (int l = 0; l < c->n_layers; l++) CK(g_real->upload(g_be, s->rk[0].cache[l].data, h, n * es));
+    free(h);
 }
 
-/* ------------------------------------------------------------------ main */
-static void usage(void) {
-    printf("usage: model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]\n"
-           "                         [--row-seconds S] [--no-mla] [--no-graphs] [--tolerance X]\n"
-           "  --backend    cuda (default when the library has it) or cpu\n"
-           "  --tiny       the shipped tiny model's dims instead of Kimi K2.6's (quick logic check)\n"
-           "  --md FILE    also write the markdown tables to FILE\n"
-           "  --quick      fewer timed steps (3..10 per row)\n"
-           "  --steps N    exactly N timed steps per row\n"
-           "  --row-seconds S  time budget per row that picks N (default 1)\n"
-           "  --no-mla     skip the MLA attention rows\n"
-           "  --no-graphs  skip the step-graph column (KDTREE_CUDA_GRAPHS=1 sequence)\n"
-           "  --tolerance X    accept a tree row within X (max |diff| / max |logit|) of its causal path\n"
-           "                   (default 0: bit-identical, the engine's batch invariance)\n");
+/* ------------------------------------------------------------------ the TP-N projection */
+/* The per-rank compute of TP-N is a model of rank-0 dims (heads, dense, shared and routed expert
+ * widths and lm_head vocab / N; q_a, kv_a, norms, router and embedding whole) plus two all-reduces
+ * of [T, hidden] a layer. Estimated 8-GPU all-reduce latencies for comparison (not measured):
+ * shared/reference/multi_gpu.md, the upper ends of "1-8 tokens about 6-8 us, 16-64 tokens 9-17 us". */
+static double ref_allreduce_us(int T) { return T <= 8 ? 8.0 : 17.0; }
+
+/* median ms of the timed steps of st on s (2 warm-up steps first: in graph mode an eager one and
+ * the capture); *replayed: timed steps that called no backend op */
+static double time_steps(kd_seq *s, const step *st, const opts *o, int *n_out, int *replayed) {
+    double w0 = timed_step(s, st, NULL), w1 = timed_step(s, st, NULL);
+    int n = n_steps_for(o, w0 < w1 ? w0 : w1);
+    double *t = xmalloc((size_t)n * sizeof(double), "times");
+    *replayed = 0;
+    for (int i = 0; i < n; i++) {
+        long calls = g_op_calls;
+        t[i] = timed_step(s, st, NULL);
+        if (g_op_calls == calls) (*replayed)++;
+    }
+    double ms = median_of(t, n);
+    free(t);
+    *n_out = n;
+    return ms;
 }
 
-int main(int argc, char **argv) {
-    opts o = {.cuda = true, .mla = true, .graphs = true, .row_s = 1.0};
-    bool backend_given = false;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--backend") && v) { o.cuda = !strcmp(v, "cuda"); backend_given = true; i++;
-            if (strcmp(v, "cuda") && strcmp(v, "cpu")) { usage(); return 2; } }
-        else if (!strcmp(a, "--tiny")) o.tiny = true;
-        else if (!strcmp(a, "--quick")) o.quick = true;
-        else if (!strcmp(a, "--no-mla")) o.mla = false;
-        else if (!strcmp(a, "--no-graphs")) o.graphs = false;
-        else if (!strcmp(a, "--md") && v) { o.md = v; i++; }
-        else if (!strcmp(a, "--steps") && v) { o.steps = atoi(v); i++; }
-        else if (!strcmp(a, "--row-seconds") && v) { o.row_s = atof(v); i++; }
-        else if (!strcmp(a, "--tolerance") && v) { o.tol = atof(v); i++; }
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); return 0; }
-        else { fprintf(stderr, "model_slice_bench: unknown or incomplete argument '%s'\n", a); usage(); return 2; }
+static void projection(const opts *o) {
+    /* --tiny: the same program at the tiny model's dims (the CPU spec) */
+    const dims *base = o->tiny ? &TINY : &K26;
+    int tp = o->k26_rank, layers = o->layers ? o->layers : o->tiny ? TINY.layers : K26_LAYERS;
+    int ctxs[] = {o->tiny ? 64 : 1024, o->tiny ? 300 : 8192}, buds[] = {0, 16, 64}, cap = ctxs[1] + 65 + 16;
+    /* the plan of the whole model's rank first: refuse before building what will not fit */
+    dims full = *base;
+    full.layers = layers;
+    kd_config fc;
+    load_config(&full, &fc);
+    kd_mem_usage u;
+    g_be->ops->mem_usage(g_be, &u);
+    kd_plan_report plan;
+    kd_status pst = kd_plan_tp(&fc, tp, u.device_total, cap, &plan);
+    kd_config_free(&fc);
+    if (pst == KD_ERR_ARG) die_st("kd_plan_tp (the split of K2.6 dims)", __LINE__);
+    md("\n### The plan (kd_plan_tp, before building)\n\n%s\n", pst == KD_OK ? plan.message : kd_last_error());
+    if (pst != KD_OK) {
+        fprintf(stderr, "model_slice_bench: %d layers of rank dims do not fit this device (--layers N)\n", layers);
+        exit(2);
     }
-    /* the CUDA backend, when the library has it (resolved at run time: one binary for both) */
-    typedef kd_status (*cuda_create_fn)(int, kd_backend **);
-    cuda_create_fn cuda_create = (cuda_create_fn)dlsym(RTLD_DEFAULT, "kd_backend_cuda_create");
-    if (o.cuda && !cuda_create) {
-        if (backend_given) { fprintf(stderr, "FATAL: this libkdtree has no CUDA backend\n"); return 2; }
-        o.cuda = false;
-    }
-    if (o.cuda) CK(cuda_create(0, &g_be));
-    else CK(kd_backend_cpu_create(&g_be));
-    unsetenv("KDTREE_SEQ_ROWS");   /* a verify of 257 rows needs the full 1024-row forward */
-    const dims *d = o.tiny ? &TINY : &K26;
+    dims d = *base;
+    char name[128];
+    snprintf(name, sizeof name, "%s, rank 0 of TP-%d", base->name, tp);
+    d.name = name;
+    d.layers = layers;
+    d.heads /= tp;
+    d.inter /= tp;
+    d.moe_inter /= tp;
+    d.embed_vocab = d.vocab;
+    d.vocab /= tp;
+    printf("building %s: %d layers ...\n", name, layers);
+    fflush(stdout);
+    uint64_t tb = kd_time_ns();
+    kd_model *m = build_model(&d);
+    double build_s = (double)(kd_time_ns() - tb) * 1e-9;
+    const kd_config *c = &m->cfg;
+    kd_memory_report mr;
+    CK(kd_model_memory(m, &mr));
+    md("\n### %s: the model\n\n%d layers (%d dense, intermediate %d; %d MoE: %d experts top-%d INT4 group %d of width "
+       "%d, %d shared), %d of %d heads, lm_head %d of %d vocab rows, embedding whole; random weights built on the "
+       "device through the backend's weight_load in %.1f s (host buffers: one tensor at a time).\n\n", name,
+       c->n_layers, c->first_k_dense, c->intermediate, c->n_layers - c->first_k_dense, c->n_experts,
+       c->n_experts_per_tok, c->quant_group, c->moe_intermediate, c->n_shared_experts, c->n_heads, base->heads,
+       c->vocab, d.embed_vocab, build_s);
+    bool same = mr.weights_total == plan.weights_total;
+    md("- %s: weights built %llu bytes (kd_model_memory), the plan's rank %llu bytes\n", same ? "ok" : "FAIL",
+       (unsigned long long)mr.weights_total, (unsigned long long)plan.weights_total);
+    if (!same) g_fail++;
 
-    char date[32];
-    time_t now = time(NULL);
-    strftime(date, sizeof date, "%Y-%m-%d", gmtime(&now));
-    char dev[256] = "CPU (host)";
-    int sms = 0, drv = 0, rt = 0;
-    double mem = 0, l2 = 0;
+    bool graphs = o->graphs && graphs_available();
+    kd_seq *s = new_seq_mode(m, cap, graphs ? KD_GRAPHS_CAPTURE : KD_GRAPHS_OFF);
+    fill_cache(s, ctxs[1]);
+    checks(s, o, ctxs[0]);
+
+    /* the all-reduces of the step: [T, hidden] bf16, NCCL on one rank, in a graph */
+    double ar_us[3] = {0, 0, 0};   /* T = 1 + buds[i] */
+    bool have_ar = false;
 #ifdef KD_SLICE_EVENTS
-    if (o.cuda) {
-        CK(kd_slice_ev_init(g_be, MAXMARK));
-        g_events = true;
-        CK(kd_slice_device(g_be, dev, sizeof dev, &sms, &mem, &l2, &drv, &rt));
-        CK(kd_slice_ceilings(g_be, o.tiny ? ((size_t)256 << 20) : ((size_t)1 << 30), &g_copy_gbs, &g_read_gbs));
+    if (g_events) {
+        int Ts[] = {1, 17, 65};
+        have_ar = true;
+        for (int i = 0; i < 3 && have_ar; i++)
+            if (kd_slice_allreduce_us(g_be, Ts[i], c->hidden, 100, &ar_us[i]) != KD_OK) {
+                md("- FAIL: the NCCL all-reduce of [%d, %d]: %s\n", Ts[i], c->hidden, kd_last_error());
+                g_fail++;
+                have_ar = false;
+            }
     }
 #endif
-    if (o.cuda && !g_events) snprintf(dev, sizeof dev, "CUDA device 0 (no events: host clock)");
-    if (!g_events) cpu_ceilings(o.tiny ? ((size_t)64 << 20) : ((size_t)512 << 20), &g_copy_gbs, &g_read_gbs);
-    wrap_backend();
+    printf("timing steps ...\n");
+    fflush(stdout);
+    md("\n### PROJECTION: %d GPUs in tensor parallel, from rank 0's compute on one GPU\n\n"
+       "Not a measurement of %d GPUs. rank step = one `kd_forward` of the rank-dims model above (%s; median "
+       "of n after 2 warm-up steps, %s); all-reduce = `ncclAllReduce` of [T, %d] bf16, sum, out of place, "
+       "NCCL on **one** rank (nranks 1), 100 in one CUDA graph (median of 10 launches / 100): it measures the "
+       "call inside a graph, not NVLink traffic. A step has %d all-reduces (2 a layer). Projected rate = 1 / (rank "
+       "step + %d x all-reduce): tokens/s for decode, DDTree rounds/s for verify (x the tokens a round accepts; the "
+       "draft pass and the round's host work are not included). The last column uses the upper end of "
+       "multi_gpu.md's *estimated* 8-GPU latency (8 us up to 8 tokens, 17 us at 16-64) instead.\n\n",
+       tp, tp, graphs ? "step graphs" : "step graphs off", g_events ? "CUDA events" : "host clock", c->hidden,
+       2 * c->n_layers, 2 * c->n_layers);
+    md("| step | ctx | T | rank step ms | n | replays | all-reduce us (1-rank NCCL) | %d x all-reduce ms | projected "
+       "/s | projected /s with the 8-GPU estimate |\n|---|---|---|---|---|---|---|---|---|---|\n", 2 * c->n_layers);
+    for (int ci = 0; ci < 2; ci++)
+        for (int bi = 0; bi < 3; bi++) {
+            step *st = xmalloc(sizeof *st, "step");
+            make_step(st, ctxs[ci], buds[bi], 7, c->vocab);
+            int n, replayed;
+            double ms = time_steps(s, st, o, &n, &replayed);
+            double ar = have_ar ? ar_us[bi] : 0, ars = 2.0 * c->n_layers * ar * 1e-3;
+            double est = 2.0 * c->n_layers * ref_allreduce_us(st->T) * 1e-3;
+            char label[32];
+            if (buds[bi]) snprintf(label, sizeof label, "verify B=%d", buds[bi]);
+            else snprintf(label, sizeof label, "decode");
+            const char *unit = buds[bi] ? "rounds" : "tokens";
+            char arc[32] = "-", arsc[32] = "-", pc[48] = "-";
+            if (have_ar) {
+                snprintf(arc, sizeof arc, "%.2f", ar);
+                snprintf(arsc, sizeof arsc, "%.3f", ars);
+                snprintf(pc, sizeof pc, "**%.1f %s/s**", 1e3 / (ms + ars), unit);
+            }
+            md("| %s | %d | %d | %.3f | %d | %d/%d | %s | %s | %s | %.1f %s/s |\n", label, st->ctx, st->T, ms, n,
+               replayed, n, arc, arsc, pc, 1e3 / (ms + est), unit);
+            free(st->vis);
+            free(st);
+        }
+    memory_table(m, 1, cap);
+    if (mr.device_total) {
+        CK(kd_model_memory(m, &mr));
+        md("\nThe plan said %.3f GB for this rank (+ a %.2f GB margin); the driver reports %.3f GB in use.\n",
+           (double)plan.total / 1e9, (double)plan.margin / 1e9, (double)(mr.device_total - mr.device_free) / 1e9);
+    }
+    kd_seq_free(s);
+    free_model(m);
+}
 
-    md("## Decode step, K2.6-dims slice (%s, %s)\n\n", date, dev);
-    if (sms) md("%s: %d SMs, %.0f GiB, L2 %.0f MB, driver %d.%d, runtime %d.%d; backend %s.\n\n", dev, sms, mem, l2,
-                drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10, g_real->name);
-    else md("Backend %s; %s.\n\n", g_real->name, g_events ? "CUDA events" : "host clock between syncs");
-    md("| ceiling (measured in this run) | value |\n|---|---|\n");
-    if (g_events)
-        md("| cudaMemcpy device to device, 1 GiB, bytes read + written | **%.0f GB/s** |\n"
-           "| read-only kernel, 1 GiB of 16-byte streaming loads | %.0f GB/s |\n", g_copy_gbs, g_read_gbs);
-    else if (o.cuda)
-        md("| (no CUDA events in this build: host memcpy as the ceiling) | %.1f GB/s |\n", g_copy_gbs);
-    else
-        md("| host memcpy, bytes read + written | **%.1f GB/s** |\n| host read loop | %.1f GB/s |\n", g_copy_gbs,
-           g_read_gbs);
-
+/* the slice bench: the slice's tables, the decode and verify rows, the profile, memory, MLA rows */
+static void slice_run(const opts *o, const dims *d) {
     /* the model (built first: its config gives the MLA dims) */
     printf("building the slice (%s) on %s ...\n", d->name, g_real->name);
     fflush(stdout);
@@ -1159,27 +1274,16 @@ int main(int argc, char **argv) {
 
     int ctx_k26[] = {1024, 8192, 32768}, ctx_tiny[] = {64, 300};
     int bud_k26[] = {16, 64, 256}, bud_tiny[] = {4, 16, 64};
-    const int *ctxs = o.tiny ? ctx_tiny : ctx_k26, *buds = o.tiny ? bud_tiny : bud_k26;
-    int nctx = o.tiny ? 2 : 3, nbud = 3, maxT = 1 + buds[nbud - 1];
+    const int *ctxs = o->tiny ? ctx_tiny : ctx_k26, *buds = o->tiny ? bud_tiny : bud_k26;
+    int nctx = o->tiny ? 2 : 3, nbud = 3, maxT = 1 + buds[nbud - 1];
     /* the measured sequence runs every op from the host (step graphs off: the profile and the
      * expert count wrap the ops); a second one in step-graph mode when the library has it */
-    kd_seq *s = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, "0");
-    if (o.graphs && graphs_available()) g_seq_graph = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, "1");
-    /* random latent rows [0, max ctx) in every layer */
-    {
-        int cols = c->kv_lora_rank + c->qk_rope_dim, rows = ctxs[nctx - 1];
-        size_t n = (size_t)rows * cols, es = kd_dtype_size(g_be->act_dtype);
-        void *h = xmalloc(n * es, "cache rows");
-        if (g_be->act_dtype == KD_BF16) fill_bf16(h, n, -1.7f, 1.7f);
-        else fill_f32(h, n, -1.7f, 1.7f);
-        for (int l = 0; l < c->n_layers; l++) {
-            CK(g_real->upload(g_be, s->cache[l].data, h, n * es));
-            if (g_seq_graph) CK(g_real->upload(g_be, g_seq_graph->cache[l].data, h, n * es));
-        }
-        free(h);
-    }
+    kd_seq *s = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, KD_GRAPHS_OFF);
+    if (o->graphs && graphs_available()) g_seq_graph = new_seq_mode(m, ctxs[nctx - 1] + maxT + 16, KD_GRAPHS_CAPTURE);
+    fill_cache(s, ctxs[nctx - 1]);
+    if (g_seq_graph) fill_cache(g_seq_graph, ctxs[nctx - 1]);
 
-    checks(s, &o, o.tiny ? 40 : 1024);
+    checks(s, o, o->tiny ? 40 : 1024);
 
     printf("timing steps ...\n");
     fflush(stdout);
@@ -1187,8 +1291,8 @@ int main(int argc, char **argv) {
     row *rows = xcalloc((size_t)nrows, sizeof *rows, "rows");
     int k = 0;
     for (int ci = 0; ci < nctx; ci++) {
-        bench_row(s, &o, &rows[k++], ctxs[ci], 0);
-        for (int bi = 0; bi < nbud; bi++) bench_row(s, &o, &rows[k++], ctxs[ci], buds[bi]);
+        bench_row(s, o, &rows[k++], ctxs[ci], 0);
+        for (int bi = 0; bi < nbud; bi++) bench_row(s, o, &rows[k++], ctxs[ci], buds[bi]);
     }
     md("\n### Decode and verify steps against the weight-bytes roofline\n\n");
     md("One step = one `kd_forward` (T = 1 decode, or T = 1 + B tree verify with its ancestor mask) at `ctx` "
@@ -1197,7 +1301,7 @@ int main(int argc, char **argv) {
        "KV of ctx + T rows in every layer; roofline = bytes / copy ceiling (%.0f GB/s).\n\n",
        g_events ? "CUDA events on the backend's stream around it" : "host clock between syncs", g_copy_gbs);
     if (g_seq_graph)
-        md("\"graph\" columns: the same steps on a second sequence opened with KDTREE_CUDA_GRAPHS=1 (step graphs: "
+        md("\"graph\" columns: the same steps on a second sequence opened with graphs on (step graphs: "
            "first run eager, second captured, then replayed); replays = timed steps that called no backend op "
            "(launched from a captured graph).\n\n");
     md("| step | ctx | T | experts read (per MoE layer) | weights read | KV read | roofline ms | step ms (median) | "
@@ -1208,7 +1312,7 @@ int main(int argc, char **argv) {
         char ex[128] = "";
         size_t at = 0;
         for (int l = 0; l < c->n_layers && l < 64; l++)
-            if (m->layers[l].is_moe)
+            if (m->ranks[0].layers[l].is_moe)
                 at += (size_t)snprintf(ex + at, sizeof ex - at, "%s%d", at ? "/" : "", r->distinct[l]);
         char name[32];
         if (r->B) snprintf(name, sizeof name, "verify B=%d", r->B);
@@ -1241,10 +1345,110 @@ int main(int argc, char **argv) {
     kd_seq_free(s);
     if (g_seq_graph) kd_seq_free(g_seq_graph);
 
-    if (o.mla) mla_rows(&o, c);
+    if (o->mla) mla_rows(o, c);
+    free_model(m);
+}
 
-    md("\nRun: `%s%s%s`. Checks failed: %d.\n", argv[0], o.tiny ? " --tiny" : "", o.cuda ? "" : " --backend cpu",
-       g_fail);
+/* ------------------------------------------------------------------ main */
+static void usage(void) {
+    printf("usage: model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]\n"
+           "                         [--row-seconds S] [--no-mla] [--no-graphs] [--tolerance X]\n"
+           "       model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N]\n"
+           "  --backend    cuda (default when the library has it) or cpu\n"
+           "  --tiny       the shipped tiny model's dims instead of Kimi K2.6's (quick logic check)\n"
+           "  --md FILE    also write the markdown tables to FILE\n"
+           "  --quick      fewer timed steps (3..10 per row)\n"
+           "  --steps N    exactly N timed steps per row\n"
+           "  --row-seconds S  time budget per row that picks N (default 1)\n"
+           "  --no-mla     skip the MLA attention rows\n"
+           "  --no-graphs  skip the step-graph column (a sequence with graphs on)\n"
+           "  --tolerance X    accept a tree row within X (max |diff| / max |logit|) of its causal path\n"
+           "                   (default 0: bit-identical, the engine's batch invariance)\n"
+           "  --k26-rank N     the TP-N projection: all 61 layers of Kimi K2.6 at rank 0 of TP-N dims, decode and\n"
+           "                   verify B = 16, 64 at ctx 1K, 8K (step graphs), NCCL all-reduce on one rank, and the\n"
+           "                   projected N-GPU rate (about 78 GB of device memory at N = 8; CUDA, or --tiny)\n"
+           "  --layers L       layers of the projection's model (default 61; the rate is for 61)\n");
+}
+
+int main(int argc, char **argv) {
+    opts o = {.cuda = true, .mla = true, .graphs = true, .row_s = 1.0};
+    bool backend_given = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--backend") && v) { o.cuda = !strcmp(v, "cuda"); backend_given = true; i++;
+            if (strcmp(v, "cuda") && strcmp(v, "cpu")) { usage(); return 2; } }
+        else if (!strcmp(a, "--tiny")) o.tiny = true;
+        else if (!strcmp(a, "--quick")) o.quick = true;
+        else if (!strcmp(a, "--no-mla")) o.mla = false;
+        else if (!strcmp(a, "--no-graphs")) o.graphs = false;
+        else if (!strcmp(a, "--md") && v) { o.md = v; i++; }
+        else if (!strcmp(a, "--steps") && v) { o.steps = atoi(v); i++; }
+        else if (!strcmp(a, "--row-seconds") && v) { o.row_s = atof(v); i++; }
+        else if (!strcmp(a, "--tolerance") && v) { o.tol = atof(v); i++; }
+        else if (!strcmp(a, "--k26-rank") && v) { o.k26_rank = atoi(v); i++; }
+        else if (!strcmp(a, "--layers") && v) { o.layers = atoi(v); i++; }
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); return 0; }
+        else { fprintf(stderr, "model_slice_bench: unknown or incomplete argument '%s'\n", a); usage(); return 2; }
+    }
+    /* the CUDA backend, when the engine's objects have it (KD_WITH_CUDA: `make -s engine-flags`) */
+#ifdef KD_WITH_CUDA
+    (void)backend_given;   /* only a build without CUDA refuses --backend cuda */
+#else
+    if (o.cuda && backend_given) { fprintf(stderr, "FATAL: this libkdtree has no CUDA backend\n"); return 2; }
+    o.cuda = false;
+#endif
+    if (o.k26_rank && !o.tiny && !o.cuda) {
+        fprintf(stderr, "model_slice_bench: --k26-rank builds tens of GB of weights: it needs the CUDA backend "
+                "(or --tiny)\n");
+        return 2;
+    }
+#ifdef KD_WITH_CUDA
+    if (o.cuda) CK(kd_backend_cuda_create(0, NULL, &g_be));
+#endif
+    if (!o.cuda) CK(kd_backend_cpu_create(&g_be));
+    const dims *d = o.tiny ? &TINY : &K26;
+
+    char date[32];
+    time_t now = time(NULL);
+    strftime(date, sizeof date, "%Y-%m-%d", gmtime(&now));
+    char dev[256] = "CPU (host)";
+    int sms = 0, drv = 0, rt = 0;
+    double mem = 0, l2 = 0;
+#ifdef KD_SLICE_EVENTS
+    if (o.cuda) {
+        CK(kd_slice_ev_init(g_be, MAXMARK));
+        g_events = true;
+        CK(kd_slice_device(g_be, dev, sizeof dev, &sms, &mem, &l2, &drv, &rt));
+        CK(kd_slice_ceilings(g_be, o.tiny ? ((size_t)256 << 20) : ((size_t)1 << 30), &g_copy_gbs, &g_read_gbs));
+    }
+#endif
+    if (o.cuda && !g_events) snprintf(dev, sizeof dev, "CUDA device 0 (no events: host clock)");
+    if (!g_events) cpu_ceilings(o.tiny ? ((size_t)64 << 20) : ((size_t)512 << 20), &g_copy_gbs, &g_read_gbs);
+    wrap_backend();
+
+    md("## %s (%s, %s)\n\n", o.k26_rank ? "TP projection, Kimi K2.6 rank dims on one GPU" : "Decode step, K2.6-dims slice",
+       date, dev);
+    if (sms) md("%s: %d SMs, %.0f GiB, L2 %.0f MB, driver %d.%d, runtime %d.%d; backend %s.\n\n", dev, sms, mem, l2,
+                drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10, g_real->name);
+    else md("Backend %s; %s.\n\n", g_real->name, g_events ? "CUDA events" : "host clock between syncs");
+    md("| ceiling (measured in this run) | value |\n|---|---|\n");
+    if (g_events)
+        md("| cudaMemcpy device to device, 1 GiB, bytes read + written | **%.0f GB/s** |\n"
+           "| read-only kernel, 1 GiB of 16-byte streaming loads | %.0f GB/s |\n", g_copy_gbs, g_read_gbs);
+    else if (o.cuda)
+        md("| (no CUDA events in this build: host memcpy as the ceiling) | %.1f GB/s |\n", g_copy_gbs);
+    else
+        md("| host memcpy, bytes read + written | **%.1f GB/s** |\n| host read loop | %.1f GB/s |\n", g_copy_gbs,
+           g_read_gbs);
+
+    if (o.k26_rank) projection(&o);
+    else slice_run(&o, d);
+
+    char run_args[64] = "";
+    if (o.k26_rank) snprintf(run_args, sizeof run_args, " --k26-rank %d --layers %d", o.k26_rank, o.layers ? o.layers : K26_LAYERS);
+    md("\nRun: `%s%s%s%s`. Checks failed: %d.\n", argv[0], o.tiny ? " --tiny" : "", o.cuda ? "" : " --backend cpu",
+       run_args, g_fail);
     if (o.md) {
         FILE *f = fopen(o.md, "w");
         if (!f || fwrite(g_md, 1, g_md_len, f) != g_md_len || fclose(f) != 0) {
@@ -1253,7 +1457,6 @@ int main(int argc, char **argv) {
         }
         printf("(markdown written to %s)\n", o.md);
     }
-    free_model(m);
 #ifdef KD_SLICE_EVENTS
     if (g_events) kd_slice_ev_fini();
 #endif

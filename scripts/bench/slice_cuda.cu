@@ -4,6 +4,7 @@
  * kd_status with the call, file and line. */
 #include "../../cuda/cuda_internal.cuh"
 #include "slice_cuda.h"
+#include <nccl.h>
 #include <algorithm>
 #include <stdio.h>
 #include <string.h>
@@ -138,4 +139,67 @@ extern "C" kd_status kd_slice_device(kd_backend *be, char *name, size_t cap, int
     if (driver) SCK(cudaDriverGetVersion(driver));
     if (runtime) SCK(cudaRuntimeGetVersion(runtime));
     return KD_OK;
+}
+
+extern "C" kd_status kd_slice_allreduce_us(kd_backend *be, int rows, int cols, int reps, double *us) {
+    if (!be || be->kind != KD_BACKEND_CUDA || rows <= 0 || cols <= 0 || reps <= 0 || !us)
+        return kd_fail(KD_ERR_ARG, "kd_slice_allreduce_us: expected a CUDA backend, a positive shape and reps");
+    kd_cuda *c = kd_cuda_of(be);
+    SCK(cudaSetDevice(be->device));
+    size_t n = (size_t)rows * cols;
+    ncclUniqueId id;
+    ncclComm_t comm = NULL;
+    void *src = NULL, *dst = NULL;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    std::vector<double> t;
+    kd_status st = KD_OK;
+    ncclResult_t r = ncclGetUniqueId(&id);
+    if (r == ncclSuccess) r = ncclCommInitRank(&comm, 1, id, 0);
+    if (r != ncclSuccess) {
+        st = kd_fail(KD_ERR_BACKEND, "nccl: ncclGetUniqueId / ncclCommInitRank (1 rank, device %d): %s", be->device,
+                     ncclGetErrorString(r));
+        goto done;
+    }
+    {
+        cudaError_t e = cudaMalloc(&src, n * 2);
+        if (e == cudaSuccess) e = cudaMalloc(&dst, n * 2);
+        if (e == cudaSuccess) e = cudaMemsetAsync(src, 0, n * 2, c->stream);
+        if (e == cudaSuccess) e = cudaEventCreate(&e0);
+        if (e == cudaSuccess) e = cudaEventCreate(&e1);
+        if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+        if (e != cudaSuccess) { st = slice_fail(e, "cudaMalloc / cudaEventCreate (all-reduce buffers)", __LINE__); goto done; }
+        e = cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal);
+        if (e != cudaSuccess) { st = slice_fail(e, "cudaStreamBeginCapture", __LINE__); goto done; }
+        for (int i = 0; i < reps && r == ncclSuccess; i++)
+            r = ncclAllReduce(src, dst, n, ncclBfloat16, ncclSum, comm, c->stream);
+        e = cudaStreamEndCapture(c->stream, &graph);
+        if (r != ncclSuccess) {
+            st = kd_fail(KD_ERR_BACKEND, "nccl: ncclAllReduce under graph capture: %s", ncclGetErrorString(r));
+            goto done;
+        }
+        if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
+        if (e != cudaSuccess) { st = slice_fail(e, "cudaStreamEndCapture / cudaGraphInstantiate", __LINE__); goto done; }
+        for (int i = 0; i < 13; i++) {   /* 3 warm-up + 10 timed launches */
+            float ms = 0;
+            e = cudaEventRecord(e0, c->stream);
+            if (e == cudaSuccess) e = cudaGraphLaunch(exec, c->stream);
+            if (e == cudaSuccess) e = cudaEventRecord(e1, c->stream);
+            if (e == cudaSuccess) e = cudaEventSynchronize(e1);
+            if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, e0, e1);
+            if (e != cudaSuccess) { st = slice_fail(e, "cudaGraphLaunch (all-reduce graph)", __LINE__); goto done; }
+            if (i >= 3) t.push_back((double)ms * 1e3 / reps);
+        }
+        *us = median(t);
+    }
+done:
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    if (src) cudaFree(src);
+    if (dst) cudaFree(dst);
+    if (comm) ncclCommDestroy(comm);
+    return st;
 }

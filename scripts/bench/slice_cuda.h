@@ -20,6 +20,11 @@ kd_status kd_slice_ceilings(kd_backend *be, size_t bytes, double *copy_gbs, doub
 /* the device: name, SMs, memory (GiB), L2 (MB), driver and runtime versions */
 kd_status kd_slice_device(kd_backend *be, char *name, size_t cap, int *sms, double *mem_gib, double *l2_mb,
                           int *driver, int *runtime);
+/* the latency of one all-reduce (sum) of a [rows, cols] bf16 tensor through NCCL on one rank
+ * (ncclCommInitRank with nranks 1 on be's device), `reps` of them captured in one CUDA graph on
+ * be's stream: the median over 10 graph launches (after 3 warm-up) / reps, in microseconds.
+ * Out of place, so every call moves the bytes (in place, one rank has nothing to do). */
+kd_status kd_slice_allreduce_us(kd_backend *be, int rows, int cols, int reps, double *us);
 #ifdef __cplusplus
 }
 #endif

@@ -32,7 +32,7 @@ local function adaptive_ddtree(m, d, prompt, n, opts)
     if acc.tau > L / 2 then budget = math.min(hi, budget * 2)
     elseif acc.tau <= 2 then budget = math.max(lo, math.floor(budget / 2)) end
   end
-  while #out > n do out[#out] = nil end
+  while #out > n do out[#out] = nil end   -- the last round may overshoot n
   s:close()
   return out, budgets
 end

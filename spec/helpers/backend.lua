@@ -8,7 +8,7 @@ local ffi, C = K.ffi, K.C
 local M = { ffi = ffi, C = C }
 
 local function cdef_backend()
-  local path = K.header:gsub("kdtree%.h$", "backend.h")
+  local path = K.header:gsub("kdtree%.h$", "backend.h")   -- a source tree's core/
   local text = assert(io.open(path)):read("*a")
   text = text:match("^(.-)/%* helpers shared by both backends") or text
   local lines = {}
@@ -18,13 +18,13 @@ local function cdef_backend()
   ffi.cdef(table.concat(lines, "\n"))
 end
 if not pcall(ffi.typeof, "kd_backend_ops") then cdef_backend() end
+require("helpers.testlib")   -- the backend's creation is exported by the test library only
 
 -- a backend by kind ("cpu" or "cuda"), freed by gc
 function M.create(kind)
   local out = ffi.new("kd_backend*[1]")
-  local st
-  if kind == "cuda" then st = C.kd_backend_cuda_create(0, out) else st = C.kd_backend_cpu_create(out) end
-  K.check(st, "backend create (" .. tostring(kind) .. ")")
+  local k = kind == "cuda" and C.KD_BACKEND_CUDA or C.KD_BACKEND_CPU
+  K.check(C.kd_test_raw_backend_new(k, 0, nil, out), "backend create (" .. tostring(kind) .. ")")
   return ffi.gc(out[0], function(be) be.ops.destroy(be) end)
 end
 

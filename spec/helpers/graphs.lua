@@ -1,7 +1,7 @@
 -- spec/helpers/graphs.lua: what the step-graph specs (graphs_spec, draft_graphs_spec) share:
--- runs under a graph mode (KDTREE_CUDA_GRAPHS and friends), recordings of a run's tokens and
+-- runs under a graph mode (the sequences' graphs options), recordings of a run's tokens and
 -- float buffers compared bit for bit, seeded prompts, the greedy DDTree round loop, and the
--- host emulation of the graph ops (core/testing_graphs.h).
+-- host emulation of the graph ops (spec/c/testing_graphs.h).
 local kd = require("kdtree")
 local K = require("kdtree.ffi")
 local ffi = K.ffi
@@ -9,26 +9,22 @@ local assert = require("luassert")   -- busted's assert (a module does not see t
 
 local M = {}
 
-pcall(ffi.cdef, [[
-int setenv(const char *name, const char *value, int overwrite);
-int unsetenv(const char *name);
-]])
-K.cdef_sibling("testing_graphs.h")
+require("helpers.testlib").cdef("testing_graphs.h")
 M.C = K.C
 
--- run fn with the environment variables of vars set (KDTREE_CUDA_GRAPHS, ...), then unset
-function M.with_env(vars, fn)
-  for k, v in pairs(vars) do ffi.C.setenv(k, v, 1) end
+-- run fn with the sequence options o ({graphs = ..., draft_graphs = ...}) as m's defaults for
+-- the sequences it makes (m.seq_options, the Lua layer's), then put the old ones back
+function M.with_seq_options(m, o, fn)
+  local saved = m.seq_options
+  m.seq_options = o
   local ok, res = pcall(fn)
-  for k in pairs(vars) do ffi.C.unsetenv(k) end
+  m.seq_options = saved
   if not ok then error(res, 0) end
   return res
 end
--- fn with KDTREE_CUDA_GRAPHS = mode for the sequences and drafter attachments it makes; on the
--- GPU a failed capture says why on stderr when verbose (KDTREE_CUDA_GRAPHS_VERBOSE)
-function M.with_mode(mode, fn, verbose)
-  return M.with_env({ KDTREE_CUDA_GRAPHS = mode, KDTREE_CUDA_GRAPHS_VERBOSE = verbose and "1" or "0" }, fn)
-end
+-- fn with graphs = mode ("off", "on", "eager") for the sequences (and so the drafter
+-- attachments) it makes on m
+function M.with_mode(m, mode, fn) return M.with_seq_options(m, { graphs = mode }, fn) end
 
 -- a recording: tokens, and float buffers (copies) in order with their sizes and what they hold
 function M.recorder() return { tokens = {}, bufs = {}, sizes = {}, what = {} } end

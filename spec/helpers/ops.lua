@@ -1,4 +1,4 @@
--- spec/helpers/ops.lua: the op test surface (core/kdtree_testing.h) through the LuaJIT FFI,
+-- spec/helpers/ops.lua: the op test surface (spec/c/kdtree_testing.h) through the LuaJIT FFI,
 -- for specs that run one backend op on the CPU and on CUDA and compare.
 -- The declarations come from kdtree_testing.h itself (FFI-clean, read after kdtree.h).
 local K = require("kdtree.ffi")
@@ -8,7 +8,7 @@ local assert = require("luassert")   -- busted's assert (a module does not see t
 
 local M = { ffi = ffi, C = C }
 
-K.cdef_sibling("kdtree_testing.h")
+require("helpers.testlib")
 
 function M.check(st, what)
   if st ~= 0 then
@@ -16,11 +16,12 @@ function M.check(st, what)
   end
 end
 
--- a test backend by kind ("cpu" or "cuda"), freed by gc
-function M.backend(kind)
+-- a test backend by kind ("cpu" or "cuda"), freed by gc; opts: a kd_model_options (the CUDA MLA
+-- kernel's choice) or nil for the defaults
+function M.backend(kind, opts)
   local out = ffi.new("kd_test_backend*[1]")
   local k = kind == "cuda" and C.KD_BACKEND_CUDA or C.KD_BACKEND_CPU
-  M.check(C.kd_test_backend_new(k, 0, out), "kd_test_backend_new(" .. kind .. ")")
+  M.check(C.kd_test_backend_new(k, 0, opts, out), "kd_test_backend_new(" .. kind .. ")")
   return ffi.gc(out[0], C.kd_test_backend_free)
 end
 

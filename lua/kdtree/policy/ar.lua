@@ -6,8 +6,8 @@ local G = require("kdtree.generate")
 
 local P = {}
 
--- opts: n, sampler = {temperature=, top_k=, top_p=, seed=}, eos (true | false | {ids}),
---       on_round(round, out) callback
+-- opts: n, sampler = {temperature=, top_k=, top_p=, min_p=, seed=}, eos (true | false | {ids}),
+--       tokenizer and stop (stop strings), logprobs, on_round(round, out) callback
 function P.generate(m, prompt, opts)
   local o = G.options(m, prompt, opts)
   local t_start = kd.now_ns()
@@ -16,10 +16,10 @@ function P.generate(m, prompt, opts)
 
   local tm = G.timer()
   s:forward(prompt)
-  local tok = G.last_token(s, o.sampler)
+  local tok, lps = G.first_token(s, o)
   tm("prefill")
   local prefill_ns = tm.ns.prefill
-  local done = G.push(out, { tok }, o)
+  local done = G.push(out, { tok }, o, lps)
 
   while not done do
     tm = G.timer()
@@ -27,13 +27,13 @@ function P.generate(m, prompt, opts)
     tm("forward")
     tok = G.last_token(s, o.sampler)
     tm("sample")
-    done = G.push(out, { tok }, o)
-    local r = { tau = 1, size = 0, tokens = { tok }, ns = tm.ns }
+    local r = { tau = 1, size = 0, tokens = { tok }, ns = tm.ns,
+                logprobs = o.logprobs and { G.logprob(s, 1, tok, o.logprobs) } }
     rounds[#rounds + 1] = r
-    if o.on_round then o.on_round(r, out) end
+    done = G.end_round(r, out, o, G.push(out, r.tokens, o, r.logprobs))
   end
   s:close()
-  return G.result(out, rounds, prefill_ns, t_start)
+  return G.result(out, rounds, prefill_ns, t_start, o)
 end
 
 return P

@@ -1,4 +1,5 @@
-/* kdtree_testing.h: the op test surface (not part of the engine's API).
+/* kdtree_testing.h: the op test surface (not part of the engine's API: built only into
+ * build/libkdtree_test.so, which the specs load).
  *
  * Runs one backend op on host fp32 inputs and returns host fp32 outputs, on the CPU or
  * the CUDA backend alike, so a spec can run the same op on both and compare. Inputs are
@@ -16,6 +17,7 @@ extern "C" {
 #endif
 
 typedef struct kd_test_backend kd_test_backend;
+struct kd_backend;   /* core/backend.h */
 
 /* A weight in host memory, as a checkpoint stores it.
  * format 0: bf16 [rows, cols] (data: uint16 bits); 1: f32 [rows, cols] (data: float);
@@ -29,8 +31,13 @@ typedef struct kd_test_weight {
     const void *scale;
 } kd_test_weight;
 
-/* kind: KD_BACKEND_CPU or KD_BACKEND_CUDA (device index for CUDA) */
-kd_status kd_test_backend_new(kd_backend_kind kind, int device, kd_test_backend **out);
+/* kind: KD_BACKEND_CPU or KD_BACKEND_CUDA (device index for CUDA); opt: the model options the
+ * backend takes at creation (the CUDA MLA kernel's choice), NULL = the defaults */
+kd_status kd_test_backend_new(kd_backend_kind kind, int device, const kd_model_options *opt, kd_test_backend **out);
+/* a bare backend (core/backend.h) for specs that call its ops directly; free it with its
+ * ops->destroy (spec/helpers/backend.lua) */
+kd_status kd_test_raw_backend_new(kd_backend_kind kind, int device, const kd_model_options *opt,
+                                  struct kd_backend **out);
 void kd_test_backend_free(kd_test_backend *tb);
 /* the activation dtype's element size: 4 (f32, CPU) or 2 (bf16, CUDA) */
 int kd_test_backend_act_bytes(const kd_test_backend *tb);
@@ -79,8 +86,25 @@ kd_status kd_test_moe(kd_test_backend *tb, const float *x, int T, int H, int n, 
 kd_status kd_test_log_softmax(kd_test_backend *tb, const float *x, int rows, int cols, float *out);
 kd_status kd_test_argmax(kd_test_backend *tb, const float *x, int rows, int cols, int32_t *out);
 kd_status kd_test_topk(kd_test_backend *tb, const float *x, int rows, int cols, int k, float *vals, int32_t *ids);
+/* one keyed draw from a host row split into n_shards equal shards (tensor parallel's vocabulary
+ * shards; vocab % n_shards == 0, n_shards <= 8), merged as core/sample.c merges them; the
+ * sampler not greedy. The same token as kd_sample_logits over the whole row, or its error. */
+kd_status kd_test_sample_shards(const float *row, int vocab, int n_shards, const kd_sampler *sp, int32_t position,
+                                int32_t *dst);
 
-/* Fault injection (core/testing_faults.c): from now on the backend op `op` of the model's
+/* The CPU communicator (core/comm_cpu.c) driven by n_ranks threads: rank r all-reduces its view
+ * [rows, cols] (row stride ld) of bufs + r * rows * ld in place, then all-gathers its first row
+ * into gathered + r * n_ranks * cols. fail_rank >= 0: that rank aborts instead of joining (as a
+ * failing rank does), and the others' statuses say what they saw; after a reset, every rank then
+ * all-reduces once more (status[n_ranks] is that round's first failure, or 0). status: n_ranks + 1. */
+kd_status kd_test_comm_cpu(int n_ranks, int rows, int cols, int ld, float *bufs, float *gathered, int fail_rank,
+                           int32_t *status);
+
+/* the RoPE inverse frequencies (dim/2 floats) that DIR/config.json gives `dim` rotary dims
+ * (model.h kd_rope_inv_freq after kd_config_load) */
+kd_status kd_test_rope_inv_freq(const char *dir, int dim, float *inv_freq);
+
+/* Fault injection (spec/c/testing_faults.c): from now on the backend op `op` of the model's
  * backend ("upload", "copy" or "gather_rows") fails with KD_ERR_BACKEND once `after` more calls
  * of it have succeeded; after < 0 ends the injection (one at a time; a new call moves it;
  * closing the model ends it too). */

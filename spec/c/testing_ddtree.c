@@ -2,6 +2,7 @@
  * Every call allocates its backend buffers, uploads, runs the op(s), downloads and frees,
  * so a failing call leaks nothing and leaves the handle usable. */
 #include "kdtree_testing_ddtree.h"
+#include "kdtree_testing.h"
 #include "backend.h"
 #include "tree.h"
 #include "error.h"
@@ -17,16 +18,7 @@ kd_status kd_test_dd_new(kd_backend_kind kind, int device, kd_test_dd **out) {
     *out = NULL;
     kd_test_dd *h = calloc(1, sizeof *h);
     if (!h) return kd_fail(KD_ERR_NOMEM, "kd_test_dd_new: out of memory");
-    kd_status st;
-    if (kind == KD_BACKEND_CUDA) {
-#ifdef KD_WITH_CUDA
-        st = kd_backend_cuda_create(device, &h->be);
-#else
-        st = kd_fail(KD_ERR_UNSUPPORTED, "kd_test_dd_new: this build has no CUDA backend");
-#endif
-    } else {
-        st = kd_backend_cpu_create(&h->be);
-    }
+    kd_status st = kd_test_raw_backend_new(kind, device, NULL, &h->be);
     if (st != KD_OK) {
         free(h);
         return st;
@@ -130,5 +122,3 @@ kd_status kd_test_dd_walk(kd_test_dd *h, const int32_t *tokens, const int32_t *p
     if (buf) be->ops->free(be, buf);
     return st;
 }
-
-void kd_test_dd_force_round(int mode) { kd_ddtree_force(mode); }

@@ -39,10 +39,6 @@ kd_status kd_test_dd_walk(kd_test_dd *h, const int32_t *tokens, const int32_t *p
                           const int32_t *targets, const int32_t *codes, int sampled, int32_t *hdr, int32_t *nodes,
                           int32_t *toks);
 
-/* where the DDTree round of the public API runs (tree.h kd_ddtree_on_device): 1 on the
- * backend's ops, 0 on the host, -1 the default (env KDTREE_DDTREE_DEVICE, else by backend) */
-void kd_test_dd_force_round(int mode);
-
 #ifdef __cplusplus
 }
 #endif

@@ -6,6 +6,10 @@
 #include "backend.h"
 #include "error.h"
 #include "cpu/cpu.h"
+#include "model.h"
+#include "sample.h"
+#include "comm.h"
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -106,21 +110,25 @@ static kd_status up_weight(arena *a, const kd_test_weight *tw, const char *name,
 
 #define RUN(expr) do { st = (expr); if (st != KD_OK) goto done; } while (0)
 
-kd_status kd_test_backend_new(kd_backend_kind kind, int device, kd_test_backend **out) {
+kd_status kd_test_raw_backend_new(kd_backend_kind kind, int device, const kd_model_options *opt,
+                                  struct kd_backend **out) {
+    if (!out) return kd_fail(KD_ERR_ARG, "kd_test_raw_backend_new: out is NULL");
+    *out = NULL;
+    if (opt) KD_TRY(kd_model_options_check(opt));
+    if (kind == KD_BACKEND_CPU) return kd_backend_cpu_create(out);
+    if (kind != KD_BACKEND_CUDA) return kd_fail(KD_ERR_ARG, "kd_test_raw_backend_new: unknown backend kind %d", (int)kind);
+#ifdef KD_WITH_CUDA
+    return kd_backend_cuda_create(device, opt, out);
+#else
+    return kd_fail(KD_ERR_UNSUPPORTED, "kd_test_raw_backend_new: this build has no CUDA backend");
+#endif
+}
+
+kd_status kd_test_backend_new(kd_backend_kind kind, int device, const kd_model_options *opt, kd_test_backend **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_test_backend_new: out is NULL");
     *out = NULL;
     kd_backend *be = NULL;
-    if (kind == KD_BACKEND_CPU) {
-        KD_TRY(kd_backend_cpu_create(&be));
-    } else if (kind == KD_BACKEND_CUDA) {
-#ifdef KD_WITH_CUDA
-        KD_TRY(kd_backend_cuda_create(device, &be));
-#else
-        return kd_fail(KD_ERR_UNSUPPORTED, "kd_test_backend_new: this build has no CUDA backend");
-#endif
-    } else {
-        return kd_fail(KD_ERR_ARG, "kd_test_backend_new: unknown backend kind %d", (int)kind);
-    }
+    KD_TRY(kd_test_raw_backend_new(kind, device, opt, &be));
     kd_test_backend *tb = calloc(1, sizeof *tb);
     if (!tb) {
         be->ops->destroy(be);
@@ -429,6 +437,87 @@ done:
     return st;
 }
 
+kd_status kd_test_sample_shards(const float *row, int vocab, int n_shards, const kd_sampler *sp, int32_t position,
+                                int32_t *dst) {
+    if (!row || !dst || !sp || vocab <= 0 || n_shards < 1 || n_shards > KD_TP_MAX || vocab % n_shards)
+        return kd_fail(KD_ERR_ARG, "kd_test_sample_shards: a row of %d in %d shards: expected 1..%d shards dividing it",
+                       vocab, n_shards, KD_TP_MAX);
+    if (kd_sampler_is_greedy(sp)) return kd_fail(KD_ERR_ARG, "kd_test_sample_shards: the sampler is greedy");
+    KD_TRY(kd_sampler_check(sp, "kd_test_sample_shards"));
+    kd_shard sh[KD_TP_MAX];
+    int n = vocab / n_shards;
+    for (int k = 0; k < n_shards; k++) sh[k] = (kd_shard){row + (size_t)k * n, n, k * n};
+    uint64_t *q = malloc(sizeof(uint64_t) * (size_t)vocab);
+    int32_t *a = malloc(sizeof(int32_t) * 2 * (size_t)vocab);
+    kd_status st = q && a ? KD_OK : kd_fail(KD_ERR_NOMEM, "kd_test_sample_shards: out of memory");
+    if (st == KD_OK) {
+        int32_t code = kd_sample_shards_code(sh, n_shards, sp, position, q, a, dst);
+        if (code) st = kd_sample_fail(code);
+    }
+    free(q);
+    free(a);
+    return st;
+}
+
+typedef struct comm_job {
+    kd_comm *c;
+    int rank, rows, cols, ld, fail_rank;
+    float *bufs, *gathered;
+    kd_status st, again;
+    pthread_barrier_t *reset_point;
+} comm_job;
+
+static void *comm_rank(void *arg) {
+    comm_job *j = arg;
+    kd_act x = {j->bufs + (size_t)j->rank * j->rows * j->ld, j->rows, j->cols, j->ld, KD_F32};
+    if (j->rank == j->fail_rank) {
+        j->c->ops->abort(j->c);
+        j->st = KD_ERR_BACKEND;
+    } else {
+        j->st = j->c->ops->all_reduce_sum(j->c, j->rank, NULL, x);
+        if (j->st == KD_OK)
+            j->st = j->c->ops->all_gather(j->c, j->rank, NULL, x.data, j->gathered + (size_t)j->rank * j->c->n_ranks * j->cols,
+                                          sizeof(float) * (size_t)j->cols);
+    }
+    if (j->fail_rank < 0) return NULL;
+    /* every rank is back: rank 0 resets, then all reduce again */
+    pthread_barrier_wait(j->reset_point);
+    if (j->rank == 0) j->c->ops->reset(j->c);
+    pthread_barrier_wait(j->reset_point);
+    j->again = j->c->ops->all_reduce_sum(j->c, j->rank, NULL, x);
+    return NULL;
+}
+
+kd_status kd_test_comm_cpu(int n_ranks, int rows, int cols, int ld, float *bufs, float *gathered, int fail_rank,
+                           int32_t *status) {
+    if (n_ranks < 1 || n_ranks > KD_TP_MAX || rows < 1 || cols < 1 || ld < cols || !bufs || !gathered || !status ||
+        fail_rank >= n_ranks)
+        return kd_fail(KD_ERR_ARG, "kd_test_comm_cpu: %d ranks of %d x %d (ld %d), fail_rank %d", n_ranks, rows, cols,
+                       ld, fail_rank);
+    kd_comm *c;
+    KD_TRY(kd_comm_cpu_create(n_ranks, &c));
+    comm_job jobs[KD_TP_MAX];
+    pthread_t th[KD_TP_MAX];
+    pthread_barrier_t reset_point;
+    pthread_barrier_init(&reset_point, NULL, (unsigned)n_ranks);
+    int started = 0;
+    for (int r = 0; r < n_ranks; r++) {
+        jobs[r] = (comm_job){c, r, rows, cols, ld, fail_rank, bufs, gathered, KD_OK, KD_OK, &reset_point};
+        if (pthread_create(&th[r], NULL, comm_rank, &jobs[r]) != 0) break;
+        started++;
+    }
+    for (int r = 0; r < started; r++) pthread_join(th[r], NULL);
+    pthread_barrier_destroy(&reset_point);
+    c->ops->destroy(c);
+    if (started < n_ranks) return kd_fail(KD_ERR_NOMEM, "kd_test_comm_cpu: cannot start %d threads", n_ranks);
+    status[n_ranks] = 0;
+    for (int r = 0; r < n_ranks; r++) {
+        status[r] = (int32_t)jobs[r].st;
+        if (!status[n_ranks]) status[n_ranks] = (int32_t)jobs[r].again;
+    }
+    return KD_OK;
+}
+
 kd_status kd_test_argmax(kd_test_backend *tb, const float *x, int rows, int cols, int32_t *out) {
     KD_TRY(check_tb(tb, "argmax"));
     kd_backend *be = tb->be;
@@ -461,4 +550,13 @@ kd_status kd_test_topk(kd_test_backend *tb, const float *x, int rows, int cols, 
 done:
     arena_free(&a);
     return st;
+}
+
+kd_status kd_test_rope_inv_freq(const char *dir, int dim, float *inv_freq) {
+    if (!dir || !inv_freq) return kd_fail(KD_ERR_ARG, "kd_test_rope_inv_freq: dir and inv_freq must not be NULL");
+    kd_config cfg;
+    KD_TRY(kd_config_load(dir, &cfg));
+    kd_rope_inv_freq(&cfg, dim, inv_freq);
+    kd_config_free(&cfg);
+    return KD_OK;
 }

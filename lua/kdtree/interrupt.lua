@@ -1,0 +1,37 @@
+-- interrupt.lua: Ctrl-C (SIGINT) as a flag that the CLI and the REPL poll between rounds.
+--
+-- LuaJIT cannot run Lua in a signal handler (a callback entered from a signal is unsafe), so
+-- no handler is installed: block() blocks SIGINT, which then stays pending, and take() asks
+-- the kernel whether one is pending and consumes it (sigtimedwait with a zero timeout). Threads
+-- inherit the mask of the thread that starts them, so block() comes first, before the engine
+-- starts any (the CUDA runtime does, when a model opens): no thread is left for SIGINT to
+-- kill the process through. All of it is libc through the FFI.
+local ffi = require("ffi")
+
+-- glibc's sigset_t is 1024 bits; the names are our own so they cannot clash with other cdefs
+pcall(ffi.cdef, [[
+typedef struct { uint64_t bits[16]; } kd_lua_sigset;
+typedef struct { long tv_sec; long tv_nsec; } kd_lua_timespec;
+int sigemptyset(kd_lua_sigset *set);
+int sigaddset(kd_lua_sigset *set, int signum);
+int pthread_sigmask(int how, const kd_lua_sigset *set, kd_lua_sigset *old);
+int sigtimedwait(const kd_lua_sigset *set, void *info, const kd_lua_timespec *timeout);
+]])
+
+local C = ffi.C
+local SIGINT, SIG_BLOCK = 2, 0   -- Linux's numbers on x86-64 and aarch64
+
+local set = ffi.new("kd_lua_sigset")
+C.sigemptyset(set)
+C.sigaddset(set, SIGINT)
+local zero = ffi.new("kd_lua_timespec")
+
+local I = {}
+
+-- SIGINT stays pending from now on, in this thread and the threads it starts
+function I.block() C.pthread_sigmask(SIG_BLOCK, set, nil) end
+
+-- true when a SIGINT came since the last take (it is consumed)
+function I.take() return C.sigtimedwait(set, nil, zero) == SIGINT end
+
+return I

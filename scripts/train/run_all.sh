@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# run_all.sh OUTDIR [--minutes N] [--smoke]: the whole mini-code recipe (README.md), stage by stage, into OUTDIR.
+# --minutes N: wall-time budget of the whole run (default 8); the target's training loop gets 60% of what is left
+# after the corpus and tokenizer stages less 110 s, the drafter's loop what is left after its data, less 30 s.
+# --smoke: toy sizes for a CPU test of every stage (arch.py's SMOKE_* dims, small corpus share, short loops).
+set -euo pipefail
+if [ $# -lt 1 ]; then echo "usage: run_all.sh OUTDIR [--minutes N] [--smoke]" >&2; exit 2; fi
+OUT=$1; shift
+MINUTES=8; SMOKE=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --minutes) MINUTES=$2; shift 2 ;;
+    --smoke) SMOKE=1; shift ;;
+    *) echo "run_all.sh: unknown argument '$1' (expected --minutes N or --smoke)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")"
+export PYTHONUNBUFFERED=1 PYTHONHASHSEED=0
+PY=${PYTHON:-python3}
+START=$(date +%s)
+DEADLINE=$(awk -v s="$START" -v m="$MINUTES" 'BEGIN { printf "%d", s + m * 60 }')
+mkdir -p "$OUT/logs"
+stage() {   # stage NAME command...: run one stage, its output on the console and in OUTDIR/logs/NAME.log
+  local name=$1; shift
+  echo "$(date -u +%H:%M:%S) === $name: $*"
+  "$@" 2>&1 | tee "$OUT/logs/$name.log"
+}
+$PY -c "import sys, torch, transformers, tokenizers, tiktoken, safetensors, numpy, regex; \
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(), \
+'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'tiktoken', tiktoken.__version__)" \
+  | tee "$OUT/logs/versions.log"
+stage corpus $PY corpus.py "$OUT"
+if [ $SMOKE = 1 ]; then
+  stage tokenizer $PY tokenize_corpus.py "$OUT" --vocab-rows 1024 --sample-mb 2 --max-train-mb 3
+  stage target $PY target.py "$OUT" --smoke --minutes 0.25 --seq-len 64 --batch 8 --eval-windows 16 --warmup 10
+  stage drafter $PY drafter.py "$OUT" --smoke --minutes 0.25 --greedy 48 --sampled 16 --prompt-lens 8,12 \
+    --seq-len 48 --batch 8 --anchors 4 --heldout-prompts 8 --heldout-len 16 --heldout-new 24
+else
+  stage tokenizer $PY tokenize_corpus.py "$OUT"
+  LEFT=$(( DEADLINE - $(date +%s) ))
+  TMIN=$(awk -v l="$LEFT" 'BEGIN { t = 0.6 * (l - 110) / 60; printf "%.2f", (t < 0.5 ? 0.5 : t) }')
+  stage target $PY target.py "$OUT" --minutes "$TMIN"
+  stage drafter $PY drafter.py "$OUT" --deadline "$DEADLINE"
+fi
+echo "$(date -u +%H:%M:%S) === done in $(( $(date +%s) - START )) s: $OUT/models/mini-code, $OUT/models/mini-code-dflash, $OUT/report.json"

@@ -1,0 +1,223 @@
+-- repl_spec: `kdtree repl` as a person uses it. On a terminal (a pseudo-terminal from
+-- util-linux's `script`, which every Debian has): Ctrl-C at the prompt clears the line and keeps
+-- the session and its model, Ctrl-C interrupts running Lua, Tab completes globals and methods,
+-- history survives the session, help/exit/quit work. Through a pipe (plain input): chat turns
+-- that equal the Lua API's decode, reset, helpful errors before a model, tree DOT output, the
+-- tau histogram, and --draft without --model.
+package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+local kd = require("kdtree")
+local gen = require("kdtree.generate")
+
+local MODEL, DRAFT, CLI = "models/tiny-k2.6", "models/tiny-k2.6-dflash", "scripts/kdtree"
+local LIB = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB") .. "' ") or ""
+
+local function slurp(f) local h = assert(io.open(f, "rb")); local s = h:read("*a"); h:close(); return s end
+
+-- drive the REPL on a pseudo-terminal: each step waits until its `after` text has appeared
+-- `count` times in the output (default: the count-th prompt), then types `send`.
+-- Returns (exit code, output without terminal escapes and carriage returns).
+local function on_terminal(home, args, steps, state)
+  local out = os.tmpname()
+  local sh = { "wait_for() { n=0; while [ \"$(grep -a -o -F -- \"$1\" " .. out .. " | wc -l)\" -lt \"$2\" ]; do",
+    "  n=$((n+1)); [ $n -gt 600 ] && exit 1; sleep 0.05; done; }", "(" }
+  for i, st in ipairs(steps) do
+    local octal = st.send:gsub(".", function(c) return string.format("\\%03o", c:byte()) end)
+    sh[#sh + 1] = string.format("wait_for %q %d; sleep %g; printf '%s'", st.after or "kd> ", st.count or i,
+      st.sleep or 0, octal)
+  end
+  sh[#sh + 1] = ") | env -u XDG_STATE_HOME HOME=" .. home .. (state and (" XDG_STATE_HOME=" .. state) or "")
+    .. " TERM=xterm " .. LIB .. "timeout 60 script -qfec 'luajit " .. CLI .. " repl "
+    .. (args or "") .. "' /dev/null > " .. out .. "; echo $?"
+  local f = os.tmpname()
+  local h = io.open(f, "w"); h:write(table.concat(sh, "\n"), "\n"); h:close()
+  local p = io.popen("bash " .. f)
+  local code = tonumber(p:read("*a"):match("(%d+)%s*$"))
+  p:close()
+  os.remove(f)
+  local text = slurp(out):gsub("\27%[[%?%d;]*%a", ""):gsub("\r", "")
+  os.remove(out)
+  return code, text
+end
+
+-- plain input through a pipe
+local function piped(args, lines)
+  local f = os.tmpname()
+  local h = io.open(f, "w"); h:write(table.concat(lines, "\n"), "\n"); h:close()
+  local p = io.popen(LIB .. "luajit " .. CLI .. " repl " .. (args or "") .. " < " .. f .. " 2>&1")
+  local out = p:read("*a")
+  p:close()
+  os.remove(f)
+  return out
+end
+
+local function count(s, needle)
+  local n, at = 0, 1
+  while true do
+    local i = s:find(needle, at, true)
+    if not i then return n end
+    n, at = n + 1, i + #needle
+  end
+end
+
+describe("kdtree repl on a terminal", function()
+  local home
+  setup(function()
+    home = os.tmpname()
+    os.remove(home)
+    os.execute("mkdir -p " .. home)
+  end)
+  teardown(function() os.execute("rm -rf " .. home) end)
+
+  it("keeps the session through Ctrl-C, completes names, and has help, show and exit", function()
+    local code, out = on_terminal(home, "--model " .. MODEL, {
+      { send = "x = 1 +" },
+      { after = "x = 1 +", count = 1, send = "\3" },                 -- Ctrl-C mid-line
+      { count = 2, send = "m.info.vocab\n" },                       -- the model is still there
+      { count = 3, send = "kd.open_mo\t" },
+      { after = "kd.open_model", count = 1, send = "\n" },
+      { count = 4, send = "m:new_s\t" },
+      { after = "m:new_seq", count = 1, send = "(8):capacity()\n" },
+      { count = 5, send = "i = 0 while true do i = i + 1 end\n" },
+      { after = "i + 1 end", count = 1, send = "" },
+      { count = 5, send = "\3" },                                   -- Ctrl-C while Lua runs
+      { count = 6, send = "i > 0\n" },
+      { count = 7, send = "help\n" },
+      { count = 8, send = "show{1, 2}\n" },
+      { count = 9, send = "drafter'" .. DRAFT .. "'\n" },
+      { count = 10, send = "chat('Hello!', {n = 5000})\n" },
+      { after = "n = 5000})", count = 1, sleep = 1, send = "\3" },   -- Ctrl-C during a reply
+      { count = 11, send = "#messages\n" },
+      { count = 12, send = "exit\n" },
+    })
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find("kd> x = 1 +^C\nkd> m.info.vocab\n1024\n", 1, true), out)
+    assert.truthy(out:find("kd> kd.open_model\nfunction: ", 1, true), out)
+    assert.truthy(out:find("kd> m:new_seq(8):capacity()\n8\n", 1, true), out)
+    assert.truthy(out:find("interrupted\nkd> i > 0\ntrue\n", 1, true), out)
+    assert.truthy(out:find('chat("Hello!")', 1, true), out)
+    assert.are.equal(1, count(out, "\n{1, 2}\n"), out)            -- show prints once
+    local n = tonumber(out:match("\n%((%d+) tokens, interrupted, ddtree, mean tau [%d.]+, [%d.]+ tokens/s%)\nkd> #messages\n2\n"))
+    assert.is_true(n ~= nil and n > 0 and n < 5000, out)          -- the reply ends, and stays in the chat
+    local hist = slurp(home .. "/.kdtree_history")
+    assert.truthy(hist:find("m.info.vocab\n", 1, true), hist)
+    assert.falsy(hist:find("x = 1 +", 1, true), hist)              -- the cleared line is not history
+
+    -- a second session: the up arrow brings back the last session's lines
+    code, out = on_terminal(home, "", {
+      { send = "\27[A\27[A\n" },                                    -- exit, then #messages
+      { count = 2, send = "quit\n" },
+    })
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find("#messages\n0\nkd> quit", 1, true), out)   -- a new session's chat is empty
+
+    -- with XDG_STATE_HOME set, the history lives under it
+    code, out = on_terminal(home, "", { { send = "6 * 7\n" }, { count = 2, send = "exit\n" } }, home .. "/state")
+    assert.are.equal(0, code, out)
+    assert.are.equal("6 * 7\nexit\n", slurp(home .. "/state/kdtree/history"))
+  end)
+end)
+
+describe("kdtree repl, plain input", function()
+  it("explains what is missing before a model is loaded", function()
+    local out = piped("", { "round(4)", "chat'hi'", "dot()", "hist()" })
+    assert.are.equal(2, count(out, "no model loaded: load(dir) first"), out)
+    assert.truthy(out:find("no tree: tree(budget) or round() first", 1, true), out)
+    assert.truthy(out:find("no rounds yet", 1, true), out)
+    assert.falsy(out:find("nil value", 1, true), out)
+  end)
+
+  it("chats over several turns as the Lua API decodes, and reset() starts over", function()
+    local out = piped("--draft " .. DRAFT, {   -- the model defaults as generate's does
+      "m.dir:match'tiny%-k2%.6$' ~= nil", "chat('Hello!', {n = 12})", "chat('And then?', {n = 12})", "#messages",
+      "reset()", "#messages", "s:len()" })
+    assert.truthy(out:find("kd> true\n", 1, true), out)
+    local m = kd.open_model(MODEL)
+    local tok = kd.open_tokenizer(MODEL)
+    local d = kd.open_drafter(DRAFT, m)
+    local eos = tok:chat_stops()
+    for _, id in ipairs(m.info.eos) do eos[#eos + 1] = id end
+    local msgs = {}
+    for _, text in ipairs({ "Hello!", "And then?" }) do
+      msgs[#msgs + 1] = { role = "user", content = text }
+      local ar = gen.run(m, tok:chat(msgs), { policy = "ar", n = 12, eos = eos, tokenizer = tok })
+      assert.truthy(out:find(ar.text .. "\n(" .. #ar.tokens .. " tokens, ddtree, mean tau", 1, true), out)
+      msgs[#msgs + 1] = { role = "assistant", content = require("kdtree.repl").clean_utf8(ar.text) }
+    end
+    assert.truthy(out:find("kd> 4\n", 1, true), out)
+    assert.truthy(out:find("chat history cleared\nkd> 0\nkd> 0\n", 1, true), out)
+    d:close(); tok:close(); m:close()
+  end)
+
+  it("draws the last tree as DOT with the accepted path, and a tau histogram", function()
+    local dot = os.tmpname()
+    local out = piped("--model " .. MODEL .. " --draft " .. DRAFT, {
+      "prefill{5, 77, 300}", "round(6)", "round(6)", "dot'" .. dot .. "'", "hist()" })
+    local taus = {}
+    for t in out:gmatch("tau (%d+): tokens") do taus[#taus + 1] = tonumber(t) end
+    assert.are.equal(2, #taus, out)
+    local text = slurp(dot)
+    os.remove(dot)
+    local nodes, accepted, edges = 0, {}, {}
+    for id, attrs in text:gmatch("\n  n(%d+) %[(.-)%];") do
+      nodes = nodes + 1
+      if attrs:find("filled", 1, true) then accepted[#accepted + 1] = tonumber(id) end
+    end
+    for a, b in text:gmatch("\n  n(%d+) %-> n(%d+)") do edges[tonumber(b)] = tonumber(a) end
+    assert.are.equal(7, nodes, text)                  -- root + budget 6
+    assert.are.equal(taus[2], #accepted, text)        -- the second round's path: tau nodes
+    for i = 2, #accepted do assert.are.equal(accepted[i - 1], edges[accepted[i]], text) end
+    assert.are.equal(0, accepted[1])
+    local mean = (taus[1] + taus[2]) / 2
+    assert.truthy(out:find(string.format("mean tau %.2f over 2 rounds", mean), 1, true), out)
+  end)
+end)
+
+describe("tree:dot", function()
+  it("has one node per tree node and one edge per parent link, the accepted path marked", function()
+    local m = kd.open_model(MODEL)
+    local d = kd.open_drafter(DRAFT, m)
+    local s = m:new_seq(64)
+    s:attach_drafter(d)
+    s:forward({ 5, 77, 300 })
+    s:draft(s:argmax()[3], false)
+    local t = kd.tree.build_drafted(s, 10)
+    s:verify(t)
+    local acc = s:accept(t)
+    local text = t:dot(acc.nodes)
+    assert.truthy(text:match("^digraph ddtree {\n.*}\n$"), text)
+    local labels, edges, marked = {}, {}, {}
+    for id, label, attrs in text:gmatch('\n  n(%d+) %[label="(%-?%d+)"(.-)%];') do
+      labels[tonumber(id)] = tonumber(label)
+      if attrs:find("filled", 1, true) then marked[#marked + 1] = tonumber(id) end
+    end
+    for a, b in text:gmatch("\n  n(%d+) %-> n(%d+)") do edges[tonumber(b)] = tonumber(a) end
+    assert.are.equal(t.root, labels[0])
+    for i = 1, t.n do
+      assert.are.equal(t.tokens[i], labels[i])
+      assert.are.equal(t.parents[i], edges[i])
+    end
+    table.sort(marked)
+    assert.are.same(acc.nodes, marked)
+    t:close(); s:close(); d:close(); m:close()
+  end)
+end)
+
+describe("the REPL's completion", function()
+  it("offers globals, fields and methods, trees' too", function()
+    local R = require("kdtree.repl")
+    local m = kd.open_model(MODEL)
+    local E = R.env({})
+    E.m, E.t = m, kd.tree.chain(1, { 2, 3 })
+    assert.are.same({ "kd.open_drafter", "kd.open_model", "kd.open_tokenizer" }, R.complete(E, "kd.open_"))
+    assert.are.same({ "m:get_info" }, R.complete(E, "m:get_"))
+    assert.are.same({ "t:dot", "t:dump" }, R.complete(E, "t:d"))
+    assert.are.same({ "m.info" }, R.complete(E, "m.inf"))   -- a field, not a method
+    assert.are.same({ "m.info.vocab" }, R.complete(E, "m.info.voc"))
+    local g = R.complete(E, "re")
+    for _, want in ipairs({ "repeat", "require", "reset", "return" }) do
+      assert.truthy(table.concat(g, " "):find(want, 1, true), want)
+    end
+    assert.are.same({}, R.complete(E, "nosuch.x"))
+    E.t:close(); m:close()
+  end)
+end)
