@@ -121,6 +121,23 @@ describe("NaN in the logits (lm_head row 3 holds a NaN)", function()
   end)
 end)
 
+describe("NaN in the second rank's shard of the vocabulary (tp 2)", function()
+  teardown(function() ck.cleanup() end)
+  it("greedy and sampled name the vocabulary's column, as with one rank", function()
+    local dir = poisoned(700, 0, 0x7FC0)              -- vocab 1024: rank 1 holds ids 512..1023
+    for _, tp in ipairs({ 1, 2 }) do
+      local m = kd.open_model(dir, { tp = tp })
+      local s = m:new_seq(16)
+      s:forward(PROMPT)
+      matches_all(err_of(s.argmax, s), "kd_seq_argmax: the target forward's output row 0",
+                  "argmax: logits[700] is NaN")
+      matches_all(err_of(s.sample, s, { temperature = 0.9, seed = 5 }), "logits[700] is NaN")
+      s:close()
+      m:close()
+    end
+  end)
+end)
+
 describe("+inf in the logits", function()
   it("the argmax op reports the first NaN / +inf column of a row as its code; -inf is a logit like any", function()
     local B = require("helpers.backend")
