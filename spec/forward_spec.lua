@@ -233,24 +233,17 @@ describe("target forward (" .. BACKEND .. ")", function()
   end)
 
   it("a compaction of more slots than a forward's rows moves them in chunks, to the same cache", function()
-    pcall(ffi.cdef, "int setenv(const char *, const char *, int); int unsetenv(const char *);")
     local toks = tokens(20, 5)
     local keep = { 0, 2, 3, 5, 8, 9, 12, 15, 16 }          -- 9 slots of the 17 after slot 3
     local function compacted(rows)
-      if rows then ffi.C.setenv("KDTREE_SEQ_ROWS", tostring(rows), 1) end
-      local ok, res = pcall(function()
-        local s = m:new_seq(40)
-        s:forward(toks)
-        s:compact(3, keep)
-        local c = {}
-        for l = 0, m.info.n_layers - 1 do c[l + 1] = s:read_cache(l, 0, s:len()) end
-        assert.are.equal(3 + #keep, s:len())
-        s:close()
-        return c
-      end)
-      ffi.C.unsetenv("KDTREE_SEQ_ROWS")
-      if not ok then error(res, 0) end
-      return res
+      local s = m:new_seq(40, { max_rows = rows })
+      s:forward(toks)
+      s:compact(3, keep)
+      assert.are.equal(3 + #keep, s:len())
+      local c = {}
+      for l = 0, m.info.n_layers - 1 do c[l + 1] = s:read_cache(l, 0, s:len()) end
+      s:close()
+      return c
     end
     local whole, chunked = compacted(nil), compacted(2)    -- chunks of 2 kept slots
     for l = 1, #whole do
