@@ -175,8 +175,9 @@ $(EXAMPLE): scripts/examples/ddtree.c core/kdtree.h $(BUILD)/libkdtree.so
 # bench (GPU machine, one run): the W4A16 program first (ceilings measured in the same run:
 # D2D copy, a read-only kernel, cuBLAS bf16 8192^3; fp64 checks; GEMM and MoE timings; it
 # needs only cuda/w4a16.cu, cuda/w4a16_skinny.cu, core/error.c and cuBLAS), then the backend's op timings
-# (dense linear, MLA attention, tree top-k) when the whole library builds.
-# Tables: $(BUILD)/bench/w4a16.md (copied into docs/performance.md by hand, with the date).
+# (dense linear, MLA attention, tree top-k, and the DDTree round table: $(BUILD)/bench/ddtree_round.md)
+# when the whole library builds.
+# Tables: $(BUILD)/bench/w4a16.md (copied into docs/performance-log.md by hand, with the date; the current numbers into docs/performance.md).
 BENCH_W4 := $(BUILD)/bench/w4a16_bench
 W4_OBJS := $(BUILD)/cuda/w4a16.o $(BUILD)/cuda/w4a16_skinny.o $(BUILD)/core/error.o
 $(BENCH_W4): scripts/bench/w4a16_bench.cu cuda/w4a16.cuh $(W4_OBJS)
@@ -211,7 +212,7 @@ bench-trace: $(BENCH_TRACE)
 bench: $(BENCH_W4)
 	$(BENCH_W4) --md $(BUILD)/bench/w4a16.md
 	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c $(BUILD)/libkdtree_internal.a $(LDLIBS) \
-	  -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench
+	  -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench --md $(BUILD)/bench/ddtree_round.md
 	-$(MAKE) $(BENCH_SLICE) && $(BENCH_SLICE) --md $(BUILD)/bench/model_slice.md
 	-mkdir -p $(BUILD)/bench && KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/bench/memory_report.lua --md $(BUILD)/bench/memory.md
 

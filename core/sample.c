@@ -8,7 +8,9 @@
  *     masses below are exact (128-bit integers), so they do not depend on summation order.
  *  3. The order of the row: logit descending, equal logits: lower id first.
  *     top-k (1 <= top_k < V): keep the first top_k tokens of that order.
- *  4. top-p (0 < top_p < 1): S = the kept mass, G = max(1, ceil(S * trunc(top_p * 2^32) / 2^32));
+ *     min-p (0 < min_p <= 1): a token whose mass is below Q = ceil(min_p * 2^62) gets mass 0
+ *     (the top token has 2^62, so it stays). min-p and top-k commute; min-p comes before top-p.
+ *  4. top-p (0 < top_p < 1): S = the kept mass (after top-k and min-p), G = max(1, ceil(S * trunc(top_p * 2^32) / 2^32));
  *     keep the shortest prefix of the order (within the top-k set) whose mass reaches G.
  *  5. U = the top 53 bits of the keyed word (u = U * 2^-53 = kd_rng_uniform(seed, P)),
  *     W = the kept mass, target = floor(U * W / 2^53); walk the kept tokens in ascending
@@ -49,6 +51,9 @@ kd_status kd_sampler_check(const kd_sampler *sp, const char *fn) {
         return kd_fail(KD_ERR_ARG, "%s: sampler.temperature: expected a finite number, got %g", fn, (double)sp->temperature);
     if (isnan(sp->top_p))
         return kd_fail(KD_ERR_ARG, "%s: sampler.top_p: expected a number in (0, 1) or off (<= 0 or >= 1), got NaN", fn);
+    if (isnan(sp->min_p) || sp->min_p > 1.0f)
+        return kd_fail(KD_ERR_ARG, "%s: sampler.min_p: expected a number in (0, 1] or off (<= 0), got %g", fn,
+                       (double)sp->min_p);
     return KD_OK;
 }
 
@@ -180,11 +185,13 @@ int32_t kd_sample_shards_code(const kd_shard *sh, int ns, const kd_sampler *sp, 
     }
     if (isinf(m)) return KD_SAMPLE_ERR_ALLNEG;
     double z = kd_rule_zmax(m, T);
+    const uint64_t qmin = kd_rule_min_p_floor(sp->min_p);
     kd_u128 total = kd_u128_of(0), mass[KD_TP_MAX];
     for (int k = 0; k < ns; k++) {
         mass[k] = kd_u128_of(0);
         for (int i = 0; i < sh[k].n; i++) {
             uint64_t w = kd_rule_mass(sh[k].x[i], T, z);
+            if (w < qmin) w = 0;
             q[sh[k].id0 + i] = w;
             mass[k] = kd_u128_add64(mass[k], w);
         }

@@ -18,9 +18,13 @@
  *  - the draw: U = the top 53 bits of the keyed SplitMix64 word; target = floor(U * W / 2^53)
  *    with W the kept mass; the token is the first kept id (ascending) whose inclusive prefix
  *    mass exceeds target.
+ *  - min-p: Q = ceil(min_p * 2^62) (min_p in (0, 1]); a token whose mass q is below Q gets
+ *    mass 0 (it can never be drawn and adds nothing to a sum). As q = trunc(w * 2^62) and Q is
+ *    an integer, q >= Q exactly when w >= Q * 2^-62: the token's probability is at least
+ *    min_p times the top token's, rounded up to the 2^-62 grid.
  *  - top-p: G = max(1, ceil(S * P / 2^32)) with P = trunc(top_p * 2^32) and S the mass kept
- *    by top-k; the nucleus is the shortest prefix (logit descending, id ascending) whose
- *    mass reaches G.
+ *    by top-k and min-p; the nucleus is the shortest prefix (logit descending, id ascending)
+ *    whose mass reaches G.
  * Not part of any public contract; include it only from sample.c, cuda/ddtree.cu and the
  * argmax ops (cpu/cpu_elementwise.c, cuda/tree.cu: kd_rule_logit_code). */
 #ifndef KD_SAMPLE_RULE_H
@@ -90,13 +94,21 @@ KD_RULE_FN double kd_rule_exp(double a) {
     return ldexp(p, (int)k);                              /* k >= -1021: a normal result, exact */
 }
 
+/* x / T; a division by 1 is exact, so T = 1 skips it (the device's division is a long sequence) */
+KD_RULE_FN double kd_rule_scaled(float x, double T) { return T == 1.0 ? (double)x : KD_RULE_DIV((double)x, T); }
 /* a token's mass: trunc(exp(x/T - z) * 2^62), z = m/T for the row max m */
 KD_RULE_FN uint64_t kd_rule_mass(float x, double T, double z) {
-    double a = KD_RULE_SUB(KD_RULE_DIV((double)x, T), z);
+    double a = KD_RULE_SUB(kd_rule_scaled(x, T), z);
     double w = kd_rule_exp(a);
     return (uint64_t)KD_RULE_MUL(w, 0x1p62);
 }
-KD_RULE_FN double kd_rule_zmax(float m, double T) { return KD_RULE_DIV((double)m, T); }
+KD_RULE_FN double kd_rule_zmax(float m, double T) { return kd_rule_scaled(m, T); }
+/* the min-p floor Q = ceil(min_p * 2^62) for 0 < min_p <= 1 (exact: a power-of-two scaling of a
+ * float), 0 = off for min_p <= 0; kd_sampler_check rejects NaN and min_p > 1 */
+KD_RULE_FN uint64_t kd_rule_min_p_floor(float min_p) {
+    if (!(min_p > 0.0f)) return 0;
+    return (uint64_t)ceil(KD_RULE_MUL((double)min_p, 0x1p62));
+}
 
 /* ---- 128-bit unsigned integers ---- */
 typedef struct kd_u128 { uint64_t lo, hi; } kd_u128;

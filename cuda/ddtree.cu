@@ -1,21 +1,31 @@
 /* ddtree.cu: the DDTree round on the device (backend.h: tree_select, tree_stage, sample_rows,
  * tree_walk). Each op gives exactly what its CPU twin (core/cpu/cpu_ddtree.c) gives:
  *
- * tree_select  Algorithm 1 (core/tree.c) by one thread of one block: a binary heap of
- *              (score, parent, depth, rank) in shared memory (2B+1 entries), scores updated
- *              in double with the same operations in the same order (__d*_rn: no fma
- *              contraction), exact score ties ordered by rank tuples read up the parent
- *              chains. The other threads check the lists for NaN / +inf first and write
- *              the parents, depths and ancestor masks afterwards (one row per thread).
+ * tree_select  Algorithm 1 (core/tree.c) by one warp of one block: the frontier of
+ *              (score, parent, depth, rank) entries in shared memory, unordered; each pop
+ *              takes its first entry in pop order by a scan of the lanes' slots and a warp
+ *              butterfly (scores in registers; exact score ties ordered by rank tuples read
+ *              up the parent chains), which is the heap's pop without its log-depth chain
+ *              of dependent shared-memory steps. Scores are updated in double with the same
+ *              operations in the same order as the host (__d*_rn: no fma contraction). The
+ *              other threads check the lists for NaN / +inf first and write the parents,
+ *              depths and ancestor masks afterwards (one row per thread).
  * tree_stage   root token and positions (pos0 + depth); optionally the verify forward's
  *              inputs (ids, positions, mask) into the sequence's scratch.
  * sample_rows  the keyed sampling rule (core/sample.c) with one block per row. Masses are
  *              integers (sample_rule.h, the same code as the host) summed exactly in 128
- *              bits, so the parallel sums equal the host's sequential ones. The row order
- *              (logit descending, id ascending) is searched by radix on the order-preserving
- *              32-bit key of the logit: top-k by counts, the top-p nucleus by masses; the
- *              last kept id among equal logits and the drawn token by a two-level
- *              search (per-warp segment sums, then one warp scans its segment).
+ *              bits, so the parallel sums equal the host's sequential ones. min-p zeroes
+ *              the masses below its floor. The cut of top-k / top-p (the last kept element
+ *              of the order logit descending, id ascending) comes from one pass of a
+ *              histogram by distance below the row max (counts, and masses for top-p),
+ *              then the ids of the one or few bins that hold it, sorted in shared memory
+ *              (cut_by_bins: at most 4 passes over the row in all; 3 when every kept id
+ *              is gathered, which draws from shared memory); rows whose bins are too
+ *              crowded (ties) fall back to radix passes on the logit's 32-bit key
+ *              (cut_by_radix). Prefix searches (the draw, and the radix path's last kept
+ *              id among equal logits) sum tiles, find the crossing tile by one block scan
+ *              and scan that tile with one warp. Logits far below the max get mass 0
+ *              without the exp (smp_mass says why that is exact).
  * tree_walk    the accept walk: one block; each step every thread scans a slice of the
  *              nodes for the child (parent == cur, token == target[cur]); the smallest id
  *              wins (atomicMin), as the host's child lists are in pop order.
@@ -28,9 +38,13 @@
 namespace {
 
 constexpr int SEL_THREADS = 256;
-constexpr int SEL_MAX_BUDGET = 4096;      /* heap + node arrays in shared memory: ~180 KB at 4096 */
+constexpr int SEL_MAX_BUDGET = 4096;      /* frontier + node arrays in shared memory: ~180 KB at 4096 */
 constexpr int SMP_THREADS = 512;
 constexpr int SMP_WARPS = SMP_THREADS / 32;
+constexpr int SMP_TILES = SMP_THREADS;    /* a prefix search's segments: one per thread in its scan */
+constexpr int SMP_BINS = 1024;            /* the cut's fast path: bins below the row max ... */
+constexpr double SMP_SPAN = 44.0;         /* ... covering x/T in [m/T - 44, m/T] (below: every mass is 0) */
+constexpr int SMP_CAP = 2048;             /* ... and at most this many ids in the bins that hold the cut */
 constexpr int WALK_THREADS = 256;
 constexpr unsigned FULL = 0xffffffffu;
 
@@ -44,14 +58,14 @@ __device__ __forceinline__ double list_value(const float *vals, int i) {
     return (double)v;
 }
 
-struct sel_heap {
+struct sel_front {
     double *score;
     int *parent, *dr;          /* dr = depth << 16 | rank */
     const int *np, *nd, *nr;   /* popped nodes: parent, depth, rank */
 };
 
-/* the rank tuple of heap entry e into out[0..depth) */
-__device__ int entry_ranks(const sel_heap &h, int e, int *out) {
+/* the rank tuple of frontier entry e into out[0..depth) */
+__device__ int entry_ranks(const sel_front &h, int e, int *out) {
     int d = h.dr[e] >> 16;
     out[d - 1] = h.dr[e] & 0xffff;
     for (int p = h.parent[e]; p > 0; p = h.np[p]) out[h.nd[p] - 1] = h.nr[p];
@@ -59,7 +73,7 @@ __device__ int entry_ranks(const sel_heap &h, int e, int *out) {
 }
 
 /* entry a pops before entry b */
-__device__ bool entry_before(const sel_heap &h, int a, int b) {
+__device__ bool entry_before(const sel_front &h, int a, int b) {
     if (h.score[a] != h.score[b]) return h.score[a] > h.score[b];
     int ra[KD_TREE_MAX_DEPTH], rb[KD_TREE_MAX_DEPTH];
     int na = entry_ranks(h, a, ra), nb = entry_ranks(h, b, rb);
@@ -67,42 +81,6 @@ __device__ bool entry_before(const sel_heap &h, int a, int b) {
     for (int i = 0; i < n; i++)
         if (ra[i] != rb[i]) return ra[i] < rb[i];
     return na < nb;
-}
-
-__device__ __forceinline__ void entry_swap(sel_heap &h, int a, int b) {
-    double s = h.score[a]; h.score[a] = h.score[b]; h.score[b] = s;
-    int p = h.parent[a]; h.parent[a] = h.parent[b]; h.parent[b] = p;
-    int x = h.dr[a]; h.dr[a] = h.dr[b]; h.dr[b] = x;
-}
-
-__device__ void heap_push(sel_heap &h, int &n, double score, int parent, int depth, int rank) {
-    int i = n++;
-    h.score[i] = score;
-    h.parent[i] = parent;
-    h.dr[i] = depth << 16 | rank;
-    while (i > 0) {
-        int p = (i - 1) / 2;
-        if (!entry_before(h, i, p)) break;
-        entry_swap(h, i, p);
-        i = p;
-    }
-}
-
-/* removes the top entry (the caller read it at index 0 first) */
-__device__ void heap_pop(sel_heap &h, int &n) {
-    n--;
-    h.score[0] = h.score[n];
-    h.parent[0] = h.parent[n];
-    h.dr[0] = h.dr[n];
-    int i = 0;
-    for (;;) {
-        int l = 2 * i + 1, r = l + 1, b = i;
-        if (l < n && entry_before(h, l, b)) b = l;
-        if (r < n && entry_before(h, r, b)) b = r;
-        if (b == i) break;
-        entry_swap(h, i, b);
-        i = b;
-    }
 }
 
 __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, int L, int K, int budget) {
@@ -126,32 +104,64 @@ __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, in
     }
     __syncthreads();
 
-    if (tid == 0) {
-        sel_heap h = { hs, hpar, hdr, np, nd, nr };
-        np[0] = -1; nd[0] = 0; nr[0] = -1;
-        int hn = 0, n = 0;
-        heap_push(h, hn, list_value(t.vals, 0), 0, 1, 0);
-        while (hn > 0 && n < budget) {
-            double score = hs[0];
-            int parent = hpar[0], d = hdr[0] >> 16, r = hdr[0] & 0xffff;
-            heap_pop(h, hn);
-            int i = ++n, row = (d - 1) * K;
-            t.token[i] = t.ids[row + r];
-            np[i] = parent;
-            nd[i] = d;
-            nr[i] = r;
-            if (r + 1 < K)
-                heap_push(h, hn, __dadd_rn(__dsub_rn(score, list_value(t.vals, row + r)), list_value(t.vals, row + r + 1)),
-                          parent, d, r + 1);
-            if (d < L) heap_push(h, hn, __dadd_rn(score, list_value(t.vals, d * K)), i, d + 1, 0);
+    if (tid < 32) {   /* warp 0 selects; lane 0 writes, __syncwarp publishes to the other lanes */
+        const int lane = tid;
+        const sel_front h = { hs, hpar, hdr, np, nd, nr };
+        if (lane == 0) {
+            np[0] = -1; nd[0] = 0; nr[0] = -1;
+            hs[0] = list_value(t.vals, 0); hpar[0] = 0; hdr[0] = 1 << 16;
         }
-        s_n = n;
-        int bad = s_bad;
-        float bv = bad != INT_MAX ? t.vals[bad] : 0.0f;
-        t.status[0] = bad == INT_MAX ? 0 : (bv != bv ? 1 : 2);
-        t.status[1] = bad == INT_MAX ? 0 : bad;
-        t.status[2] = n;
-        t.status[3] = 0;
+        __syncwarp();
+        int fn = 1, n = 0;   /* frontier entries [0, fn); nodes popped */
+        while (fn > 0 && n < budget) {
+            /* the frontier's first entry in pop order: each lane its slots, then a butterfly
+             * (entry_before is a strict total order, so every lane ends on the same entry) */
+            double bs = 0.0;
+            int bi = -1;
+            for (int e = lane; e < fn; e += 32) {
+                const double sc = hs[e];
+                if (bi < 0 || sc > bs || (sc == bs && entry_before(h, e, bi))) { bs = sc; bi = e; }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                const double os = __shfl_xor_sync(FULL, bs, o);
+                const int oi = __shfl_xor_sync(FULL, bi, o);
+                if (oi >= 0 && (bi < 0 || os > bs || (os == bs && entry_before(h, oi, bi)))) { bs = os; bi = oi; }
+            }
+            const int parent = hpar[bi], d = hdr[bi] >> 16, r = hdr[bi] & 0xffff;
+            const int i = ++n, row = (d - 1) * K;
+            const bool sib = r + 1 < K, child = d < L;
+            __syncwarp();    /* every lane has read entry bi */
+            if (lane == 0) {
+                t.token[i] = t.ids[row + r];
+                np[i] = parent;
+                nd[i] = d;
+                nr[i] = r;
+                int m = fn - 1;   /* the last entry fills the popped slot; the new ones go after it */
+                hs[bi] = hs[m]; hpar[bi] = hpar[m]; hdr[bi] = hdr[m];
+                if (sib) {
+                    hs[m] = __dadd_rn(__dsub_rn(bs, list_value(t.vals, row + r)), list_value(t.vals, row + r + 1));
+                    hpar[m] = parent;
+                    hdr[m] = d << 16 | (r + 1);
+                    m++;
+                }
+                if (child) {
+                    hs[m] = __dadd_rn(bs, list_value(t.vals, d * K));
+                    hpar[m] = i;
+                    hdr[m] = (d + 1) << 16;
+                }
+            }
+            fn += (sib ? 1 : 0) + (child ? 1 : 0) - 1;
+            __syncwarp();
+        }
+        if (lane == 0) {
+            s_n = n;
+            int bad = s_bad;
+            float bv = bad != INT_MAX ? t.vals[bad] : 0.0f;
+            t.status[0] = bad == INT_MAX ? 0 : (bv != bv ? 1 : 2);
+            t.status[1] = bad == INT_MAX ? 0 : bad;
+            t.status[2] = n;
+            t.status[3] = 0;
+        }
     }
     __syncthreads();
     const int n = s_n, words = (n + 1 + 63) / 64;
@@ -282,18 +292,29 @@ __device__ __forceinline__ kd_u128 warp_sum_u128(kd_u128 v) {
     return v;
 }
 
-/* the block's shared scratch for sample_rows */
+/* The block's shared scratch for sample_rows (dynamic shared memory, SMP_SMEM bytes).
+ * bins: the fast path's histogram of the row by distance below the max; cand: the candidates
+ * of the bins that hold the cut, sorted in place; tiles: the prefix searches' segment sums. */
 struct smp_shared {
     unsigned long long wlo[SMP_WARPS], whi[SMP_WARPS];   /* per-warp u128 partials */
     float redf[32];
     int redi[32];
-    unsigned int hcnt[256];                              /* radix histograms: counts */
-    unsigned long long hlo[256], hhi[256];               /* radix histograms: masses */
+    unsigned int hcnt[256];                              /* radix histograms: counts (fallback) */
+    unsigned long long hlo[256], hhi[256];               /* radix histograms: masses (fallback) */
+    unsigned int bcnt[SMP_BINS];                         /* fast path: counts by bin */
+    unsigned long long blo[SMP_BINS], bhi[SMP_BINS];     /* fast path: masses by bin */
+    unsigned long long cand[SMP_CAP];                    /* fast path: (key << 32 | ~id), sorted descending */
+    unsigned long long tlo[SMP_TILES], thi[SMP_TILES];   /* segment sums of a prefix search */
     int sel_d;
     unsigned int sel_kr;
     unsigned long long sel_lo, sel_hi;
-    int res;
+    int res, tile, ncand, cut;
+    int lo, hi, fast;                                    /* fast path: the candidate bins [lo, hi] */
+    int first;                                           /* fast path: the drawn candidate */
+    unsigned int cnt_lo;                                 /* fast path: elements in bins below lo */
+    unsigned long long mlo_lo, mlo_hi, tot_lo, tot_hi;   /* fast path: mass below lo; the row's mass */
 };
+constexpr size_t SMP_SMEM = sizeof(smp_shared);
 
 /* exact sum over the block; every thread gets it */
 __device__ kd_u128 block_sum_u128(kd_u128 v, smp_shared &sh) {
@@ -308,6 +329,33 @@ __device__ kd_u128 block_sum_u128(kd_u128 v, smp_shared &sh) {
         r = kd_u128_add(r, x);
     }
     return r;
+}
+
+/* inclusive prefix sum over the warp's lanes */
+__device__ __forceinline__ kd_u128 warp_incl_scan_u128(kd_u128 v) {
+    const int lane = threadIdx.x & 31;
+    for (int o = 1; o < 32; o <<= 1) {
+        kd_u128 u = shfl_up_u128(v, o);
+        if (lane >= o) v = kd_u128_add(v, u);
+    }
+    return v;
+}
+
+/* exact exclusive prefix sum over the block's threads (in thread order); *total = the sum */
+__device__ kd_u128 block_excl_scan_u128(kd_u128 v, kd_u128 *total, smp_shared &sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const kd_u128 incl = warp_incl_scan_u128(v);
+    __syncthreads();                     /* the previous user of wlo/whi is done */
+    if (lane == 31) { sh.wlo[warp] = incl.lo; sh.whi[warp] = incl.hi; }
+    __syncthreads();
+    kd_u128 before = u128_zero(), tot = u128_zero();
+    for (int w = 0; w < SMP_WARPS; w++) {
+        kd_u128 x; x.lo = sh.wlo[w]; x.hi = sh.whi[w];
+        if (w < warp) before = kd_u128_add(before, x);
+        tot = kd_u128_add(tot, x);
+    }
+    *total = tot;
+    return kd_u128_sub(kd_u128_add(before, incl), v);
 }
 
 __device__ int block_min_int(int v, smp_shared &sh) {
@@ -332,55 +380,52 @@ __device__ float block_max_float(float v, smp_shared &sh) {
     return r;
 }
 
-/* exact add of a u128 mass into histogram bucket b (low word atomically, its carry into the high word) */
-__device__ __forceinline__ void hist_add(smp_shared &sh, int b, kd_u128 m) {
+/* exact add of a u128 mass into bucket b of (lo, hi) (low word atomically, its carry into the high word) */
+__device__ __forceinline__ void u128_atomic_add(unsigned long long *lo, unsigned long long *hi, int b, kd_u128 m) {
     if (m.lo == 0 && m.hi == 0) return;
-    unsigned long long old = atomicAdd(&sh.hlo[b], (unsigned long long)m.lo);
+    unsigned long long old = atomicAdd(&lo[b], (unsigned long long)m.lo);
     unsigned long long carry = old + (unsigned long long)m.lo < old ? 1ull : 0ull;
-    unsigned long long hi = (unsigned long long)m.hi + carry;
-    if (hi) atomicAdd(&sh.hhi[b], hi);
+    unsigned long long h = (unsigned long long)m.hi + carry;
+    if (h) atomicAdd(&hi[b], h);
 }
+__device__ __forceinline__ void hist_add(smp_shared &sh, int b, kd_u128 m) { u128_atomic_add(sh.hlo, sh.hhi, b, m); }
 
 /* The smallest i in [0, V) whose inclusive prefix sum of f exceeds goal(total of f), or -1.
- * Each warp sums its contiguous segment; every thread finds the segment where the prefix
- * crosses; that warp scans it in chunks of 32 with a shuffle scan. f(i) is a u128. */
+ * The row is cut into at most SMP_TILES tiles of a multiple of 32 ids; each warp sums whole
+ * tiles (coalesced), one block scan finds the tile where the prefix crosses, and warp 0 scans
+ * that tile in chunks of 32. f(i) is a u128; every sum is exact, so the answer does not depend
+ * on how the sums are grouped. */
 template <class F, class G>
 __device__ int first_exceeding(const F &f, const G &goal, int V, smp_shared &sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int seg = ((V + SMP_WARPS - 1) / SMP_WARPS + 31) & ~31;
-    const int lo = warp * seg, hi = min(V, lo + seg);
-    kd_u128 acc = u128_zero();
-    for (int i = lo + lane; i < hi; i += 32) acc = kd_u128_add(acc, f(i));
-    acc = warp_sum_u128(acc);
-    __syncthreads();                     /* wlo/whi and res: earlier users are done */
-    if (lane == 0) { sh.wlo[warp] = acc.lo; sh.whi[warp] = acc.hi; }
-    if (threadIdx.x == 0) sh.res = -1;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int ts = ((V + SMP_TILES - 1) / SMP_TILES + 31) & ~31, nt = (V + ts - 1) / ts;
+    for (int t = warp; t < SMP_TILES; t += SMP_WARPS) {
+        kd_u128 acc = u128_zero();
+        if (t < nt)
+            for (int i = t * ts + lane, hi = min(V, (t + 1) * ts); i < hi; i += 32) acc = kd_u128_add(acc, f(i));
+        acc = warp_sum_u128(acc);
+        if (lane == 0) { sh.tlo[t] = acc.lo; sh.thi[t] = acc.hi; }
+    }
     __syncthreads();
-    kd_u128 total = u128_zero();
-    for (int w = 0; w < SMP_WARPS; w++) {
-        kd_u128 x; x.lo = sh.wlo[w]; x.hi = sh.whi[w];
-        total = kd_u128_add(total, x);
-    }
+    if (tid == 0) { sh.tile = -1; sh.res = -1; }
+    kd_u128 mine; mine.lo = sh.tlo[tid]; mine.hi = sh.thi[tid];   /* SMP_TILES == SMP_THREADS */
+    kd_u128 total;
+    const kd_u128 before = block_excl_scan_u128(mine, &total, sh);   /* its barriers order the writes above */
     const kd_u128 target = goal(total);
-    kd_u128 cum = u128_zero();
-    int sel = -1;
-    for (int w = 0; w < SMP_WARPS; w++) {
-        kd_u128 x; x.lo = sh.wlo[w]; x.hi = sh.whi[w];
-        kd_u128 nx = kd_u128_add(cum, x);
-        if (kd_u128_lt(target, nx)) { sel = w; break; }
-        cum = nx;
+    if (!kd_u128_lt(target, before) && kd_u128_lt(target, kd_u128_add(before, mine))) {   /* at most one tile */
+        sh.tile = tid;
+        sh.sel_lo = before.lo;
+        sh.sel_hi = before.hi;
     }
-    if (sel >= 0 && warp == sel) {
-        const int lo2 = sel * seg, hi2 = min(V, lo2 + seg);
-        kd_u128 base = cum;
-        for (int c0 = lo2; c0 < hi2; c0 += 32) {
+    __syncthreads();
+    const int t = sh.tile;
+    if (t >= 0 && warp == 0) {
+        const int lo = t * ts, hi = min(V, lo + ts);
+        kd_u128 base; base.lo = sh.sel_lo; base.hi = sh.sel_hi;
+        for (int c0 = lo; c0 < hi; c0 += 32) {
             const int i = c0 + lane;
-            kd_u128 incl = i < hi2 ? f(i) : u128_zero();
-            for (int o = 1; o < 32; o <<= 1) {
-                kd_u128 u = shfl_up_u128(incl, o);
-                if (lane >= o) incl = kd_u128_add(incl, u);
-            }
-            const bool hit = i < hi2 && kd_u128_lt(target, kd_u128_add(base, incl));
+            const kd_u128 incl = warp_incl_scan_u128(i < hi ? f(i) : u128_zero());
+            const bool hit = i < hi && kd_u128_lt(target, kd_u128_add(base, incl));
             const unsigned b = __ballot_sync(FULL, hit);
             if (b) {
                 if (lane == __ffs(b) - 1) sh.res = i;
@@ -393,42 +438,280 @@ __device__ int first_exceeding(const F &f, const G &goal, int V, smp_shared &sh)
     return sh.res;
 }
 
-__global__ void __launch_bounds__(SMP_THREADS) sample_rows_kernel(const float *x, long long ld, int V, double T,
-                                                                   int top_k, float top_p, uint64_t seed,
-                                                                   const int32_t *pos, int pos_offset, int32_t *out,
-                                                                   int32_t *code) {
-    __shared__ smp_shared sh;
-    const int tid = threadIdx.x, row = blockIdx.x;
-    const float *xr = x + (size_t)row * (size_t)ld;
-
-    /* 1. validate; the row max */
-    float m = -INFINITY;
-    int bad = INT_MAX;
-    for (int i = tid; i < V; i += SMP_THREADS) {
-        float v = xr[i];
-        if (v != v || v == INFINITY) bad = min(bad, i);
-        else m = fmaxf(m, v);
-    }
-    m = block_max_float(m, sh);
-    bad = block_min_int(bad, sh);
-    if (bad != INT_MAX || m == -INFINITY) {
-        if (tid == 0) {
-            int32_t c = KD_SAMPLE_ERR_ALLNEG;
-            if (bad != INT_MAX) {
-                float v = xr[bad];
-                c = (v != v ? KD_SAMPLE_ERR_NAN : KD_SAMPLE_ERR_PINF) | (int32_t)((uint32_t)bad << 2);
-            }
-            code[row] = c;
-            out[row] = -1;
+/* For warp 0: the first bin b (of SMP_BINS) whose inclusive prefix of f reaches goal (>= goal),
+ * and the prefix before it (*before); -1 if the whole sum stays below goal. */
+template <class F>
+__device__ int warp_first_reaching(const F &f, kd_u128 goal, kd_u128 *before) {
+    constexpr int PER = SMP_BINS / 32;
+    const int lane = threadIdx.x & 31;
+    kd_u128 s = u128_zero();
+    for (int j = 0; j < PER; j++) s = kd_u128_add(s, f(lane * PER + j));
+    const kd_u128 incl = warp_incl_scan_u128(s);
+    const unsigned bb = __ballot_sync(FULL, !kd_u128_lt(incl, goal));
+    if (!bb) return -1;
+    const int L = __ffs(bb) - 1;
+    int res = -1;
+    kd_u128 c = kd_u128_sub(incl, s);
+    if (lane == L)
+        for (int j = 0; j < PER; j++) {
+            kd_u128 n = kd_u128_add(c, f(L * PER + j));
+            if (!kd_u128_lt(n, goal)) { res = L * PER + j; break; }
+            c = n;
         }
-        return;
-    }
-    const double z = kd_rule_zmax(m, T);
+    *before = shfl_u128(c, L);
+    return __shfl_sync(FULL, res, L);
+}
 
-    /* 2. top-k: the k-th of the order (kkey, kid); kept_k(i) = key > kkey || (key == kkey && i <= kid) */
+/* For warp 0: the sum of f over the bins below b */
+template <class F>
+__device__ kd_u128 warp_prefix(const F &f, int b) {
+    kd_u128 s = u128_zero();
+    for (int j = threadIdx.x & 31; j < b; j += 32) s = kd_u128_add(s, f(j));
+    return warp_sum_u128(s);
+}
+
+/* a token's mass under the rule (sample_rule.h) with min-p: below qmin it is 0. A logit far below
+ * the max has mass 0 without the exp: with ap = (x - m) / T in double (error below
+ * (|x| + |m|) / T * 2^-50), ap + that bound < -44 means x/T - m/T < -44, so exp < 2^-63 and the
+ * rule's trunc(w * 2^62) is 0 (the polynomial is within a few ulp of exp). */
+struct smp_mass {
+    float m;
+    double T, z, invT;
+    uint64_t qmin;
+    __device__ __forceinline__ uint64_t operator()(float v) const {
+        if (v == -INFINITY) return 0;
+        const double ap = ((double)v - (double)m) * invT;
+        const double err = ((double)fabsf(v) + (double)fabsf(m)) * invT * 0x1p-48;
+        if (ap + err < -44.0) return 0;
+        const uint64_t q = kd_rule_mass(v, T, z);
+        return q >= qmin ? q : 0;
+    }
+};
+
+/* bitonic sort of a[0..np) (np a power of two) by the block, descending or ascending */
+__device__ void bitonic_sort(unsigned long long *a, int np, bool descending) {
+    for (int size = 2; size <= np; size <<= 1)
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int j = threadIdx.x; j < np; j += SMP_THREADS) {
+                const int o = j ^ stride;
+                if (o > j) {
+                    const bool down = ((j & size) == 0) == descending;
+                    const unsigned long long x = a[j], y = a[o];
+                    if (down ? x < y : x > y) { a[j] = y; a[o] = x; }
+                }
+            }
+            __syncthreads();
+        }
+}
+
+/* The fast path of the cut (top-k and / or top-p): the row's ids by bin = the distance below the
+ * max in steps of SPAN * T / (SMP_BINS - 1) (the last bin holds the rest: its masses are all 0,
+ * as the mass of x/T - m/T < -43.99 truncates to 0). A bin is monotone in the logit, so the
+ * order of the row (logit descending, id ascending) visits the bins in ascending order; one
+ * pass of counts (and masses for top-p without a small top-k) finds the bins [lo, hi] that can
+ * hold the cut, a second pass gathers their ids, and they are sorted in shared memory. Returns false (the radix path
+ * decides) when those bins hold more than SMP_CAP ids (e.g. a row of equal logits). */
+__device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp_mass &mass, int top_k, float top_p,
+                            bool topk, bool topp, uint32_t *ckey, int *cid, int *nkept, smp_shared &sh) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float bscale = (float)fmin((double)(SMP_BINS - 1) / (SMP_SPAN * T), 1e30);
+    auto bin_of = [&](float v) -> int {   /* non-increasing in v; equal logits (+0 and -0 too) share a bin */
+        const float d = m - v;
+        if (d == 0.0f) return 0;
+        const float s = d * bscale;
+        return s < (float)(SMP_BINS - 1) ? (int)s : SMP_BINS - 1;
+    };
+    /* masses by bin for top-p, unless top-k is small: then the bins before the k-th's hold fewer
+     * than SMP_CAP / 2 ids, all gathered (no exp over the rest of the row) */
+    const bool bin_mass = topp && (!topk || top_k > SMP_CAP / 2);
+    for (int b = tid; b < SMP_BINS; b += SMP_THREADS) { sh.bcnt[b] = 0; sh.blo[b] = 0; sh.bhi[b] = 0; }
+    __syncthreads();
+    /* 1. counts (all but the last bin's) and masses by bin; a warp whose lanes share a bin adds once */
+    for (int i0 = 0; i0 < V; i0 += SMP_THREADS) {
+        const int i = i0 + tid;
+        int b = SMP_BINS - 1;
+        uint64_t q = 0;
+        if (i < V) {
+            const float v = xr[i];
+            b = bin_of(v);
+            if (bin_mass && b < SMP_BINS - 1) q = mass(v);
+        }
+        const bool counted = b < SMP_BINS - 1;
+        const int b0 = __shfl_sync(FULL, b, 0);
+        if (__ballot_sync(FULL, counted && b == b0) == FULL) {
+            const kd_u128 s = warp_sum_u128(kd_u128_of(q));
+            if (lane == 0) {
+                atomicAdd(&sh.bcnt[b0], 32u);
+                u128_atomic_add(sh.blo, sh.bhi, b0, s);
+            }
+        } else if (counted) {
+            atomicAdd(&sh.bcnt[b], 1u);
+            u128_atomic_add(sh.blo, sh.bhi, b, kd_u128_of(q));
+        }
+    }
+    __syncthreads();
+    /* 2. warp 0 finds the candidate bins */
+    if (warp == 0) {
+        kd_u128 counted = warp_sum_u128([&] {
+            kd_u128 s = u128_zero();
+            for (int b = lane; b < SMP_BINS - 1; b += 32) s = kd_u128_add64(s, sh.bcnt[b]);
+            return s;
+        }());
+        const unsigned int tail = (unsigned)V - (unsigned)counted.lo;
+        auto cnt = [&](int b) { return kd_u128_of(b < SMP_BINS - 1 ? sh.bcnt[b] : tail); };
+        auto mas = [&](int b) { kd_u128 r; r.lo = sh.blo[b]; r.hi = sh.bhi[b]; return r; };
+        kd_u128 ignore;
+        int lo, hi;
+        if (topk) {
+            hi = warp_first_reaching(cnt, kd_u128_of((uint64_t)top_k), &ignore);   /* found: the counts sum to V */
+            lo = hi;
+            if (top_k <= SMP_CAP / 2) lo = 0;   /* fewer than k ids before the k-th's bin: gather them all */
+            if (bin_mass) {   /* the nucleus ends no earlier than where the smallest possible goal is reached */
+                const kd_u128 s_lo = warp_prefix(mas, hi);
+                lo = warp_first_reaching(mas, kd_rule_top_p_goal(s_lo, top_p), &ignore);
+                if (lo < 0 || lo > hi) lo = hi;   /* not reached: s_lo reaches its own goal before bin hi */
+            }
+        } else {
+            const kd_u128 S = warp_prefix(mas, SMP_BINS);
+            hi = warp_first_reaching(mas, kd_rule_top_p_goal(S, top_p), &ignore);   /* found: the goal is <= S */
+            lo = hi;
+        }
+        const kd_u128 below = warp_prefix(cnt, lo), through = warp_prefix(cnt, hi + 1);
+        const kd_u128 mbelow = warp_prefix(mas, lo), mtot = warp_prefix(mas, SMP_BINS);
+        if (lane == 0) {
+            sh.lo = lo;
+            sh.hi = hi;
+            sh.cnt_lo = (unsigned)below.lo;
+            sh.fast = hi >= 0 && through.lo - below.lo <= (uint64_t)SMP_CAP;
+            sh.mlo_lo = mbelow.lo; sh.mlo_hi = mbelow.hi;
+            sh.tot_lo = mtot.lo; sh.tot_hi = mtot.hi;
+            sh.ncand = 0;
+            sh.cut = INT_MAX;
+        }
+    }
+    __syncthreads();
+    if (!sh.fast) return false;
+    const int lo = sh.lo, hi = sh.hi;
+    /* 3. gather the candidates' (key, id); pad to a power of two with 0 (below every real entry) */
+    for (int i0 = 0; i0 < V; i0 += SMP_THREADS) {
+        const int i = i0 + tid;
+        float v = 0.0f;
+        int b = -1;
+        if (i < V) { v = xr[i]; b = bin_of(v); }
+        const bool in = b >= lo && b <= hi;
+        const unsigned bal = __ballot_sync(FULL, in);
+        int base = 0;
+        if (lane == 0 && bal) base = atomicAdd(&sh.ncand, __popc(bal));
+        base = __shfl_sync(FULL, base, 0);
+        if (in) sh.cand[base + __popc(bal & ((1u << lane) - 1u))] = (unsigned long long)okey(v) << 32 | (0xffffffffu - (uint32_t)i);
+    }
+    __syncthreads();
+    const int n = sh.ncand;
+    int np = 1;
+    while (np < n) np <<= 1;
+    for (int j = n + tid; j < np; j += SMP_THREADS) sh.cand[j] = 0ull;
+    __syncthreads();
+    bitonic_sort(sh.cand, np, true);   /* descending: the row's order */
+    /* 4. the cut: top-k's k-th of the order; top-p's first prefix (within top-k) whose mass reaches G */
+    const int ik = topk ? top_k - (int)sh.cnt_lo - 1 : n - 1;   /* 0 <= ik < n: bin hi holds the k-th */
+    if (!topp) {
+        if (tid == 0) sh.cut = ik;
+    } else {
+        constexpr int PER = SMP_CAP / SMP_THREADS;
+        kd_u128 q[PER], part = u128_zero();
+        for (int j = 0; j < PER; j++) {
+            const int c = tid * PER + j;
+            const unsigned long long e = c <= ik ? sh.cand[c] : 0ull;
+            q[j] = kd_u128_of(c <= ik ? mass(okey_value((uint32_t)(e >> 32))) : 0u);
+            part = kd_u128_add(part, q[j]);
+        }
+        kd_u128 total;
+        kd_u128 run = block_excl_scan_u128(part, &total, sh);
+        kd_u128 mbelow; mbelow.lo = sh.mlo_lo; mbelow.hi = sh.mlo_hi;
+        kd_u128 S; S.lo = sh.tot_lo; S.hi = sh.tot_hi;
+        if (topk) S = kd_u128_add(mbelow, total);   /* the mass through the k-th */
+        const kd_u128 G = kd_rule_top_p_goal(S, top_p);
+        run = kd_u128_add(run, mbelow);
+        for (int j = 0; j < PER; j++) {
+            const int c = tid * PER + j;
+            run = kd_u128_add(run, q[j]);
+            if (c <= ik && !kd_u128_lt(run, G)) { atomicMin(&sh.cut, c); break; }
+        }
+    }
+    __syncthreads();
+    const int c = sh.cut;   /* found: the candidates through ik reach G (the mass through the k-th is S) */
+    *ckey = (uint32_t)(sh.cand[c] >> 32);
+    *cid = (int)(0xffffffffu - (uint32_t)(sh.cand[c] & 0xffffffffull));
+    *nkept = lo == 0 ? c + 1 : 0;   /* lo = 0: every kept id is a candidate */
+    return true;
+}
+
+/* The draw when every kept id is a candidate (cut_by_bins with lo = 0): sh.cand[0..nk) hold the
+ * kept ids in the row's order; sorted by id, their masses are scanned by the block, and the
+ * first whose inclusive prefix exceeds floor(U W / 2^53) is the token, as in the pass over the row. */
+__device__ int draw_from_candidates(const float *xr, int nk, const smp_mass &mass, uint64_t U, smp_shared &sh) {
+    constexpr int PER = SMP_CAP / SMP_THREADS;
+    const int tid = threadIdx.x;
+    int np = 1;
+    while (np < nk) np <<= 1;
+    for (int j = tid; j < np; j += SMP_THREADS)   /* ids; the padding (~0) sorts last */
+        sh.cand[j] = j < nk ? (unsigned long long)(0xffffffffu - (uint32_t)(sh.cand[j] & 0xffffffffull)) : ~0ull;
+    if (tid == 0) sh.first = INT_MAX;
+    __syncthreads();
+    bitonic_sort(sh.cand, np, false);
+    uint64_t q[PER];
+    kd_u128 part = u128_zero();
+    for (int j = 0; j < PER; j++) {
+        const int c = tid * PER + j;
+        q[j] = c < nk ? mass(xr[(int)sh.cand[c]]) : 0u;
+        part = kd_u128_add64(part, q[j]);
+    }
+    kd_u128 W;
+    kd_u128 run = block_excl_scan_u128(part, &W, sh);
+    const kd_u128 target = kd_rule_target(U, W);
+    for (int j = 0; j < PER; j++) {
+        run = kd_u128_add64(run, q[j]);
+        if (tid * PER + j < nk && kd_u128_lt(target, run)) { atomicMin(&sh.first, tid * PER + j); break; }
+    }
+    __syncthreads();
+    return (int)sh.cand[sh.first];   /* found: target < W */
+}
+
+/* The masses of the kept ids whose key matches prefix under mask, by the key's byte at shift,
+ * added into sh.hlo / sh.hhi (run-length: one atomic per run of equal bytes); returns this
+ * thread's sum of those masses. */
+template <class K>
+__device__ kd_u128 radix_mass_pass(const float *xr, int V, const smp_mass &mass, const K &kept_k, uint32_t mask,
+                                   uint32_t prefix, int shift, smp_shared &sh) {
+    kd_u128 part = u128_zero(), run = u128_zero();
+    int run_b = -1;
+    for (int i = threadIdx.x; i < V; i += SMP_THREADS) {
+        const float v = xr[i];
+        const uint32_t key = okey(v);
+        if ((key & mask) != prefix || !kept_k(i, key)) continue;
+        const uint64_t q = mass(v);
+        part = kd_u128_add64(part, q);
+        const int b = (int)((key >> shift) & 255u);
+        if (b != run_b) {
+            if (run_b >= 0) hist_add(sh, run_b, run);
+            run_b = b;
+            run = u128_zero();
+        }
+        run = kd_u128_add64(run, q);
+    }
+    if (run_b >= 0) hist_add(sh, run_b, run);
+    return part;
+}
+
+/* The radix path of the cut, for the rows the bins cannot split finely enough (ties, huge top-k):
+ * top-k's k-th of the order (kkey, kid) by 8-bit radix passes on counts, then top-p's last
+ * element (pkey, pid) by radix passes on masses; the cut is top-p's when it is on. */
+__device__ void cut_by_radix(const float *xr, int V, const smp_mass &mass, int top_k, float top_p, bool topk,
+                             bool topp, uint32_t *ckey, int *cid, smp_shared &sh) {
+    const int tid = threadIdx.x;
     uint32_t kkey = 0;
     int kid = INT_MAX;
-    if (top_k > 0 && top_k < V) {
+    if (topk) {
         uint32_t prefix = 0, mask = 0;
         unsigned int kr = (unsigned)top_k;
         for (int shift = 24; shift >= 0; shift -= 8) {
@@ -461,99 +744,105 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_rows_kernel(const float *x
         kid = first_exceeding([&](int i) { return kd_u128_of(okey(xr[i]) == kk ? 1u : 0u); },
                               [&](kd_u128) { return kd_u128_of(kr - 1); }, V, sh);
     }
-    auto kept_k = [&](int i, uint32_t key) { return key > kkey || (key == kkey && i <= kid); };
-
-    /* 3. top-p: the nucleus's last element (pkey, pid) by a radix search on masses */
-    const bool topp = top_p > 0.0f && top_p < 1.0f;
-    uint32_t pkey = 0;
-    int pid = INT_MAX;
-    if (topp) {
-        for (int i = tid; i < 256; i += SMP_THREADS) { sh.hlo[i] = 0; sh.hhi[i] = 0; }
+    *ckey = kkey;
+    *cid = kid;
+    if (!topp) return;
+    auto kept_k = [&](int i, uint32_t key) { return !topk || key > kkey || (key == kkey && i <= kid); };
+    for (int i = tid; i < 256; i += SMP_THREADS) { sh.hlo[i] = 0; sh.hhi[i] = 0; }
+    __syncthreads();
+    /* the kept mass S and the masses by the key's top byte */
+    const kd_u128 part = radix_mass_pass(xr, V, mass, kept_k, 0u, 0u, 24, sh);
+    const kd_u128 S = block_sum_u128(part, sh);     /* its barrier also completes the histogram */
+    const kd_u128 G = kd_rule_top_p_goal(S, top_p);
+    kd_u128 before = u128_zero();
+    uint32_t prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        if (shift < 24) {
+            for (int i = tid; i < 256; i += SMP_THREADS) { sh.hlo[i] = 0; sh.hhi[i] = 0; }
+            __syncthreads();
+            radix_mass_pass(xr, V, mass, kept_k, mask, prefix, shift, sh);
+            __syncthreads();
+        }
+        if (tid == 0) {   /* digits from the largest: the first whose mass reaches G */
+            kd_u128 b = before;
+            int d = 255;
+            for (; d > 0; d--) {
+                kd_u128 h; h.lo = sh.hlo[d]; h.hi = sh.hhi[d];
+                kd_u128 nb = kd_u128_add(b, h);
+                if (!kd_u128_lt(nb, G)) break;
+                b = nb;
+            }
+            sh.sel_d = d;
+            sh.sel_lo = b.lo;
+            sh.sel_hi = b.hi;
+        }
         __syncthreads();
-        /* the kept mass S and the masses by the key's top byte (run-length: one atomic per run) */
-        kd_u128 part = u128_zero(), run = u128_zero();
-        int run_b = -1;
-        for (int i = tid; i < V; i += SMP_THREADS) {
-            float v = xr[i];
-            uint32_t key = okey(v);
-            if (!kept_k(i, key)) continue;
-            uint64_t q = kd_rule_mass(v, T, z);
-            part = kd_u128_add64(part, q);
-            int b = (int)(key >> 24);
-            if (b != run_b) {
-                if (run_b >= 0) hist_add(sh, run_b, run);
-                run_b = b;
-                run = u128_zero();
-            }
-            run = kd_u128_add64(run, q);
-        }
-        if (run_b >= 0) hist_add(sh, run_b, run);
-        const kd_u128 S = block_sum_u128(part, sh);     /* its barrier also completes the histogram */
-        const kd_u128 G = kd_rule_top_p_goal(S, top_p);
-        kd_u128 before = u128_zero();
-        uint32_t prefix = 0, mask = 0;
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            if (shift < 24) {
-                for (int i = tid; i < 256; i += SMP_THREADS) { sh.hlo[i] = 0; sh.hhi[i] = 0; }
-                __syncthreads();
-                run = u128_zero();
-                run_b = -1;
-                for (int i = tid; i < V; i += SMP_THREADS) {
-                    float v = xr[i];
-                    uint32_t key = okey(v);
-                    if ((key & mask) != prefix || !kept_k(i, key)) continue;
-                    uint64_t q = kd_rule_mass(v, T, z);
-                    int b = (int)((key >> shift) & 255u);
-                    if (b != run_b) {
-                        if (run_b >= 0) hist_add(sh, run_b, run);
-                        run_b = b;
-                        run = u128_zero();
-                    }
-                    run = kd_u128_add64(run, q);
-                }
-                if (run_b >= 0) hist_add(sh, run_b, run);
-                __syncthreads();
-            }
-            if (tid == 0) {   /* digits from the largest: the first whose mass reaches G */
-                kd_u128 b = before;
-                int d = 255;
-                for (; d > 0; d--) {
-                    kd_u128 h; h.lo = sh.hlo[d]; h.hi = sh.hhi[d];
-                    kd_u128 nb = kd_u128_add(b, h);
-                    if (!kd_u128_lt(nb, G)) break;
-                    b = nb;
-                }
-                sh.sel_d = d;
-                sh.sel_lo = b.lo;
-                sh.sel_hi = b.hi;
-            }
-            __syncthreads();
-            prefix |= (uint32_t)sh.sel_d << shift;
-            mask |= 255u << shift;
-            before.lo = sh.sel_lo;
-            before.hi = sh.sel_hi;
-            __syncthreads();
-        }
-        pkey = prefix;
-        uint64_t qe = kd_rule_mass(okey_value(pkey), T, z);   /* equal logits: equal masses */
-        if (qe == 0) qe = 1;                                   /* not reached: the crossing run has mass */
-        const unsigned long long c = kd_u128_div64_ceil(kd_u128_sub(G, before), qe);
-        const uint32_t pk = pkey;
-        /* the c-th lowest kept id whose key is pkey */
-        pid = first_exceeding([&](int i) { uint32_t key = okey(xr[i]); return kd_u128_of(key == pk && kept_k(i, key) ? 1u : 0u); },
-                              [&](kd_u128) { return kd_u128_of(c - 1); }, V, sh);
+        prefix |= (uint32_t)sh.sel_d << shift;
+        mask |= 255u << shift;
+        before.lo = sh.sel_lo;
+        before.hi = sh.sel_hi;
+        __syncthreads();
     }
-    auto kept = [&](int i, uint32_t key) {
-        return kept_k(i, key) && (!topp || key > pkey || (key == pkey && i <= pid));
-    };
+    const uint32_t pk = prefix;
+    uint64_t qe = mass(okey_value(pk));   /* equal logits: equal masses (min-p included) */
+    if (qe == 0) qe = 1;                  /* not reached: the crossing run has mass */
+    const unsigned long long c = kd_u128_div64_ceil(kd_u128_sub(G, before), qe);
+    /* the c-th lowest kept id whose key is pkey */
+    *ckey = pk;
+    *cid = first_exceeding([&](int i) { uint32_t key = okey(xr[i]); return kd_u128_of(key == pk && kept_k(i, key) ? 1u : 0u); },
+                           [&](kd_u128) { return kd_u128_of(c - 1); }, V, sh);
+}
 
-    /* 4. the draw: the first kept id (ascending) whose prefix mass exceeds floor(U W / 2^53) */
+__global__ void __launch_bounds__(SMP_THREADS) sample_rows_kernel(const float *x, long long ld, int V, double T,
+                                                                   int top_k, float top_p, uint64_t qmin, uint64_t seed,
+                                                                   const int32_t *pos, int pos_offset, int32_t *out,
+                                                                   int32_t *code) {
+    extern __shared__ double sel_smem[];
+    smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
+    const int tid = threadIdx.x, row = blockIdx.x;
+    const float *xr = x + (size_t)row * (size_t)ld;
+
+    /* 1. validate; the row max */
+    float m = -INFINITY;
+    int bad = INT_MAX;
+    for (int i = tid; i < V; i += SMP_THREADS) {
+        float v = xr[i];
+        if (v != v || v == INFINITY) bad = min(bad, i);
+        else m = fmaxf(m, v);
+    }
+    m = block_max_float(m, sh);
+    bad = block_min_int(bad, sh);
+    if (bad != INT_MAX || m == -INFINITY) {
+        if (tid == 0) {
+            int32_t c = KD_SAMPLE_ERR_ALLNEG;
+            if (bad != INT_MAX) {
+                float v = xr[bad];
+                c = (v != v ? KD_SAMPLE_ERR_NAN : KD_SAMPLE_ERR_PINF) | (int32_t)((uint32_t)bad << 2);
+            }
+            code[row] = c;
+            out[row] = -1;
+        }
+        return;
+    }
+    const smp_mass mass = { m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
+
+    /* 2. the cut: the last kept element (ckey, cid) of the order after top-k and top-p */
+    const bool topk = top_k > 0 && top_k < V, topp = top_p > 0.0f && top_p < 1.0f;
+    uint32_t ckey = 0;
+    int cid = INT_MAX, nkept = 0;
+    if ((topk || topp) && !cut_by_bins(xr, V, m, T, mass, top_k, top_p, topk, topp, &ckey, &cid, &nkept, sh))
+        cut_by_radix(xr, V, mass, top_k, top_p, topk, topp, &ckey, &cid, sh);
+    const bool cut = topk || topp;
+
+    /* 3. the draw: the first kept id (ascending) whose prefix mass exceeds floor(U W / 2^53);
+     *    from shared memory when every kept id is a gathered candidate, else a pass over the row */
     const uint64_t U = kd_rule_u53(seed, (int64_t)pos[row] + pos_offset);
-    const int tok = first_exceeding(
+    const int tok = nkept > 0 ? draw_from_candidates(xr, nkept, mass, U, sh) : first_exceeding(
         [&](int i) {
-            float v = xr[i];
-            uint32_t key = okey(v);
-            return kd_u128_of(kept(i, key) ? kd_rule_mass(v, T, z) : 0u);
+            const float v = xr[i];
+            const uint32_t key = okey(v);
+            const bool kept = !cut || key > ckey || (key == ckey && i <= cid);
+            return kd_u128_of(kept ? mass(v) : 0u);
         },
         [&](kd_u128 W) { return kd_rule_target(U, W); }, V, sh);
     if (tid == 0) {
@@ -606,9 +895,11 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
     if (!sp || !(sp->temperature > 0.0f)) return kd_fail(KD_ERR_ARG, "cuda sample_rows: a greedy sampler (use argmax)");
     if (!x.rows) return KD_OK;
     if (!pos || !out || !code) return kd_fail(KD_ERR_ARG, "cuda sample_rows: positions / out / code are NULL");
-    sample_rows_kernel<<<x.rows, SMP_THREADS, 0, c->stream>>>((const float *)x.data, x.ld, x.cols,
-                                                              (double)sp->temperature, sp->top_k, sp->top_p, sp->seed,
-                                                              pos, pos_offset, out, code);
+    KD_TRY(kd_cuda_smem(c, (const void *)sample_rows_kernel, SMP_SMEM));
+    sample_rows_kernel<<<x.rows, SMP_THREADS, SMP_SMEM, c->stream>>>((const float *)x.data, x.ld, x.cols,
+                                                                     (double)sp->temperature, sp->top_k, sp->top_p,
+                                                                     kd_rule_min_p_floor(sp->min_p), sp->seed, pos,
+                                                                     pos_offset, out, code);
     KD_CUDA_LAUNCH("sample_rows_kernel");
     return KD_OK;
 }

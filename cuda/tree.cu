@@ -1,10 +1,13 @@
 /* tree.cu: per-row reductions over the vocabulary: log_softmax (in place), argmax, top-k.
- * One block per row; fixed reduction orders, so a row's result never depends on the
- * other rows. Order of equal values: the lower id first (argmax and top-k), and NaN
+ * One block per row (top-k's first histogram: several, with integer counts); fixed
+ * reduction orders, so a row's result never depends on the other rows. Order of equal values: the lower id first (argmax and top-k), and NaN
  * loses to everything, exactly as core/cpu/cpu_elementwise.c; argmax reports a row's first
  * NaN / +inf column as -code (sample_rule.h) as the CPU op does.
  *
- * top-k (k up to 16384, V up to 2^31): a radix select finds the k-th largest value in
+ * top-k (k up to 16384, V up to 2^31): a histogram of the keys' top 11 bits, several blocks
+ * per row, finds the bin that holds the k-th largest value; when the bins from the top down
+ * to it hold at most 8192 ids (k below 8192, values not piled into one bin), one pass gathers
+ * them and a bitonic sort orders them. Else a radix select finds the k-th largest value in
  * four 8-bit passes over the row, then one ordered pass collects everything above it
  * plus the lowest-id entries equal to it, and a bitonic sort in shared memory orders
  * the k candidates by (value desc, id asc). */
@@ -15,6 +18,9 @@ namespace {
 
 constexpr int ROW_THREADS = 1024;
 constexpr int TOPK_MAX = 16384;
+constexpr int TK_BITS = 11, TK_BINS = 1 << TK_BITS;   /* the first histogram: the key's top 11 bits */
+constexpr int TK_SLICE = 4096;                        /* ids per block of that histogram */
+constexpr int TK_CAND = 8192;                         /* ids gathered from the top bins and sorted */
 
 __device__ __forceinline__ float ld_row(const void *x, int dt, size_t i) { return kd_ld(x, dt, i); }
 
@@ -80,15 +86,83 @@ __device__ __forceinline__ uint32_t fkey(float v) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+/* the row histogram of the keys' top TK_BITS bits, TK_SLICE ids per block, rows on grid.y */
+__global__ void __launch_bounds__(256) topk_hist_kernel(const void *x, int dt, long long ld, int cols,
+                                                        unsigned int *hist) {
+    __shared__ unsigned int h[TK_BINS];
+    for (int i = threadIdx.x; i < TK_BINS; i += blockDim.x) h[i] = 0;
+    __syncthreads();
+    const size_t base = (size_t)blockIdx.y * ld;
+    const int lo = blockIdx.x * TK_SLICE, hi = min(cols, lo + TK_SLICE);
+    for (int c = lo + threadIdx.x; c < hi; c += blockDim.x) atomicAdd(&h[fkey(ld_row(x, dt, base + c)) >> (32 - TK_BITS)], 1u);
+    __syncthreads();
+    unsigned int *g = hist + (size_t)blockIdx.y * TK_BINS;
+    for (int i = threadIdx.x; i < TK_BINS; i += blockDim.x)
+        if (h[i]) atomicAdd(&g[i], h[i]);
+}
+
+/* One block per row. With hist (topk_hist_kernel's counts of this launch's rows): the top bins
+ * down to the one that holds the k-th key, when they hold at most cap ids, are gathered in one
+ * pass and sorted; else (or without hist) the radix select below. Either way the sort orders a
+ * superset of the top k by the same (key desc, id asc), so both give the same lists. */
 __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
-                                                           int kpow2, float *vals, int32_t *ids) {
-    extern __shared__ unsigned long long cand[];     /* kpow2 composite keys */
+                                                           int kpow2, int cap, const unsigned int *bins, float *vals,
+                                                           int32_t *ids) {
+    extern __shared__ unsigned long long cand[];     /* cap composite keys (>= kpow2) */
     __shared__ unsigned int hist[256];
-    __shared__ unsigned int s_sel[2];
+    __shared__ unsigned int s_sel[3];
     __shared__ unsigned int warp_cnt[32];
     __shared__ unsigned int s_ngt, s_neq_taken;
+    __shared__ int s_tb;
+    __shared__ unsigned int s_nc;
     const size_t base = (size_t)blockIdx.x * ld;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    int nsort = kpow2;
+
+    bool gathered = false;
+    if (bins) {
+        if (warp == 0) {   /* the bin holding the k-th key, from the top: each lane 64 bins, then a scan */
+            constexpr int PER = TK_BINS / 32;
+            const unsigned int *g = bins + (size_t)blockIdx.x * TK_BINS;
+            unsigned int sum = 0;
+            for (int j = 0; j < PER; j++) sum += g[TK_BINS - 1 - (lane * PER + j)];
+            unsigned int incl = sum;
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned int u = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += u;
+            }
+            const int L = __ffs(__ballot_sync(0xffffffffu, incl >= (unsigned)k)) - 1;   /* found: the bins sum to cols >= k */
+            if (lane == L) {
+                unsigned int c = incl - sum;
+                for (int j = 0; j < PER; j++) {
+                    c += g[TK_BINS - 1 - (L * PER + j)];
+                    if (c >= (unsigned)k) { s_tb = TK_BINS - 1 - (L * PER + j); s_nc = c; break; }
+                }
+            }
+            if (tid == 0) s_ngt = 0;
+        }
+        __syncthreads();
+        gathered = s_nc <= (unsigned)cap;
+        if (gathered) {
+            const uint32_t tb = (uint32_t)s_tb;
+            for (int c0 = 0; c0 < cols; c0 += blockDim.x) {
+                const int c = c0 + tid;
+                const uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
+                const bool in = c < cols && (key >> (32 - TK_BITS)) >= tb;
+                const unsigned m = __ballot_sync(0xffffffffu, in);
+                unsigned int slot = 0;
+                if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
+                slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
+                if (in) cand[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
+            }
+            nsort = 1;
+            while (nsort < (int)s_nc) nsort <<= 1;   /* <= cap: a power of two */
+            __syncthreads();
+            for (int i = (int)s_nc + tid; i < nsort; i += blockDim.x) cand[i] = 0ull;   /* padding sorts last */
+            __syncthreads();
+        }
+    }
+    if (!gathered) {
 
     /* radix select of the k-th largest key */
     uint32_t prefix = 0, mask = 0;
@@ -110,6 +184,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
             }
             s_sel[0] = (unsigned)d;
             s_sel[1] = kr - cum;
+            s_sel[2] = hist[d];   /* after the last pass: how many keys equal the k-th */
         }
         __syncthreads();
         prefix |= s_sel[0] << shift;
@@ -125,7 +200,20 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     for (int i = tid; i < kpow2; i += blockDim.x) cand[i] = 0ull;   /* padding sorts last */
     __syncthreads();
     const unsigned int n_gt_total = (unsigned)k - n_eq_take;
-    for (int c0 = 0; c0 < cols; c0 += blockDim.x) {
+    /* every key >= kth is kept (no tie at the k-th, the usual case): one pass with no barriers;
+     * else the equal keys go in id order, a barrier per slice of the row */
+    const bool take_all = s_sel[2] == n_eq_take;
+    for (int c0 = 0; take_all && c0 < cols; c0 += blockDim.x) {
+        const int c = c0 + tid;
+        const uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
+        const bool in = c < cols && key >= kth;
+        const unsigned m = __ballot_sync(0xffffffffu, in);
+        unsigned int slot = 0;
+        if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
+        slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
+        if (in) cand[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
+    }
+    for (int c0 = 0; !take_all && c0 < cols; c0 += blockDim.x) {
         int c = c0 + tid;
         uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
         bool gt = c < cols && key > kth, eq = c < cols && key == kth;
@@ -149,10 +237,11 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
         }
         __syncthreads();
     }
+    }
     /* bitonic sort, descending */
-    for (int size = 2; size <= kpow2; size <<= 1) {
+    for (int size = 2; size <= nsort; size <<= 1) {
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int i = tid; i < kpow2; i += blockDim.x) {
+            for (int i = tid; i < nsort; i += blockDim.x) {
                 int j = i ^ stride;
                 if (j > i) {
                     bool desc = (i & size) == 0;
@@ -209,9 +298,21 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
     if (!vals || !ids) return kd_fail(KD_ERR_ARG, "cuda topk: vals/ids are NULL");
     int kp = 1;
     while (kp < k) kp <<= 1;
-    size_t smem = (size_t)kp * sizeof(unsigned long long);
+    /* the histogram (several blocks per row) lets most rows skip the radix passes; grid.y
+     * bounds the rows it takes */
+    unsigned int *bins = NULL;
+    const int cap = x.rows <= 65535 && kp < TK_CAND ? TK_CAND : kp;
+    if (cap > kp) {
+        size_t bytes = (size_t)x.rows * TK_BINS * sizeof(unsigned int);
+        KD_TRY(kd_cuda_ws(be, KD_WS_TREE, bytes, (void **)&bins));
+        KD_CUDA(cudaMemsetAsync(bins, 0, bytes, c->stream));
+        topk_hist_kernel<<<dim3((unsigned)((x.cols + TK_SLICE - 1) / TK_SLICE), (unsigned)x.rows), 256, 0, c->stream>>>(
+            x.data, x.dtype, x.ld, x.cols, bins);
+        KD_CUDA_LAUNCH("topk_hist_kernel");
+    }
+    size_t smem = (size_t)cap * sizeof(unsigned long long);
     KD_TRY(kd_cuda_smem(c, (const void *)topk_kernel, smem));
-    topk_kernel<<<x.rows, ROW_THREADS, smem, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, kp, vals, ids);
+    topk_kernel<<<x.rows, ROW_THREADS, smem, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, kp, cap, bins, vals, ids);
     KD_CUDA_LAUNCH("topk_kernel");
     return KD_OK;
 }

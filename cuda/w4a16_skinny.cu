@@ -13,7 +13,7 @@
  *    are held by the weights while the block waits, and they are in place at the release;
  *  - the next launch is released after the wait, not at entry: released at entry, a third
  *    launch's blocks load beside the two running ones and every launch's weights arrive later
- *    (H200 traces, docs/performance.md);
+ *    (H200 traces, docs/performance-log.md);
  *  - a block is one part of K for a few 16-row tiles (one warp per tile), so it stages only
  *    its part's slice of the activations beside its weights (at most 100 KB, fewer warps
  *    where more would not fit): two launches fit per SM, except at M = 16 with short parts

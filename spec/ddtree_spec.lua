@@ -195,9 +195,10 @@ describe("DDTree verify/accept/commit on tiny-k2.6", function()
   for _, sp in ipairs({
     { temperature = 1.0, seed = 7 },
     { temperature = 0.8, top_k = 40, top_p = 0.9, seed = 99 },
+    { temperature = 1.2, top_k = 40, top_p = 0.95, min_p = 0.1, seed = 5 },
   }) do
-    it(string.format("sampled rounds (T %.1f, top_k %s, top_p %s) reproduce autoregressive sampling with the same seed",
-      sp.temperature, tostring(sp.top_k), tostring(sp.top_p)), function()
+    it(string.format("sampled rounds (T %.1f, top_k %s, top_p %s, min_p %s) reproduce autoregressive sampling with the "
+      .. "same seed", sp.temperature, tostring(sp.top_k), tostring(sp.top_p), tostring(sp.min_p)), function()
       local ar, ars = ar_run(m, N, sp)
       ars:close()
       for _, budget in ipairs({ 0, 4, 64 }) do

@@ -147,8 +147,8 @@ describe("DDTree round ops on the " .. OTHER .. " backend against the host defin
       check(C.kd_test_dd_sample(h, x, rows, V, sp, pos, out, code), "kd_test_dd_sample")
       for r = 0, rows - 1 do
         local st, tok, msg = host_draw(x + r * V, V, sp, pos[r])
-        local tag = string.format("%s row %d sampler %d (T %g, top_k %d, top_p %g, seed %s, position %d)", what, r, si,
-          s.temperature, s.top_k or 0, s.top_p or 0, tostring(s.seed), pos[r])
+        local tag = string.format("%s row %d sampler %d (T %g, top_k %d, top_p %g, min_p %g, seed %s, position %d)", what,
+          r, si, s.temperature, s.top_k or 0, s.top_p or 0, s.min_p or 0, tostring(s.seed), pos[r])
         if st == 0 then
           assert.are.equal(0, code[r], tag .. ": the backend reports an error")
           if tok ~= out[r] then error(string.format("%s: host token %d, backend %d", tag, tok, out[r])) end
@@ -171,7 +171,9 @@ describe("DDTree round ops on the " .. OTHER .. " backend against the host defin
     for _, T in ipairs({ 1.0, 0.6, 2.5, 1e-3, 40.0 }) do
       for _, k in ipairs({ 0, 1, 5, 50, V - 1, V }) do
         for _, p in ipairs({ 0, 0.3, 0.9, 0.999, 1 }) do
-          s[#s + 1] = { temperature = T, top_k = k, top_p = p, seed = #s * 2654435761 % 4294967296 }
+          for _, mp in ipairs({ 0, 0.05 }) do
+            s[#s + 1] = { temperature = T, top_k = k, top_p = p, min_p = mp, seed = #s * 2654435761 % 4294967296 }
+          end
         end
       end
     end
@@ -195,21 +197,30 @@ describe("DDTree round ops on the " .. OTHER .. " backend against the host defin
     local V = 163840
     local r = lcg(9)
     local x = {}
-    for i = 1, 4 * V do x[i] = r() * 4 end
+    for i = 1, 6 * V do x[i] = r() * 4 end
     for i = 1, 4 * V, 997 do x[i] = -math.huge end
     x[V + 99999 + 1] = 30; x[V + 124] = 29             -- row 1: two dominant ids
     for i = 2 * V + 1, 3 * V do x[i] = 0 end            -- row 2: all equal
+    -- rows 4 and 5: ties at every cut: 400 and 40 distinct values (the device's bins below the
+    -- max hold a few of them with ~1600 ids, or one with ~4100: its sort and its radix fallback)
+    for i = 4 * V + 1, 5 * V do x[i] = math.floor(x[i] * 100) / 100 end
+    for i = 5 * V + 1, 6 * V do x[i] = math.floor(x[i] * 10) / 10 end
     local samplers = {}
     for _, T in ipairs({ 1.0, 0.7, 3.0 }) do
       for _, k in ipairs({ 0, 40, 4096, V - 1 }) do
         for _, p in ipairs({ 0, 0.5, 0.95 }) do
           for _, seed in ipairs({ 3, 1234567 }) do
-            samplers[#samplers + 1] = { temperature = T, top_k = k, top_p = p, seed = seed }
+            samplers[#samplers + 1] = { temperature = T, top_k = k, top_p = p, min_p = seed == 3 and 0 or 0.05, seed = seed }
           end
         end
       end
     end
-    local n = same_draws(4, V, function(row, i) return x[row * V + i + 1] end, samplers, "V=163840")
+    -- top-k and top-p cuts inside a group of equal logits (row 5: ~4096 ids per value)
+    for _, k in ipairs({ 4095, 4096, 4097, 6000, 20000 }) do
+      samplers[#samplers + 1] = { temperature = 1.0, top_k = k, top_p = 0.9, seed = k }
+    end
+    for _, p in ipairs({ 0.02, 0.021, 0.3 }) do samplers[#samplers + 1] = { temperature = 1.0, top_p = p, seed = 11 } end
+    local n = same_draws(6, V, function(row, i) return x[row * V + i + 1] end, samplers, "V=163840")
     io.stderr:write(string.format("[gpu_round] %d draws at V = 163840 equal the host rule\n", n))
   end)
 

@@ -1,5 +1,5 @@
 -- sample_spec.lua: the keyed sampling rule (core/sample.c, docs/ddtree.md):
--- softmax(logits / T) in double, top-k then top-p, an inverse-CDF draw in id order
+-- softmax(logits / T) in double, top-k, min-p, then top-p, an inverse-CDF draw in id order
 -- with u = uniform(seed, position). Frequencies over many positions/seeds must match
 -- the distribution the rule defines (a chi-square bound), truncation must exclude
 -- exactly the right tokens, and the draw must be a pure function of (seed, position).
@@ -240,6 +240,49 @@ describe("keyed sampling: determinism", function()
   end)
 end)
 
+describe("keyed sampling vs the Python reference (min_p_ref.py: top-k, min-p, top-p, ties, -inf)", function()
+  local json = require("dkjson")
+  local f = assert(io.open("spec/fixtures/sample-cases.json", "r"))
+  local fix = json.decode(f:read("*a"), 1, json.null)   -- null (-inf) as json.null, not a hole
+  f:close()
+  local rows = {}
+  for r, list in ipairs(fix.rows) do
+    local a = ffi.new("float[?]", #list)
+    for i = 1, #list do a[i - 1] = list[i] == json.null and -math.huge or list[i] end
+    rows[r] = { a, #list }
+  end
+  it(#fix.cases .. " draws equal the reference's, and min-p changes some of them", function()
+    assert.is_true(#fix.cases >= 1000)
+    local changed = {}
+    for n, c in ipairs(fix.cases) do
+      local a, V = rows[c.row + 1][1], rows[c.row + 1][2]
+      local sp = sampler({ temperature = c.temperature, top_k = c.top_k, top_p = c.top_p, min_p = c.min_p, seed = c.seed })
+      local got = draw(a, V, sp, c.position)
+      if got ~= c.token then
+        error(string.format("case %d (row %d, V %d, T %.9g, top_k %d, top_p %.9g, min_p %.9g, seed %d, position %d): "
+          .. "token %d, reference %d", n, c.row, V, c.temperature, c.top_k, c.top_p, c.min_p, c.seed, c.position, got,
+          c.token))
+      end
+      if c.min_p > 0 then
+        local off = draw(a, V, sampler({ temperature = c.temperature, top_k = c.top_k, top_p = c.top_p, seed = c.seed }),
+          c.position)
+        if off ~= got then changed[#changed + 1] = n end
+      end
+    end
+    assert.is_true(#changed > 20, "min-p changed " .. #changed .. " draws")
+  end)
+
+  it("min-p 1 keeps only the tokens whose mass equals the top one's; min-p <= 0 is off", function()
+    local row, V = row_of({ 1.0, 3.0, 3.0, 2.999, -1.0 })
+    for pos = 0, 40 do
+      local t = draw(row, V, sampler({ temperature = 1.0, min_p = 1.0, seed = 5 }), pos)
+      assert.is_true(t == 1 or t == 2, "token " .. t)
+      assert.are.equal(draw(row, V, sampler({ temperature = 1.0, seed = 5 }), pos),
+        draw(row, V, sampler({ temperature = 1.0, min_p = -0.5, seed = 5 }), pos))
+    end
+  end)
+end)
+
 describe("keyed sampling: bad input", function()
   local row, V = row_of(X)
   it("NaN temperature / top_p, NaN or +inf logits, an all -inf row, vocab <= 0, NULL", function()
@@ -249,6 +292,8 @@ describe("keyed sampling: bad input", function()
     end
     fails(C.kd_sample_logits(row, V, sampler({ temperature = 0 / 0 }), 0, out), "temperature")
     fails(C.kd_sample_logits(row, V, sampler({ temperature = 1, top_p = 0 / 0 }), 0, out), "top_p")
+    fails(C.kd_sample_logits(row, V, sampler({ temperature = 1, min_p = 0 / 0 }), 0, out), "min_p")
+    fails(C.kd_sample_logits(row, V, sampler({ temperature = 1, min_p = 1.5 }), 0, out), "min_p")
     local bad = row_of({ 1, 0 / 0, 2 })
     fails(C.kd_sample_logits(bad, 3, sampler({ temperature = 1 }), 0, out), "logits%[1%] is NaN")
     fails(C.kd_sample_logits(bad, 3, sampler({ temperature = 0 }), 0, out), "logits%[1%] is NaN")

@@ -3,13 +3,15 @@
  * 1K..64K, 1 and 64 query tokens; 256 queries causal and as a tree at 4K and 32K, with the
  * roofline of each row), the per-depth top-k of a DDTree build
  * (log_softmax + top-K over 163840, L = 7 rows, K = 256), and the DDTree round on the
- * device (cuda/ddtree.cu): the whole tree build (top-K + best-first selection) at B = 256,
- * L = 7, V = 163840, and accept over a 257-node tree (greedy: argmax + walk; sampled:
- * the keyed rule + walk), each with the one small result download a round makes.
+ * device (cuda/ddtree.cu): the tree build (top-K + best-first selection) at B = 16, 64, 256,
+ * L = 7, V = 163840, and accept over its 1 + B rows (greedy: argmax + walk; sampled with four
+ * samplers, min-p among them: the keyed rule + walk), each with the one small result download
+ * a round makes, as a markdown table (also into FILE with --md FILE).
  *
- * Build (on the GPU machine, after make):
- *   cc -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c -Lbuild -lkdtree \
- *      -Wl,-rpath,$PWD/build -o build/cuda_ops_bench
+ *   cuda_ops_bench [--round] [--md FILE]     --round: the round's table alone (under a minute)
+ *
+ * Build: `make bench` (against build/libkdtree_internal.a: the backend's ops are not exported by
+ * libkdtree.so), which runs it with --md build/bench/ddtree_round.md.
  * Method: each case runs 3 warm-up calls, then N timed calls between two stream syncs
  * (host monotonic clock: includes launch overheads, as a decode step pays them); the median
  * of 5 such batches is reported. Weights rotate over enough copies to exceed the 50 MB L2
@@ -194,62 +196,96 @@ static kd_status accept_run(void *p, int i) {
     return be->ops->download(be, a->host, a->d->result, a->words * sizeof(int32_t));
 }
 
-static void bench_ddtree(void) {
-    int L = 7, V = 163840, B = 256, K = B;
-    float *hx = malloc((size_t)L * V * 4);
+/* the round around verify at V = 163840, L = 7 (the K2.6 drafter's block 8): the tree build
+ * (top-K, K = B, + best-first selection) at B = 16, 64, 256, and accept over the 1 + B rows
+ * of random flat logits (uniform in [0, 16): every mass is nonzero, the worst case for the
+ * sampling rule's exact sums) per sampler; a markdown table on stdout and in md_path */
+static void bench_round(const char *md_path) {
+    enum { L = 7, V = 163840, NB = 3 };
+    static const int budgets[NB] = {16, 64, 256};
+    static const struct { const char *name; kd_sampler sp; } samplers[] = {
+        {"greedy (argmax)", {.temperature = 0.0f}},
+        {"T 1", {.temperature = 1.0f, .seed = 7}},
+        {"T 0.8, top-k 50, top-p 0.95", {.temperature = 0.8f, .top_k = 50, .top_p = 0.95f, .seed = 7}},
+        {"T 1, top-p 0.9", {.temperature = 1.0f, .top_p = 0.9f, .seed = 7}},
+        {"T 1, min-p 0.05", {.temperature = 1.0f, .seed = 7, .min_p = 0.05f}},
+    };
+    enum { NS = sizeof samplers / sizeof samplers[0] };
+    double build_us[NB], accept_us[NB][NS];
+    int rows[NB];
     uint32_t sd = 4242;
-    for (size_t i = 0; i < (size_t)L * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
-    tree_arg a = {.L = L, .K = K, .B = B};
-    void *x, *buf;
+    float *hx = malloc((size_t)(256 + 1) * V * 4);
+    void *x, *lg;
     CK(be->ops->alloc(be, (size_t)L * V * 4, &x));
+    CK(be->ops->alloc(be, (size_t)(256 + 1) * V * 4, &lg));
+    for (size_t i = 0; i < (size_t)L * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
     CK(be->ops->upload(be, x, hx, (size_t)L * V * 4));
+    for (size_t i = 0; i < (size_t)(256 + 1) * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
+    CK(be->ops->upload(be, lg, hx, (size_t)(256 + 1) * V * 4));
     free(hx);
-    a.lp = (kd_act){x, L, V, V, KD_F32};
-    CK(be->ops->log_softmax(be, a.lp));            /* draft log-probs */
-    size_t bytes = kd_dtree_layout(&a.d, NULL, B, L * K);
-    CK(be->ops->alloc(be, bytes, &buf));
-    kd_dtree_layout(&a.d, buf, B, L * K);
-    double s = time_it(tree_build_run, &a, 20);
-    printf("ddtree build (top-K + select) L=%d V=%d B=%d          %8.1f us\n", L, V, B, s * 1e6);
-    {   /* accept over the tree just built, on random logits of its 1+n rows */
+    kd_act lp = {x, L, V, V, KD_F32};
+    CK(be->ops->log_softmax(be, lp));            /* draft log-probs */
+    for (int b = 0; b < NB; b++) {
+        int B = budgets[b];
+        tree_arg a = {.lp = lp, .L = L, .K = B, .B = B};
+        void *buf;
+        size_t bytes = kd_dtree_layout(&a.d, NULL, B, L * B);
+        CK(be->ops->alloc(be, bytes, &buf));
+        kd_dtree_layout(&a.d, buf, B, L * B);
+        build_us[b] = time_it(tree_build_run, &a, 20) * 1e6;
         int32_t st[4];
         CK(be->ops->download(be, st, a.d.status, sizeof st));
         int n = st[2];
+        rows[b] = n + 1;
         CK(be->ops->tree_stage(be, &a.d, n, 1, 1000, NULL, NULL, NULL));
-        int T = n + 1;
-        float *hl = malloc((size_t)T * V * 4);
-        for (size_t i = 0; i < (size_t)T * V; i++) { sd = sd * 1664525u + 1013904223u; hl[i] = (float)(sd >> 8) / 1048576.0f; }
-        void *lg;
-        CK(be->ops->alloc(be, (size_t)T * V * 4, &lg));
-        CK(be->ops->upload(be, lg, hl, (size_t)T * V * 4));
-        free(hl);
-        accept_arg ac = {.logits = (kd_act){lg, T, V, V, KD_F32}, .d = &a.d, .n = n};
+        accept_arg ac = {.logits = (kd_act){lg, n + 1, V, V, KD_F32}, .d = &a.d, .n = n};
         ac.words = KD_DTREE_HDR + (size_t)(B + 1) + (size_t)L + 1;
         ac.host = malloc(ac.words * sizeof(int32_t));
-        s = time_it(accept_run, &ac, 10);
-        printf("ddtree accept greedy (argmax + walk + result) T=%d V=%d    %8.1f us\n", T, V, s * 1e6);
-        ac.sp = (kd_sampler){.temperature = 1.0f, .top_k = 0, .top_p = 0.0f, .seed = 7};
-        s = time_it(accept_run, &ac, 10);
-        printf("ddtree accept sampled T=1 (rule + walk + result) T=%d V=%d  %8.1f us\n", T, V, s * 1e6);
-        ac.sp = (kd_sampler){.temperature = 0.8f, .top_k = 50, .top_p = 0.95f, .seed = 7};
-        s = time_it(accept_run, &ac, 10);
-        printf("ddtree accept sampled top-k 50 top-p 0.95 T=%d V=%d      %8.1f us\n", T, V, s * 1e6);
-        ac.sp = (kd_sampler){.temperature = 1.0f, .top_k = 0, .top_p = 0.9f, .seed = 7};
-        s = time_it(accept_run, &ac, 10);
-        printf("ddtree accept sampled top-p 0.9 (flat rows) T=%d V=%d   %8.1f us\n", T, V, s * 1e6);
+        for (int k = 0; k < NS; k++) {
+            ac.sp = samplers[k].sp;
+            accept_us[b][k] = time_it(accept_run, &ac, 10) * 1e6;
+        }
         free(ac.host);
-        be->ops->free(be, lg);
+        be->ops->free(be, buf);
     }
-    be->ops->free(be, buf);
+    be->ops->free(be, lg);
     be->ops->free(be, x);
+    char line[4096];
+    FILE *md = md_path ? fopen(md_path, "w") : NULL;
+    if (md_path && !md) fprintf(stderr, "cannot write %s\n", md_path);
+#define OUT(...) do { snprintf(line, sizeof line, __VA_ARGS__); fputs(line, stdout); if (md) fputs(line, md); } while (0)
+    OUT("\n## The DDTree round around verify (V = %d, L = %d; us per call, median of 5 batches)\n\n", V, L);
+    OUT("| step | B = %d (%d rows) | B = %d (%d rows) | B = %d (%d rows) |\n|---|---|---|---|\n", budgets[0], rows[0],
+        budgets[1], rows[1], budgets[2], rows[2]);
+    OUT("| tree build (top-K + select) | %.1f | %.1f | %.1f |\n", build_us[0], build_us[1], build_us[2]);
+    for (int k = 0; k < NS; k++)
+        OUT("| accept: %s (+ walk + result) | %.1f | %.1f | %.1f |\n", samplers[k].name, accept_us[0][k],
+            accept_us[1][k], accept_us[2][k]);
+#undef OUT
+    if (md) fclose(md);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    const char *md_path = NULL;
+    int round_only = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--md") && i + 1 < argc) md_path = argv[++i];
+        else if (!strcmp(argv[i], "--round")) round_only = 1;
+        else {
+            fprintf(stderr, "usage: cuda_ops_bench [--round] [--md FILE]\n");
+            return 2;
+        }
+    }
     /* KDTREE_MLA_TC=0: the attention rows on the CUDA-core kernel (a bench maps the old variable to
      * the option; the library reads no environment) */
     const char *tc = getenv("KDTREE_MLA_TC");
     const kd_model_options opt = { .mla_kernel = tc && !strcmp(tc, "0") ? KD_MLA_CUDA_CORES : KD_MLA_DEFAULT };
     CK(kd_backend_cuda_create(0, &opt, &be));
+    if (round_only) {
+        bench_round(md_path);
+        be->ops->destroy(be);
+        return 0;
+    }
     printf("# kdtree CUDA ops bench (median of 5 batches; host clock between syncs)\n");
     bench_linear("q_a", 1536, 7168);
     bench_linear("kv_a", 576, 7168);
@@ -288,7 +324,7 @@ int main(void) {
         double s = time_it(topk_run, &a, 20);
         printf("tree build top-K: log_softmax + topk L=%d V=%d K=%d  %8.1f us\n", L, V, k, s * 1e6);
     }
-    bench_ddtree();
+    bench_round(md_path);
     be->ops->destroy(be);
     return 0;
 }

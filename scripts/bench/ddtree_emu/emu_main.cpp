@@ -59,7 +59,8 @@ static void test_sample(int V, int kind, const kd_sampler &sp, int rows) {
     std::vector<int32_t> pos(rows), out(rows, -7), code(rows, -7);
     for (int r = 0; r < rows; r++) pos[r] = (int32_t)(urand() * 100000);
     launch(rows, SMP_THREADS, [&] {
-        sample_rows_kernel(x.data(), V, V, (double)sp.temperature, sp.top_k, sp.top_p, sp.seed, pos.data(), 0, out.data(), code.data());
+        sample_rows_kernel(x.data(), V, V, (double)sp.temperature, sp.top_k, sp.top_p, kd_rule_min_p_floor(sp.min_p),
+                           sp.seed, pos.data(), 0, out.data(), code.data());
     });
     std::vector<uint64_t> q(V);
     std::vector<int32_t> a(V);
@@ -69,8 +70,8 @@ static void test_sample(int V, int kind, const kd_sampler &sp, int rows) {
         checks++;
         if (c != code[r] || (c == 0 && tok != out[r])) {
             fails++;
-            printf("MISMATCH V=%d kind=%d T=%g k=%d p=%g row %d: host (%d, code %d) emu (%d, code %d)\n", V, kind,
-                   sp.temperature, sp.top_k, sp.top_p, r, tok, c, out[r], code[r]);
+            printf("MISMATCH V=%d kind=%d T=%g k=%d p=%g min_p=%g row %d: host (%d, code %d) emu (%d, code %d)\n", V,
+                   kind, sp.temperature, sp.top_k, sp.top_p, sp.min_p, r, tok, c, out[r], code[r]);
         }
     }
 }
@@ -129,28 +130,42 @@ static void test_tree(int L, int V, int B, int kind) {
 }
 
 /* default: trees, walks and a quick sampling matrix (minutes); "full": every setting at
- * V = 10, 333, 1000 and 45 settings at V = 163840 (~20 minutes on 2 cores) */
+ * V = 10, 333, 1000 and 45 settings at V = 163840 (~20 minutes on 2 cores); "samples": the
+ * quick sampling matrix alone; "trees": the trees and walks alone; "crowded": rows of V = 12000
+ * whose bins below the max hold more than 2048 ids (ties, all equal: the radix path) or fewer
+ * (smooth, peaked: the bins' path), 12 draws */
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
-    const bool full = argc > 1 && !strcmp(argv[1], "full");
-    for (int L : {1, 3, 7, 15})
-        for (int B : {1, 8, 64, 256, 512})
-            for (int kind : {0, 1}) test_tree(L, L == 15 ? 37 : 200, B, kind);
-    test_tree(2, 3, 64, 0);
-    test_tree(4, 16, 512, 1);
+    const char *mode = argc > 1 ? argv[1] : "";
+    const bool full = !strcmp(mode, "full"), crowded = !strcmp(mode, "crowded");
+    const bool trees = !strcmp(mode, "") || full || !strcmp(mode, "trees");
+    const bool samples = !strcmp(mode, "") || full || !strcmp(mode, "samples");
+    if (crowded)
+        for (int kind : {0, 1, 3, 4})
+            for (kd_sampler sp : {kd_sampler{1.0f, 40, 0.95f, 11, 0.05f}, kd_sampler{0.6f, 4096, 0.5f, 12, 0.0f},
+                                  kd_sampler{1.0f, 0, 0.9f, 13, 0.0f}})
+                test_sample(12000, kind, sp, 1);
+    if (trees) {
+        for (int L : {1, 3, 7, 15})
+            for (int B : {1, 8, 64, 256, 512})
+                for (int kind : {0, 1}) test_tree(L, L == 15 ? 37 : 200, B, kind);
+        test_tree(2, 3, 64, 0);
+        test_tree(4, 16, 512, 1);
+    }
     printf("trees and walks: %d checks, %d fails\n", checks, fails);
     std::vector<float> temps = full ? std::vector<float>{1.0f, 0.6f, 2.5f, 1e-3f, 40.0f} : std::vector<float>{1.0f, 0.6f};
     for (int V : {10, 333, 1000}) {
-        if (!full && V != 333) continue;
+        if (!samples || (!full && V == 1000)) continue;   /* quick: V = 10 (one tile, V < 32) and 333 */
         for (int kind = 0; kind < 5; kind++)
             for (float T : temps) {
                 std::vector<int> ks = full ? std::vector<int>{0, 1, 5, 50, V - 1} : std::vector<int>{0, 5, V - 1};
                 std::vector<float> ps = full ? std::vector<float>{0.0f, 0.3f, 0.9f, 0.999f} : std::vector<float>{0.0f, 0.9f};
                 for (int k : ks)
-                    for (float p : ps) {
-                        kd_sampler sp = {T, k, p, (uint64_t)(urand() * 1e12)};
-                        test_sample(V, kind, sp, 2);
-                    }
+                    for (float p : ps)
+                        for (float mp : {0.0f, 0.05f, 0.6f}) {
+                            kd_sampler sp = {T, k, p, (uint64_t)(urand() * 1e12), mp};
+                            test_sample(V, kind, sp, 2);
+                        }
             }
         printf("samples V=%d: %d checks, %d fails\n", V, checks, fails);
     }
@@ -158,7 +173,7 @@ int main(int argc, char **argv) {
         for (int kind = 0; kind < 5; kind++)
             for (int k : {0, 40, 4096})
                 for (float p : {0.0f, 0.5f, 0.95f}) {
-                    kd_sampler sp = {1.0f, k, p, (uint64_t)(urand() * 1e12)};
+                    kd_sampler sp = {1.0f, k, p, (uint64_t)(urand() * 1e12), k == 40 ? 0.05f : 0.0f};
                     test_sample(163840, kind, sp, 1);
                 }
         printf("samples V=163840: %d checks, %d fails\n", checks, fails);

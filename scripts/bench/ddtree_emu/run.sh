@@ -8,7 +8,7 @@
 #   emu_main.cpp           launches tree_select, tree_walk and sample_rows_kernel and checks
 #                          them against kd_tree_select_host + kd_tree_mask, the CPU twin of
 #                          tree_walk, and kd_sample_row_code (the engine's objects, CPU build)
-# Usage (repo root): scripts/bench/ddtree_emu/run.sh [full]   (default: a few minutes; full: every
+# Usage (repo root): scripts/bench/ddtree_emu/run.sh [full|samples|trees|crowded]   (default: a few minutes; full: every
 # sampling setting and V = 163840 rows, ~20 minutes on 2 cores: 512 OS threads per emulated block)
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)

@@ -62,3 +62,5 @@ inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v)
 inline int atomicMin(int *p, int v) { std::lock_guard<std::mutex> g(emu_atomic_mu); int o = *p; if (v < o) *p = v; return o; }
 using std::min;
 typedef struct kd_cuda { size_t smem_optin; } kd_cuda;
+inline int atomicAdd(int *p, int v) { std::lock_guard<std::mutex> g(emu_atomic_mu); int o = *p; *p = o + v; return o; }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_bar[threadIdx.x >> 5]->arrive_and_wait(); }
