@@ -12,6 +12,8 @@ CC      ?= cc
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA    ?= $(if $(NVCC),1,0)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+# NCCL (the communicator between GPUs, cuda/comm.cu): with the CUDA toolkit, else the system's
+NCCL_HOME ?= $(if $(wildcard $(CUDA_HOME)/include/nccl.h),$(CUDA_HOME),/usr)
 CUDA_ARCHS ?= 90 120
 JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
 # the model `make run` decodes with, and its drafter
@@ -41,9 +43,14 @@ NVFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -Icore
            -gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
 
 ifeq ($(CUDA),1)
+  ifeq ($(wildcard $(NCCL_HOME)/include/nccl.h),)
+    $(error CUDA=1 builds the NCCL communicator (cuda/comm.cu), but $(NCCL_HOME)/include/nccl.h is missing: set NCCL_HOME to NCCL's prefix, or build with CUDA=0)
+  endif
   CFLAGS += -DKD_WITH_CUDA
+  NVFLAGS += -I$(NCCL_HOME)/include
   OBJ := $(CORE_OBJ) $(CUDA_OBJ)
-  LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lstdc++
+  LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lstdc++ \
+            -L$(NCCL_HOME)/lib64 -Wl,-rpath,$(NCCL_HOME)/lib64 -lnccl -ldl
 else
   OBJ := $(CORE_OBJ)
 endif
@@ -54,7 +61,7 @@ BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/bust
 DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8 pkg-config
 FUZZ_PKGS := clang python3
 
-.PHONY: all test test-gpu test-asan fuzz fuzz-build deps-fuzz run bench bench-trace deps install clean FORCE
+.PHONY: all test test-gpu test-asan fuzz fuzz-build deps-fuzz run bench bench-trace bench-comm deps install clean FORCE
 all: $(BUILD)/libkdtree.so $(BUILD)/libkdtree_test.so $(BUILD)/libkdtree_internal.a
 
 # The configuration of this build, rewritten (and so newer than every object) only when it
@@ -209,11 +216,23 @@ $(BENCH_TRACE): scripts/bench/w4a16_bench.cu $(TRACE_OBJS)
 bench-trace: $(BENCH_TRACE)
 	$(BENCH_TRACE) --trace
 
+# The communicator (cuda/comm.cu) on the GPUs there are: the loopback with 2, 4 and 8 ranks on device 0
+# checked against a host fp32 fold, NCCL with 1 rank (and with every GPU when there are several),
+# NCCL captured in a graph, and all-reduce timings for 1..256 rows of 7168 bf16: $(BUILD)/bench/comm.md.
+# Linked with the engine's objects (libkdtree_internal.a): kd_comm_cuda_create is not in kdtree.h.
+BENCH_COMM := $(BUILD)/bench/comm_bench
+$(BENCH_COMM): scripts/bench/comm_bench.c $(BUILD)/libkdtree_internal.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $< $(BUILD)/libkdtree_internal.a $(LDLIBS)
+bench-comm: $(BENCH_COMM)
+	$(BENCH_COMM) --md $(BUILD)/bench/comm.md
+
 bench: $(BENCH_W4)
 	$(BENCH_W4) --md $(BUILD)/bench/w4a16.md
 	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c $(BUILD)/libkdtree_internal.a $(LDLIBS) \
 	  -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench --md $(BUILD)/bench/ddtree_round.md
 	-$(MAKE) $(BENCH_SLICE) && $(BENCH_SLICE) --md $(BUILD)/bench/model_slice.md
+	-$(MAKE) bench-comm
 	-mkdir -p $(BUILD)/bench && KDTREE_LIB=$(BUILD)/libkdtree.so $(LUAJIT) scripts/bench/memory_report.lua --md $(BUILD)/bench/memory.md
 
 # install: the library (libkdtree.so.VERSION, with the SONAME link and the development link), the

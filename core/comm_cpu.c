@@ -165,13 +165,15 @@ kd_status kd_comm_cpu_create(int n_ranks, kd_comm **out) {
     return KD_OK;
 }
 
-/* The CUDA communicator lives in cuda/comm.cu; a build without it (CUDA=0, or before that file
- * is linked) answers with this weak stand-in, which the real definition replaces at link time. */
-__attribute__((weak)) kd_status kd_comm_cuda_create(int n_ranks, const int *devices, kd_backend *const *backends,
-                                                    kd_comm **out) {
+/* The CUDA communicator lives in cuda/comm.cu; a build without CUDA answers with this stand-in.
+ * Not a weak symbol: from a static archive (libkdtree_internal.a) the linker would take a weak
+ * definition it meets first and never pull in cuda/comm.o. */
+#ifndef KD_WITH_CUDA
+kd_status kd_comm_cuda_create(int n_ranks, const int *devices, kd_backend *const *backends, kd_comm **out) {
     (void)devices;
     (void)backends;
     if (out) *out = NULL;
     return kd_fail(KD_ERR_UNSUPPORTED, "kd_comm_cuda_create: %d CUDA ranks need the NCCL communicator "
                    "(cuda/comm.cu), which this build does not have", n_ranks);
 }
+#endif

@@ -8,8 +8,8 @@
  * the device (cudaMemcpy from the mapping: no second full host copy); INT4 experts are
  * repacked by the W4A16 code (cuda/w4a16.cuh) into the layout its kernels stream.
  *
- * Several GPUs (not built yet): the state keeps a communicator slot (NCCL comm, rank,
- * world size); docs/architecture.md "Backends and devices" says how slices are placed. */
+ * Several GPUs: one backend per rank; the collectives between ranks are the communicator's
+ * (cuda/comm.cu, core/comm.h), which enqueues on each rank's backend stream. */
 #include "cuda_internal.cuh"
 #include <stdlib.h>
 #include <string.h>
@@ -391,8 +391,6 @@ extern "C" kd_status kd_backend_cuda_create(int device, const kd_model_options *
     be->device = device;
     be->impl = c;
     c->device = device;
-    c->tp_rank = 0;
-    c->tp_world = 1;
     const kd_model_options none = {};
     if (!opt) opt = &none;
     c->mla_tc = opt->mla_kernel != KD_MLA_CUDA_CORES;

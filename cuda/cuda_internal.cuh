@@ -58,10 +58,6 @@ typedef struct kd_cuda {
     size_t ws_bytes[KD_WS_COUNT];
     /* memory accounting (bytes currently held) */
     size_t bytes_alloc, bytes_weights, bytes_workspace;
-    /* several GPUs (tensor parallel, not used yet): the communicator of this device's
-     * rank. ncclComm_t is kept as void* so this header needs no NCCL. */
-    void *nccl_comm;
-    int tp_rank, tp_world;
     /* step graphs and buffer accounting (backend.cu, graph.cu) */
     int capturing;                 /* a graph capture is open on `stream`: workspaces must not grow */
     unsigned long long ws_epoch;   /* bumped whenever a workspace is reallocated (graphs point into them) */

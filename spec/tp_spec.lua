@@ -14,7 +14,7 @@
 --   * refusals naming the field where a width does not split, and a rank's failure reported on
 --     the caller's thread with the model and sequence still usable.
 -- Always on the CPU backend (the CUDA ranks need the NCCL communicator: a #gpu spec of its own).
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
 local gen = require("kdtree.generate")
 local Ngram = require("kdtree.drafters.ngram")
@@ -333,23 +333,8 @@ describe("tensor parallel (CPU ranks)", function()
   end)
 
   it("a rank that fails mid-forward: the error reaches the caller, the model stays usable", function()
-    local O = require("spec.helpers.ops")
     local m = open(DSV3, 2)
-    local ref_toks = gen.run(m, PROMPT, { n = 8, eos = false }).tokens
-    local s = m:new_seq(64)
-    s:forward(PROMPT)
-    local len = s:len()
-    -- rank 0 (the caller's thread) fails in the first layer while rank 1 waits in the all-reduce
-    O.check(O.C.kd_test_fail_op(m:handle(), "copy", 0), "kd_test_fail_op")
-    local e = err_of(s.forward, s, { 5 })
-    O.check(O.C.kd_test_fail_op(m:handle(), nil, -1), "kd_test_fail_op (clear)")
-    assert.matches("rank 0 of 2: forward: layer 0: backend op copy failed", e, 1, true)
-    assert.are.equal(len, s:len())
-    -- the same sequence goes on, and a new run gives the same tokens as before
-    s:forward({ 5 })
-    assert.are.equal(len + 1, s:len())
-    s:close()
-    assert.are.same(ref_toks, gen.run(m, PROMPT, { n = 8, eos = false }).tokens)
+    require("spec.helpers.rank_failure")(m, PROMPT)
     m:close()
   end)
 end)

@@ -1,0 +1,119 @@
+-- tp_cuda_spec: tensor parallelism on CUDA ranks that share one GPU (devices = {0, 0, ...}), so the
+-- real CUDA split runs through the loopback communicator (cuda/comm.cu: a fixed-order fp32 sum of
+-- the ranks' bf16 partials, written to every rank). spec/tp_spec.lua proves the split on CPU ranks;
+-- here the same engine on the CUDA backend, against the one-rank CUDA model (TP-1):
+--   * greedy ar, dflash and ddtree give TP-1's tokens (tiny-k2.6 at tp 2 with its DFlash drafter,
+--     tiny-dsv3 at tp 2 and 4 with the oracle drafter given TP-1's ar tokens);
+--   * sampled dflash and ddtree give the split model's own ar tokens (speculative decoding stays
+--     lossless at tp > 1: the loopback sum is elementwise, so a row's bits do not depend on the
+--     rows beside it). Sampled tokens are not compared with TP-1's: the split rounds each rank's
+--     bf16 partial sums before the all-reduce, so logits move by bf16 noise, which can move a
+--     keyed draw that lands near a boundary;
+--   * the prompt's logits within REL_TOL of TP-1's, relative to their largest |logit| (golden_spec's
+--     bound for the CUDA backend's bf16 activations against fp64), and the latent KV cache
+--     bit-identical on every rank after the prefill (the all-reduce leaves the same bits everywhere);
+--   * a rank that fails mid-forward while the other waits at the loopback's barrier: the error
+--     reaches the caller (the waiting rank was released by abort), the sequence is unchanged and
+--     the model goes on with the same tokens as before (the communicator was reset).
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
+local kd = require("kdtree")
+local gen = require("kdtree.generate")
+local Oracle = require("kdtree.drafters.oracle")
+local ck = require("spec.helpers.checkpoint")
+
+local K26, DSV3, DRAFT = ck.K26, ck.DSV3, "models/tiny-k2.6-dflash"
+local REL_TOL = 2e-2
+local PROMPT = { 5, 77, 300, 12, 999, 77, 300, 5, 77 }
+local N = 24
+local SAMPLED = {
+  { name = "temperature", sampler = { temperature = 0.8, seed = 7 } },
+  { name = "top-k + top-p", sampler = { temperature = 1.2, top_k = 40, top_p = 0.9, seed = 1234 } },
+}
+local LAYOUTS = {
+  { dir = K26, tps = { 2 }, drafter = function(m) return kd.open_drafter(DRAFT, m) end },
+  { dir = DSV3, tps = { 2, 4 }, drafter = function(m, future) return Oracle.new({ vocab = m.info.vocab, future = future }) end },
+}
+
+local function open(dir, tp)
+  local devices = {}
+  for r = 1, tp do devices[r] = 0 end
+  return kd.open_model(dir, { backend = "cuda", tp = tp, devices = devices })
+end
+
+local function tokens(m, L, policy, sampler, future)
+  local d = policy ~= "ar" and L.drafter(m, future) or nil
+  local r = gen.run(m, PROMPT, { policy = policy, n = N, eos = false, sampler = sampler, drafter = d, budget = 8 })
+  if d and d.close then d:close() end
+  return table.concat(r.tokens, " "), r.tokens
+end
+
+-- the prompt followed by tokens (the oracle drafter's future)
+local function future_of(toks)
+  local f = {}
+  for _, t in ipairs(PROMPT) do f[#f + 1] = t end
+  for _, t in ipairs(toks) do f[#f + 1] = t end
+  return f
+end
+
+describe("tensor parallel on one GPU through the loopback #gpu", function()
+  for _, L in ipairs(LAYOUTS) do
+    describe(L.dir, function()
+      local ref_m, ref_greedy, ref_list
+      setup(function()
+        ref_m = open(L.dir, 1)
+        ref_greedy, ref_list = tokens(ref_m, L, "ar")
+      end)
+      teardown(function() ref_m:close() end)
+
+      for _, tp in ipairs(L.tps) do
+        it("tp " .. tp .. ": greedy ar, dflash and ddtree give TP-1's tokens", function()
+          local m = open(L.dir, tp)
+          for _, pol in ipairs({ "ar", "dflash", "ddtree" }) do
+            assert.are.equal(ref_greedy, (tokens(m, L, pol, nil, future_of(ref_list))), pol)
+          end
+          m:close()
+        end)
+
+        it("tp " .. tp .. ": sampled dflash and ddtree give the split model's own ar tokens", function()
+          local m = open(L.dir, tp)
+          for _, sp in ipairs(SAMPLED) do
+            local ar, ar_list = tokens(m, L, "ar", sp.sampler)
+            for _, pol in ipairs({ "dflash", "ddtree" }) do
+              assert.are.equal(ar, (tokens(m, L, pol, sp.sampler, future_of(ar_list))), pol .. " / " .. sp.name)
+            end
+          end
+          m:close()
+        end)
+
+        it("tp " .. tp .. ": logits within " .. REL_TOL .. " of TP-1 (relative), the cache identical on every rank", function()
+          local m = open(L.dir, tp)
+          local s, s1 = m:new_seq(64), ref_m:new_seq(64)
+          s:forward(PROMPT)
+          s1:forward(PROMPT)
+          local a, n = s:logits_cdata(1)
+          local b = s1:logits_cdata(1)
+          local d, top = 0, 0
+          for i = 0, n - 1 do
+            d = math.max(d, math.abs(a[i] - b[i]))
+            top = math.max(top, math.abs(b[i]))
+          end
+          print(("\n  %s tp %d: prompt logits max |diff| %.3g, relative %.3g"):format(L.dir, tp, d, d / top))
+          assert.is_true(d == d and d <= REL_TOL * top, "logits differ by " .. d .. " (largest |logit| " .. top .. ")")
+          local w = m.info.kv_lora_rank + m.info.qk_rope_dim
+          for l = 0, m.info.n_layers - 1 do
+            local c0 = s:read_cache(l, 0, #PROMPT, 0)
+            assert.are.equal(#PROMPT * w, #c0)
+            for r = 1, tp - 1 do assert.are.same(c0, s:read_cache(l, 0, #PROMPT, r), "layer " .. l .. " rank " .. r) end
+          end
+          s:close(); s1:close(); m:close()
+        end)
+      end
+    end)
+  end
+
+  it("a rank that fails while the other waits at the loopback's barrier: the caller gets its error, the model goes on", function()
+    local m = open(DSV3, 2)
+    require("spec.helpers.rank_failure")(m, PROMPT)
+    m:close()
+  end)
+end)
