@@ -92,8 +92,13 @@ $(BUILD)/libkdtree.so: $(OBJ) $(BUILD)/kdtree.map
 	$(CC) $(SAN) -shared -Wl,-soname,libkdtree.so.$(SOVERSION) -Wl,--version-script=$(BUILD)/kdtree.map -o $@ $(OBJ) $(LDLIBS)
 	@ln -sf libkdtree.so $(BUILD)/libkdtree.so.$(SOVERSION)
 
-$(BUILD)/libkdtree_test.so: $(OBJ) $(TEST_OBJ)
-	$(CC) $(SAN) -shared -o $@ $^ $(LDLIBS)
+# the test library's version script: kdtree.h's functions plus the test surface, all else local
+# (the CUDA objects would otherwise export C++ runtime symbols such as _ZTVSt9type_info)
+$(BUILD)/kdtree_test.map: $(BUILD)/kdtree.map
+	sed 's/^local:/  kd_test_*; kd_testing_*;\nlocal:/' $< > $@
+
+$(BUILD)/libkdtree_test.so: $(OBJ) $(TEST_OBJ) $(BUILD)/kdtree_test.map
+	$(CC) $(SAN) -shared -Wl,--version-script=$(BUILD)/kdtree_test.map -o $@ $(OBJ) $(TEST_OBJ) $(LDLIBS)
 
 # the engine's objects for programs that reach inside it (benches: backend ops, config, weights),
 # linked statically with the flags written beside it (engine.flags: KD_WITH_CUDA when the

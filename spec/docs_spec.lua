@@ -1,6 +1,7 @@
 -- docs_spec: the documentation's examples run as written. README's and the docs' Lua blocks
--- run as scripts in a separate LuaJIT from the repository root with no LUA_PATH or KDTREE_LIB
--- set (as a reader copies them); their `scripts/kdtree` and `luajit` shell lines run and exit
+-- run as scripts in a separate LuaJIT from the repository root with no KDTREE_LIB set (as a
+-- reader copies them; the caller's LUA_PATH/LUA_CPATH pass through: they are the system's, e.g.
+-- where a machine keeps dkjson, and `make test` puts no source-tree path in them); their `scripts/kdtree` and `luajit` shell lines run and exit
 -- 0; C blocks are verbatim excerpts of scripts/examples/ddtree.c (which `make test` compiles
 -- and runs) or of core/kdtree.h; the tutorial's Lua blocks are excerpts of the example it
 -- builds; no document points outside the repository.
@@ -15,9 +16,10 @@ local function blocks(text, lang)
   return out
 end
 
--- run a shell command from the repository root without the spec's environment; (code, output)
+-- run a shell command from the repository root without the spec's KDTREE_LIB (the system's
+-- LUA_PATH, LUA_CPATH and LD_LIBRARY_PATH stay, as a reader has them); (code, output)
 local function sh(cmd)
-  local p = io.popen("env -u LUA_PATH -u LUA_CPATH -u KDTREE_LIB sh -c " .. ("%q"):format(cmd) .. " </dev/null 2>&1; echo \"rc=$?\"")
+  local p = io.popen("env -u KDTREE_LIB sh -c " .. ("%q"):format(cmd) .. " </dev/null 2>&1; echo \"rc=$?\"")
   local out = p:read("*a")
   p:close()
   return tonumber(out:match("rc=(%d+)\n$")), out

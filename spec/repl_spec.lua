@@ -14,16 +14,21 @@ local LIB = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB
 local function slurp(f) local h = assert(io.open(f, "rb")); local s = h:read("*a"); h:close(); return s end
 
 -- drive the REPL on a pseudo-terminal: each step waits until its `after` text has appeared
--- `count` times in the output (default: the count-th prompt), then types `send`.
+-- `count` times in the output (default: the count-th prompt), and with `streamed` until that
+-- many more bytes follow its last appearance (a reply has begun to print), then types `send`.
 -- Returns (exit code, output without terminal escapes and carriage returns).
 local function on_terminal(home, args, steps, state)
   local out = os.tmpname()
   local sh = { "wait_for() { n=0; while [ \"$(grep -a -o -F -- \"$1\" " .. out .. " | wc -l)\" -lt \"$2\" ]; do",
+    "  n=$((n+1)); [ $n -gt 600 ] && exit 1; sleep 0.05; done; }",
+    "wait_bytes() { at=$(grep -a -b -o -F -- \"$1\" " .. out .. " | tail -n 1 | cut -d: -f1); n=0;",
+    "  while [ \"$(stat -c %s " .. out .. ")\" -lt $((at + ${#1} + $2)) ]; do",
     "  n=$((n+1)); [ $n -gt 600 ] && exit 1; sleep 0.05; done; }", "(" }
   for i, st in ipairs(steps) do
     local octal = st.send:gsub(".", function(c) return string.format("\\%03o", c:byte()) end)
-    sh[#sh + 1] = string.format("wait_for %q %d; sleep %g; printf '%s'", st.after or "kd> ", st.count or i,
-      st.sleep or 0, octal)
+    local after = st.after or "kd> "
+    sh[#sh + 1] = string.format("wait_for %q %d; %sprintf '%s'", after, st.count or i,
+      st.streamed and string.format("wait_bytes %q %d; ", after, st.streamed) or "", octal)
   end
   sh[#sh + 1] = ") | env -u XDG_STATE_HOME HOME=" .. home .. (state and (" XDG_STATE_HOME=" .. state) or "")
     .. " TERM=xterm " .. LIB .. "timeout 60 script -qfec 'luajit " .. CLI .. " repl "
@@ -84,8 +89,11 @@ describe("kdtree repl on a terminal", function()
       { count = 7, send = "help\n" },
       { count = 8, send = "show{1, 2}\n" },
       { count = 9, send = "drafter'" .. DRAFT .. "'\n" },
-      { count = 10, send = "chat('Hello!', {n = 5000})\n" },
-      { after = "n = 5000})", count = 1, sleep = 1, send = "\3" },   -- Ctrl-C during a reply
+      -- Ctrl-C during a reply: with no stops it cannot end by itself before n (on the GPU a
+      -- reply that could stop ended at 437 tokens in 0.2 s), and the Ctrl-C goes as soon as the
+      -- reply prints (40 bytes past the echoed line: its newline, terminal modes, a few tokens)
+      { count = 10, send = "chat('Hello!', {n = 5000, stops = {}})\n" },
+      { after = "stops = {}})", count = 1, streamed = 40, send = "\3" },
       { count = 11, send = "#messages\n" },
       { count = 12, send = "exit\n" },
     })
@@ -114,6 +122,18 @@ describe("kdtree repl on a terminal", function()
     code, out = on_terminal(home, "", { { send = "6 * 7\n" }, { count = 2, send = "exit\n" } }, home .. "/state")
     assert.are.equal(0, code, out)
     assert.are.equal("6 * 7\nexit\n", slurp(home .. "/state/kdtree/history"))
+  end)
+
+  -- Ctrl-C typed together with a line is pending while that line runs (no reply, no Lua long
+  -- enough for the hook): it must be dropped, not left to end the session at exit with 130
+  -- (on the GPU, where CUDA's threads exist, it did)
+  it("drops a Ctrl-C that came while idle: the line still runs and exit returns 0", function()
+    local code, out = on_terminal(home, "--model " .. MODEL, {
+      { send = "\0036 * 7\n" },
+      { count = 2, send = "\3exit\n" },
+    })
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find("kd> 6 * 7\n42\nkd> exit", 1, true), out)
   end)
 end)
 
@@ -146,6 +166,18 @@ describe("kdtree repl, plain input", function()
     assert.truthy(out:find("kd> 4\n", 1, true), out)
     assert.truthy(out:find("chat history cleared\nkd> 0\nkd> 0\n", 1, true), out)
     d:close(); tok:close(); m:close()
+  end)
+
+  it("chats with stops = {} to n tokens, as the Lua API decodes with no stops", function()
+    local out = piped("--draft " .. DRAFT, { "chat('Hello!', {n = 40, stops = {}})", "chat('Hi', {stops = 3})" })
+    local m = kd.open_model(MODEL)
+    local tok = kd.open_tokenizer(MODEL)
+    local ar = gen.run(m, tok:chat({ { role = "user", content = "Hello!" } }),
+      { policy = "ar", n = 40, eos = {}, tokenizer = tok })
+    assert.are.equal(40, #ar.tokens)
+    assert.truthy(out:find(ar.text .. "\n(40 tokens, ddtree, mean tau", 1, true), out)
+    assert.truthy(out:find("chat: expected stops as a list of token ids ({} = none)", 1, true), out)
+    tok:close(); m:close()
   end)
 
   it("draws the last tree as DOT with the accepted path, and a tau histogram", function()

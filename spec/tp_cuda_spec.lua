@@ -2,8 +2,19 @@
 -- real CUDA split runs through the loopback communicator (cuda/comm.cu: a fixed-order fp32 sum of
 -- the ranks' bf16 partials, written to every rank). spec/tp_spec.lua proves the split on CPU ranks;
 -- here the same engine on the CUDA backend, against the one-rank CUDA model (TP-1):
---   * greedy ar, dflash and ddtree give TP-1's tokens (tiny-k2.6 at tp 2 with its DFlash drafter,
---     tiny-dsv3 at tp 2 and 4 with the oracle drafter given TP-1's ar tokens);
+--   * greedy dflash and ddtree give the split model's own greedy ar tokens exactly (DDTree is
+--     exact; tiny-k2.6 at tp 2 with its DFlash drafter, tiny-dsv3 at tp 2 and 4 with the oracle
+--     drafter given those ar tokens);
+--   * the split model's greedy ar follows TP-1's up to a near-tie, not exactly: each rank rounds
+--     its row-parallel o_proj/down partial to bf16 before the loopback's fp32 sum, where TP-1
+--     rounds the whole sum once, so logits move by bf16 noise (within REL_TOL) and on these random
+--     tiny models greedy tokens part at near-ties (measured on an H200: tiny-k2.6 tp 2 at step 15,
+--     tiny-dsv3 tp 2 at step 5). The rule that holds and still catches a wrong split: at the first
+--     differing step TP-1's own logits (for the shared prefix) rate the split model's token within
+--     2 * REL_TOL * (largest |logit|) of their max (each of the two logits may move by REL_TOL), and
+--     the split model's logits for that prefix are within REL_TOL of TP-1's; and on DECISIVE, a
+--     prompt whose top-2 margin is large on both models (about 0.19 relative on the CPU), the first
+--     greedy token is TP-1's exactly (a wrong split moves logits by far more than the margin);
 --   * sampled dflash and ddtree give the split model's own ar tokens (speculative decoding stays
 --     lossless at tp > 1: the loopback sum is elementwise, so a row's bits do not depend on the
 --     rows beside it). Sampled tokens are not compared with TP-1's: the split rounds each rank's
@@ -24,6 +35,7 @@ local ck = require("spec.helpers.checkpoint")
 local K26, DSV3, DRAFT = ck.K26, ck.DSV3, "models/tiny-k2.6-dflash"
 local REL_TOL = 2e-2
 local PROMPT = { 5, 77, 300, 12, 999, 77, 300, 5, 77 }
+local DECISIVE = { 165, 865, 357, 71 }   -- TP-1's top-2 margin ~0.19 of the largest |logit|, both models
 local N = 24
 local SAMPLED = {
   { name = "temperature", sampler = { temperature = 0.8, seed = 7 } },
@@ -55,22 +67,57 @@ local function future_of(toks)
   return f
 end
 
+-- the last output row of a prefill of ids: (logits list, largest |logit|, argmax token, top-2 margin)
+local function logits_at(m, ids)
+  local s = m:new_seq(64)
+  s:forward(ids)
+  local _, _, rows = s:logits_cdata(1)
+  local l = s:logits(rows)
+  s:close()
+  local top, best, b1, b2 = 0, nil, -math.huge, -math.huge
+  for i, v in ipairs(l) do
+    top = math.max(top, math.abs(v))
+    if v > b1 then b2, b1, best = b1, v, i - 1 elseif v > b2 then b2 = v end
+  end
+  return l, top, best, b1 - b2
+end
+
 describe("tensor parallel on one GPU through the loopback #gpu", function()
   for _, L in ipairs(LAYOUTS) do
     describe(L.dir, function()
-      local ref_m, ref_greedy, ref_list
+      local ref_m, ref_list
       setup(function()
         ref_m = open(L.dir, 1)
-        ref_greedy, ref_list = tokens(ref_m, L, "ar")
+        ref_list = select(2, tokens(ref_m, L, "ar"))
       end)
       teardown(function() ref_m:close() end)
 
       for _, tp in ipairs(L.tps) do
-        it("tp " .. tp .. ": greedy ar, dflash and ddtree give TP-1's tokens", function()
+        it("tp " .. tp .. ": greedy dflash and ddtree give its own ar tokens; its ar follows TP-1's up to a near-tie", function()
           local m = open(L.dir, tp)
-          for _, pol in ipairs({ "ar", "dflash", "ddtree" }) do
-            assert.are.equal(ref_greedy, (tokens(m, L, pol, nil, future_of(ref_list))), pol)
+          local ar, ar_list = tokens(m, L, "ar")
+          for _, pol in ipairs({ "dflash", "ddtree" }) do
+            assert.are.equal(ar, (tokens(m, L, pol, nil, future_of(ar_list))), pol)
           end
+          local k = nil
+          for i = 1, N do if k == nil and ar_list[i] ~= ref_list[i] then k = i end end
+          if k then
+            local prefix = future_of({ unpack(ref_list, 1, k - 1) })
+            local l1, top1, best1 = logits_at(ref_m, prefix)
+            local ln = logits_at(m, prefix)
+            local d = 0
+            for i = 1, #l1 do d = math.max(d, math.abs(l1[i] - ln[i])) end
+            local gap = l1[best1 + 1] - l1[ar_list[k] + 1]
+            print(("\n  %s tp %d: greedy ar parts from TP-1's at step %d (%d vs %d): TP-1's logit gap %.3g, "
+              .. "logits |diff| %.3g, largest |logit| %.3g"):format(L.dir, tp, k, ar_list[k], ref_list[k], gap, d, top1))
+            assert.is_true(d <= REL_TOL * top1, "step " .. k .. ": logits differ by " .. d .. " (largest " .. top1 .. ")")
+            assert.is_true(gap <= 2 * REL_TOL * top1, "step " .. k .. ": TP-1 rates token " .. ar_list[k]
+              .. " " .. gap .. " below its max (largest |logit| " .. top1 .. "): not a near-tie")
+          end
+          local _, top1, best1, margin = logits_at(ref_m, DECISIVE)
+          assert.is_true(margin > 4 * REL_TOL * top1, "DECISIVE's top-2 margin " .. margin .. " is not large")
+          local _, _, best_n = logits_at(m, DECISIVE)
+          assert.are.equal(best1, best_n, "the first greedy token after DECISIVE")
           m:close()
         end)
 

@@ -216,6 +216,8 @@ function R.env(opts)
 
   -- one chat turn: the reply streams as rounds are accepted (DDTree with the drafter when one
   -- is loaded); Ctrl-C ends it after the current round. sampler (a global): nil = greedy.
+  -- o: n (most tokens, 256), budget (16), sampler, stops (the ids that end the reply: by default
+  -- the chat's end-of-turn ids and the model's EOS; {} = none, the reply runs to n or Ctrl-C)
   function E.chat(text, o)
     need_tokenizer()
     o = o or {}
@@ -223,8 +225,13 @@ function R.env(opts)
     local msgs = { unpack(E.messages) }
     msgs[#msgs + 1] = { role = "user", content = text }
     local ids = E.tok:chat(msgs)
-    local eos = E.tok:chat_stops()
-    for _, id in ipairs(E.m.info.eos) do eos[#eos + 1] = id end
+    local eos = o.stops
+    if eos == nil then
+      eos = E.tok:chat_stops()
+      for _, id in ipairs(E.m.info.eos) do eos[#eos + 1] = id end
+    elseif type(eos) ~= "table" then
+      error("chat: expected stops as a list of token ids ({} = none)", 0)
+    end
     local hook = { debug.gethook() }
     debug.sethook()               -- Ctrl-C ends the reply between rounds, not mid-round
     local ok, res = pcall(gen.run, E.m, ids, { policy = E.d and "ddtree" or "ar", drafter = E.d,
@@ -462,6 +469,10 @@ function R.start(opts)
   if opts.draft then E.drafter(opts.draft) end
   local buf = nil
   while true do
+    -- a Ctrl-C that came while no reply or Lua ran (a reply that ended by itself first, or one
+    -- typed ahead of buffered input) is dropped here: left pending it would end the session
+    -- at exit, with SIGINT's status, once a thread that does not block it (CUDA's) exists
+    interrupt.take()
     -- the read is inside the protected call too: nothing that happens at the prompt ends the session
     local ok, line = pcall(read, buf and ">> " or "kd> ")
     if not ok then
@@ -480,6 +491,7 @@ function R.start(opts)
       if rawget(E, "_exit") then break end
     end
   end
+  interrupt.take()                 -- the same for a Ctrl-C typed ahead of `exit`
   close()
   return E
 end
