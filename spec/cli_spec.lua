@@ -35,15 +35,19 @@ local function split_ids(s)
   return t
 end
 
+-- the Lua API's greedy and sampled ar ids after 5,77,300 (backend nil: the default one)
+local function references(backend)
+  local m = kd.open_model(MODEL, { backend = backend })
+  local greedy = gen.run(m, { 5, 77, 300 }, { policy = "ar", n = 24 }).tokens
+  local sampled = gen.run(m, { 5, 77, 300 }, { policy = "ar", n = 24,
+    sampler = { temperature = 0.8, top_p = 0.9, top_k = 40, seed = 7 } }).tokens
+  m:close()
+  return greedy, sampled
+end
+
 describe("kdtree generate", function()
   local ref_greedy, ref_sampled
-  setup(function()
-    local m = kd.open_model(MODEL)
-    ref_greedy = gen.run(m, { 5, 77, 300 }, { policy = "ar", n = 24 }).tokens
-    ref_sampled = gen.run(m, { 5, 77, 300 }, { policy = "ar", n = 24,
-      sampler = { temperature = 0.8, top_p = 0.9, top_k = 40, seed = 7 } }).tokens
-    m:close()
-  end)
+  setup(function() ref_greedy, ref_sampled = references() end)
 
   it("prints the greedy ids, space-separated, with --ids", function()
     local code, out, err = run("generate --model " .. MODEL .. " --prompt-ids 5,77,300 -n 24 --ids")
@@ -76,11 +80,7 @@ describe("kdtree generate", function()
   -- that --tp 2's ddtree prints --tp 2's ar ids, checked below when the CUDA backend is in use.
   it("--tp 2 prints the ids --tp 1 prints, greedy and sampled, ar and ddtree; a tp that does not split exits 1", function()
     local s = "--temperature 0.8 --top-p 0.9 --top-k 40 --seed 7"
-    local m = kd.open_model(MODEL, { backend = "cpu" })
-    local cpu_greedy = gen.run(m, { 5, 77, 300 }, { policy = "ar", n = 24 }).tokens
-    local cpu_sampled = gen.run(m, { 5, 77, 300 }, { policy = "ar", n = 24,
-      sampler = { temperature = 0.8, top_p = 0.9, top_k = 40, seed = 7 } }).tokens
-    m:close()
+    local cpu_greedy, cpu_sampled = references("cpu")
     for _, case in ipairs({ { "", cpu_greedy }, { s, cpu_sampled } }) do
       for _, policy in ipairs({ "", "--draft " .. DRAFT .. " --budget 8" }) do
         local args = "generate --prompt-ids 5,77,300 -n 24 --ids --backend cpu " .. case[1] .. " " .. policy
