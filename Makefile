@@ -24,7 +24,9 @@ VERSION := $(shell sed -n 's/.*kd_version(void) { return "\([0-9.]*\)".*/\1/p' c
 SOVERSION := $(firstword $(subst ., ,$(VERSION)))
 
 CFLAGS  ?= -O2 -g
-CFLAGS  += -std=c11 -D_GNU_SOURCE -fPIC -Wall -Wextra -Wno-unused-parameter -Icore
+# SAN: sanitizer flags for compiling and linking the library (test-asan sets them)
+SAN     ?=
+CFLAGS  += -std=c11 -D_GNU_SOURCE -fPIC -Wall -Wextra -Wno-unused-parameter -Icore $(SAN)
 # the library's own objects: nothing exported but what the version script names
 HIDDEN  := -fvisibility=hidden
 LDLIBS  := -lcjson -lpcre2-8 -lm -lpthread
@@ -57,8 +59,9 @@ LUAJIT  := luajit
 # Debian's busted script starts with `#!/usr/bin/env lua`: run it under LuaJIT
 BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/busted)
 DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8 pkg-config
+FUZZ_PKGS := clang python3
 
-.PHONY: all test test-gpu run bench bench-trace bench-comm deps install clean FORCE
+.PHONY: all test test-gpu test-asan fuzz fuzz-build deps-fuzz run bench bench-trace bench-comm deps install clean FORCE
 all: $(BUILD)/libkdtree.so $(BUILD)/libkdtree_test.so $(BUILD)/libkdtree_internal.a
 
 # The configuration of this build, rewritten (and so newer than every object) only when it
@@ -86,7 +89,7 @@ $(BUILD)/kdtree.map: core/kdtree.h
 # SONAME libkdtree.so.$(SOVERSION); the build directory's link of that name lets programs
 # linked against build/libkdtree.so run from there
 $(BUILD)/libkdtree.so: $(OBJ) $(BUILD)/kdtree.map
-	$(CC) -shared -Wl,-soname,libkdtree.so.$(SOVERSION) -Wl,--version-script=$(BUILD)/kdtree.map -o $@ $(OBJ) $(LDLIBS)
+	$(CC) $(SAN) -shared -Wl,-soname,libkdtree.so.$(SOVERSION) -Wl,--version-script=$(BUILD)/kdtree.map -o $@ $(OBJ) $(LDLIBS)
 	@ln -sf libkdtree.so $(BUILD)/libkdtree.so.$(SOVERSION)
 
 # the test library's version script: kdtree.h's functions plus the test surface, all else local
@@ -95,7 +98,7 @@ $(BUILD)/kdtree_test.map: $(BUILD)/kdtree.map
 	sed 's/^local:/  kd_test_*; kd_testing_*;\nlocal:/' $< > $@
 
 $(BUILD)/libkdtree_test.so: $(OBJ) $(TEST_OBJ) $(BUILD)/kdtree_test.map
-	$(CC) -shared -Wl,--version-script=$(BUILD)/kdtree_test.map -o $@ $(OBJ) $(TEST_OBJ) $(LDLIBS)
+	$(CC) $(SAN) -shared -Wl,--version-script=$(BUILD)/kdtree_test.map -o $@ $(OBJ) $(TEST_OBJ) $(LDLIBS)
 
 # the engine's objects for programs that reach inside it (benches: backend ops, config, weights),
 # linked statically with the flags written beside it (engine.flags: KD_WITH_CUDA when the
@@ -117,11 +120,15 @@ $(BUILD)/%.o: %.cu $(wildcard core/*.h cuda/*.cuh) $(STAMP)
 	$(NVCC) $(NVFLAGS) -c -o $@ $<
 
 # deps: the Debian packages; as root install them, otherwise print the command.
-deps:
-	@missing=""; for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+# deps-fuzz: the same for what `make fuzz` needs besides (clang's libFuzzer, python3 for the seeds)
+install_pkgs = @missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else echo "missing packages:$$missing"; echo "run: sudo apt-get install -y$$missing"; exit 1; fi; fi
+deps:
+	$(call install_pkgs,$(DEB_PKGS))
+deps-fuzz: deps
+	$(call install_pkgs,$(FUZZ_PKGS))
 
 # run and test build in parallel ($(JOBS) jobs: the CUDA fat binary takes minutes serially);
 # the specs load libkdtree_test.so (the library plus spec/c's test surface)
@@ -129,6 +136,37 @@ test: deps
 	@$(MAKE) --no-print-directory -j$(JOBS) all $(EXAMPLE)
 	$(EXAMPLE) $(RUN_MODEL) $(RUN_DRAFT)
 	KDTREE_LIB=$(BUILD)/libkdtree_test.so $(BUSTED) --exclude-tags=gpu,slow spec
+
+# test-asan: the CPU suite against the library built with ASan + UBSan (every report fatal) in
+# $(BUILD)/asan; LuaJIT is not instrumented, so the ASan runtime is preloaded into it, and
+# LeakSanitizer checks at each process's exit (busted's, and every CLI the specs run; the C
+# toolchain a spec runs is suppressed: scripts/sanitize/lsan.supp).
+ASAN_SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+ASAN_ENV := LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=1 \
+            LSAN_OPTIONS=suppressions=$(CURDIR)/scripts/sanitize/lsan.supp:print_suppressions=0 \
+            UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+test-asan: deps
+	$(MAKE) --no-print-directory -j$(JOBS) CUDA=0 BUILD=$(BUILD)/asan SAN="$(ASAN_SAN)" all
+	$(ASAN_ENV) KDTREE_LIB=$(BUILD)/asan/libkdtree_test.so $(BUSTED) --exclude-tags=gpu,slow spec
+
+# fuzz: libFuzzer harnesses (fuzz/*.c; clang, ASan + UBSan) over the loaders, seeded from the
+# fixtures (fuzz/seeds.py), each for FUZZ_SECONDS (fuzz/run.sh). Crashes land in $(BUILD)/fuzz/crashes/.
+FUZZ_TARGETS := safetensors config drafter tokenizer encode
+FUZZ_SECONDS ?= 45
+FUZZ_CC      ?= clang
+FUZZ_SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+FUZZ_OBJ     := $(CORE_SRC:%.c=$(BUILD)/fuzz/%.o)
+FUZZ_BIN     := $(FUZZ_TARGETS:%=$(BUILD)/fuzz/fuzz_%)
+$(BUILD)/fuzz/%.o: %.c $(wildcard core/*.h core/cpu/*.h)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) -O1 -g -std=c11 -D_GNU_SOURCE -Icore $(FUZZ_SAN) -fsanitize=fuzzer-no-link -c -o $@ $<
+$(BUILD)/fuzz/fuzz_%: fuzz/%.c fuzz/common.h $(FUZZ_OBJ)
+	$(FUZZ_CC) -O1 -g -std=c11 -D_GNU_SOURCE -Icore $(FUZZ_SAN) -fsanitize=fuzzer -o $@ $< $(FUZZ_OBJ) $(LDLIBS)
+fuzz-build: deps-fuzz $(FUZZ_BIN)
+	rm -rf $(BUILD)/fuzz/seeds && python3 fuzz/seeds.py $(BUILD)/fuzz/seeds
+fuzz: fuzz-build
+	fuzz/run.sh $(BUILD)/fuzz $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+.SECONDARY: $(FUZZ_OBJ)
 
 test-gpu:
 	@$(MAKE) --no-print-directory -j$(JOBS) all $(EXAMPLE)

@@ -163,7 +163,9 @@ typedef struct kd_backend_ops {
 
     /* rows of logits -> log_softmax in place (fp32) */
     kd_status (*log_softmax)(kd_backend *be, kd_act x);
-    kd_status (*argmax)(kd_backend *be, kd_act x, int32_t *out);       /* one id per row */
+    /* one id per row (ties: the lower id); a row holding NaN or +inf gets -code instead, the
+     * code (sample_rule.h: kind | column << 2) of its first such column, for the caller to report */
+    kd_status (*argmax)(kd_backend *be, kd_act x, int32_t *out);
     /* per row the k largest values, descending; equal values: lower id first */
     kd_status (*topk)(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids);
 

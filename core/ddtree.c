@@ -169,7 +169,7 @@ static kd_status accept_host(kd_seq *s, kd_tree *t, const kd_sampler *sp, int32_
     if (kd_sampler_is_greedy(sp)) {
         g.greedy = malloc(sizeof(int32_t) * (size_t)T);
         if (!g.greedy) st = kd_fail(KD_ERR_NOMEM, "kd_accept: cannot allocate %d target tokens", T);
-        else st = kd_seq_argmax(s, g.greedy);
+        else if ((st = kd_seq_argmax(s, g.greedy)) != KD_OK) kd_fail_context(st, "kd_accept (a tree of %d nodes)", t->n);
     } else {
         g.row = malloc(sizeof(float) * (size_t)V);
         g.q = malloc(sizeof(uint64_t) * (size_t)V);
@@ -232,6 +232,12 @@ static kd_status accept_device(kd_seq *s, kd_tree *t, const kd_sampler *sp, int3
         kd_sample_fail(r[KD_DTREE_R_STATUS]);
         st = kd_fail_context(KD_ERR_ARG, "kd_accept: node %d (position %d)", (int)r[KD_DTREE_R_NODE],
                              (int)r[KD_DTREE_R_POS]);
+    }
+    if (st == KD_OK && greedy && r[KD_DTREE_R_BONUS] < 0 && tau >= 1 && tau <= bound) {
+        /* the walk stopped at a node whose argmax is an error code (backend.h): no child matches it */
+        int node = r[KD_DTREE_HDR + tau - 1];   /* at depth tau - 1 */
+        st = kd_fail_context(kd_logit_fail("argmax", -r[KD_DTREE_R_BONUS]), "kd_accept: node %d (the verify "
+                             "forward's output row %d, position %d)", node, node, s->len + tau);
     }
     if (st == KD_OK && (r[KD_DTREE_R_N] != n || tau < 1 || tau > bound || r[KD_DTREE_R_BONUS] < 0 ||
                         r[KD_DTREE_R_BONUS] >= s->model->cfg.vocab))

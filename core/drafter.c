@@ -28,7 +28,11 @@
 #include "forward.h"
 #include "graph_step.h"
 #include "error.h"
+#include "sample.h"
 #include "json.h"
+#include "config_read.h"
+#include "sample_rule.h"
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,7 +40,6 @@
 #include <unistd.h>
 
 enum { KD_DRAFT_MAX_TAPS = 16, KD_DRAFT_CHUNK = 64 };
-enum { ROPE_DEFAULT, ROPE_LINEAR, ROPE_YARN };
 
 typedef struct kd_dcfg {
     int n_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate, block_size, mask_token_id;
@@ -45,12 +48,7 @@ typedef struct kd_dcfg {
     int num_target_layers;      /* -1 when omitted */
     int max_positions;          /* 0 when omitted */
     float eps;
-    /* RoPE (rotate-half over the full head dim) */
-    int rope_kind;
-    double rope_theta, rope_factor, yarn_beta_fast, yarn_beta_slow, yarn_mscale, yarn_mscale_all_dim;
-    double yarn_attention_factor;   /* < 0: derived */
-    int yarn_original_max, yarn_truncate;
-    float rope_amp;             /* cos/sin amplitude (HF attention_factor) */
+    kd_rope_params rope;        /* rotate-half over the full head dim (config_read.h) */
     int *window;                /* per layer: 0 = full attention, else sliding_window */
 } kd_dcfg;
 
@@ -104,32 +102,9 @@ static const char *cfg_file(const char *dir, char *buf, size_t n) {
     return buf;
 }
 
-static kd_status json_int(const cJSON *o, const char *key, const char *file, bool required, int def,
-                          int *out) {
-    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!it || cJSON_IsNull(it)) {
-        if (required) return kd_fail(KD_ERR_CONFIG, "%s: field '%s' is missing (expected an integer)", file, key);
-        *out = def;
-        return KD_OK;
-    }
-    if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || fabs(it->valuedouble) > 2147483647.0)
-        return kd_fail(KD_ERR_CONFIG, "%s: field '%s': expected an integer", file, key);
-    *out = (int)it->valuedouble;
-    return KD_OK;
-}
-
-static kd_status json_num(const cJSON *o, const char *key, const char *file, double def, double *out) {
-    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!it || cJSON_IsNull(it)) { *out = def; return KD_OK; }
-    if (!cJSON_IsNumber(it)) return kd_fail(KD_ERR_CONFIG, "%s: field '%s': expected a number", file, key);
-    *out = it->valuedouble;
-    return KD_OK;
-}
-
-static kd_status json_positive(const cJSON *o, const char *key, const char *file, int *out) {
-    KD_TRY(json_int(o, key, file, true, 0, out));
-    if (*out <= 0) return kd_fail(KD_ERR_CONFIG, "%s: field '%s': expected a positive integer, got %d", file, key, *out);
-    return KD_OK;
+/* a required integer in 1..hi */
+static kd_status json_positive(const kd_cfg_ctx *c, const cJSON *o, const char *key, int hi, int *out) {
+    return kd_cfg_int(c, o, key, true, 0, 1, hi, out);
 }
 
 /* HF DFlash default taps when dflash_config lacks target_layer_ids (z-lab build_target_layer_ids) */
@@ -138,95 +113,6 @@ static void default_taps(int n_target, int n_draft, kd_dcfg *c) {
     c->n_taps = n_draft;
     double start = 1, span = (double)(n_target - 3) - start;
     for (int i = 0; i < n_draft; i++) c->taps[i] = (int)lround(start + i * span / (n_draft - 1));
-}
-
-static kd_status parse_rope(const cJSON *root, const char *file, kd_dcfg *c) {
-    /* transformers 5 writes rope_parameters (with rope_theta inside); older files rope_scaling */
-    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
-    const char *rs_name = "rope_scaling";
-    if (!rs || cJSON_IsNull(rs)) { rs = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters"); rs_name = "rope_parameters"; }
-    KD_TRY(json_num(root, "rope_theta", file, 10000.0, &c->rope_theta));
-    c->rope_kind = ROPE_DEFAULT;
-    c->rope_amp = 1.0f;
-    if (!rs || cJSON_IsNull(rs)) return KD_OK;
-    if (!cJSON_IsObject(rs)) return kd_fail(KD_ERR_CONFIG, "%s: field '%s': expected an object or null", file, rs_name);
-    KD_TRY(json_num(rs, "rope_theta", file, c->rope_theta, &c->rope_theta));
-    const cJSON *ty = cJSON_GetObjectItemCaseSensitive(rs, "rope_type");
-    if (!ty) ty = cJSON_GetObjectItemCaseSensitive(rs, "type");
-    const char *kind = cJSON_IsString(ty) ? ty->valuestring : "default";
-    if (c->rope_theta <= 0) return kd_fail(KD_ERR_CONFIG, "%s: field 'rope_theta': expected > 0, got %g", file, c->rope_theta);
-    if (!strcmp(kind, "default")) return KD_OK;
-    if (!strcmp(kind, "linear")) {
-        c->rope_kind = ROPE_LINEAR;
-        KD_TRY(json_num(rs, "factor", file, 0, &c->rope_factor));
-        if (!(c->rope_factor > 0))
-            return kd_fail(KD_ERR_CONFIG, "%s: field '%s.factor': expected a number > 0 for linear RoPE", file, rs_name);
-        return KD_OK;
-    }
-    if (strcmp(kind, "yarn") && strcmp(kind, "deepseek_yarn"))
-        return kd_fail(KD_ERR_UNSUPPORTED, "%s: field '%s.type': RoPE type '%s' is not supported "
-                       "(supported: default, linear, yarn, deepseek_yarn)", file, rs_name, kind);
-    c->rope_kind = ROPE_YARN;
-    double orig = 0;
-    KD_TRY(json_num(rs, "original_max_position_embeddings", file, c->max_positions, &orig));
-    if (!(orig > 0))
-        return kd_fail(KD_ERR_CONFIG, "%s: field '%s.original_max_position_embeddings' is missing "
-                       "(expected a positive integer for YaRN)", file, rs_name);
-    c->yarn_original_max = (int)orig;
-    double dflt_factor = c->max_positions > 0 ? (double)c->max_positions / orig : 0;
-    KD_TRY(json_num(rs, "factor", file, dflt_factor, &c->rope_factor));
-    if (!(c->rope_factor > 0))
-        return kd_fail(KD_ERR_CONFIG, "%s: field '%s.factor': expected a number > 0 for YaRN", file, rs_name);
-    KD_TRY(json_num(rs, "beta_fast", file, 32, &c->yarn_beta_fast));
-    KD_TRY(json_num(rs, "beta_slow", file, 1, &c->yarn_beta_slow));
-    if (c->yarn_beta_fast == 0) c->yarn_beta_fast = 32;    /* HF: `get("beta_fast") or 32` */
-    if (c->yarn_beta_slow == 0) c->yarn_beta_slow = 1;
-    KD_TRY(json_num(rs, "mscale", file, 0, &c->yarn_mscale));
-    KD_TRY(json_num(rs, "mscale_all_dim", file, 0, &c->yarn_mscale_all_dim));
-    KD_TRY(json_num(rs, "attention_factor", file, -1, &c->yarn_attention_factor));
-    const cJSON *tr = cJSON_GetObjectItemCaseSensitive(rs, "truncate");
-    c->yarn_truncate = tr && cJSON_IsBool(tr) ? cJSON_IsTrue(tr) : 1;
-    /* the cos/sin amplitude, exactly HF _compute_yarn_parameters */
-    double f = c->rope_factor, af = c->yarn_attention_factor;
-#define KD_MSCALE(s, m) ((s) <= 1 ? 1.0 : 0.1 * (m) * log(s) + 1.0)
-    if (af < 0) {
-        if (c->yarn_mscale != 0 && c->yarn_mscale_all_dim != 0)
-            af = KD_MSCALE(f, c->yarn_mscale) / KD_MSCALE(f, c->yarn_mscale_all_dim);
-        else
-            af = KD_MSCALE(f, 1.0);
-    }
-#undef KD_MSCALE
-    c->rope_amp = (float)af;
-    return KD_OK;
-}
-
-/* HF inverse frequencies for rotate-half RoPE over `dim` dims (double math, stored as float) */
-static void rope_inv_freq(const kd_dcfg *c, int dim, float *out) {
-    int half = dim / 2;
-    double theta = c->rope_theta;
-    double low = 0, high = 0;
-    if (c->rope_kind == ROPE_YARN) {
-        double orig = c->yarn_original_max;
-#define KD_CORR(rot) ((dim * log(orig / ((rot) * 2 * M_PI))) / (2 * log(theta)))
-        low = KD_CORR(c->yarn_beta_fast);
-        high = KD_CORR(c->yarn_beta_slow);
-#undef KD_CORR
-        if (c->yarn_truncate) { low = floor(low); high = ceil(high); }
-        if (low < 0) low = 0;
-        if (high > dim - 1) high = dim - 1;
-        if (low == high) high += 0.001;
-    }
-    for (int i = 0; i < half; i++) {
-        double inv = 1.0 / pow(theta, (double)(2 * i) / dim);
-        if (c->rope_kind == ROPE_LINEAR) inv /= c->rope_factor;
-        else if (c->rope_kind == ROPE_YARN) {
-            double ramp = ((double)i - low) / (high - low);
-            ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
-            double extrap = 1.0 - ramp;            /* weight of the unscaled frequency */
-            inv = (inv / c->rope_factor) * (1.0 - extrap) + inv * extrap;
-        }
-        out[i] = (float)inv;
-    }
 }
 
 static kd_status parse_config(const char *dir, kd_dcfg *c) {
@@ -246,24 +132,24 @@ static kd_status parse_config(const char *dir, kd_dcfg *c) {
         cJSON_ArrayForEach(a, arch) if (cJSON_IsString(a) && !strcmp(a->valuestring, "DFlashDraftModel")) ok = true;
         if (!ok) {
             const cJSON *a0 = cJSON_IsArray(arch) ? cJSON_GetArrayItem(arch, 0) : NULL;
+            char v[200];
             st = kd_fail(KD_ERR_CONFIG, "%s: field 'architectures': expected [\"DFlashDraftModel\"], got %s",
-                         file, a0 && cJSON_IsString(a0) ? a0->valuestring : "something else");
+                         file, a0 ? kd_json_value_text(a0, v, sizeof v) : "something else");
             goto done;
         }
     }
-    CK(json_positive(root, "hidden_size", file, &c->hidden));
-    CK(json_positive(root, "num_hidden_layers", file, &c->n_layers));
-    CK(json_positive(root, "num_attention_heads", file, &c->n_heads));
-    CK(json_int(root, "num_key_value_heads", file, false, c->n_heads, &c->n_kv_heads));
-    CK(json_positive(root, "intermediate_size", file, &c->intermediate));
-    CK(json_int(root, "head_dim", file, false, c->hidden / c->n_heads, &c->head_dim));
-    CK(json_positive(root, "block_size", file, &c->block_size));
-    CK(json_int(root, "vocab_size", file, false, -1, &c->vocab));
-    CK(json_int(root, "num_target_layers", file, false, -1, &c->num_target_layers));
-    CK(json_int(root, "max_position_embeddings", file, false, 0, &c->max_positions));
-    double eps;
-    CK(json_num(root, "rms_norm_eps", file, 1e-6, &eps));
-    c->eps = (float)eps;
+    kd_cfg_ctx cc = {file, ""}, cd = {file, "dflash_config."};
+    CK(json_positive(&cc, root, "hidden_size", 1 << 16, &c->hidden));
+    CK(json_positive(&cc, root, "num_hidden_layers", 4096, &c->n_layers));
+    CK(json_positive(&cc, root, "num_attention_heads", 4096, &c->n_heads));
+    CK(kd_cfg_int(&cc, root, "num_key_value_heads", false, c->n_heads, INT_MIN, INT_MAX, &c->n_kv_heads));
+    CK(json_positive(&cc, root, "intermediate_size", 1 << 20, &c->intermediate));
+    CK(kd_cfg_int(&cc, root, "head_dim", false, c->hidden / c->n_heads, INT_MIN, 4096, &c->head_dim));
+    CK(kd_cfg_int(&cc, root, "block_size", true, 0, INT_MIN, 1024, &c->block_size));
+    CK(kd_cfg_int(&cc, root, "vocab_size", false, -1, 1, KD_SAMPLE_MAX_VOCAB, &c->vocab));
+    CK(kd_cfg_int(&cc, root, "num_target_layers", false, -1, 1, 4096, &c->num_target_layers));
+    CK(kd_cfg_int(&cc, root, "max_position_embeddings", false, 0, 64, 1 << 30, &c->max_positions));
+    CK(kd_cfg_float(&cc, root, "rms_norm_eps", 1e-6, true, &c->eps));
     if (c->n_kv_heads <= 0 || c->n_heads % c->n_kv_heads) {
         st = kd_fail(KD_ERR_CONFIG, "%s: field 'num_key_value_heads': %d must be positive and divide "
                      "num_attention_heads %d", file, c->n_kv_heads, c->n_heads);
@@ -279,12 +165,7 @@ static kd_status parse_config(const char *dir, kd_dcfg *c) {
                      "got %d", file, c->block_size);
         goto done;
     }
-    if (!(c->eps > 0)) { st = kd_fail(KD_ERR_CONFIG, "%s: field 'rms_norm_eps': expected > 0", file); goto done; }
-    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
-    if (act && !(cJSON_IsString(act) && !strcmp(act->valuestring, "silu"))) {
-        st = kd_fail(KD_ERR_UNSUPPORTED, "%s: field 'hidden_act': only \"silu\" (SwiGLU) is supported", file);
-        goto done;
-    }
+    CK(kd_cfg_one_of(&cc, root, "hidden_act", "silu", KD_ERR_UNSUPPORTED));
     const cJSON *bias = cJSON_GetObjectItemCaseSensitive(root, "attention_bias");
     if (bias && cJSON_IsTrue(bias)) {
         st = kd_fail(KD_ERR_UNSUPPORTED, "%s: field 'attention_bias': true is not supported (expected false)", file);
@@ -297,12 +178,8 @@ static kd_status parse_config(const char *dir, kd_dcfg *c) {
                      "mask_token_id and target_layer_ids)", file);
         goto done;
     }
-    CK(json_int(dc, "mask_token_id", file, true, 0, &c->mask_token_id));
-    if (c->mask_token_id < 0) {
-        st = kd_fail(KD_ERR_CONFIG, "%s: field 'dflash_config.mask_token_id': expected >= 0, got %d", file,
-                     c->mask_token_id);
-        goto done;
-    }
+    /* in the target's vocabulary: check_target */
+    CK(kd_cfg_int(&cd, dc, "mask_token_id", true, 0, 0, INT_MAX, &c->mask_token_id));
     const cJSON *tl = cJSON_GetObjectItemCaseSensitive(dc, "target_layer_ids");
     if (tl && !cJSON_IsNull(tl)) {
         int n = cJSON_IsArray(tl) ? cJSON_GetArraySize(tl) : -1;
@@ -313,13 +190,8 @@ static kd_status parse_config(const char *dir, kd_dcfg *c) {
         }
         c->n_taps = n;
         for (int i = 0; i < n; i++) {
-            const cJSON *e = cJSON_GetArrayItem(tl, i);
-            if (!cJSON_IsNumber(e) || e->valuedouble != floor(e->valuedouble) || e->valuedouble < 0) {
-                st = kd_fail(KD_ERR_CONFIG, "%s: field 'dflash_config.target_layer_ids[%d]': expected a "
-                             "non-negative integer", file, i);
-                goto done;
-            }
-            c->taps[i] = (int)e->valuedouble;
+            /* in the target's layers: check_target */
+            CK(kd_cfg_int_value(&cd, cJSON_GetArrayItem(tl, i), "target_layer_ids", i, 0, INT_MAX, &c->taps[i]));
         }
     } else {
         if (c->num_target_layers <= 0) {
@@ -334,13 +206,12 @@ static kd_status parse_config(const char *dir, kd_dcfg *c) {
         }
         default_taps(c->num_target_layers, c->n_layers, c);
     }
-    CK(parse_rope(root, file, c));
+    CK(kd_cfg_rope(&cc, root, c->max_positions, &c->rope));
     /* per-layer attention kind */
     c->window = calloc((size_t)c->n_layers, sizeof(int));
     if (!c->window) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate layer table", file); goto done; }
-    int sw = 0;
-    const cJSON *swj = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
-    if (swj && cJSON_IsNumber(swj)) sw = (int)swj->valuedouble;
+    int sw;
+    CK(kd_cfg_int(&cc, root, "sliding_window", false, 0, 0, INT_MAX, &sw));
     const cJSON *lt = cJSON_GetObjectItemCaseSensitive(root, "layer_types");
     if (lt && !cJSON_IsNull(lt)) {
         if (!cJSON_IsArray(lt) || cJSON_GetArraySize(lt) != c->n_layers) {
@@ -360,8 +231,9 @@ static kd_status parse_config(const char *dir, kd_dcfg *c) {
                 }
                 c->window[i] = sw;
             } else {
-                st = kd_fail(KD_ERR_CONFIG, "%s: field 'layer_types[%d]': expected \"full_attention\" or "
-                             "\"sliding_attention\", got \"%s\"", file, i, s);
+                char v[200];
+                st = kd_fail(KD_ERR_CONFIG, "%s: field 'layer_types[%d]' is %s: expected \"full_attention\" or "
+                             "\"sliding_attention\"", file, i, kd_json_value_text(e, v, sizeof v));
                 goto done;
             }
         }
@@ -370,7 +242,7 @@ static kd_status parse_config(const char *dir, kd_dcfg *c) {
         const cJSON *use = cJSON_GetObjectItemCaseSensitive(root, "use_sliding_window");
         if (use && cJSON_IsTrue(use)) {
             int mwl;
-            CK(json_int(root, "max_window_layers", file, false, 28, &mwl));
+            CK(kd_cfg_int(&cc, root, "max_window_layers", false, 28, 0, INT_MAX, &mwl));
             if (sw <= 0) {
                 st = kd_fail(KD_ERR_CONFIG, "%s: field 'sliding_window': use_sliding_window is true but "
                              "sliding_window is not a positive integer", file);
@@ -545,12 +417,12 @@ kd_status kd_drafter_open(const char *dir, kd_model *target, kd_drafter **out) {
         int half = d->cfg.head_dim / 2;
         float *host = malloc((size_t)half * sizeof(float));
         if (!host) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate RoPE table", dir); goto fail; }
-        rope_inv_freq(&d->cfg, d->cfg.head_dim, host);
+        kd_rope_params_inv_freq(&d->cfg.rope, d->cfg.head_dim, host);
         st = d->be->ops->alloc(d->be, (size_t)half * sizeof(float), (void **)&d->inv_freq);
         if (st == KD_OK) st = d->be->ops->upload(d->be, d->inv_freq, host, (size_t)half * sizeof(float));
         free(host);
         if (st != KD_OK) { kd_fail_context(st, "%s: RoPE table", dir); goto fail; }
-        d->rope = (kd_rope){.dim = d->cfg.head_dim, .interleaved = false, .attn_factor = d->cfg.rope_amp,
+        d->rope = (kd_rope){.dim = d->cfg.head_dim, .interleaved = false, .attn_factor = (float)d->cfg.rope.amp,
                             .inv_freq = d->inv_freq};
     } else if (file_exists(dir, "model.safetensors") || file_exists(dir, "model.safetensors.index.json")) {
         /* inspection only: validate names, dtypes and shapes from the headers, load nothing */
@@ -944,7 +816,8 @@ kd_status kd_draft_argmax(kd_seq *s, int32_t *ids_dst) {
         return kd_fail(KD_ERR_STATE, "kd_draft_argmax: no draft since the context last changed (call kd_draft)");
     kd_backend *be = s->model->be;
     KD_TRY(be->ops->argmax(be, ds->logprobs, ds->argmax));
-    return be->ops->download(be, ids_dst, ds->argmax, (size_t)ds->logprobs.rows * sizeof(int32_t));
+    KD_TRY(be->ops->download(be, ids_dst, ds->argmax, (size_t)ds->logprobs.rows * sizeof(int32_t)));
+    return kd_argmax_check(ids_dst, ds->logprobs.rows, "kd_draft_argmax", "the drafter forward's log-prob");
 }
 
 kd_status kd_draft_logprobs(kd_seq *s, kd_act *out, int32_t *bonus) {

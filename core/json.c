@@ -1,6 +1,7 @@
 /* json.c: see json.h. Config files are small; the whole text is read, then parsed. */
 #include "json.h"
 #include "error.h"
+#include <stdbool.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,20 +43,69 @@ kd_status kd_read_text(const char *path, char **out, size_t *n, bool *missing) {
     return KD_OK;
 }
 
-kd_status kd_json_load(const char *path, cJSON **out, bool *missing) {
+typedef struct key_ref { const char *key; } key_ref;
+static int cmp_key(const void *a, const void *b) { return strcmp(((const key_ref *)a)->key, ((const key_ref *)b)->key); }
+
+/* path[0, len): the JSON path of j ("" at the top, else "a.b[3]"), cut to cap; nesting is
+ * bounded by cJSON's limit */
+static kd_status check_unique(const cJSON *j, const char *what, char *path, size_t len, size_t cap) {
+    if (!cJSON_IsObject(j) && !cJSON_IsArray(j)) return KD_OK;
+    int n = cJSON_GetArraySize(j);
+    if (cJSON_IsObject(j) && n > 1) {
+        key_ref *keys = malloc((size_t)n * sizeof *keys);
+        if (!keys) return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %d keys", what, n);
+        int k = 0;
+        for (const cJSON *e = j->child; e; e = e->next) keys[k++].key = e->string;
+        qsort(keys, (size_t)n, sizeof *keys, cmp_key);
+        const char *dup = NULL;
+        for (int i = 1; i < n && !dup; i++)
+            if (strcmp(keys[i - 1].key, keys[i].key) == 0) dup = keys[i].key;
+        free(keys);
+        if (dup) {
+            char key[160], in[320];
+            path[len] = 0;
+            return kd_fail(KD_ERR_FORMAT, "%s: key '%s' appears more than once in %s%s%s", what,
+                           kd_printable(dup, key, sizeof key), len ? "object '" : "the top-level object",
+                           len ? kd_printable(path, in, sizeof in) : "", len ? "'" : "");
+        }
+    }
+    int i = 0;
+    for (const cJSON *e = j->child; e; e = e->next, i++) {
+        int w = cJSON_IsObject(j) ? snprintf(path + len, cap - len, "%s%s", len ? "." : "", e->string)
+                                  : snprintf(path + len, cap - len, "[%d]", i);
+        size_t nl = w < 0 ? len : len + (size_t)w < cap ? len + (size_t)w : cap - 1;
+        KD_TRY(check_unique(e, what, path, nl, cap));
+    }
+    return KD_OK;
+}
+
+kd_status kd_json_parse(const char *text, size_t len, const char *what, cJSON **out) {
     *out = NULL;
-    char *text;
-    KD_TRY(kd_read_text(path, &text, NULL, missing));
-    if (!text) return KD_OK;                       /* missing, and the caller allows it */
     const char *end = NULL;
-    cJSON *root = cJSON_ParseWithOpts(text, &end, 0);
-    kd_status st = KD_OK;
+    cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
     if (!root)
-        st = kd_fail(KD_ERR_FORMAT, "%s: not valid JSON (error near byte %ld)", path, end ? (long)(end - text) : 0L);
-    else if (!cJSON_IsObject(root))
-        st = kd_fail(KD_ERR_FORMAT, "%s: expected a JSON object", path);
-    free(text);
+        return kd_fail(KD_ERR_FORMAT, "%s: not valid JSON (error near byte %ld)", what, end ? (long)(end - text) : 0L);
+    char path[512];
+    kd_status st = check_unique(root, what, path, 0, sizeof path);
     if (st != KD_OK) { cJSON_Delete(root); return st; }
     *out = root;
     return KD_OK;
+}
+
+kd_status kd_json_load(const char *path, cJSON **out, bool *missing) {
+    *out = NULL;
+    char *text;
+    size_t len;
+    KD_TRY(kd_read_text(path, &text, &len, missing));
+    if (!text) return KD_OK;                       /* missing, and the caller allows it */
+    cJSON *root;
+    kd_status st = kd_json_parse(text, len, path, &root);
+    free(text);
+    if (st == KD_OK && !cJSON_IsObject(root)) {
+        st = kd_fail(KD_ERR_FORMAT, "%s: expected a JSON object", path);
+        cJSON_Delete(root);
+        root = NULL;
+    }
+    *out = root;
+    return st;
 }

@@ -4,6 +4,7 @@
 #define KD_MODEL_H
 #include "backend.h"
 #include "safetensors.h"
+#include "config_read.h"
 
 /* Everything read from config.json (+ generation_config.json); never hard-coded. */
 typedef struct kd_config {
@@ -15,13 +16,8 @@ typedef struct kd_config {
     float routed_scaling_factor, rms_norm_eps;
     float q_a_norm_eps, kv_a_norm_eps;       /* HF builds these norms with eps 1e-6 (see docs/formats.md) */
     int max_positions;
-    /* RoPE / YaRN */
-    float rope_theta;
-    bool yarn;
-    float yarn_factor, yarn_beta_fast, yarn_beta_slow, yarn_mscale, yarn_mscale_all_dim;
-    int yarn_original_max_positions;
+    kd_rope_params rope;                      /* RoPE / YaRN (config_read.h) */
     float softmax_scale;                      /* qk_head_dim^-0.5 * mscale^2 under YaRN */
-    float rope_attn_factor;                   /* cos/sin amplitude */
     /* quantization (compressed-tensors pack-quantized) */
     bool experts_int4;
     int quant_bits, quant_group;
@@ -30,13 +26,12 @@ typedef struct kd_config {
     /* checkpoint naming */
     char prefix[32];                          /* "" or "language_model." */
     int n_eos, eos[8], bos;
-    bool yarn_truncate;                       /* HF rope_parameters.truncate (default true): floor/ceil the ramp */
 } kd_config;
 
 /* Parse DIR/config.json (+ generation_config.json when present) and validate it. */
 kd_status kd_config_load(const char *dir, kd_config *cfg);
 void kd_config_free(kd_config *cfg);
-/* YaRN/plain inverse frequencies for `dim` rotary dims (host array of dim/2). */
+/* the model's RoPE inverse frequencies for `dim` rotary dims (host array of dim/2) */
 void kd_rope_inv_freq(const kd_config *cfg, int dim, float *inv_freq);
 
 typedef struct kd_layer {

@@ -655,7 +655,7 @@ static kd_status load_rank(kd_model *m, int r, load_progress *prog) {
     if (st != KD_OK) return st;
     R->rope.dim = m->cfg.qk_rope_dim;
     R->rope.interleaved = true;
-    R->rope.attn_factor = m->cfg.rope_attn_factor;
+    R->rope.attn_factor = (float)m->cfg.rope.amp;
     R->rope.inv_freq = R->rope_inv_freq;
     return R->be->ops->sync(R->be);
 }
@@ -821,7 +821,7 @@ static void fill_info(const kd_config *c, kd_model_info *o) {
     o->max_positions = c->max_positions;
     o->rms_norm_eps = c->rms_norm_eps;
     o->routed_scaling_factor = c->routed_scaling_factor;
-    o->rope_theta = c->rope_theta;
+    o->rope_theta = (float)c->rope.theta;
     o->softmax_scale = c->softmax_scale;
     o->n_eos = c->n_eos;
     for (int i = 0; i < c->n_eos && i < 8; i++) o->eos[i] = c->eos[i];

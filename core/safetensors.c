@@ -133,14 +133,11 @@ static kd_status grow_tensors(kd_st_set *set, int extra) {
 static kd_status parse_header(kd_st_set *set, int fi, const char *json, size_t json_len,
                               const char *data, uint64_t data_len, bool check_range) {
     const char *path = set->files[fi].path;
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(json, json_len, &end, 0);
-    if (!root) {
-        size_t at = end ? (size_t)(end - json) : 0;
-        return kd_fail(KD_ERR_FORMAT, "%s: safetensors header (%zu bytes) is not valid JSON (error near byte %zu)",
-                       path, json_len, at);
-    }
-    kd_status st = KD_OK;
+    char what[4200];
+    snprintf(what, sizeof what, "%s: safetensors header (%zu bytes)", path, json_len);
+    cJSON *root;
+    kd_status st = kd_json_parse(json, json_len, what, &root);
+    if (st != KD_OK) return st;
     range *ranges = NULL;
     int first = set->n_tensors;
     if (!cJSON_IsObject(root)) {
@@ -154,8 +151,15 @@ static kd_status parse_header(kd_st_set *set, int fi, const char *json, size_t j
     if (!ranges) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %d ranges", path, n); goto done; }
     int nr = 0;
     for (cJSON *e = root->child; e; e = e->next) {
-        const char *name = e->string;
-        if (strcmp(name, "__metadata__") == 0) continue;
+        if (strcmp(e->string, "__metadata__") == 0) continue;
+        /* names are quoted in later messages: only printable text (kd_printable leaves it as is) */
+        char qname[256];
+        const char *name = kd_printable(e->string, qname, sizeof qname);
+        if (strcmp(name, e->string) != 0) {
+            st = kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected a name of printable UTF-8 (no control bytes, "
+                         "quotes or backslashes)", path, name);
+            goto done;
+        }
         if (!cJSON_IsObject(e)) {
             st = kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected an object {dtype, shape, data_offsets}", path, name);
             goto done;
@@ -180,7 +184,7 @@ static kd_status parse_header(kd_st_set *set, int fi, const char *json, size_t j
         memset(&t, 0, sizeof t);
         int esize = 0;
         t.dtype = parse_dtype(jd->valuestring, &esize);
-        snprintf(t.dtype_name, sizeof t.dtype_name, "%s", jd->valuestring);
+        kd_printable(jd->valuestring, t.dtype_name, sizeof t.dtype_name);
         t.file = fi;
         uint64_t count = 1;
         bool overflow = false;
@@ -361,10 +365,17 @@ static kd_status open_index(const char *dir, const char *ipath, bool map, kd_st_
     if (!ents || !shards) { st = kd_fail(KD_ERR_NOMEM, "%s: out of memory", ipath); goto done; }
     int k = 0;
     for (const cJSON *e = wm->child; e; e = e->next, k++) {
+        char qn[256], qs[256];
+        kd_printable(e->string, qn, sizeof qn);
         if (!cJSON_IsString(e) || !e->valuestring[0] || strchr(e->valuestring, '/') ||
-            strcmp(e->valuestring, "..") == 0) {
-            st = kd_fail(KD_ERR_FORMAT, "%s: weight_map['%s']: expected a shard file name in the same directory",
-                         ipath, e->string);
+            strcmp(e->valuestring, "..") == 0 || strcmp(kd_printable(e->valuestring, qs, sizeof qs), e->valuestring)) {
+            st = kd_fail(KD_ERR_FORMAT, "%s: weight_map['%s']: expected a shard file name of printable UTF-8 in the "
+                         "same directory", ipath, qn);
+            goto done;
+        }
+        if (strcmp(qn, e->string) != 0) {   /* names are quoted in later messages: printable text only */
+            st = kd_fail(KD_ERR_FORMAT, "%s: weight_map['%s']: expected a tensor name of printable UTF-8 (no control "
+                         "bytes, quotes or backslashes)", ipath, qn);
             goto done;
         }
         ents[k].name = e->string;

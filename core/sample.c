@@ -60,18 +60,27 @@ kd_status kd_sampler_check(const kd_sampler *sp, const char *fn) {
 kd_status kd_argmax_row(const float *x, int V, int32_t *dst) {
     int best = -1;
     for (int i = 0; i < V; i++) {
-        if (isnan(x[i])) return kd_fail(KD_ERR_ARG, "argmax: logits[%d] is NaN", i);
+        int32_t code = kd_rule_logit_code(x[i], i);
+        if (code) return kd_logit_fail("argmax", code);
         if (best < 0 || x[i] > x[best]) best = i;
     }
     *dst = best;
     return KD_OK;
 }
 
-kd_status kd_sample_fail(int32_t code) {
+kd_status kd_logit_fail(const char *op, int32_t code) {
     int kind = code & 3, col = (int)((uint32_t)code >> 2);
-    if (kind == KD_SAMPLE_ERR_ALLNEG) return kd_fail(KD_ERR_ARG, "sample: every logit is -inf (no token can be drawn)");
-    return kd_fail(KD_ERR_ARG, "sample: logits[%d] is %s: expected finite values (or -inf)", col,
+    if (kind == KD_SAMPLE_ERR_ALLNEG) return kd_fail(KD_ERR_ARG, "%s: every logit is -inf (no token can be drawn)", op);
+    return kd_fail(KD_ERR_ARG, "%s: logits[%d] is %s: expected finite values (or -inf)", op, col,
                    kind == KD_SAMPLE_ERR_NAN ? "NaN" : "+inf");
+}
+
+kd_status kd_sample_fail(int32_t code) { return kd_logit_fail("sample", code); }
+
+kd_status kd_argmax_check(const int32_t *ids, int rows, const char *fn, const char *rows_name) {
+    for (int r = 0; r < rows; r++)
+        if (ids[r] < 0) return kd_fail_context(kd_logit_fail("argmax", -ids[r]), "%s: %s row %d", fn, rows_name, r);
+    return KD_OK;
 }
 
 /* ---- the order of a row: logit descending, equal logits: lower id first ---- */
@@ -168,8 +177,8 @@ int32_t kd_sample_shards_code(const kd_shard *sh, int ns, const kd_sampler *sp, 
         const float *x = sh[k].x;
         for (int i = 0; i < sh[k].n; i++) {
             int32_t col = sh[k].id0 + i;
-            if (isnan(x[i])) return KD_SAMPLE_ERR_NAN | (int32_t)((uint32_t)col << 2);
-            if (isinf(x[i]) && x[i] > 0) return KD_SAMPLE_ERR_PINF | (int32_t)((uint32_t)col << 2);
+            int32_t code = kd_rule_logit_code(x[i], col);
+            if (code) return code;
             if (x[i] > m) m = x[i];
         }
         V += sh[k].n;

@@ -13,7 +13,7 @@ double kd_rng_uniform(uint64_t seed, int64_t position);
 bool kd_sampler_is_greedy(const kd_sampler *sp);
 /* validate a sampler's fields (names the field on error) */
 kd_status kd_sampler_check(const kd_sampler *sp, const char *fn);
-/* greedy argmax of a host row, ties to the lower id; NaN is an error */
+/* greedy argmax of a host row, ties to the lower id; NaN or +inf is an error */
 kd_status kd_argmax_row(const float *logits, int vocab, int32_t *dst);
 /* one token from a host row of logits; scratch: qscratch vocab uint64s, iscratch vocab
  * int32s. The sampler is assumed checked (kd_sampler_check). */
@@ -24,6 +24,11 @@ kd_status kd_sample_row(const float *logits, int vocab, const kd_sampler *sp, in
 int32_t kd_sample_row_code(const float *logits, int vocab, const kd_sampler *sp, int32_t position,
                            uint64_t *qscratch, int32_t *iscratch, int32_t *dst);
 kd_status kd_sample_fail(int32_t code);
+/* the rows of an argmax op's result (backend.h: -code for a row with NaN / +inf): the first
+ * such row reported as "FN: ROWS row R: argmax: logits[C] is NaN: ..." */
+kd_status kd_argmax_check(const int32_t *ids, int rows, const char *fn, const char *rows_name);
+/* the same report for any op ("argmax", "sample"): "OP: logits[COL] is NaN: ..." */
+kd_status kd_logit_fail(const char *op, int32_t code);
 /* a row held in shards (tensor parallel, one per rank): x[0..n) are the logits of ids
  * [id0, id0 + n); shards in ascending, adjacent id ranges */
 typedef struct kd_shard {

@@ -25,7 +25,8 @@
  *  - top-p: G = max(1, ceil(S * P / 2^32)) with P = trunc(top_p * 2^32) and S the mass kept
  *    by top-k and min-p; the nucleus is the shortest prefix (logit descending, id ascending)
  *    whose mass reaches G.
- * Not part of any public contract; include it only from sample.c and cuda/ddtree.cu. */
+ * Not part of any public contract; include it only from sample.c, cuda/ddtree.cu and the
+ * argmax ops (cpu/cpu_elementwise.c, cuda/tree.cu: kd_rule_logit_code). */
 #ifndef KD_SAMPLE_RULE_H
 #define KD_SAMPLE_RULE_H
 #include <stdint.h>
@@ -51,6 +52,12 @@
 enum { KD_SAMPLE_ERR_NAN = 1, KD_SAMPLE_ERR_PINF = 2, KD_SAMPLE_ERR_ALLNEG = 3 };
 /* the largest vocabulary the codes can name a column of */
 enum { KD_SAMPLE_MAX_VOCAB = 1 << 29 };
+/* one logit's error code at column col: NaN or +inf (-inf is a masked token, fine) */
+KD_RULE_FN int32_t kd_rule_logit_code(float v, int col) {
+    if (v != v) return KD_SAMPLE_ERR_NAN | (int32_t)((uint32_t)col << 2);
+    if (isinf(v) && v > 0) return KD_SAMPLE_ERR_PINF | (int32_t)((uint32_t)col << 2);
+    return 0;
+}
 
 /* ---- the keyed uniform ---- */
 KD_RULE_FN uint64_t kd_rule_mix64(uint64_t x) {

@@ -15,6 +15,7 @@
 #include "forward.h"
 #include "drafter.h"
 #include "error.h"
+#include "sample.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -199,7 +200,8 @@ kd_status kd_seq_argmax(kd_seq *s, int32_t *dst) {
     if (m->tp == 1) {
         int32_t *d = (int32_t *)((char *)s->rk[0].scratch + p.idx);
         KD_TRY(m->be->ops->argmax(m->be, kd_act_rows(s->rk[0].logits, 0, n), d));
-        return m->be->ops->download(m->be, dst, d, sizeof(int32_t) * (size_t)n);
+        KD_TRY(m->be->ops->download(m->be, dst, d, sizeof(int32_t) * (size_t)n));
+        return kd_argmax_check(dst, n, "kd_seq_argmax", "the target forward's output");
     }
     float best[KD_SEQ_MAX_ROWS], vals[KD_SEQ_MAX_ROWS];
     int32_t ids[KD_SEQ_MAX_ROWS];
@@ -208,6 +210,13 @@ kd_status kd_seq_argmax(kd_seq *s, int32_t *dst) {
         char *sc = (char *)s->rk[r].scratch;
         int32_t *d_ids = (int32_t *)(sc + p.idx);
         float *d_vals = (float *)(sc + p.tmp);     /* fp32-sized, free after a forward */
+        /* the shard's argmax first, for its NaN / +inf report (top-1 lets NaN lose): its
+         * column is the shard's, the vocabulary's is r * Vr further */
+        KD_TRY(be->ops->argmax(be, kd_act_rows(s->rk[r].logits, 0, n), d_ids));
+        KD_TRY(be->ops->download(be, ids, d_ids, sizeof(int32_t) * (size_t)n));
+        for (int i = 0; i < n; i++)
+            if (ids[i] < 0) ids[i] = -((-ids[i] & 3) | (int32_t)((uint32_t)((-ids[i] >> 2) + r * Vr) << 2));
+        KD_TRY(kd_argmax_check(ids, n, "kd_seq_argmax", "the target forward's output"));
         KD_TRY(be->ops->topk(be, kd_act_rows(s->rk[r].logits, 0, n), 1, d_vals, d_ids));
         KD_TRY(be->ops->download(be, ids, d_ids, sizeof(int32_t) * (size_t)n));
         KD_TRY(be->ops->download(be, vals, d_vals, sizeof(float) * (size_t)n));

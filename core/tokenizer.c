@@ -258,16 +258,18 @@ static kd_status load_specials(kd_tokenizer *t, const char *path) {
         char *end;
         long id = strtol(e->string, &end, 10);
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(e, "content");
+        char qid[64];
+        kd_printable(e->string, qid, sizeof qid);
         if (*end || id < t->n_base || id >= t->n_base + KD_TOKENIZER_SPECIAL_SLOTS) {
             st = kd_fail(KD_ERR_CONFIG, "%s: added_tokens_decoder: id \"%s\" is not one of the special ids %d..%d", path,
-                         e->string, t->n_base, t->n_base + KD_TOKENIZER_SPECIAL_SLOTS - 1);
+                         qid, t->n_base, t->n_base + KD_TOKENIZER_SPECIAL_SLOTS - 1);
             goto done;
         }
         if (!cJSON_IsString(content) || !content->valuestring[0] ||
             !utf8_valid((const unsigned char *)content->valuestring, strlen(content->valuestring))) {
             /* matching one mid-character would hand PCRE2 text cut inside a character */
             st = kd_fail(KD_ERR_CONFIG, "%s: added_tokens_decoder[\"%s\"].content: expected a non-empty UTF-8 string",
-                         path, e->string);
+                         path, qid);
             goto done;
         }
         name[id - t->n_base] = content->valuestring;
@@ -647,5 +649,6 @@ kd_status kd_tokenizer_special(const kd_tokenizer *t, const char *name, int32_t 
         *id = s;
         return KD_OK;
     }
-    return kd_fail(KD_ERR_ARG, "kd_tokenizer_special: \"%s\" is not a special token", name);
+    char q[128];
+    return kd_fail(KD_ERR_ARG, "kd_tokenizer_special: \"%s\" is not a special token", kd_printable(name, q, sizeof q));
 }

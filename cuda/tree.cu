@@ -1,7 +1,8 @@
 /* tree.cu: per-row reductions over the vocabulary: log_softmax (in place), argmax, top-k.
  * One block per row (top-k's first histogram: several, with integer counts); fixed
  * reduction orders, so a row's result never depends on the other rows. Order of equal values: the lower id first (argmax and top-k), and NaN
- * loses to everything, exactly as core/cpu/cpu_elementwise.c.
+ * loses to everything, exactly as core/cpu/cpu_elementwise.c; argmax reports a row's first
+ * NaN / +inf column as -code (sample_rule.h) as the CPU op does.
  *
  * top-k (k up to 16384, V up to 2^31): a histogram of the keys' top 11 bits, several blocks
  * per row, finds the bin that holds the k-th largest value; when the bins from the top down
@@ -11,6 +12,7 @@
  * plus the lowest-id entries equal to it, and a bitonic sort in shared memory orders
  * the k candidates by (value desc, id asc). */
 #include "cuda_internal.cuh"
+#include "sample_rule.h"
 
 namespace {
 
@@ -42,29 +44,37 @@ __device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
     return va > vb || (va == vb && ia < ib);
 }
 
+/* the row's argmax, or -code of its first NaN / +inf column (sample_rule.h) */
 __global__ void __launch_bounds__(ROW_THREADS) argmax_kernel(const void *x, int dt, long long ld, int cols, int32_t *out) {
     __shared__ float sv[32];
     __shared__ int si[32];
+    __shared__ int sbad[32];
     size_t base = (size_t)blockIdx.x * ld;
     float bv = NAN;
     int bi = 0x7fffffff;
+    int bad = 0x7fffffff;            /* the smallest code: the first bad column (its kind below it) */
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         float v = ld_row(x, dt, base + c);
+        int32_t code = kd_rule_logit_code(v, c);
+        if (code && code < bad) bad = code;
         if (bi == 0x7fffffff || beats(v, c, bv, bi)) { bv = v; bi = c; }
     }
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(0xffffffffu, bv, o);
         int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        bad = min(bad, __shfl_xor_sync(0xffffffffu, bad, o));
         if (oi != 0x7fffffff && (bi == 0x7fffffff || beats(ov, oi, bv, bi))) { bv = ov; bi = oi; }
     }
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; sbad[warp] = bad; }
     __syncthreads();
     if (threadIdx.x == 0) {
         int nw = (blockDim.x + 31) >> 5;
-        for (int w = 1; w < nw; w++)
+        for (int w = 1; w < nw; w++) {
+            bad = min(bad, sbad[w]);
             if (si[w] != 0x7fffffff && (bi == 0x7fffffff || beats(sv[w], si[w], bv, bi))) { bv = sv[w]; bi = si[w]; }
-        out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+        }
+        out[blockIdx.x] = bad != 0x7fffffff ? -bad : bi == 0x7fffffff ? 0 : bi;
     }
 }
 

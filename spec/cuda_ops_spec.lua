@@ -394,8 +394,8 @@ describe("CUDA ops against the CPU twins #gpu", function()
       x[0 * c + 70000] = 50; x[0 * c + 9000] = 50      -- tie: 9000 wins
       x[1 * c + c - 1] = 60                             -- last column
       for i = 0, c - 1 do x[2 * c + i] = 1.5 end         -- all equal: 0
-      x[3 * c + 5] = 0 / 0                               -- NaN never wins
-      exact("argmax 4x163840 (ties, NaN)", r, function(tb, out) return C.kd_test_argmax(tb, x, r, c, out) end, "int32_t")
+      x[3 * c + 5] = 0 / 0; x[3 * c + 9] = 1 / 0         -- the first NaN / +inf column: -code
+      exact("argmax 4x163840 (ties, NaN, +inf)", r, function(tb, out) return C.kd_test_argmax(tb, x, r, c, out) end, "int32_t")
     end)
     it("topk with planted ties: values desc, equal values lower id first", function()
       O.seed(20)

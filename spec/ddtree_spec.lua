@@ -2,7 +2,7 @@
 -- target, with trees built by hand (kd.tree.chain, kd.tree.build over planted draft
 -- log-probs) - the invariants that need the target only:
 --   * after verify + accept + commit the KV cache equals the cache built autoregressively
---     for the same tokens (read_cache), also when the accepted nodes are scattered in the
+--     for the same tokens bit for bit (read_cache), also when the accepted nodes are scattered in the
 --     tree so that compaction moves rows;
 --   * greedy rounds reproduce autoregressive greedy tokens; sampled rounds reproduce
 --     autoregressive sampling with the same seed (the keyed RNG), for many tree shapes;
@@ -64,19 +64,22 @@ local function noisy_draft(V, future, rnd, hit_rate)
   return { data = a, L = L, V = V }
 end
 
-local function max_cache_diff(s1, s2, layers, rows)
-  local worst, scale = 0, 0
+-- the committed cache equals the autoregressive one bit for bit (forward_spec proves a row does
+-- not depend on how many tokens share the forward or whether it is a tree node);
+-- KDTREE_FORWARD_TOL loosens this as in forward_spec while a backend is brought up
+local TOL = tonumber(os.getenv("KDTREE_FORWARD_TOL") or "0")
+local function assert_cache_equal(s1, s2, layers, rows)
   for l = 0, layers - 1 do
     local a = s1:read_cache(l, 0, rows)
     local b = s2:read_cache(l, 0, rows)
     assert.are.equal(#a, #b)
     for i = 1, #a do
       local d = math.abs(a[i] - b[i])
-      if d > worst then worst = d end
-      if math.abs(b[i]) > scale then scale = math.abs(b[i]) end
+      if not (d <= TOL) then
+        error(string.format("cache layer %d value %d: %.9g vs %.9g (autoregressive)", l, i - 1, a[i], b[i]), 2)
+      end
     end
   end
-  return worst, scale
 end
 
 -- one DDTree decode with trees from noisy drafts; returns tokens, the sequence, taus
@@ -133,8 +136,7 @@ describe("DDTree verify/accept/commit on tiny-k2.6", function()
     assert.are.equal(ar_greedy[9], r.bonus)
     s:commit(t)
     assert.are.equal(#PROMPT + 8, s:len())
-    local worst, scale = max_cache_diff(s, ar_seq, m.info.n_layers, s:len())
-    assert.is_true(worst <= 1e-5 * math.max(scale, 1), string.format("cache differs by %.3g (scale %.3g)", worst, scale))
+    assert_cache_equal(s, ar_seq, m.info.n_layers, s:len())
     t:close(); s:close()
   end)
 
@@ -165,8 +167,7 @@ describe("DDTree verify/accept/commit on tiny-k2.6", function()
     assert.are.equal(ar_greedy[5], r.bonus)
     s:commit(t)
     assert.are.equal(#PROMPT + 4, s:len())
-    local worst, scale = max_cache_diff(s, ar_seq, m.info.n_layers, s:len())
-    assert.is_true(worst <= 1e-5 * math.max(scale, 1), string.format("cache differs by %.3g", worst))
+    assert_cache_equal(s, ar_seq, m.info.n_layers, s:len())
     -- and decoding continues correctly from the compacted cache
     s:forward({ r.bonus })
     local am = s:argmax()
@@ -184,10 +185,9 @@ describe("DDTree verify/accept/commit on tiny-k2.6", function()
       for _, x in ipairs(taus) do total = total + x end
       if budget >= 4 then assert.is_true(total > #taus, "some round must accept drafted nodes") end
       if budget == 0 then for _, x in ipairs(taus) do assert.are.equal(1, x) end end
-      -- the committed cache equals the autoregressive one over the shared prefix
+      -- the committed cache equals the autoregressive one over the shared prefix, bit for bit
       local rows = math.min(s:len(), ar_seq:len())
-      local worst, scale = max_cache_diff(s, ar_seq, m.info.n_layers, rows)
-      assert.is_true(worst <= 1e-5 * math.max(scale, 1), string.format("cache differs by %.3g", worst))
+      assert_cache_equal(s, ar_seq, m.info.n_layers, rows)
       s:close()
     end)
   end
@@ -214,9 +214,7 @@ describe("DDTree verify/accept/commit on tiny-k2.6", function()
 end)
 
 describe("kd_tree_build_drafted (tiny drafter)", function()
-  local have = io.open("models/tiny-k2.6-dflash/config.json") ~= nil
-  local it_d = have and it or pending
-  it_d("builds from the drafter's log-probs on the backend the same tree the host builder makes from them; "
+  it("builds from the drafter's log-probs on the backend the same tree the host builder makes from them; "
     .. "a drafted round reproduces greedy decoding", function()
     local m = kd.open_model(MODEL)
     local d = kd.open_drafter("models/tiny-k2.6-dflash", m)

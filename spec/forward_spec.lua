@@ -232,6 +232,25 @@ describe("target forward (" .. BACKEND .. ")", function()
     s:close()
   end)
 
+  it("a compaction of more slots than a forward's rows moves them in chunks, to the same cache", function()
+    local toks = tokens(20, 5)
+    local keep = { 0, 2, 3, 5, 8, 9, 12, 15, 16 }          -- 9 slots of the 17 after slot 3
+    local function compacted(rows)
+      local s = m:new_seq(40, { max_rows = rows })
+      s:forward(toks)
+      s:compact(3, keep)
+      assert.are.equal(3 + #keep, s:len())
+      local c = {}
+      for l = 0, m.info.n_layers - 1 do c[l + 1] = s:read_cache(l, 0, s:len()) end
+      s:close()
+      return c
+    end
+    local whole, chunked = compacted(nil), compacted(2)    -- chunks of 2 kept slots
+    for l = 1, #whole do
+      assert.is_true(maxdiff(whole[l], chunked[l]) <= TOL, "layer " .. (l - 1))
+    end
+  end)
+
   it("compaction to an accepted path gives the cache an autoregressive build gives", function()
     local prefix = tokens(7, 12)
     local parent = { -1, 0, 0, 1, 2, 3, 3, 5, 6 }
@@ -291,6 +310,7 @@ describe("target forward (" .. BACKEND .. ")", function()
     assert.matches("positions%[1%] = %-1", err)
     ok, err = pcall(s.forward, s, {})
     assert.is_false(ok)
+    assert.matches("kd_forward: 0 tokens: expected at least 1", err, 1, true)
     assert.are.equal(0, s:len())
     -- still usable
     s:forward({ 5, 6, 7 })
@@ -309,6 +329,9 @@ describe("target forward (" .. BACKEND .. ")", function()
     ok, err = pcall(s.compact, s, 3, { 1, 0 })
     assert.is_false(ok)
     assert.matches("strictly increasing", err)
+    ok, err = pcall(s.compact, s, 3, { 1, 1 })   -- a slot kept twice
+    assert.is_false(ok)
+    assert.matches("keep[1] = 1 after keep[0] = 1: expected strictly increasing", err, 1, true)
     ok, err = pcall(s.compact, s, 3, { 0, 2 })
     assert.is_false(ok)
     assert.matches("keep%[1%] = 2", err)

@@ -1,8 +1,9 @@
 -- lua_api_spec: the Lua wrappers (require "kdtree"): info tables against config.json,
 -- close semantics, use-after-close errors, GC safety, error messages, and the
 -- conversions between Lua lists and the C arrays.
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
+local err_of = require("helpers.err_of")
 local json = require("dkjson")
 local ffi = require("ffi")
 local bit = require("bit")
@@ -38,7 +39,7 @@ describe("kd module", function()
     local a = kd.now_ns(); local b = kd.now_ns()
     assert.is_true(b >= a and a > 0)
     assert.is_true(kd.backend_available("cpu"))
-    assert.has_error(function() kd.backend_available("tpu") end)
+    assert.has_error(function() kd.backend_available("tpu") end, 'kdtree: backend_available: expected "cpu" or "cuda", got "tpu"')
   end)
 end)
 
@@ -266,8 +267,10 @@ describe("errors carry kd_last_error and leave the engine usable", function()
   it("a logits row out of range is an error", function()
     local s = m:new_seq(8)
     s:forward(PROMPT)
-    assert.has_error(function() s:logits(6) end)
-    assert.has_error(function() s:logits(0) end)
+    assert.matches("kd_seq_logits: rows [5, 6): expected within the " .. #PROMPT .. " output rows of the last forward",
+      err_of(s.logits, s, 6), 1, true)
+    assert.matches("kd_seq_logits: rows [-1, 0): expected within the " .. #PROMPT .. " output rows of the last forward",
+      err_of(s.logits, s, 0), 1, true)
     s:close()
   end)
 
@@ -336,7 +339,8 @@ describe("kd.tree", function()
     assert.truthy(err:find("budget", 1, true))
     assert.has_error(function() kd.tree.build({ { 1, 2, 3 }, { 1, 2 } }, 4) end,
       "kdtree: tree.build: logits row 2: expected 3 values (the width of row 1), got 2")
-    assert.has_error(function() kd.tree.build("x", 4) end)
+    assert.has_error(function() kd.tree.build("x", 4) end,
+      "kdtree: tree.build: logits: expected an L x V table or {data=, L=, V=}, got string")
   end)
 end)
 

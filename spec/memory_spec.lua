@@ -7,6 +7,7 @@
 -- and caches and their workspaces; the CUDA one also reports the device totals.
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
+local err_of = require("helpers.err_of")
 local ffi = require("ffi")
 local ck = require("helpers.checkpoint")
 
@@ -128,7 +129,7 @@ describe("memory by component (kd_model_memory)", function()
         assert.truthy(kd.last_error():find("out is NULL", 1, true))
         local m2 = kd.open_model(T.dir, { backend = BACKEND })
         m2:close()
-        assert.has_error(function() m2:memory() end)
+        assert.matches("kdtree: model is closed", err_of(m2.memory, m2), 1, true)
       end)
     end)
   end

@@ -2,8 +2,9 @@
 -- and with the Lua drafters) must emit exactly the tokens autoregressive decoding emits,
 -- greedy and sampled with the same seed; the oracle drafter must reach tau = L + 1 every
 -- round; out-of-order or malformed calls are Lua errors that leave the sequence usable.
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
+local err_of = require("helpers.err_of")
 local gen = require("kdtree.generate")
 local Oracle = require("kdtree.drafters.oracle")
 local Ngram = require("kdtree.drafters.ngram")
@@ -181,14 +182,18 @@ describe("policy primitives: bad input and call order", function()
     ok, err = pcall(kd.tree.build, { { 0, 1 } }, -3)
     assert.is_false(ok)
     assert.truthy(err:find("budget", 1, true))
-    assert.has_error(function() gen.run(m, PROMPT, { policy = "ddtree", drafter = d, budget = -1 }) end)
+    assert.matches("kdtree: ddtree: budget: expected a non-negative integer, got -1",
+      err_of(gen.run, m, PROMPT, { policy = "ddtree", drafter = d, budget = -1 }), 1, true)
     s:close()
   end)
 
   it("logits with the wrong shape are errors", function()
-    assert.has_error(function() kd.tree.build({ { 0, 1, 2 }, { 0, 1 } }, 4) end)
-    assert.has_error(function() kd.tree.build({ 1, 2, 3 }, 4) end)
-    assert.has_error(function() kd.tree.build({ data = nil, L = 2 }, 4) end)
+    assert.has_error(function() kd.tree.build({ { 0, 1, 2 }, { 0, 1 } }, 4) end,
+      "kdtree: tree.build: logits row 2: expected 3 values (the width of row 1), got 2")
+    assert.has_error(function() kd.tree.build({ 1, 2, 3 }, 4) end,
+      "kdtree: tree.build: logits: expected a list of rows (L x V), row 1 is a number")
+    assert.has_error(function() kd.tree.build({ data = nil, L = 2 }, 4) end,
+      "kdtree: tree.build: logits {data=, L=, V=}: data is missing (expected a float* cdata)")
     local ok, err = pcall(kd.tree.build, { data = require("ffi").new("float[4]"), L = 2, V = 0 }, 4)
     assert.is_false(ok)
     assert.truthy(err:find("kd_tree_build", 1, true))
@@ -233,6 +238,7 @@ describe("policy primitives: bad input and call order", function()
       "kdtree: generate: prompt: expected a non-empty list of token ids")
     assert.has_error(function() gen.run(m, PROMPT, { policy = "nope" }) end,
       "kdtree: generate: policy: expected ar, dflash or ddtree, got nope")
-    assert.has_error(function() gen.run(m, PROMPT, { policy = "ddtree" }) end)
+    assert.matches("kdtree: ddtree: opts.drafter: expected a drafter", err_of(gen.run, m, PROMPT, { policy = "ddtree" }),
+      1, true)
   end)
 end)

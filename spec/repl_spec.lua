@@ -4,7 +4,8 @@
 -- history survives the session, help/exit/quit work. Through a pipe (plain input): chat turns
 -- that equal the Lua API's decode, reset, helpful errors before a model, tree DOT output, the
 -- tau histogram, and --draft without --model.
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
+local Terminal = require("helpers.terminal")
 local kd = require("kdtree")
 local gen = require("kdtree.generate")
 
@@ -13,35 +14,11 @@ local LIB = os.getenv("KDTREE_LIB") and ("KDTREE_LIB='" .. os.getenv("KDTREE_LIB
 
 local function slurp(f) local h = assert(io.open(f, "rb")); local s = h:read("*a"); h:close(); return s end
 
--- drive the REPL on a pseudo-terminal: each step waits until its `after` text has appeared
--- `count` times in the output (default: the count-th prompt), and with `streamed` until that
--- many more bytes follow its last appearance (a reply has begun to print), then types `send`.
--- Returns (exit code, output without terminal escapes and carriage returns).
+-- drive the REPL on a pseudo-terminal (helpers.terminal: each step waits for its cue, then types)
 local function on_terminal(home, args, steps, state)
-  local out = os.tmpname()
-  local sh = { "wait_for() { n=0; while [ \"$(grep -a -o -F -- \"$1\" " .. out .. " | wc -l)\" -lt \"$2\" ]; do",
-    "  n=$((n+1)); [ $n -gt 600 ] && exit 1; sleep 0.05; done; }",
-    "wait_bytes() { at=$(grep -a -b -o -F -- \"$1\" " .. out .. " | tail -n 1 | cut -d: -f1); n=0;",
-    "  while [ \"$(stat -c %s " .. out .. ")\" -lt $((at + ${#1} + $2)) ]; do",
-    "  n=$((n+1)); [ $n -gt 600 ] && exit 1; sleep 0.05; done; }", "(" }
-  for i, st in ipairs(steps) do
-    local octal = st.send:gsub(".", function(c) return string.format("\\%03o", c:byte()) end)
-    local after = st.after or "kd> "
-    sh[#sh + 1] = string.format("wait_for %q %d; %sprintf '%s'", after, st.count or i,
-      st.streamed and string.format("wait_bytes %q %d; ", after, st.streamed) or "", octal)
-  end
-  sh[#sh + 1] = ") | env -u XDG_STATE_HOME HOME=" .. home .. (state and (" XDG_STATE_HOME=" .. state) or "")
-    .. " TERM=xterm " .. LIB .. "timeout 60 script -qfec 'luajit " .. CLI .. " repl "
-    .. (args or "") .. "' /dev/null > " .. out .. "; echo $?"
-  local f = os.tmpname()
-  local h = io.open(f, "w"); h:write(table.concat(sh, "\n"), "\n"); h:close()
-  local p = io.popen("bash " .. f)
-  local code = tonumber(p:read("*a"):match("(%d+)%s*$"))
-  p:close()
-  os.remove(f)
-  local text = slurp(out):gsub("\27%[[%?%d;]*%a", ""):gsub("\r", "")
-  os.remove(out)
-  return code, text
+  local env = "env -u XDG_STATE_HOME HOME=" .. home .. (state and (" XDG_STATE_HOME=" .. state) or "")
+    .. " TERM=xterm " .. LIB
+  return Terminal.run("luajit " .. CLI .. " repl " .. (args or ""), steps, env)
 end
 
 -- plain input through a pipe

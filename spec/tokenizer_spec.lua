@@ -12,6 +12,7 @@ local ffi = require("ffi")
 
 local DIR = ck.K26
 local golden = ck.read_json("spec/fixtures/tokenizer/golden.json")
+local GOLDEN_CASES = 242
 for _, c in ipairs(golden.cases) do   -- the long cases come as parts
   if c.parts then
     local t = {}
@@ -52,14 +53,20 @@ describe("tokenizer (kd_tokenizer)", function()
   end)
 
   it("encodes every golden string as tiktoken does, special strings as text and as ids", function()
+    local checked = 0
     for i, c in ipairs(golden.cases) do
       local label = "case " .. i .. ": " .. c.text:sub(1, 60)
       assert.are.same(c.ids, tok:encode(c.text), label)
       assert.are.same(c.ids_special, tok:encode(c.text, { special = true }), label .. " (special)")
+      checked = checked + 1
     end
+    -- the 242 strings tokenizer_golden.py wrote ("... 242 golden strings"): a truncated or
+    -- emptied fixture fails here instead of passing on fewer cases
+    assert.are.equal(GOLDEN_CASES, checked)
   end)
 
   it("decodes back to the same bytes (invariant over the goldens and split points)", function()
+    assert.are.equal(GOLDEN_CASES, #golden.cases)
     for i, c in ipairs(golden.cases) do
       assert.are.equal(c.text, tok:decode(c.ids), "case " .. i)
       assert.are.equal(c.text, tok:decode(c.ids_special), "case " .. i .. " (special)")

@@ -188,6 +188,32 @@ describe("tree invariants (no reference needed)", function()
     t:close()
   end)
 
+  it("a -inf log-prob is the lowest value there is: every finite path pops before it", function()
+    local ninf = -math.huge
+    local t = kd.tree.build({ { -1, -2, ninf, ninf } }, 4, { logprobs = true })
+    assert.are.same({ 0, 1, 2, 3 }, t.tokens)              -- siblings by rank
+    -- depth 1's second entry is -inf: both depth-2 children of node 1 (scores -1.5, -1.7) pop
+    -- before it
+    t:build({ { -1, ninf }, { -0.5, -0.7 } }, 4, { logprobs = true })
+    assert.are.same({ 0, 0, 1, 1 }, t.tokens)
+    assert.are.same({ 0, 1, 1, 0 }, t.parents)
+    assert.are.same({ 1, 2, 2, 1 }, t.depths)
+    t:close()
+    -- the same lists selected by the CPU backend's op (the kd_tree_build_drafted path: the
+    -- backend's top-K keeps -inf as it is, and Algorithm 1 reads it)
+    local C = require("helpers.testlib").cdef("kdtree_testing_ddtree.h").C
+    local hp = ffi.new("kd_test_dd*[1]")
+    assert.are.equal(0, C.kd_test_dd_new(C.KD_BACKEND_CPU, 0, hp))
+    local h = ffi.gc(hp[0], C.kd_test_dd_free)
+    local lp = ffi.new("float[4]", { -1, ninf, -0.5, -0.7 })
+    local tok, par, dep = ffi.new("int32_t[5]"), ffi.new("int32_t[5]"), ffi.new("int32_t[5]")
+    local vis, status, n = ffi.new("uint64_t[5]"), ffi.new("int32_t[4]"), ffi.new("int[1]")
+    assert.are.equal(0, C.kd_test_dd_tree(h, lp, 2, 2, 4, n, tok, par, dep, vis, status))
+    assert.are.equal(4, n[0])
+    assert.are.same({ 0, 0, 1, 1 }, { tok[1], tok[2], tok[3], tok[4] })
+    assert.are.same({ 0, 1, 1, 0 }, { par[1], par[2], par[3], par[4] })
+  end)
+
   it("a chain: root -> tokens[1] -> tokens[2] ...", function()
     local t = kd.tree.chain(7, { 10, 11, 12, 13 })
     assert.are.equal(4, t.n)

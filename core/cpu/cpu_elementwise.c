@@ -1,7 +1,8 @@
 /* cpu_elementwise.c: the CPU backend's row-wise ops: copy/convert, embedding
  * lookup, residual adds, SwiGLU, RMSNorm, RoPE, row gathers, log-softmax,
- * argmax and top-k. All math in fp32. */
+ * argmax (NaN / +inf reported as sample_rule.h's codes) and top-k. All math in fp32. */
 #include "cpu.h"
+#include "sample_rule.h"
 #include <stdlib.h>
 
 kd_status kd_cpu_copy(kd_backend *be, kd_act dst, kd_act src) {
@@ -170,8 +171,12 @@ kd_status kd_cpu_argmax(kd_backend *be, kd_act x, int32_t *out) {
     for (int r = 0; r < x.rows; r++) {
         const float *xr = kd_act_f32_row(x, r);
         int best = 0;
-        for (int c = 1; c < x.cols; c++) if (beats(xr[c], c, xr[best], best)) best = c;
-        out[r] = best;
+        int32_t bad = kd_rule_logit_code(xr[0], 0);
+        for (int c = 1; c < x.cols && !bad; c++) {
+            bad = kd_rule_logit_code(xr[c], c);
+            if (beats(xr[c], c, xr[best], best)) best = c;
+        }
+        out[r] = bad ? -bad : best;
     }
     return KD_OK;
 }

@@ -102,7 +102,7 @@ function R.env(opts)
     for _, k in ipairs({ "backend", "tp", "devices" }) do
       if o[k] ~= nil then mo[k] = o[k] end
     end
-    local m = kd.open_model(dir, mo)
+    local m = require("kdtree.progress").open_model(kd, dir, mo)
     for _, k in ipairs({ "t", "s", "d", "tok", "m" }) do
       if E[k] then E[k]:close(); E[k] = nil end
     end

@@ -70,6 +70,9 @@ local function score_array(scores)
   if type(scores) ~= "table" then
     error("kdtree: tree.build: logits: expected an L x V table or {data=, L=, V=}, got " .. type(scores), 3)
   end
+  if scores.data == nil and (scores.L ~= nil or scores.V ~= nil) then
+    error("kdtree: tree.build: logits {data=, L=, V=}: data is missing (expected a float* cdata)", 3)
+  end
   if scores.data ~= nil then
     local L, V = scores.L, scores.V
     if type(L) ~= "number" or type(V) ~= "number" then

@@ -573,7 +573,7 @@ static kd_model *build_model(const dims *d) {
     m->ranks[0].rope_inv_freq = dev;
     m->ranks[0].rope.dim = c->qk_rope_dim;
     m->ranks[0].rope.interleaved = true;
-    m->ranks[0].rope.attn_factor = c->rope_attn_factor;
+    m->ranks[0].rope.attn_factor = (float)c->rope.amp;
     m->ranks[0].rope.inv_freq = m->ranks[0].rope_inv_freq;
     CK(g_be->ops->sync(g_be));
     /* router logits for the expert count: up to KD_SEQ_MAX_ROWS (1024) rows */
@@ -1265,7 +1265,7 @@ static void slice_run(const opts *o, const dims *d) {
        d->name, c->hidden, c->n_heads, c->q_lora_rank, c->kv_lora_rank, c->qk_rope_dim, c->qk_nope_dim,
        c->v_head_dim, c->vocab, c->n_layers, c->first_k_dense, c->intermediate, c->n_layers - c->first_k_dense,
        c->n_experts, c->n_experts_per_tok, c->quant_group, c->moe_intermediate, c->n_shared_experts,
-       (double)c->yarn_factor, build_s);
+       c->rope.factor, build_s);
     char hb[64];
     md("| weights | bytes |\n|---|---|\n");
     for (int k = 0; k < B_N; k++) md("| %s | %s |\n", bkind_name[k], human((double)S.bytes[k], hb, sizeof hb));

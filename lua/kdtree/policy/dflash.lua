@@ -6,13 +6,18 @@ local G = require("kdtree.generate")
 
 local P = {}
 
--- argmax of each row of an L x V log-prob block {data=, L=, V=} (ties: lowest id)
+-- argmax of each row of an L x V log-prob block {data=, L=, V=} (ties: lowest id); NaN or
+-- +inf is an error naming the row and column, as the backend's argmax reports it
 local function argmax_rows(lp)
   local ids = {}
   for i = 0, lp.L - 1 do
     local base, best, arg = i * lp.V, -math.huge, 0
     for j = 0, lp.V - 1 do
       local v = lp.data[base + j]
+      if v ~= v or v == math.huge then
+        error(string.format("kdtree: dflash: draft log-prob row %d: logits[%d] is %s: expected finite values (or -inf)",
+                            i, j, v ~= v and "NaN" or "+inf"), 0)
+      end
       if v > best then best, arg = v, j end
     end
     ids[i + 1] = arg
