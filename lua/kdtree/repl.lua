@@ -491,7 +491,7 @@ function R.start(opts)
       if rawget(E, "_exit") then break end
     end
   end
-  interrupt.take()                 -- the same for a Ctrl-C typed ahead of `exit`
+  interrupt.ignore()               -- a Ctrl-C typed ahead of `exit` ends nothing now
   close()
   return E
 end
