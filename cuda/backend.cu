@@ -11,6 +11,7 @@
  * Several GPUs: one backend per rank; the collectives between ranks are the communicator's
  * (cuda/comm.cu, core/comm.h), which enqueues on each rank's backend stream. */
 #include "cuda_internal.cuh"
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -39,11 +40,30 @@ static const char *ws_name(int which) {
     return which >= 0 && which < KD_WS_COUNT ? names[which] : "workspace";
 }
 
+/* The limit is the device's, not the backend's: ranks that share a device (the loopback) each
+ * have a backend, and a backend that set a smaller limit after another had set a larger one
+ * would make the other's later launch fail while its table says the larger limit stands. So the
+ * limit only ever rises (read, raise, under one lock for the process), and then each backend's
+ * table of limits it has seen stays true. */
+static pthread_mutex_t smem_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static kd_status raise_smem_limit(const void *fn, size_t smem) {
+    cudaFuncAttributes attr;
+    cudaError_t e = cudaFuncGetAttributes(&attr, fn);
+    if (e == cudaSuccess && (size_t)attr.maxDynamicSharedSizeBytes < smem)
+        e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return kd_cuda_fail(e, "cudaFuncSetAttribute (dynamic shared memory)", __FILE__, __LINE__);
+    return KD_OK;
+}
+
 kd_status kd_cuda_smem(kd_cuda *c, const void *fn, size_t smem) {
     int i = 0;
     while (i < c->n_smem_set && c->smem_set[i].fn != fn) i++;
     if (i < c->n_smem_set && c->smem_set[i].smem >= smem) return KD_OK;
-    KD_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    pthread_mutex_lock(&smem_lock);
+    const kd_status st = raise_smem_limit(fn, smem);
+    pthread_mutex_unlock(&smem_lock);
+    KD_TRY(st);
     if (i == c->n_smem_set) {
         if (i == (int)(sizeof c->smem_set / sizeof c->smem_set[0])) return KD_OK;   /* table full: ask every time */
         c->n_smem_set++;
