@@ -36,10 +36,14 @@ function I.block() C.pthread_sigmask(SIG_BLOCK, set, nil) end
 -- true when a SIGINT came since the last take (it is consumed)
 function I.take() return C.sigtimedwait(set, nil, zero) == SIGINT end
 
--- from now on SIGINT is ignored: a pending one is discarded and later ones are too. For the way
--- out of the REPL: on the H200 (2026-12-03) a Ctrl-C typed with a line at the prompt still ended
--- the process with status 130 at exit, although take() ran before the next prompt (why was not
--- found); POSIX discards a pending signal, for every thread, once its action is set to ignore.
+-- from now on SIGINT is ignored: a pending one is discarded and later ones are too (POSIX
+-- discards a pending signal, for every thread, once its action is set to ignore). For the way out
+-- of the REPL, which must then end with os.exit(code, true): luajit's main sets SIGINT back to its
+-- default action as soon as the script's main chunk returns, before it closes the state, and on
+-- CUDA that close (the context teardown) takes about a second and may run threads that do not
+-- block SIGINT; a Ctrl-C then ends the process with status 130 (on the H200, 2026-12-03). A
+-- thread that does not block SIGINT while the session runs would break the polling (luajit's own
+-- handler would take the signal), so block() must still come before any thread starts.
 function I.ignore() C.signal(SIGINT, ffi.cast("kd_lua_sighandler", 1)) end   -- 1 = SIG_IGN
 
 return I
