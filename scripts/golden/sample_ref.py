@@ -1,20 +1,9 @@
 #!/usr/bin/env python3
-"""sample_ref.py: an independent reference of kdtree's keyed sampling rule (core/sample.c's
-header, docs/ddtree.md), written from the documented rule in plain Python: exact big
-integers where the C code emulates 128-bit arithmetic, exact rationals for the fused
-multiply-adds of the documented exp. It writes spec/fixtures/sample_golden.json, which
+"""sample_ref.py: writes spec/fixtures/sample_golden.json from the independent reference of kdtree's
+keyed sampling rule in sample_rule_ref.py (plain Python from the documented rule: exact big
+integers, exact rationals for the documented exp's fused multiply-adds), which
 spec/sample_golden_spec.lua checks on the CPU (kd_sample_logits and the sample_rows op) and on
 CUDA (#gpu, the same op through the same Lua API).
-
-The rule, for logits x[0..V) (float32), a sampler {T, top_k, top_p, seed} (T, top_p float32)
-and the absolute position P of the token drawn:
-  q_i = trunc(exp_rule(x_i / T - m / T) * 2^62) in double, m = max x (-inf -> 0);
-  order: logit descending, equal logits lower id first; top-k keeps the first top_k;
-  top-p: S = kept mass, G = max(1, ceil(S * trunc(top_p * 2^32) / 2^32)), keep the shortest
-  prefix of the order whose mass reaches G;
-  U = the top 53 bits of mix(mix(seed) + P * 0xD1B54A32D192ED03) (mix = SplitMix64's
-  finalizer with its increment), target = floor(U * W / 2^53) for the kept mass W; the token
-  is the first kept id (ascending) whose inclusive prefix mass exceeds target.
 
 Cases: (1) u53 known answers through the public API: 2^20 equal logits, so the drawn id is the
 top 20 bits of U; (2) rows of random logits under many settings and seeds; (3) boundaries with
@@ -31,92 +20,8 @@ import math
 import random
 import struct
 import sys
-from fractions import Fraction
 
-M64 = (1 << 64) - 1
-
-
-def f32(v):
-    """round a Python float to the nearest float32 (as a Python float)"""
-    return struct.unpack("<f", struct.pack("<f", v))[0]
-
-
-def mix64(x):
-    x = (x + 0x9E3779B97F4A7C15) & M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
-
-
-def u53(seed, position):
-    return (mix64((mix64(seed) + (position * 0xD1B54A32D192ED03)) & M64)) >> 11
-
-
-def fma(a, b, c):
-    """a * b + c rounded once (exact rationals; int / int division rounds correctly)"""
-    r = Fraction(a) * Fraction(b) + Fraction(c)
-    return r.numerator / r.denominator
-
-
-# the documented exp on (-inf, 0] (sample_rule.h kd_rule_exp: reduction by ln2 in two parts,
-# degree-13 Taylor polynomial by Horner with fused multiply-adds, scaled by 2^k)
-INV_LN2 = float.fromhex("0x1.71547652b82fep+0")
-LN2_HI = float.fromhex("0x1.62e42fee00000p-1")
-LN2_LO = float.fromhex("0x1.a39ef35793c76p-33")
-TAYLOR = [float.fromhex(h) for h in (
-    "0x1.6124613a86d09p-33", "0x1.1eed8eff8d898p-29", "0x1.ae64567f544e4p-26", "0x1.27e4fb7789f5cp-22",
-    "0x1.71de3a556c734p-19", "0x1.a01a01a01a01ap-16", "0x1.a01a01a01a01ap-13", "0x1.6c16c16c16c17p-10",
-    "0x1.1111111111111p-7", "0x1.5555555555555p-5", "0x1.5555555555555p-3")] + [0.5, 1.0, 1.0]
-
-
-def exp_rule(a):
-    if not (a >= -708.0):
-        return 0.0
-    k = round(a * INV_LN2)            # rint: ties to even, as Python's round
-    r = fma(-k, LN2_HI, a)
-    r = fma(-k, LN2_LO, r)
-    p = TAYLOR[0]
-    for c in TAYLOR[1:]:
-        p = fma(p, r, c)
-    return math.ldexp(p, int(k))
-
-
-def sample(x, T, top_k, top_p, seed, position):
-    """x: float32 logits; T, top_p: float32 values. Returns the token id."""
-    V = len(x)
-    m = max(x)
-    assert m != -math.inf
-    z = m / T
-    q = [int(exp_rule(v / T - z) * 2.0 ** 62) if v != -math.inf else 0 for v in x]
-    order = sorted(range(V), key=lambda i: (-x[i], i))
-    kept = order[:top_k] if 0 < top_k < V else order
-    if 0 < top_p < 1:
-        S = sum(q[i] for i in kept)
-        P = int(top_p * 2.0 ** 32)
-        G = max(1, -((-S * P) >> 32))    # ceil(S * P / 2^32)
-        cum = 0
-        for j, i in enumerate(kept):
-            cum += q[i]
-            if cum >= G:
-                kept = kept[:j + 1]
-                break
-    W = sum(q[i] for i in kept)
-    target = (u53(seed, position) * W) >> 53
-    cum = 0
-    for i in sorted(kept):
-        cum += q[i]
-        if cum > target:
-            return i
-    raise AssertionError("target beyond the kept mass")
-
-
-def check_exp():
-    """the documented exp agrees with libm's to a few ulps (a sanity check of the transcription)"""
-    rnd = random.Random(5)
-    for _ in range(20000):
-        a = -rnd.random() * 50
-        e, ref = exp_rule(a), math.exp(a)
-        assert abs(e - ref) <= 4 * math.ulp(ref), (a, e, ref)
+from sample_rule_ref import check_exp, f32, sample, u53
 
 
 def seed_fields(seed):
