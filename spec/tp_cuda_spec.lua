@@ -134,25 +134,8 @@ describe("tensor parallel on one GPU through the loopback #gpu", function()
 
         it("tp " .. tp .. ": logits within " .. REL_TOL .. " of TP-1 (relative), the cache identical on every rank", function()
           local m = open(L.dir, tp)
-          local s, s1 = m:new_seq(64), ref_m:new_seq(64)
-          s:forward(PROMPT)
-          s1:forward(PROMPT)
-          local a, n = s:logits_cdata(1)
-          local b = s1:logits_cdata(1)
-          local d, top = 0, 0
-          for i = 0, n - 1 do
-            d = math.max(d, math.abs(a[i] - b[i]))
-            top = math.max(top, math.abs(b[i]))
-          end
-          print(("\n  %s tp %d: prompt logits max |diff| %.3g, relative %.3g"):format(L.dir, tp, d, d / top))
-          assert.is_true(d == d and d <= REL_TOL * top, "logits differ by " .. d .. " (largest |logit| " .. top .. ")")
-          local w = m.info.kv_lora_rank + m.info.qk_rope_dim
-          for l = 0, m.info.n_layers - 1 do
-            local c0 = s:read_cache(l, 0, #PROMPT, 0)
-            assert.are.equal(#PROMPT * w, #c0)
-            for r = 1, tp - 1 do assert.are.same(c0, s:read_cache(l, 0, #PROMPT, r), "layer " .. l .. " rank " .. r) end
-          end
-          s:close(); s1:close(); m:close()
+          require("spec.helpers.tp_matches_tp1")(m, ref_m, PROMPT, { tp = tp, tol = REL_TOL, relative = true, name = L.dir })
+          m:close()
         end)
       end
     end)

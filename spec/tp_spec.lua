@@ -107,21 +107,8 @@ describe("tensor parallel (CPU ranks)", function()
 
         it("tp " .. tp .. ": logits within " .. TOL .. " of TP-1, the cache identical on every rank", function()
           local m = open(L.dir, tp)
-          local s, s1 = m:new_seq(64), ref_m:new_seq(64)
-          s:forward(PROMPT)
-          s1:forward(PROMPT)
-          local a, n = s:logits_cdata(1)
-          local b = s1:logits_cdata(1)
-          local dl = max_diff(a, b, n, 0)
-          assert.is_true(dl <= TOL, "logits differ by " .. dl)
-          local w = m.info.kv_lora_rank + m.info.qk_rope_dim
-          for l = 0, m.info.n_layers - 1 do
-            local c0 = s:read_cache(l, 0, #PROMPT, 0)
-            for r = 1, tp - 1 do assert.are.same(c0, s:read_cache(l, 0, #PROMPT, r), "layer " .. l .. " rank " .. r) end
-            local d = max_diff(c0, s1:read_cache(l, 0, #PROMPT), #PROMPT * w, 1)
-            assert.is_true(d <= TOL, "layer " .. l .. ": cache differs from TP-1 by " .. d)
-          end
-          s:close(); s1:close(); m:close()
+          require("spec.helpers.tp_matches_tp1")(m, ref_m, PROMPT, { tp = tp, tol = TOL, cache_tol = TOL, name = L.dir })
+          m:close()
         end)
 
         it("tp " .. tp .. ": after a committed DDTree round the cache is identical on every rank", function()
