@@ -491,8 +491,8 @@ function R.start(opts)
       if rawget(E, "_exit") then break end
     end
   end
-  interrupt.ignore()               -- a Ctrl-C typed ahead of `exit` ends nothing now
-  close()
+  interrupt.take()                 -- the same for a Ctrl-C typed ahead of `exit` (the CLI then
+  close()                          -- ignores SIGINT for its way out: scripts/kdtree's cmd_repl)
   return E
 end
 
