@@ -32,6 +32,14 @@ def special_ids(n_base):
     return named, allsp
 
 
+def torch_setup(seed, device):
+    """the training stages' start: a fixed seed, and tf32 matmuls on CUDA"""
+    import torch   # here, not at the top: the corpus and tokenizer stages run without torch
+    torch.manual_seed(seed)
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+
 def write_json(path, obj, indent=1):
     with open(path, "w") as f:
         json.dump(obj, f, indent=indent, ensure_ascii=False)

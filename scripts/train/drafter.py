@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 import arch
-from common import log, read_json, update_report, write_json
+from common import log, read_json, torch_setup, update_report, write_json
 import make_tiny_drafter as mtd
 import train_tiny_drafter as ttd
 from target import dir_bytes, install_dense_moe
@@ -139,10 +139,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="arch.py's toy dimensions (a CPU test of the recipe)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    torch.manual_seed(a.seed)
     dev = a.device
-    if dev.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = True
+    torch_setup(a.seed, dev)
     mdir = os.path.join(a.outdir, "models", "mini-code")
     ddir = os.path.join(a.outdir, "models", "mini-code-dflash")
     text = read_json(os.path.join(mdir, "config.json"))["text_config"]

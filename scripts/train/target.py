@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import arch
-from common import SPECIAL_OFFSETS, log, read_json, update_report
+from common import SPECIAL_OFFSETS, log, read_json, torch_setup, update_report
 import tinymodels as tm
 
 # ------------------------------------------------------------------------------------------- the MoE forward
@@ -190,10 +190,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="arch.py's toy dimensions (a CPU test of the recipe)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    torch.manual_seed(a.seed)
     dev = a.device
-    if dev.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = True
+    torch_setup(a.seed, dev)
     stats = read_json(os.path.join(a.outdir, "tokenizer_stats.json"))
     n_base = stats["n_base"]
     text = arch.text_config(n_base, a.smoke)
