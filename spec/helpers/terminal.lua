@@ -4,7 +4,10 @@
 -- step waits until its `after` text (default "kd> ") has appeared `count` times in the output
 -- (default: the step's index), and with `streamed` until that many more bytes follow its last
 -- appearance, then types `send`. Returns (exit code, output without terminal escapes and
--- carriage returns, the raw output).
+-- carriage returns, the raw output). `script` starts `$SHELL -c command`; the command is exec'd
+-- so that it is the terminal's foreground process alone: dash (/bin/sh, what `script` uses where
+-- SHELL is unset, as under CI) would otherwise wait in the same process group, die of a Ctrl-C
+-- typed for the command, and make the status 130 whatever the command returned.
 local T = {}
 
 local function slurp(f) local h = assert(io.open(f, "rb")); local s = h:read("*a"); h:close(); return s end
@@ -22,7 +25,7 @@ function T.run(command, steps, env)
     sh[#sh + 1] = string.format("wait_for %q %d; %sprintf '%s'", after, st.count or i,
       st.streamed and string.format("wait_bytes %q %d; ", after, st.streamed) or "", octal)
   end
-  sh[#sh + 1] = "true ) | " .. (env or "") .. " timeout 60 script -qfec '" .. command .. "' /dev/null > " .. out
+  sh[#sh + 1] = "true ) | " .. (env or "") .. " timeout 60 script -qfec 'exec " .. command .. "' /dev/null > " .. out
     .. "; echo $?"
   local f = os.tmpname()
   local h = io.open(f, "w"); h:write(table.concat(sh, "\n"), "\n"); h:close()
