@@ -18,7 +18,9 @@ typedef struct kd_fwd_plan {
      * forward chunk uploads them as one span (forward_chunk, model.c) */
     size_t dlen;                          /* int32: the sequence length a step starts at (graph steps) */
     size_t ids, pos, vis, idx;            /* int32 [rows], int32 [rows], uint64 [rows*words], int32 [rows] */
-    size_t x, h, t1, t2;                  /* [rows, hidden]: residual, normed input, two block outputs */
+    size_t x, h, t1, t2;                  /* [rows, hidden]: residual, normed input, two block outputs
+                                           * (fp32 partial sums at tp > 1) */
+    size_t sum;                           /* [rows, hidden] at tp > 1: the all-reduced block output */
     size_t qa;                            /* [rows, q_lora_rank] (q_lora only) */
     size_t q;                             /* [rows, H*(dn+dr)] */
     size_t kva;                           /* [rows, r+dr] */

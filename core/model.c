@@ -65,8 +65,14 @@ void kd_fwd_plan_of(const kd_config *c, const kd_widths *w, size_t a, int rows, 
     REGION(idx, R * 4);
     REGION(x, R * c->hidden * a);
     REGION(h, R * c->hidden * a);
-    REGION(t1, R * c->hidden * a);
-    REGION(t2, R * c->hidden * a);
+    /* the block outputs hold partial sums at tp > 1: fp32 there, so that the all-reduce adds
+     * what each rank's GEMM accumulated in fp32 and the sum is rounded to the activation type
+     * once (into sum), as one device's GEMM rounds it. Rounding every rank's part first moved a
+     * MoE router's near-tied choice on the H200 (tiny-k2.6 at tp 2: logits off by 0.37). */
+    size_t part = w->tp > 1 && a < 4 ? 4 : a;
+    REGION(t1, R * c->hidden * part);
+    REGION(t2, R * c->hidden * part);
+    REGION(sum, w->tp > 1 ? R * c->hidden * a : 0);
     REGION(qa, R * (size_t)(c->q_lora_rank > 0 ? c->q_lora_rank : 0) * a);
     REGION(q, R * (size_t)H * (dn + dr) * a);
     REGION(kva, R * (size_t)(r + dr) * a);
@@ -108,10 +114,26 @@ static kd_act act(const rank_fwd *f, size_t off, int rows, int cols) {
     return kd_fwd_act(f->S->scratch, off, rows, cols, f->be->act_dtype);
 }
 
-/* x <- the sum of every rank's x (a no-op on one rank) */
-static kd_status reduce(const rank_fwd *f, kd_act x) {
+/* the view of a block output at offset off: the activation type, fp32 partial sums at tp > 1 */
+static kd_act partial(const rank_fwd *f, size_t off, int rows) {
+    kd_dtype dt = f->be->act_dtype;
+    if (f->s->model->comm && kd_dtype_size(dt) < 4) dt = KD_F32;
+    return kd_fwd_act(f->S->scratch, off, rows, f->s->model->cfg.hidden, dt);
+}
+
+/* x += the sum of every rank's part (part itself on one rank), rounded once to x's type */
+static kd_status add_reduced(const rank_fwd *f, kd_act part, kd_act x) {
     kd_comm *c = f->s->model->comm;
-    return c ? c->ops->all_reduce_sum(c, f->r, f->be, x) : KD_OK;
+    kd_backend *be = f->be;
+    if (c) {
+        KD_TRY(c->ops->all_reduce_sum(c, f->r, be, part));
+        if (part.dtype != x.dtype) {
+            kd_act sum = act(f, f->p->sum, part.rows, part.cols);
+            KD_TRY(be->ops->copy(be, sum, part));
+            part = sum;
+        }
+    }
+    return be->ops->add(be, x, part);
 }
 
 /* out = down(silu(gate x) * up x): this rank's part of the intermediate dim (a partial sum) */
@@ -190,10 +212,9 @@ static kd_status attention_block(const rank_fwd *f, int l, kd_act h, kd_act x, c
     /* back to per-head values, output projection (this rank's heads: a partial sum), residual */
     kd_act o = act(f, p->o, T, H * dv);
     KD_TRY(be->ops->head_matmul(be, lat, H, r, r, &L->kv_b, dn + dv, dn, true, o, dv));
-    kd_act t1 = act(f, p->t1, T, c->hidden);
+    kd_act t1 = partial(f, p->t1, T);
     KD_TRY(be->ops->linear(be, o, &L->o_proj, t1));
-    KD_TRY(reduce(f, t1));
-    return be->ops->add(be, x, t1);
+    return add_reduced(f, t1, x);
 }
 
 /* x += mlp(h) (dense layer) or moe(h) + shared(h), each rank's partial sums all-reduced */
@@ -201,20 +222,19 @@ static kd_status ffn_block(const rank_fwd *f, int l, kd_act h, kd_act x) {
     kd_model *m = f->s->model;
     kd_backend *be = f->be;
     const kd_layer *L = &f->R->layers[l];
-    int T = h.rows, D = m->cfg.hidden;
-    kd_act t1 = act(f, f->p->t1, T, D);
+    int T = h.rows;
+    kd_act t1 = partial(f, f->p->t1, T);
     if (!L->is_moe) {
         KD_TRY(mlp(f, h, &L->mlp_gate, &L->mlp_up, &L->mlp_down, t1));
     } else {
         KD_TRY(be->ops->moe(be, h, &L->experts, t1));
         if (m->cfg.n_shared_experts > 0) {
-            kd_act t2 = act(f, f->p->t2, T, D);
+            kd_act t2 = partial(f, f->p->t2, T);
             KD_TRY(mlp(f, h, &L->mlp_gate, &L->mlp_up, &L->mlp_down, t2));
             KD_TRY(be->ops->add(be, t1, t2));        /* HF order: experts + shared, then the residual */
         }
     }
-    KD_TRY(reduce(f, t1));
-    return be->ops->add(be, x, t1);
+    return add_reduced(f, t1, x);
 }
 
 /* keep x (the output of layer l) for the drafter when l is one of its taps (rank 0, where the

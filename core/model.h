@@ -60,6 +60,7 @@ typedef struct kd_rank {
 
 /* the widths one rank holds (kd_widths_of: config widths / tp, once kd_plan_check_tp passed) */
 typedef struct kd_widths {
+    int tp;                                   /* the ranks the widths are split over */
     int heads, intermediate, moe_intermediate, vocab;
 } kd_widths;
 

@@ -60,7 +60,7 @@ kd_status kd_plan_check_tp(const kd_config *c, int tp) {
 }
 
 kd_widths kd_widths_of(const kd_config *c, int tp) {
-    return (kd_widths){c->n_heads / tp, c->intermediate / tp, c->moe_intermediate / tp, c->vocab / tp};
+    return (kd_widths){tp, c->n_heads / tp, c->intermediate / tp, c->moe_intermediate / tp, c->vocab / tp};
 }
 
 /* The config of one rank: the split widths of kd_widths_of (the workspace bound reads them). */
