@@ -110,6 +110,86 @@ enum { KD_DTREE_R_STATUS = 0,   /* 0, or the sampling error code of the failing 
        KD_DTREE_R_BUILD = 6 };  /* the build status word 0 (a NaN / +inf draft value) */
 
 typedef struct kd_backend kd_backend;
+
+/* The compute ops, listed once: X(name, parameters, arguments). Everything that enumerates them
+ * is generated from this list: the op table's entries below, each backend's declarations of its
+ * kd_<backend>_<name> (cpu/cpu.h, cuda/cuda_internal.cuh) and its table (cpu/cpu_backend.c;
+ * cuda/backend.cu, where each entry first makes the device current), and the specs' FFI view
+ * (spec/helpers/backend.lua).
+ * Adding an op is a line here and its implementations; every backend implements every op, and
+ * spec/op_coverage_spec.lua fails until the new op is compared with its CPU twin on CUDA. */
+#define KD_BACKEND_OPS(X)                                                                                     \
+    /* elementwise and data movement */                                                                      \
+    X(copy, (kd_backend *be, kd_act dst, kd_act src), (be, dst, src))          /* same shape, converts dtype */ \
+    X(embed, (kd_backend *be, const kd_weight *table, const int32_t *ids, kd_act out), (be, table, ids, out))  \
+    X(add, (kd_backend *be, kd_act x, kd_act y), (be, x, y))                    /* x += y */                     \
+    X(scale_add, (kd_backend *be, kd_act x, kd_act y, float s), (be, x, y, s))  /* x += s*y */                   \
+    X(swiglu, (kd_backend *be, kd_act gate, kd_act up, kd_act out), (be, gate, up, out))   /* silu(gate)*up */   \
+    /* out = x * rsqrt(mean(x^2)+eps) * w, in fp32; rows may be heads (x viewed [rows*k, cols/k]) */          \
+    X(rmsnorm, (kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act out), (be, x, w, eps, out))    \
+    /* in place on dims [offset, offset+r->dim) of each of n_heads blocks of head_stride cols */             \
+    X(rope, (kd_backend *be, kd_act x, int n_heads, int head_stride, int offset, const int32_t *pos,          \
+             const kd_rope *r), (be, x, n_heads, head_stride, offset, pos, r))                               \
+    /* rows[i] of src -> rows dst_row0+i of dst (KV compaction gathers) */                                   \
+    X(gather_rows, (kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n), (be, dst, src, rows, n)) \
+    /* src rows i -> dst rows *d_len + i (same dtype; dst spans the whole cache; d_len in backend memory) */ \
+    X(store_rows_at, (kd_backend *be, kd_act dst, const int32_t *d_len, kd_act src), (be, dst, d_len, src))  \
+                                                                                                             \
+    /* matrix products */                                                                                    \
+    X(linear, (kd_backend *be, kd_act x, const kd_weight *w, kd_act out), (be, x, w, out))   /* out = x w^T */ \
+    /* per head h: out[:, h*ocols:(h+1)*ocols] = x[:, h*xstride : h*xstride+k] @ W_h, where W_h is rows     \
+     * [h*wstride + wrow0, +k) of w (transposed = false: W_h is k x ocols, out = x W_h) or (transposed =     \
+     * true: W_h is ocols x k rows, out = x W_h^T). MLA absorption uses both. */                            \
+    X(head_matmul, (kd_backend *be, kd_act x, int n_heads, int xstride, int k, const kd_weight *w, int wstride, \
+                    int wrow0, bool transposed, kd_act out, int ocols),                                      \
+      (be, x, n_heads, xstride, k, w, wstride, wrow0, transposed, out, ocols))                               \
+                                                                                                             \
+    /* attention. q: [T, Hq*dq]; keys/values: kv rows [0, S), key = first dk cols, value = first dv cols of  \
+     * the value view; Hkv groups (Hq % Hkv == 0). Query t sits at cache row past+t. visible: NULL with      \
+     * causal = true: query t sees rows <= past+t; causal = false: all rows; else bits (T rows, ceil(T/64)   \
+     * words) over the last T rows, rows < past always visible. window > 0: key row r visible only when      \
+     * pos_q - pos_k < window (positions = rows). */                                                         \
+    X(attention, (kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v, int n_kv_heads,     \
+                  int past, bool causal, const uint64_t *visible, int window, float scale, kd_act out),      \
+      (be, q, n_heads, head_dim, k, v, n_kv_heads, past, causal, visible, window, scale, out))               \
+    /* attention with past = *d_len (backend memory) and S = past + q.rows; k and v span the whole cache     \
+     * (their rows are the bound); bit-identical to attention at that past. A step that reads its length    \
+     * this way is the same at every length, so it can be captured once (docs/architecture.md) */           \
+    X(attention_at, (kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v, int n_kv_heads,  \
+                     const int32_t *d_len, bool causal, const uint64_t *visible, int window, float scale,     \
+                     kd_act out),                                                                            \
+      (be, q, n_heads, head_dim, k, v, n_kv_heads, d_len, causal, visible, window, scale, out))              \
+                                                                                                             \
+    /* mixture of experts: out = sum_j w_j expert_{idx_j}(x) (the shared expert is separate) */             \
+    X(moe, (kd_backend *be, kd_act x, const kd_experts *e, kd_act out), (be, x, e, out))                     \
+                                                                                                             \
+    /* rows of logits -> log_softmax in place (fp32) */                                                      \
+    X(log_softmax, (kd_backend *be, kd_act x), (be, x))                                                      \
+    /* one id per row (ties: the lower id); a row holding NaN or +inf gets -code instead, the code          \
+     * (sample_rule.h: kind | column << 2) of its first such column, for the caller to report */           \
+    X(argmax, (kd_backend *be, kd_act x, int32_t *out), (be, x, out))                                        \
+    /* per row the k largest values, descending; equal values: lower id first */                             \
+    X(topk, (kd_backend *be, kd_act x, int k, float *vals, int32_t *ids), (be, x, k, vals, ids))             \
+                                                                                                             \
+    /* the DDTree round (docs/ddtree.md; CPU: cpu/cpu_ddtree.c, CUDA: cuda/ddtree.cu).                      \
+     * tree_select: Algorithm 1 on the per-depth top-K lists t->vals/ids [L, K] (rows descending): nodes    \
+     * 1..n (token, parent, depth), node 0's parent -1 and depth 0, the ancestor mask of the 1+n rows,      \
+     * t->status = {0 or 1 (a NaN / +inf list value), its index, n}, where n = min(budget, K + K^2 + ... +  \
+     * K^L). KD_ERR_UNSUPPORTED: a budget the backend cannot hold (the caller builds on the host instead). */ \
+    X(tree_select, (kd_backend *be, const kd_dtree *t, int L, int K, int budget), (be, t, L, K, budget))     \
+    /* token[0] = root and pos[i] = pos0 + depth[i] for nodes 0..n; when ids is not NULL also the verify    \
+     * forward's inputs ids[i] = token[i], pos_out[i] = pos[i] and the (1+n) x ceil((1+n)/64) mask words    \
+     * into vis_out (the sequence's scratch regions) */                                                     \
+    X(tree_stage, (kd_backend *be, const kd_dtree *t, int n, int32_t root, int32_t pos0, int32_t *ids,        \
+                   int32_t *pos_out, uint64_t *vis_out), (be, t, n, root, pos0, ids, pos_out, vis_out))      \
+    /* one keyed draw per row of fp32 logits (sample.c's rule; sp not greedy) at position pos[i] +          \
+     * pos_offset: out[i] the token, code[i] 0 or the row's error (sample_rule.h) */                        \
+    X(sample_rows, (kd_backend *be, kd_act logits, const kd_sampler *sp, const int32_t *pos, int pos_offset,  \
+                    int32_t *out, int32_t *code), (be, logits, sp, pos, pos_offset, out, code))              \
+    /* the accept walk over nodes 0..n from the root along t->target (stopping at a node whose              \
+     * t->row_status is set when sampled): writes t->result */                                              \
+    X(tree_walk, (kd_backend *be, const kd_dtree *t, int n, int sampled), (be, t, n, sampled))
+
 typedef struct kd_backend_ops {
     const char *name;
     void (*destroy)(kd_backend *be);
@@ -124,92 +204,24 @@ typedef struct kd_backend_ops {
     void (*weight_free)(kd_backend *be, kd_weight *w);
     kd_status (*experts_load)(kd_backend *be, kd_experts *e);   /* after weight_load of each expert */
     void (*experts_free)(kd_backend *be, kd_experts *e);
+    /* memory accounting: the backend's totals (a loaded weight counts as kd_weight_bytes) */
+    void (*mem_usage)(kd_backend *be, kd_mem_usage *out);
 
-    /* elementwise and data movement */
-    kd_status (*copy)(kd_backend *be, kd_act dst, kd_act src);        /* same shape, converts dtype */
-    kd_status (*embed)(kd_backend *be, const kd_weight *table, const int32_t *ids, kd_act out);
-    kd_status (*add)(kd_backend *be, kd_act x, kd_act y);             /* x += y */
-    kd_status (*scale_add)(kd_backend *be, kd_act x, kd_act y, float s);   /* x += s*y */
-    kd_status (*swiglu)(kd_backend *be, kd_act gate, kd_act up, kd_act out);   /* silu(gate)*up */
-    /* out = x * rsqrt(mean(x^2)+eps) * w, in fp32; rows may be heads (x viewed [rows*k, cols/k]) */
-    kd_status (*rmsnorm)(kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act out);
-    /* in place on dims [offset, offset+r->dim) of each of n_heads blocks of head_stride cols */
-    kd_status (*rope)(kd_backend *be, kd_act x, int n_heads, int head_stride, int offset,
-                      const int32_t *pos, const kd_rope *r);
-    /* rows[i] of src -> rows dst_row0+i of dst (KV compaction gathers) */
-    kd_status (*gather_rows)(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n);
+    /* the compute ops (KD_BACKEND_OPS) */
+#define KD_OP_ENTRY(name, params, args) kd_status (*name) params;
+    KD_BACKEND_OPS(KD_OP_ENTRY)
+#undef KD_OP_ENTRY
 
-    /* matrix products */
-    kd_status (*linear)(kd_backend *be, kd_act x, const kd_weight *w, kd_act out);  /* out = x w^T */
-    /* per head h: out[:, h*ocols:(h+1)*ocols] = x[:, h*xstride : h*xstride+k] @ W_h, where
-     * W_h is rows [h*wstride + wrow0, +k) of w (transposed = false: W_h is k x ocols, out = x W_h)
-     * or (transposed = true: W_h is ocols x k rows, out = x W_h^T). MLA absorption uses both. */
-    kd_status (*head_matmul)(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
-                             const kd_weight *w, int wstride, int wrow0, bool transposed,
-                             kd_act out, int ocols);
-
-    /* attention.
-     * q: [T, Hq*dq]; keys/values: kv rows [0, S), key = first dk cols, value = first dv cols of
-     * the value view; Hkv groups (Hq % Hkv == 0). Query t sits at cache row past+t.
-     * visible: NULL with causal = true: query t sees rows <= past+t; causal = false: all rows;
-     * else bits (T rows, ceil(T/64) words) over the last T rows, rows < past always visible.
-     * window > 0: key row r visible only when pos_q - pos_k < window (positions = rows). */
-    kd_status (*attention)(kd_backend *be, kd_act q, int n_heads, int head_dim,
-                           kd_act k, kd_act v, int n_kv_heads, int past, bool causal,
-                           const uint64_t *visible, int window, float scale, kd_act out);
-
-    /* mixture of experts: out = sum_j w_j expert_{idx_j}(x) (the shared expert is separate) */
-    kd_status (*moe)(kd_backend *be, kd_act x, const kd_experts *e, kd_act out);
-
-    /* rows of logits -> log_softmax in place (fp32) */
-    kd_status (*log_softmax)(kd_backend *be, kd_act x);
-    /* one id per row (ties: the lower id); a row holding NaN or +inf gets -code instead, the
-     * code (sample_rule.h: kind | column << 2) of its first such column, for the caller to report */
-    kd_status (*argmax)(kd_backend *be, kd_act x, int32_t *out);
-    /* per row the k largest values, descending; equal values: lower id first */
-    kd_status (*topk)(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids);
-
-    /* ---- optional: NULL on the CPU backend (docs/architecture.md "Step graphs") ----
-     * Capturable steps read the sequence length from backend memory (*d_len, one int32)
-     * instead of a host int, so one captured step serves every length.
-     * store_rows_at: src rows i -> dst rows *d_len + i (same dtype; dst spans the whole cache).
-     * attention_at: attention with past = *d_len and S = past + q.rows; k and v span the
-     * whole cache (their rows are the bound); bit-identical to attention at that past. */
-    kd_status (*store_rows_at)(kd_backend *be, kd_act dst, const int32_t *d_len, kd_act src);
-    kd_status (*attention_at)(kd_backend *be, kd_act q, int n_heads, int head_dim,
-                              kd_act k, kd_act v, int n_kv_heads, const int32_t *d_len, bool causal,
-                              const uint64_t *visible, int window, float scale, kd_act out);
-    /* graphs: begin captures the work the following ops enqueue (nothing runs); end stops
-     * and returns an executable graph in *graph, or NULL with a failing status when the
-     * capture failed (then none of the captured work ran); launch replays it. epoch changes
-     * whenever memory a captured graph may point at (the shared workspaces) is reallocated. */
+    /* ---- step graphs: optional, NULL on the CPU backend (docs/architecture.md "Step graphs") ----
+     * begin captures the work the following ops enqueue (nothing runs); end stops and returns an
+     * executable graph in *graph, or NULL with a failing status when the capture failed (then none
+     * of the captured work ran); launch replays it. epoch changes whenever memory a captured graph
+     * may point at (the shared workspaces) is reallocated. */
     kd_status (*graph_begin)(kd_backend *be);
     kd_status (*graph_end)(kd_backend *be, void **graph);
     kd_status (*graph_launch)(kd_backend *be, void *graph);
     void (*graph_free)(kd_backend *be, void *graph);
     uint64_t (*graph_epoch)(kd_backend *be);
-    /* memory accounting: the backend's totals (a loaded weight counts as kd_weight_bytes) */
-    void (*mem_usage)(kd_backend *be, kd_mem_usage *out);
-
-    /* ---- the DDTree round on the backend (docs/ddtree.md; CPU: cpu/cpu_ddtree.c, CUDA: cuda/ddtree.cu) ----
-     * tree_select: Algorithm 1 on the per-depth top-K lists t->vals/ids [L, K] (rows descending):
-     * nodes 1..n (token, parent, depth), node 0's parent -1 and depth 0, the ancestor mask of
-     * the 1+n rows, t->status = {0 or 1 (a NaN / +inf list value), its index, n}, where
-     * n = min(budget, K + K^2 + ... + K^L). KD_ERR_UNSUPPORTED: a budget the backend cannot
-     * hold (the caller builds on the host instead). */
-    kd_status (*tree_select)(kd_backend *be, const kd_dtree *t, int L, int K, int budget);
-    /* tree_stage: token[0] = root and pos[i] = pos0 + depth[i] for nodes 0..n; when ids is not
-     * NULL also the verify forward's inputs ids[i] = token[i], pos_out[i] = pos[i] and the
-     * (1+n) x ceil((1+n)/64) mask words into vis_out (the sequence's scratch regions) */
-    kd_status (*tree_stage)(kd_backend *be, const kd_dtree *t, int n, int32_t root, int32_t pos0,
-                            int32_t *ids, int32_t *pos_out, uint64_t *vis_out);
-    /* sample_rows: one keyed draw per row of fp32 logits (sample.c's rule; sp not greedy) at
-     * position pos[i] + pos_offset: out[i] the token, code[i] 0 or the row's error (sample_rule.h) */
-    kd_status (*sample_rows)(kd_backend *be, kd_act logits, const kd_sampler *sp, const int32_t *pos,
-                             int pos_offset, int32_t *out, int32_t *code);
-    /* tree_walk: the accept walk over nodes 0..n from the root along t->target (stopping at a
-     * node whose t->row_status is set when sampled): writes t->result */
-    kd_status (*tree_walk)(kd_backend *be, const kd_dtree *t, int n, int sampled);
 } kd_backend_ops;
 
 struct kd_backend {

@@ -58,7 +58,8 @@ typedef enum kd_graphs_mode {
                                 kd_seq_options: the model's choice */
     KD_GRAPHS_CAPTURE = 1,   /* as the default, said explicitly */
     KD_GRAPHS_OFF = 2,       /* every step eager, its lengths passed from the host */
-    KD_GRAPHS_EAGER = 3      /* the graph path's kernels (lengths from backend memory), never captured */
+    KD_GRAPHS_EAGER = 3      /* the graph path's kernels (lengths from backend memory), never captured;
+                                every backend, the CPU's too */
 } kd_graphs_mode;
 
 /* Where the DDTree round (tree selection, the accept walk, the sampling of a verify's rows and
@@ -140,8 +141,10 @@ typedef struct kd_plan_report {
     int fits;                            /* 1: total + margin <= device_bytes; 0: not; -1: not checked (device_bytes 0) */
     uint64_t device_bytes, margin;       /* per device, as given; what the plan leaves free (docs/architecture.md) */
     uint64_t weights_attention, weights_dense_mlp, weights_shared_experts, weights_routed_experts,
-             weights_router, weights_embed, weights_lm_head, weights_norms;   /* one rank's, as the backend holds them */
+             weights_router, weights_embed, weights_lm_head, weights_norms;   /* rank 0's, as the backend holds them */
     uint64_t weights_total;              /* the eight above */
+    uint64_t weights_head_copy;          /* of weights_lm_head: at tp > 1 (untied) the whole lm_head rank 0 holds
+                                            for the drafter beside its shard; the other ranks need this much less */
     uint64_t weights_replicated;         /* of weights_total: tensors every rank holds whole */
     uint64_t kv_per_1k;                  /* latent KV cache per 1024 tokens (replicated on every rank) */
     uint64_t kv_cache;                   /* for capacity tokens */

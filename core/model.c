@@ -304,10 +304,12 @@ typedef struct kd_seq_graphs {
     bool verbose;
 } kd_seq_graphs;
 
+/* every backend has the device-length ops (store_rows_at, attention_at), so eager runs anywhere;
+ * capture needs the graph ops */
 kd_graphs_mode kd_graphs_resolve(const kd_backend *be, kd_graphs_mode asked) {
     const kd_backend_ops *o = be->ops;
-    if (!o->store_rows_at || !o->attention_at || !o->graph_begin || !o->graph_end || !o->graph_launch ||
-        !o->graph_free || !o->graph_epoch)
+    if (asked == KD_GRAPHS_EAGER) return asked;
+    if (!o->graph_begin || !o->graph_end || !o->graph_launch || !o->graph_free || !o->graph_epoch)
         return KD_GRAPHS_OFF;
     return asked == KD_GRAPHS_DEFAULT ? KD_GRAPHS_CAPTURE : asked;
 }

@@ -1,9 +1,10 @@
 /* plan.c: the per-GPU plan of tensor parallelism (kd_plan, kd_plan_tp) and the split every
  * rank's loader follows (kd_split_of, kd_plan_check_tp); plan.h.
  *
- * One rank holds (the CUDA backend's forms: bf16 activations and latent KV):
+ * Rank 0, the largest, holds (the CUDA backend's forms: bf16 activations and latent KV):
  *   weights    its share of every tensor from the loader's own walk (kd_weights_tally): split
- *              tensors 1/tp, replicated ones whole; INT4 as codes + bf16 scales
+ *              tensors 1/tp, replicated ones whole; INT4 as codes + bf16 scales; at tp > 1 also
+ *              the whole lm_head for the drafter (the other ranks hold that much less)
  *   KV cache   n_layers x capacity x (kv_lora_rank + qk_rope_dim) bf16: the latent cache is
  *              replicated (MLA has one KV head; every rank attends its heads over all of it)
  *   logits     the vocab shard of out_cap rows, fp32
@@ -134,6 +135,13 @@ static void plan_from(const kd_config *c, int tp, uint64_t device_bytes, int cap
         o->weights_total += t->rank[k];
         o->weights_replicated += t->replicated[k];
     }
+    /* rank 0 runs the drafter, whose head is the target's whole lm_head: at tp > 1 it holds that
+     * beside its vocab shard (tied: the replicated embedding already is the whole head) */
+    if (tp > 1 && !c->tie_embeddings) {
+        o->weights_head_copy = t->rank[KD_WK_LMHEAD] * (uint64_t)tp;
+        o->weights_lm_head += o->weights_head_copy;
+        o->weights_total += o->weights_head_copy;
+    }
     kd_widths rw = kd_widths_of(c, tp);
     size_for(c, &rw, capacity, o);
     char parts[160];
@@ -141,7 +149,7 @@ static void plan_from(const kd_config *c, int tp, uint64_t device_bytes, int cap
              gb(o->weights_total), gb(o->kv_cache), capacity, gb(o->logits + o->scratch), gb(o->workspace));
     if (device_bytes == 0) {
         o->fits = -1;
-        snprintf(o->message, sizeof o->message, "each of the %d rank(s) needs %llu bytes (%.2f GB: %s); no device size "
+        snprintf(o->message, sizeof o->message, "rank 0 of %d (the largest) needs %llu bytes (%.2f GB: %s); no device size "
                  "given, not checked", tp, (unsigned long long)o->total, gb(o->total), parts);
         return;
     }
@@ -166,7 +174,7 @@ static void plan_from(const kd_config *c, int tp, uint64_t device_bytes, int cap
     } else {
         o->max_capacity = hi;
     }
-    snprintf(o->message, sizeof o->message, "fits: each of the %d rank(s) needs %llu bytes (%.2f GB: %s), plus a "
+    snprintf(o->message, sizeof o->message, "fits: rank 0 of %d (the largest) needs %llu bytes (%.2f GB: %s), plus a "
              "%.2f GB margin, within %.2f GB; one sequence of up to %llu tokens fits%s", tp, (unsigned long long)o->total,
              gb(o->total), parts, gb(o->margin), gb(device_bytes), (unsigned long long)o->max_capacity,
              o->max_capacity == (uint64_t)c->max_positions ? " (max_position_embeddings)" : "");

@@ -294,45 +294,10 @@ static void cuda_weight_free(kd_backend *be, kd_weight *w) {
 /* ---- the op table: each entry makes the backend's device current first ---- */
 #define KD_DEV_WRAP(ret, name, params, args) \
     static ret name##_dev params { KD_TRY(set_dev(be)); return kd_cuda_##name args; }
+#define KD_DEV_WRAP_OP(name, params, args) KD_DEV_WRAP(kd_status, name, params, args)
 
-KD_DEV_WRAP(kd_status, copy, (kd_backend *be, kd_act dst, kd_act src), (be, dst, src))
-KD_DEV_WRAP(kd_status, embed, (kd_backend *be, const kd_weight *t, const int32_t *ids, kd_act out), (be, t, ids, out))
-KD_DEV_WRAP(kd_status, add, (kd_backend *be, kd_act x, kd_act y), (be, x, y))
-KD_DEV_WRAP(kd_status, scale_add, (kd_backend *be, kd_act x, kd_act y, float s), (be, x, y, s))
-KD_DEV_WRAP(kd_status, swiglu, (kd_backend *be, kd_act g, kd_act u, kd_act o), (be, g, u, o))
-KD_DEV_WRAP(kd_status, rmsnorm, (kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act o), (be, x, w, eps, o))
-KD_DEV_WRAP(kd_status, rope,
-            (kd_backend *be, kd_act x, int nh, int hs, int off, const int32_t *pos, const kd_rope *r),
-            (be, x, nh, hs, off, pos, r))
-KD_DEV_WRAP(kd_status, gather_rows, (kd_backend *be, kd_act d, kd_act s, const int32_t *rows, int n), (be, d, s, rows, n))
-KD_DEV_WRAP(kd_status, linear, (kd_backend *be, kd_act x, const kd_weight *w, kd_act o), (be, x, w, o))
-KD_DEV_WRAP(kd_status, head_matmul,
-            (kd_backend *be, kd_act x, int nh, int xs, int k, const kd_weight *w, int ws, int wr0, bool tr, kd_act o,
-             int oc),
-            (be, x, nh, xs, k, w, ws, wr0, tr, o, oc))
-KD_DEV_WRAP(kd_status, attention,
-            (kd_backend *be, kd_act q, int nh, int hd, kd_act k, kd_act v, int nkv, int past, bool causal,
-             const uint64_t *vis, int window, float scale, kd_act o),
-            (be, q, nh, hd, k, v, nkv, past, causal, vis, window, scale, o))
-KD_DEV_WRAP(kd_status, moe, (kd_backend *be, kd_act x, const kd_experts *e, kd_act o), (be, x, e, o))
+KD_BACKEND_OPS(KD_DEV_WRAP_OP)
 KD_DEV_WRAP(kd_status, experts_load, (kd_backend *be, kd_experts *e), (be, e))
-KD_DEV_WRAP(kd_status, log_softmax, (kd_backend *be, kd_act x), (be, x))
-KD_DEV_WRAP(kd_status, argmax, (kd_backend *be, kd_act x, int32_t *o), (be, x, o))
-KD_DEV_WRAP(kd_status, topk, (kd_backend *be, kd_act x, int k, float *v, int32_t *ids), (be, x, k, v, ids))
-KD_DEV_WRAP(kd_status, tree_select, (kd_backend *be, const kd_dtree *t, int L, int K, int B), (be, t, L, K, B))
-KD_DEV_WRAP(kd_status, tree_stage,
-            (kd_backend *be, const kd_dtree *t, int n, int32_t root, int32_t pos0, int32_t *ids, int32_t *pos,
-             uint64_t *vis),
-            (be, t, n, root, pos0, ids, pos, vis))
-KD_DEV_WRAP(kd_status, sample_rows,
-            (kd_backend *be, kd_act x, const kd_sampler *sp, const int32_t *pos, int off, int32_t *out, int32_t *code),
-            (be, x, sp, pos, off, out, code))
-KD_DEV_WRAP(kd_status, tree_walk, (kd_backend *be, const kd_dtree *t, int n, int sampled), (be, t, n, sampled))
-KD_DEV_WRAP(kd_status, store_rows_at, (kd_backend *be, kd_act d, const int32_t *len, kd_act s), (be, d, len, s))
-KD_DEV_WRAP(kd_status, attention_at,
-            (kd_backend *be, kd_act q, int nh, int hd, kd_act k, kd_act v, int nkv, const int32_t *len, bool causal,
-             const uint64_t *vis, int window, float scale, kd_act o),
-            (be, q, nh, hd, k, v, nkv, len, causal, vis, window, scale, o))
 KD_DEV_WRAP(kd_status, graph_begin, (kd_backend *be), (be))
 KD_DEV_WRAP(kd_status, graph_end, (kd_backend *be, void **g), (be, g))
 KD_DEV_WRAP(kd_status, graph_launch, (kd_backend *be, void *g), (be, g))
@@ -356,27 +321,9 @@ static kd_backend_ops make_ops() {
     o.weight_free = cuda_weight_free;
     o.experts_load = experts_load_dev;
     o.experts_free = experts_free_dev;
-    o.copy = copy_dev;
-    o.embed = embed_dev;
-    o.add = add_dev;
-    o.scale_add = scale_add_dev;
-    o.swiglu = swiglu_dev;
-    o.rmsnorm = rmsnorm_dev;
-    o.rope = rope_dev;
-    o.gather_rows = gather_rows_dev;
-    o.linear = linear_dev;
-    o.head_matmul = head_matmul_dev;
-    o.attention = attention_dev;
-    o.moe = moe_dev;
-    o.log_softmax = log_softmax_dev;
-    o.argmax = argmax_dev;
-    o.topk = topk_dev;
-    o.tree_select = tree_select_dev;
-    o.tree_stage = tree_stage_dev;
-    o.sample_rows = sample_rows_dev;
-    o.tree_walk = tree_walk_dev;
-    o.store_rows_at = store_rows_at_dev;
-    o.attention_at = attention_at_dev;
+#define KD_DEV_ENTRY(name, params, args) o.name = name##_dev;
+    KD_BACKEND_OPS(KD_DEV_ENTRY)
+#undef KD_DEV_ENTRY
     o.graph_begin = graph_begin_dev;
     o.graph_end = graph_end_dev;
     o.graph_launch = graph_launch_dev;

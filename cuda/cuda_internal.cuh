@@ -144,40 +144,15 @@ __device__ __forceinline__ float kd_block_max(float v, float *red) {
 
 /* ---- entry points shared between the backend's files (extern "C" for the table) ---- */
 extern "C" {
-kd_status kd_cuda_copy(kd_backend *be, kd_act dst, kd_act src);
-kd_status kd_cuda_embed(kd_backend *be, const kd_weight *table, const int32_t *ids, kd_act out);
-kd_status kd_cuda_add(kd_backend *be, kd_act x, kd_act y);
-kd_status kd_cuda_scale_add(kd_backend *be, kd_act x, kd_act y, float s);
-kd_status kd_cuda_swiglu(kd_backend *be, kd_act gate, kd_act up, kd_act out);
-kd_status kd_cuda_rmsnorm(kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act out);
-kd_status kd_cuda_rope(kd_backend *be, kd_act x, int n_heads, int head_stride, int offset,
-                       const int32_t *pos, const kd_rope *r);
-kd_status kd_cuda_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n);
-kd_status kd_cuda_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act out);
-kd_status kd_cuda_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
-                              const kd_weight *w, int wstride, int wrow0, bool transposed,
-                              kd_act out, int ocols);
-kd_status kd_cuda_attention(kd_backend *be, kd_act q, int n_heads, int head_dim,
-                            kd_act k, kd_act v, int n_kv_heads, int past, bool causal,
-                            const uint64_t *visible, int window, float scale, kd_act out);
-kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act out);
+/* the ops (backend.h's KD_BACKEND_OPS): elementwise and data movement in norm_rope.cu and graph.cu,
+ * linear.cu, mla.cu (attention, attention_at), moe.cu / w4a16_backend.cu, the vocabulary
+ * reductions and the DDTree round in ddtree.cu and tree.cu */
+#define KD_CUDA_OP_DECL(name, params, args) kd_status kd_cuda_##name params;
+KD_BACKEND_OPS(KD_CUDA_OP_DECL)
+#undef KD_CUDA_OP_DECL
 kd_status kd_cuda_experts_load(kd_backend *be, kd_experts *e);
 void kd_cuda_experts_free(kd_backend *be, kd_experts *e);
-kd_status kd_cuda_log_softmax(kd_backend *be, kd_act x);
-kd_status kd_cuda_argmax(kd_backend *be, kd_act x, int32_t *out);
-kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids);
-/* the DDTree round (ddtree.cu) */
-kd_status kd_cuda_tree_select(kd_backend *be, const kd_dtree *t, int L, int K, int budget);
-kd_status kd_cuda_tree_stage(kd_backend *be, const kd_dtree *t, int n, int32_t root, int32_t pos0, int32_t *ids,
-                             int32_t *pos_out, uint64_t *vis_out);
-kd_status kd_cuda_sample_rows(kd_backend *be, kd_act logits, const kd_sampler *sp, const int32_t *pos, int pos_offset,
-                              int32_t *out, int32_t *code);
-kd_status kd_cuda_tree_walk(kd_backend *be, const kd_dtree *t, int n, int sampled);
-/* step graphs (graph.cu, mla.cu): the device-length forms and the capture/replay calls */
-kd_status kd_cuda_store_rows_at(kd_backend *be, kd_act dst, const int32_t *d_len, kd_act src);
-kd_status kd_cuda_attention_at(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,
-                               int n_kv_heads, const int32_t *d_len, bool causal, const uint64_t *visible,
-                               int window, float scale, kd_act out);
+/* step graphs (graph.cu): capture and replay */
 kd_status kd_cuda_graph_begin(kd_backend *be);
 kd_status kd_cuda_graph_end(kd_backend *be, void **graph);
 kd_status kd_cuda_graph_launch(kd_backend *be, void *graph);

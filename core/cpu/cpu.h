@@ -84,32 +84,9 @@ static inline float kd_dot(const float *a, const float *b, int n) {
 kd_status kd_cpu_matmul_wt(kd_backend *be, const float *x, int T, int ldx, int k, const kd_weight *w,
                            int64_t wrow0, int64_t wcol0, int nout, float *out, int ldo);
 
-/* ops, one family per file */
-kd_status kd_cpu_copy(kd_backend *be, kd_act dst, kd_act src);
-kd_status kd_cpu_embed(kd_backend *be, const kd_weight *table, const int32_t *ids, kd_act out);
-kd_status kd_cpu_add(kd_backend *be, kd_act x, kd_act y);
-kd_status kd_cpu_scale_add(kd_backend *be, kd_act x, kd_act y, float s);
-kd_status kd_cpu_swiglu(kd_backend *be, kd_act gate, kd_act up, kd_act out);
-kd_status kd_cpu_rmsnorm(kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act out);
-kd_status kd_cpu_rope(kd_backend *be, kd_act x, int n_heads, int head_stride, int offset,
-                      const int32_t *pos, const kd_rope *r);
-kd_status kd_cpu_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n);
-kd_status kd_cpu_log_softmax(kd_backend *be, kd_act x);
-kd_status kd_cpu_argmax(kd_backend *be, kd_act x, int32_t *out);
-kd_status kd_cpu_topk(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids);
-/* the DDTree round (cpu_ddtree.c) */
-kd_status kd_cpu_tree_select(kd_backend *be, const kd_dtree *t, int L, int K, int budget);
-kd_status kd_cpu_tree_stage(kd_backend *be, const kd_dtree *t, int n, int32_t root, int32_t pos0, int32_t *ids,
-                            int32_t *pos_out, uint64_t *vis_out);
-kd_status kd_cpu_sample_rows(kd_backend *be, kd_act logits, const kd_sampler *sp, const int32_t *pos, int pos_offset,
-                             int32_t *out, int32_t *code);
-kd_status kd_cpu_tree_walk(kd_backend *be, const kd_dtree *t, int n, int sampled);
-kd_status kd_cpu_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act out);
-kd_status kd_cpu_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
-                             const kd_weight *w, int wstride, int wrow0, bool transposed,
-                             kd_act out, int ocols);
-kd_status kd_cpu_attention(kd_backend *be, kd_act q, int n_heads, int head_dim,
-                           kd_act k, kd_act v, int n_kv_heads, int past, bool causal,
-                           const uint64_t *visible, int window, float scale, kd_act out);
-kd_status kd_cpu_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act out);
+/* the ops (backend.h's KD_BACKEND_OPS), one family per file: cpu_elementwise.c (data movement,
+ * norms, RoPE, the vocabulary reductions), cpu_matmul.c, cpu_attention.c, cpu_moe.c, cpu_ddtree.c */
+#define KD_CPU_OP_DECL(name, params, args) kd_status kd_cpu_##name params;
+KD_BACKEND_OPS(KD_CPU_OP_DECL)
+#undef KD_CPU_OP_DECL
 #endif

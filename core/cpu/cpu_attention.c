@@ -70,3 +70,14 @@ kd_status kd_cpu_attention(kd_backend *be, kd_act q, int n_heads, int head_dim,
     }
     return KD_OK;
 }
+
+kd_status kd_cpu_attention_at(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v, int n_kv_heads,
+                              const int32_t *d_len, bool causal, const uint64_t *visible, int window, float scale,
+                              kd_act out) {
+    int past = *d_len, S = past + q.rows;
+    if (past < 0 || S > k.rows || S > v.rows)
+        return kd_fail(KD_ERR_ARG, "cpu attention_at: %d past rows + %d queries exceed the %d cache rows", past, q.rows,
+                       k.rows < v.rows ? k.rows : v.rows);
+    return kd_cpu_attention(be, q, n_heads, head_dim, kd_act_rows(k, 0, S), kd_act_rows(v, 0, S), n_kv_heads, past,
+                            causal, visible, window, scale, out);
+}

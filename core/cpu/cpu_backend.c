@@ -288,25 +288,9 @@ static const kd_backend_ops cpu_ops = {
     .weight_free = cpu_weight_free,
     .experts_load = cpu_experts_load,
     .experts_free = cpu_experts_free,
-    .copy = kd_cpu_copy,
-    .embed = kd_cpu_embed,
-    .add = kd_cpu_add,
-    .scale_add = kd_cpu_scale_add,
-    .swiglu = kd_cpu_swiglu,
-    .rmsnorm = kd_cpu_rmsnorm,
-    .rope = kd_cpu_rope,
-    .gather_rows = kd_cpu_gather_rows,
-    .linear = kd_cpu_linear,
-    .head_matmul = kd_cpu_head_matmul,
-    .attention = kd_cpu_attention,
-    .moe = kd_cpu_moe,
-    .log_softmax = kd_cpu_log_softmax,
-    .argmax = kd_cpu_argmax,
-    .topk = kd_cpu_topk,
-    .tree_select = kd_cpu_tree_select,
-    .tree_stage = kd_cpu_tree_stage,
-    .sample_rows = kd_cpu_sample_rows,
-    .tree_walk = kd_cpu_tree_walk,
+#define KD_CPU_OP(name, params, args) .name = kd_cpu_##name,
+    KD_BACKEND_OPS(KD_CPU_OP)
+#undef KD_CPU_OP
 };
 
 kd_status kd_backend_cpu_create(kd_backend **out) {

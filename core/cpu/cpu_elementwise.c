@@ -145,6 +145,15 @@ kd_status kd_cpu_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32
     return KD_OK;
 }
 
+/* backend memory is host memory here: the length is read directly */
+kd_status kd_cpu_store_rows_at(kd_backend *be, kd_act dst, const int32_t *d_len, kd_act src) {
+    int row0 = *d_len;
+    if (row0 < 0 || row0 + src.rows > dst.rows)
+        return kd_fail(KD_ERR_ARG, "cpu store_rows_at: rows [%d, %d) outside the %d rows", row0, row0 + src.rows,
+                       dst.rows);
+    return kd_cpu_copy(be, kd_act_rows(dst, row0, src.rows), src);
+}
+
 kd_status kd_cpu_log_softmax(kd_backend *be, kd_act x) {
     KD_TRY(kd_cpu_check_f32("log_softmax", "x", x));
     for (int r = 0; r < x.rows; r++) {

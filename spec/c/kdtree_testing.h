@@ -41,6 +41,9 @@ kd_status kd_test_raw_backend_new(kd_backend_kind kind, int device, const kd_mod
 void kd_test_backend_free(kd_test_backend *tb);
 /* the activation dtype's element size: 4 (f32, CPU) or 2 (bf16, CUDA) */
 int kd_test_backend_act_bytes(const kd_test_backend *tb);
+/* the compute ops of backend.h's KD_BACKEND_OPS as the compiler expanded the list: the op at
+ * index i (in table order), NULL past the last */
+const char *kd_test_op_name(int i);
 
 /* host helpers: round fp32 values to the nearest bf16 (ties to even) in place; fp32 -> bf16 bits */
 void kd_test_round_bf16(float *x, size_t n);

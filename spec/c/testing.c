@@ -147,6 +147,13 @@ void kd_test_backend_free(kd_test_backend *tb) {
 
 int kd_test_backend_act_bytes(const kd_test_backend *tb) { return tb ? (int)kd_dtype_size(tb->be->act_dtype) : 0; }
 
+const char *kd_test_op_name(int i) {
+#define OP_NAME(name, params, args) #name,
+    static const char *const names[] = {KD_BACKEND_OPS(OP_NAME)};
+#undef OP_NAME
+    return i >= 0 && i < (int)(sizeof names / sizeof names[0]) ? names[i] : NULL;
+}
+
 void kd_test_round_bf16(float *x, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] = kd_bf16_to_f32(kd_f32_to_bf16(x[i]));
 }

@@ -54,23 +54,6 @@ static kd_status refuse(const char *what) {
     return kd_fail(KD_ERR_BACKEND, "emulated capture: %s is not capturable", what);
 }
 
-/* ---- the device-length ops, as the CUDA backend defines them ---- */
-static kd_status run_store_at(kd_backend *be, kd_act dst, const int32_t *d_len, kd_act src) {
-    int row0 = *d_len;
-    if (row0 < 0 || row0 + src.rows > dst.rows)
-        return kd_fail(KD_ERR_ARG, "store_rows_at: rows [%d, %d) outside the %d rows", row0, row0 + src.rows, dst.rows);
-    return g.orig->copy(be, kd_act_rows(dst, row0, src.rows), src);
-}
-static kd_status run_attention_at(kd_backend *be, kd_act q, int nh, int hd, kd_act k, kd_act v, int nkv,
-                                  const int32_t *d_len, bool causal, const uint64_t *vis, int window, float scale,
-                                  kd_act out) {
-    int past = *d_len, S = past + q.rows;
-    if (past < 0 || S > k.rows)
-        return kd_fail(KD_ERR_ARG, "attention_at: %d past rows + %d queries exceed the %d rows", past, q.rows, k.rows);
-    return g.orig->attention(be, q, nh, hd, kd_act_rows(k, 0, S), kd_act_rows(v, 0, S), nkv, past, causal, vis,
-                             window, scale, out);
-}
-
 static kd_status replay(kd_backend *be, const rec *r) {
     const kd_backend_ops *o = g.orig;
     switch (r->op) {
@@ -88,10 +71,10 @@ static kd_status replay(kd_backend *be, const rec *r) {
         return o->attention(be, r->a[0], r->i[0], r->i[1], r->a[1], r->a[2], r->i[2], r->i[3], r->b, r->p[0], r->i[4],
                             r->f, r->a[3]);
     case OP_MOE: return o->moe(be, r->a[0], r->p[0], r->a[1]);
-    case OP_STORE_AT: return run_store_at(be, r->a[0], r->p[0], r->a[1]);
+    case OP_STORE_AT: return o->store_rows_at(be, r->a[0], r->p[0], r->a[1]);
     case OP_ATTENTION_AT:
-        return run_attention_at(be, r->a[0], r->i[0], r->i[1], r->a[1], r->a[2], r->i[2], r->p[1], r->b, r->p[0],
-                                r->i[4], r->f, r->a[3]);
+        return o->attention_at(be, r->a[0], r->i[0], r->i[1], r->a[1], r->a[2], r->i[2], r->p[1], r->b, r->p[0],
+                               r->i[4], r->f, r->a[3]);
     case OP_LOG_SOFTMAX: return o->log_softmax(be, r->a[0]);
     }
     return kd_fail(KD_ERR_STATE, "emulated graph: unknown op %d", r->op);

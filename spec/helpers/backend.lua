@@ -7,17 +7,35 @@ local ffi, C = K.ffi, K.C
 
 local M = { ffi = ffi, C = C }
 
+-- the compute ops of backend.h's X-macro list KD_BACKEND_OPS, in order: { name, params } each
+-- (params with its parentheses, comments removed)
+local function op_list(text)
+  local body = assert(text:match("#define KD_BACKEND_OPS%(X%)(.-)\n\n"), "backend.h: no KD_BACKEND_OPS list")
+  body = body:gsub("/%*.-%*/", " "):gsub("\\\n", " ")
+  local ops = {}
+  for name, params in body:gmatch("X%(%s*([%w_]+)%s*,%s*(%b())") do ops[#ops + 1] = { name = name, params = params } end
+  return ops
+end
+
+-- backend.h for the FFI: preprocessor lines dropped, the op list's expansion in the op table
+-- written out, the tail of static inline helpers cut
 local function cdef_backend()
   local path = K.header:gsub("kdtree%.h$", "backend.h")   -- a source tree's core/
   local text = assert(io.open(path)):read("*a")
+  M.ops = op_list(text)
+  local entries = {}
+  for _, op in ipairs(M.ops) do entries[#entries + 1] = "kd_status (*" .. op.name .. ")" .. op.params .. ";" end
   text = text:match("^(.-)/%* helpers shared by both backends") or text
-  local lines = {}
-  for line in text:gmatch("[^\n]*") do
-    if not line:match("^%s*#") then lines[#lines + 1] = line end
+  text = text:gsub("KD_BACKEND_OPS%(KD_OP_ENTRY%)", table.concat(entries, " "))
+  local lines, continued = {}, false
+  for line in (text .. "\n"):gmatch("(.-)\n") do
+    local directive = continued or line:match("^%s*#")
+    continued = directive and line:match("\\$") ~= nil
+    if not directive then lines[#lines + 1] = line end
   end
   ffi.cdef(table.concat(lines, "\n"))
 end
-if not pcall(ffi.typeof, "kd_backend_ops") then cdef_backend() end
+cdef_backend()
 require("helpers.testlib")   -- the backend's creation is exported by the test library only
 
 -- a backend by kind ("cpu" or "cuda"), freed by gc
