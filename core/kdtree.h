@@ -313,7 +313,11 @@ typedef struct kd_memory_report {
     uint64_t graphs;                      /* step graphs held by the open sequences */
     uint64_t graph_captures, graph_launches, graph_fallbacks;   /* since the model was opened */
 } kd_memory_report;
-kd_status kd_model_memory(const kd_model *m, kd_memory_report *out);
+kd_status kd_model_memory(const kd_model *m, kd_memory_report *out);   /* rank 0's device */
+/* one rank's device (0..tp-1): its weight shares (rank 0 also the drafter's whole head), the
+ * sequences' replicated KV and per-rank buffers, its backend's workspace and device figures;
+ * drafters and trees live on rank 0 */
+kd_status kd_model_memory_rank(const kd_model *m, int rank, kd_memory_report *out);
 
 #ifdef __cplusplus
 }

@@ -506,7 +506,7 @@ static bool in_files(const kd_st_set *set, const void *p) {
 /* of those, the bytes outside the mapped checkpoint (device copies, or CPU host copies) */
 static uint64_t weight_allocated(const kd_model *m, const kd_weight *w) {
     uint64_t b = kd_weight_held(w);
-    if (!b || m->be->kind != KD_BACKEND_CPU) return b;
+    if (!b || m->be->kind != KD_BACKEND_CPU) return b;   /* (every rank's backend is of one kind) */
     uint64_t a = 0;
     if (w->src && !in_files(&m->files, w->src)) a += kd_weight_value_bytes(w);
     if (w->src_scale && !in_files(&m->files, w->src_scale)) a += kd_weight_scale_bytes(w);
@@ -518,19 +518,26 @@ static void count_weight(const kd_model *m, const kd_weight *w, uint64_t *cat, u
     *allocated += weight_allocated(m, w);
 }
 
-kd_status kd_model_memory(const kd_model *m, kd_memory_report *out) {
+kd_status kd_model_memory(const kd_model *m, kd_memory_report *out) { return kd_model_memory_rank(m, 0, out); }
+
+/* One rank's device: its weights' walk, the per-sequence buffers every rank holds alike (the
+ * replicated KV, its logits shard and scratch), and its backend's totals. The drafters, their
+ * per-sequence state and the trees live on rank 0 (their share of another rank is 0). */
+kd_status kd_model_memory_rank(const kd_model *m, int rank, kd_memory_report *out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_model_memory: out is NULL");
     memset(out, 0, sizeof *out);
     if (!m) return kd_fail(KD_ERR_ARG, "kd_model_memory: model is NULL");
     if (m->closing) return kd_fail(KD_ERR_STATE, "kd_model_memory: the model is closed");
+    if (rank < 0 || rank >= m->tp)
+        return kd_fail(KD_ERR_ARG, "kd_model_memory: rank %d: the model has ranks 0..%d", rank, m->tp - 1);
     const kd_config *c = &m->cfg;
     kd_memory_report *r = out;
     uint64_t alloc = 0, other = 0;
-    r->backend = (uint64_t)m->be->kind;
-    /* rank 0's weights (the backend rank 0's totals below describe): one device's view */
-    const kd_rank *R0 = &m->ranks[0];
+    kd_backend *be = m->ranks[rank].be;
+    r->backend = (uint64_t)be->kind;
+    const kd_rank *R = &m->ranks[rank];
     for (int l = 0; l < c->n_layers; l++) {
-        const kd_layer *L = &R0->layers[l];
+        const kd_layer *L = &R->layers[l];
         const kd_weight *attn[] = {&L->q_a, &L->q_a_norm, &L->q_b, &L->q_proj, &L->kv_a, &L->kv_a_norm, &L->kv_b,
                                    &L->o_proj};
         for (size_t i = 0; i < sizeof attn / sizeof attn[0]; i++) count_weight(m, attn[i], &r->weights_attention, &alloc);
@@ -551,28 +558,28 @@ kd_status kd_model_memory(const kd_model *m, kd_memory_report *out) {
         }
         if (e->bias) other += (uint64_t)e->n * sizeof(float);      /* the router's f32 bias buffer */
     }
-    count_weight(m, &R0->embed, &r->weights_embed, &alloc);
-    count_weight(m, &R0->final_norm, &r->weights_norms, &alloc);
+    count_weight(m, &R->embed, &r->weights_embed, &alloc);
+    count_weight(m, &R->final_norm, &r->weights_norms, &alloc);
     if (!c->tie_embeddings) {                    /* tied: a view of the embedding, counted once */
-        count_weight(m, &R0->lm_head, &r->weights_lm_head, &alloc);
-        if (m->tp > 1) count_weight(m, &m->head, &r->weights_lm_head, &alloc);   /* the drafter's whole head */
+        count_weight(m, &R->lm_head, &r->weights_lm_head, &alloc);
+        if (m->tp > 1 && rank == 0) count_weight(m, &m->head, &r->weights_lm_head, &alloc);   /* the drafter's head */
     }
-    if (R0->rope_inv_freq) other += (uint64_t)(c->qk_rope_dim / 2) * sizeof(float);
+    if (R->rope_inv_freq) other += (uint64_t)(c->qk_rope_dim / 2) * sizeof(float);
     r->weights_total = r->weights_attention + r->weights_dense_mlp + r->weights_shared_experts +
                        r->weights_routed_experts + r->weights_router + r->weights_embed + r->weights_lm_head +
                        r->weights_norms;
     r->weights_allocated = alloc;
     r->kv_cache = m->mem_kv;
     r->activations = m->mem_act;
-    r->trees = m->mem_trees;
+    r->trees = rank == 0 ? m->mem_trees : 0;
     r->other = other;
-    if (m->be->ops->mem_usage) {
+    if (be->ops->mem_usage) {
         /* the backend's totals: what this model's walk and its sequences do not account for
          * belongs to the drafters bound to it (their weights; their per-sequence buffers).
          * Both backends tally a loaded weight as the walk counts it (kd_weight_held). */
         kd_mem_usage u;
         memset(&u, 0, sizeof u);
-        m->be->ops->mem_usage(m->be, &u);
+        be->ops->mem_usage(be, &u);
         r->drafter_weights = u.weights > r->weights_total ? u.weights - r->weights_total : 0;
         uint64_t mine = r->kv_cache + r->activations + r->trees + other;
         r->drafter_cache = u.buffers > mine ? u.buffers - mine : 0;

@@ -165,6 +165,38 @@ describe("tensor parallel (CPU ranks)", function()
     end
   end)
 
+  -- per-rank memory against the plan (kd_plan: the loader's walk without loading) and the load
+  -- progress: every rank its share, rank 0 also the drafter's whole head; the sequence's buffers
+  -- on every rank alike; drafters and trees on rank 0 only
+  it("memory by rank: each rank's weights are the plan's share, the sequence's buffers on every rank", function()
+    local tp = 2
+    local plan = kd.plan(K26, { tp = tp })
+    local totals = {}
+    local m = kd.open_model(K26, { backend = "cpu", tp = tp, progress = function(rank, _, total) totals[rank] = total end })
+    local d = kd.open_drafter(DRAFT, m)
+    local s = m:new_seq(64)
+    s:attach_drafter(d)
+    s:forward(PROMPT)
+    local r0, r1 = m:memory(0), m:memory(1)
+    assert.are.same(m:memory(), r0)
+    assert.are.equal(plan.weights_total, r0.weights_total)
+    assert.are.equal(plan.weights_total - plan.weights_head_copy, r1.weights_total)
+    assert.is_true(plan.weights_head_copy > 0)
+    assert.are.equal(totals[1], r1.weights_total)
+    for _, k in ipairs({ "kv_cache", "activations" }) do
+      assert.is_true(r0[k] > 0, k)
+      assert.are.equal(r0[k], r1[k], k)
+    end
+    assert.is_true(r0.drafter_weights > 0 and r0.drafter_cache > 0)
+    assert.are.equal(0, r1.drafter_weights + r1.drafter_cache + r1.trees)
+    assert.are.equal(r1.weights_total + r1.kv_cache + r1.activations + r1.workspace + r1.other, r1.total)
+    for _, bad in ipairs({ -1, tp }) do
+      local e = err_of(function() m:memory(bad) end)
+      assert.truthy(e:find("kd_model_memory: rank " .. bad .. ": the model has ranks 0..1", 1, true), e)
+    end
+    s:close(); d:close(); m:close()
+  end)
+
   it("the CPU all-reduce: rank 0 + 1 + ... in fp32 on every rank, identical bits; all_gather; abort and reset", function()
     local O = require("spec.helpers.ops")
     local ffi = O.ffi

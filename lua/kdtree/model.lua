@@ -66,17 +66,18 @@ function Model:get_info()
   return self.info
 end
 
--- memory by component (kd_model_memory): a table of byte counts (Lua numbers, exact below
--- 2^53), backend = "cpu" | "cuda", and the step-graph counters
+-- memory by component (kd_model_memory_rank) on the device of rank (0-based; default 0, where
+-- the drafters and trees live too): a table of byte counts (Lua numbers, exact below 2^53),
+-- backend = "cpu" | "cuda", and the step-graph counters
 local MEMORY_FIELDS = { "weights_attention", "weights_dense_mlp", "weights_shared_experts",
   "weights_routed_experts", "weights_router", "weights_embed", "weights_lm_head", "weights_norms",
   "weights_total", "weights_allocated", "drafter_weights", "kv_cache", "activations", "drafter_cache",
   "trees", "workspace", "other", "total", "mapped", "device_free", "device_total", "n_seqs", "graphs",
   "graph_captures", "graph_launches", "graph_fallbacks" }
 
-function Model:memory()
+function Model:memory(rank)
   local r = ffi.new("kd_memory_report")
-  check(C.kd_model_memory(H.get(self, "model"), r), "kd_model_memory")
+  check(C.kd_model_memory_rank(H.get(self, "model"), rank or 0, r), "kd_model_memory")
   local t = {}
   for _, k in ipairs(MEMORY_FIELDS) do t[k] = tonumber(r[k]) end
   t.backend = U.BACKEND_NAMES[tonumber(r.backend)] or tostring(tonumber(r.backend))
