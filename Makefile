@@ -202,7 +202,7 @@ $(BENCH_W4): scripts/bench/w4a16_bench.cu cuda/w4a16.cuh $(W4_OBJS)
 BENCH_SLICE := $(BUILD)/bench/model_slice_bench
 # The benches that reach inside the engine (backend ops, config, weights) link its objects: the
 # shared library exports only kdtree.h.
-$(BENCH_SLICE): scripts/bench/model_slice_bench.c scripts/bench/slice_cuda.cu scripts/bench/slice_cuda.h \
+$(BENCH_SLICE): scripts/bench/model_slice_bench.c scripts/bench/slice_draft.c scripts/bench/slice_cuda.cu scripts/bench/slice_cuda.h \
                 $(BUILD)/libkdtree_internal.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c -o $(BUILD)/bench/slice_cuda.o scripts/bench/slice_cuda.cu

@@ -4,7 +4,8 @@
 -- back the argmax (every logit finite), verifies a 17-node tree and checks three of its rows against
 -- the same paths prefilled causally (bit-identical: the engine's batch invariance), counts the routed
 -- experts of each step (exactly top-k for one token, top-k..min(n, T*top-k) for T tokens), times decode
--- and verify rows and writes the markdown tables `make bench` produces at K2.6 dims.
+-- and verify rows, times the DFlash draft pass of a random drafter it writes as a checkpoint
+-- (slice_draft.c) and writes the markdown tables `make bench` produces at K2.6 dims.
 -- The CPU case runs in CI; the #gpu case runs the same program on the CUDA backend. The same for
 -- --k26-rank 2 (the TP projection's mode) at tiny dims: plan first, rank-0 dims built and equal
 -- to the plan's weights, the checks, and the projection table's arithmetic.
@@ -43,7 +44,38 @@ local function run(backend, extra)
   return rc, out, text
 end
 
-local function check_output(rc, out, md)
+-- the draft pass rows (slice_draft.c): a random drafter at models/tiny-k2.6-dflash's dims, written
+-- as a checkpoint of exactly the shipped one's tensor bytes, timed with graphs off and `second`
+-- (eager on the CPU, which has no graphs; captured on CUDA) at ctx 64 and 300, the same log-probs
+-- bits in both modes, and the bytes read a pass computed here from the dims (2 layers, hidden 128,
+-- q 4 x 32, kv 2 x 32, intermediate 256, block 8, vocab 1024)
+local function check_draft_rows(md, second)
+  assert.is_truthy(md:find("### The draft pass (DFlash), tiny (models/tiny-k2.6-dflash dims)", 1, true), md)
+  local f = assert(io.open("models/tiny-k2.6-dflash/model.safetensors", "rb"))
+  local size = f:seek("end")
+  f:seek("set", 0)
+  local b = { f:read(8):byte(1, 8) }
+  f:close()
+  local hlen = 0
+  for i = 8, 1, -1 do hlen = hlen * 256 + b[i] end
+  assert.is_truthy(md:find(string.format("random bf16 weights (%.3f MB)", (size - 8 - hlen) / 1e6), 1, true), md)
+  local D, q, kv, inter, hd, V = 128, 128, 64, 256, 32, 1024
+  local layer = 2 * (D * q * 2 + D * kv * 2 + 3 * D * inter + 2 * D + 2 * hd)
+  local rows = 0
+  for ctx, mode, mb, roof, ms in md:gmatch("\n| (%d+) | (%a+) | ([%d.]+) MB | ([%d.]+) | %*%*([%d.]+)%*%* |") do
+    rows = rows + 1
+    ctx = tonumber(ctx)
+    local bytes = 2 * (layer + 2 * 2 * kv * (ctx + 8)) + 2 * D + 2 * V * D
+    assert.are.equal(string.format("%.3f", bytes / 1e6), mb, "ctx " .. ctx)
+    assert.is_true(mode == "off" or mode == second, mode)
+    assert.is_true(tonumber(roof) > 0 and tonumber(ms) > 0)
+  end
+  assert.are.equal(4, rows, md)
+  assert.is_truthy(md:find("- ok: the draft pass's log-probs with graphs off and " .. second
+    .. ", bit for bit at every context", 1, true), md)
+end
+
+local function check_output(second, rc, out, md)
   assert(rc == 0, "model_slice_bench failed (rc " .. tostring(rc) .. "):\n" .. out)
   assert.is_truthy(md:find("## Decode step, K2.6-dims slice", 1, true), "markdown header missing")
   assert.is_truthy(md:find("Checks failed: 0.", 1, true))
@@ -81,17 +113,18 @@ local function check_output(rc, out, md)
   local mla = 0
   for _ in md:gmatch("\n| %d+ | %d+ | %d+ | [%d.]+ | [%d.]+ | [%d.]+%% | [%d.]+ |") do mla = mla + 1 end
   assert.are.equal(8, mla)
+  check_draft_rows(md, second)
 end
 
 describe("model slice bench: random model in memory, tiny dims, CPU", function()
   it("builds, decodes with finite logits, tree rows equal causal rows, writes the tables", function()
-    check_output(run("cpu"))
+    check_output("eager", run("cpu"))
   end)
 end)
 
 describe("model slice bench: random model in memory, tiny dims, CUDA #gpu", function()
   it("builds (INT4 experts through the W4A16 repack), decodes, tree rows bit-identical, writes the tables", function()
-    check_output(run("cuda"))
+    check_output("captured", run("cuda"))
   end)
 end)
 

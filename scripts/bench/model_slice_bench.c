@@ -2,7 +2,7 @@
  * weight-bytes roofline, and the MLA attention rows, in one run (issue 4's speed bar).
  *
  *   model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]
- *                     [--row-seconds S] [--no-mla] [--no-graphs] [--tolerance X]
+ *                     [--row-seconds S] [--no-mla] [--no-graphs] [--no-draft] [--tolerance X]
  *   model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N]
  *
  * The slice: the K2.6 text model's dims (hidden 7168, 64 heads, q_lora 1536, kv_lora 512,
@@ -37,6 +37,9 @@
  * scales; T embedding rows; the latent KV of ctx + T rows in every layer) over the device
  * copy bandwidth measured in the same run (cudaMemcpy D2D, bytes read + written, as
  * docs/performance.md's ceilings).
+ *
+ * Draft rows (slice_draft.c, --no-draft skips them): the DFlash draft pass of a random drafter at
+ * the K2.6 drafter's dims, loaded from a checkpoint the run writes, against its roofline.
  *
  * MLA rows: the backend's attention op alone (absorbed: key 576, value 512, one latent KV
  * head), 64 and 8 heads, contexts 1K..64K, 1 and 64 queries (causal), events around each
@@ -167,7 +170,7 @@ enum { K26_LAYERS = 61 };             /* the whole model's (the slice keeps 4) *
 static const dims TINY = {"tiny (models/tiny-k2.6 dims)", 1024, 128, 4, 1, 4, 64, 32, 16, 8, 16, 256, 64, 16, 4, 1, 32, 0};
 
 typedef struct opts {
-    bool cuda, tiny, quick, mla, graphs;
+    bool cuda, tiny, quick, mla, graphs, draft;
     const char *md;
     int steps;
     double row_s, tol;
@@ -1251,6 +1254,8 @@ static void projection(const opts *o) {
 }
 
 /* the slice bench: the slice's tables, the decode and verify rows, the profile, memory, MLA rows */
+#include "slice_draft.c"   /* the draft pass at the drafter's dims: draft_rows */
+
 static void slice_run(const opts *o, const dims *d) {
     /* the model (built first: its config gives the MLA dims) */
     printf("building the slice (%s) on %s ...\n", d->name, g_real->name);
@@ -1346,6 +1351,7 @@ static void slice_run(const opts *o, const dims *d) {
     memory_table(m, g_seq_graph ? 2 : 1, ctxs[nctx - 1] + maxT + 16);
     kd_seq_free(s);
     if (g_seq_graph) kd_seq_free(g_seq_graph);
+    if (o->draft) draft_rows(o, m);
 
     if (o->mla) mla_rows(o, c);
     free_model(m);
@@ -1354,7 +1360,7 @@ static void slice_run(const opts *o, const dims *d) {
 /* ------------------------------------------------------------------ main */
 static void usage(void) {
     printf("usage: model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]\n"
-           "                         [--row-seconds S] [--no-mla] [--no-graphs] [--tolerance X]\n"
+           "                         [--row-seconds S] [--no-mla] [--no-graphs] [--no-draft] [--tolerance X]\n"
            "       model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N]\n"
            "  --backend    cuda (default when the library has it) or cpu\n"
            "  --tiny       the shipped tiny model's dims instead of Kimi K2.6's (quick logic check)\n"
@@ -1364,6 +1370,8 @@ static void usage(void) {
            "  --row-seconds S  time budget per row that picks N (default 1)\n"
            "  --no-mla     skip the MLA attention rows\n"
            "  --no-graphs  skip the step-graph column (a sequence with graphs on)\n"
+           "  --no-draft   skip the draft pass rows (a random drafter at the K2.6 drafter's dims: 6.5 GB\n"
+           "               written to /tmp and loaded)\n"
            "  --tolerance X    accept a tree row within X (max |diff| / max |logit|) of its causal path\n"
            "                   (default 0: bit-identical, the engine's batch invariance)\n"
            "  --k26-rank N     the TP-N projection: all 61 layers of Kimi K2.6 at rank 0 of TP-N dims, decode and\n"
@@ -1373,7 +1381,7 @@ static void usage(void) {
 }
 
 int main(int argc, char **argv) {
-    opts o = {.cuda = true, .mla = true, .graphs = true, .row_s = 1.0};
+    opts o = {.cuda = true, .mla = true, .graphs = true, .draft = true, .row_s = 1.0};
     bool backend_given = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -1384,6 +1392,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--quick")) o.quick = true;
         else if (!strcmp(a, "--no-mla")) o.mla = false;
         else if (!strcmp(a, "--no-graphs")) o.graphs = false;
+        else if (!strcmp(a, "--no-draft")) o.draft = false;
         else if (!strcmp(a, "--md") && v) { o.md = v; i++; }
         else if (!strcmp(a, "--steps") && v) { o.steps = atoi(v); i++; }
         else if (!strcmp(a, "--row-seconds") && v) { o.row_s = atof(v); i++; }
