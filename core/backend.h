@@ -127,6 +127,10 @@ typedef struct kd_backend kd_backend;
     X(swiglu, (kd_backend *be, kd_act gate, kd_act up, kd_act out), (be, gate, up, out))   /* silu(gate)*up */   \
     /* out = x * rsqrt(mean(x^2)+eps) * w, in fp32; rows may be heads (x viewed [rows*k, cols/k]) */          \
     X(rmsnorm, (kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act out), (be, x, w, eps, out))    \
+    /* x += y, then out = rmsnorm(x) * w over whole rows (w has x.cols entries; out must not alias x):    \
+     * the residual add and the next norm in one pass, the bits of add followed by rmsnorm */               \
+    X(add_rmsnorm, (kd_backend *be, kd_act x, kd_act y, const kd_weight *w, float eps, kd_act out),             \
+      (be, x, y, w, eps, out))                                                                               \
     /* in place on dims [offset, offset+r->dim) of each of n_heads blocks of head_stride cols */             \
     X(rope, (kd_backend *be, kd_act x, int n_heads, int head_stride, int offset, const int32_t *pos,          \
              const kd_rope *r), (be, x, n_heads, head_stride, offset, pos, r))                               \

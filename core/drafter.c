@@ -718,9 +718,11 @@ static kd_status draft_body(kd_seq *s, int p0, const int32_t *d_len) {
     kd_act kt_h = {.data = kt.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = kt.dtype};
     kd_act kn_h = {.data = ds->kn.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = ds->kn.dtype};
     float scale = 1.0f / sqrtf((float)hd);
+    /* each residual add computes the next normed input with it (add_rmsnorm), except the last
+     * layer's: the final norm covers the MASK rows only */
+    T(op->rmsnorm(be, ds->x, &d->layers[0].attn_norm, c->eps, ds->h), "input_layernorm");
     for (int l = 0; l < c->n_layers; l++) {
         kd_dlayer *L = &d->layers[l];
-        T(op->rmsnorm(be, ds->x, &L->attn_norm, c->eps, ds->h), "input_layernorm");
         /* q: per-head q_norm then RoPE (att is free scratch of the same shape until attention) */
         T(op->linear(be, ds->h, &L->q_proj, ds->att), "q_proj");
         kd_act att_h = {.data = ds->att.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = ds->att.dtype};
@@ -748,13 +750,16 @@ static kd_status draft_body(kd_seq *s, int p0, const int32_t *d_len) {
               "attention");
         }
         T(op->linear(be, ds->att, &L->o_proj, ds->o), "o_proj");
-        T(op->add(be, ds->x, ds->o), "residual");
-        T(op->rmsnorm(be, ds->x, &L->ffn_norm, c->eps, ds->h), "post_attention_layernorm");
+        T(op->add_rmsnorm(be, ds->x, ds->o, &L->ffn_norm, c->eps, ds->h), "residual + post_attention_layernorm");
         T(op->linear(be, ds->h, &L->gate, ds->g), "gate_proj");
         T(op->linear(be, ds->h, &L->up, ds->u), "up_proj");
         T(op->swiglu(be, ds->g, ds->u, ds->m), "swiglu");
         T(op->linear(be, ds->m, &L->down, ds->o), "down_proj");
-        T(op->add(be, ds->x, ds->o), "residual");
+        if (l + 1 < c->n_layers)
+            T(op->add_rmsnorm(be, ds->x, ds->o, &d->layers[l + 1].attn_norm, c->eps, ds->h),
+              "residual + input_layernorm");
+        else
+            T(op->add(be, ds->x, ds->o), "residual");
     }
     /* rows 1..bs-1 (the MASK positions) -> norm -> target lm_head -> log_softmax */
     kd_act y = kd_act_rows(ds->h, 0, bs - 1);

@@ -16,7 +16,8 @@
  *   x   += o_proj(o)
  *   h    = rmsnorm(x; post_attention_layernorm)
  *   x   += dense ? mlp(h) : moe(h) + shared_mlp(h)
- * then logits = lm_head(rmsnorm(x; norm)). mlp(h) = down(silu(gate h) * up h).
+ * then logits = lm_head(rmsnorm(x; norm)). mlp(h) = down(silu(gate h) * up h). Each residual
+ * add and the norm after it are one backend op (add_rmsnorm).
  * After layer l, when a drafter is attached and l is one of its taps, x (the residual
  * stream, HF hidden_states[l+1]) is copied into s->taps for the drafter.
  *
@@ -121,8 +122,9 @@ static kd_act partial(const rank_fwd *f, size_t off, int rows) {
     return kd_fwd_act(f->S->scratch, off, rows, f->s->model->cfg.hidden, dt);
 }
 
-/* x += the sum of every rank's part (part itself on one rank), rounded once to x's type */
-static kd_status add_reduced(const rank_fwd *f, kd_act part, kd_act x) {
+/* x += the sum of every rank's part (part itself on one rank), rounded once to x's type; then,
+ * when norm is not NULL, h = rmsnorm(x; norm), the next block's input, in the same pass */
+static kd_status add_reduced(const rank_fwd *f, kd_act part, kd_act x, const kd_weight *norm, kd_act h) {
     kd_comm *c = f->s->model->comm;
     kd_backend *be = f->be;
     if (c) {
@@ -133,7 +135,8 @@ static kd_status add_reduced(const rank_fwd *f, kd_act part, kd_act x) {
             part = sum;
         }
     }
-    return be->ops->add(be, x, part);
+    if (!norm) return be->ops->add(be, x, part);
+    return be->ops->add_rmsnorm(be, x, part, norm, f->s->model->cfg.rms_norm_eps, h);
 }
 
 /* out = down(silu(gate x) * up x): this rank's part of the intermediate dim (a partial sum) */
@@ -148,8 +151,8 @@ static kd_status mlp(const rank_fwd *f, kd_act x, const kd_weight *gate, const k
     return be->ops->linear(be, g, down, out);
 }
 
-/* MLA attention of layer l over this rank's heads: writes the layer's cache rows [len, len+T)
- * and x += attn(h) (after the all-reduce of o_proj's partial sums).
+/* MLA attention of layer l over this rank's heads: writes the layer's cache rows [len, len+T),
+ * x += attn(h) (after the all-reduce of o_proj's partial sums) and h = rmsnorm(x; ffn_norm).
  * d_len NULL: len is the host's s->len; else the device int32 holding it (graph steps:
  * the new latent rows are finished in kva and stored at rows *d_len.., and attention reads
  * the length on the device; the same kernels on the same values, so the same bits). */
@@ -214,11 +217,12 @@ static kd_status attention_block(const rank_fwd *f, int l, kd_act h, kd_act x, c
     KD_TRY(be->ops->head_matmul(be, lat, H, r, r, &L->kv_b, dn + dv, dn, true, o, dv));
     kd_act t1 = partial(f, p->t1, T);
     KD_TRY(be->ops->linear(be, o, &L->o_proj, t1));
-    return add_reduced(f, t1, x);
+    return add_reduced(f, t1, x, &L->ffn_norm, h);
 }
 
-/* x += mlp(h) (dense layer) or moe(h) + shared(h), each rank's partial sums all-reduced */
-static kd_status ffn_block(const rank_fwd *f, int l, kd_act h, kd_act x) {
+/* x += mlp(h) (dense layer) or moe(h) + shared(h), each rank's partial sums all-reduced; then
+ * h = rmsnorm(x; next) unless next is NULL */
+static kd_status ffn_block(const rank_fwd *f, int l, kd_act h, kd_act x, const kd_weight *next) {
     kd_model *m = f->s->model;
     kd_backend *be = f->be;
     const kd_layer *L = &f->R->layers[l];
@@ -234,7 +238,7 @@ static kd_status ffn_block(const rank_fwd *f, int l, kd_act h, kd_act x) {
             KD_TRY(be->ops->add(be, t1, t2));        /* HF order: experts + shared, then the residual */
         }
     }
-    return add_reduced(f, t1, x);
+    return add_reduced(f, t1, x, next, h);
 }
 
 /* keep x (the output of layer l) for the drafter when l is one of its taps (rank 0, where the
@@ -261,18 +265,20 @@ static kd_status forward_body(const rank_fwd *f, int T, const int32_t *d_ids, co
     kd_act x = act(f, f->p->x, T, c->hidden);
     kd_act h = act(f, f->p->h, T, c->hidden);
     KD_TRY(be->ops->embed(be, &f->R->embed, d_ids, x));
+    /* each block's residual add computes the next block's normed input with it (add_rmsnorm):
+     * attention leaves h = ffn_norm(x), the FFN the next layer's attn_norm(x) or the final norm's */
+    const kd_weight *final = want_logits ? &f->R->final_norm : NULL;
+    KD_TRY(be->ops->rmsnorm(be, x, &f->R->layers[0].attn_norm, c->rms_norm_eps, h));   /* n_layers >= 1 (config.c) */
     for (int l = 0; l < c->n_layers; l++) {
-        const kd_layer *L = &f->R->layers[l];
-        kd_status st = be->ops->rmsnorm(be, x, &L->attn_norm, c->rms_norm_eps, h);
-        if (st == KD_OK) st = attention_block(f, l, h, x, d_pos, d_vis, d_len);
-        if (st == KD_OK) st = be->ops->rmsnorm(be, x, &L->ffn_norm, c->rms_norm_eps, h);
-        if (st == KD_OK) st = ffn_block(f, l, h, x);
+        const kd_weight *next = l + 1 < c->n_layers ? &f->R->layers[l + 1].attn_norm : final;
+        kd_status st = attention_block(f, l, h, x, d_pos, d_vis, d_len);
+        if (st == KD_OK) st = ffn_block(f, l, h, x, next);
         if (st == KD_OK) st = keep_taps(f, l, x);
         if (st != KD_OK) return kd_fail_context(st, "forward: layer %d", l);
     }
     if (!want_logits) return KD_OK;
-    KD_TRY(be->ops->rmsnorm(be, x, &f->R->final_norm, c->rms_norm_eps, h));
-    /* logits are fp32 on every backend: linear writes out.dtype; this rank's vocabulary shard */
+    /* h = final_norm(x): logits are fp32 on every backend (linear writes out.dtype); this rank's
+     * vocabulary shard */
     return be->ops->linear(be, h, &f->R->lm_head, kd_act_rows(f->S->logits, 0, T));
 }
 

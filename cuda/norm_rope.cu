@@ -74,6 +74,26 @@ __global__ void rmsnorm_kernel(const void *x, int xdt, long long ldx, const void
         kd_st(o, odt, ob + i, kd_ld(w, wdt, i) * (kd_ld(x, xdt, xb + i) * inv));
 }
 
+/* one block per row: x += y, then out = rmsnorm(x) * w. The stored x (rounded to its dtype) is what
+ * the norm reads, and the thread count, striding and block sum are rmsnorm_kernel's at one segment,
+ * so the bits are those of scale_add_kernel followed by rmsnorm_kernel (each thread reads back only
+ * the elements it wrote) */
+__global__ void add_rmsnorm_kernel(void *x, int xdt, long long ldx, const void *y, int ydt, long long ldy,
+                                   const void *w, int wdt, int d, float eps, void *o, int odt, long long ldo) {
+    __shared__ float red[32];
+    size_t xb = (size_t)blockIdx.x * ldx, yb = (size_t)blockIdx.x * ldy, ob = (size_t)blockIdx.x * ldo;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        kd_st(x, xdt, xb + i, kd_ld(x, xdt, xb + i) + kd_ld(y, ydt, yb + i));
+        float v = kd_ld(x, xdt, xb + i);
+        ss += v * v;
+    }
+    ss = kd_block_sum(ss, red);
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        kd_st(o, odt, ob + i, kd_ld(w, wdt, i) * (kd_ld(x, xdt, xb + i) * inv));
+}
+
 /* one thread per (row, head, pair) */
 __global__ void rope_kernel(void *x, int xdt, long long ldx, int rows, int n_heads, int head_stride, int offset,
                             const int32_t *pos, const float *inv_freq, int half, bool interleaved, float amp) {
@@ -205,6 +225,29 @@ extern "C" kd_status kd_cuda_swiglu(kd_backend *be, kd_act gate, kd_act up, kd_a
     return KD_OK;
 }
 
+/* rmsnorm's block size: from the width alone (batch invariance of the reduction order) */
+static int norm_threads(long long d) { return d >= 1024 ? 256 : d >= 256 ? 128 : d >= 64 ? 64 : 32; }
+
+extern "C" kd_status kd_cuda_add_rmsnorm(kd_backend *be, kd_act x, kd_act y, const kd_weight *w, float eps,
+                                         kd_act out) {
+    kd_cuda *c = kd_cuda_of(be);
+    const char *name = w && w->name ? w->name : "?";
+    KD_TRY(check_view("add_rmsnorm", "x", x));
+    KD_TRY(check_view("add_rmsnorm", "y", y));
+    KD_TRY(check_view("add_rmsnorm", "out", out));
+    KD_TRY(check_shape("add_rmsnorm", "y", y, x.rows, x.cols));
+    KD_TRY(check_shape("add_rmsnorm", "out", out, x.rows, x.cols));
+    if (!w || !w->dev) return kd_fail(KD_ERR_STATE, "cuda add_rmsnorm: weight '%s' is not loaded", name);
+    if (w->format == KD_W_INT4 || w->rows * w->cols != x.cols)
+        return kd_fail(KD_ERR_ARG, "cuda add_rmsnorm: weight '%s' has %lld entries, expected the %d cols of a row", name,
+                       (long long)(w->rows * w->cols), x.cols);
+    if (x.rows == 0) return KD_OK;
+    add_rmsnorm_kernel<<<(unsigned)x.rows, norm_threads(x.cols), 0, c->stream>>>(
+        x.data, x.dtype, x.ld, y.data, y.dtype, y.ld, w->dev, wdtype(w), x.cols, eps, out.data, out.dtype, out.ld);
+    KD_CUDA_LAUNCH("add_rmsnorm_kernel");
+    return KD_OK;
+}
+
 extern "C" kd_status kd_cuda_rmsnorm(kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act out) {
     kd_cuda *c = kd_cuda_of(be);
     const char *name = w && w->name ? w->name : "?";
@@ -220,9 +263,7 @@ extern "C" kd_status kd_cuda_rmsnorm(kd_backend *be, kd_act x, const kd_weight *
     int segs = (int)(x.cols / d);
     long long blocks = (long long)x.rows * segs;
     if (blocks > 0x7fffffff) return kd_fail(KD_ERR_ARG, "cuda rmsnorm: too many rows (%d x %d segments)", x.rows, segs);
-    /* thread count from the width alone (batch invariance of the reduction order) */
-    int threads = d >= 1024 ? 256 : d >= 256 ? 128 : d >= 64 ? 64 : 32;
-    rmsnorm_kernel<<<(unsigned)blocks, threads, 0, c->stream>>>(x.data, x.dtype, x.ld, w->dev, wdtype(w), (int)d, segs,
+    rmsnorm_kernel<<<(unsigned)blocks, norm_threads(d), 0, c->stream>>>(x.data, x.dtype, x.ld, w->dev, wdtype(w), (int)d, segs,
                                                                 eps, out.data, out.dtype, out.ld);
     KD_CUDA_LAUNCH("rmsnorm_kernel");
     return KD_OK;

@@ -218,6 +218,45 @@ describe("cpu backend ops", function()
     end
   end)
 
+  it("add_rmsnorm: x + y and its norm, bit for bit add followed by rmsnorm; a bad weight changes nothing", function()
+    local T, d = 3, 8
+    local x, xt = rand_act(T, d, 5)
+    local y, yt = rand_act(T, d, 6)
+    local W = B.bf16_weight("norm", d, 1, function() return 0.5 + math.random() end)
+    local eps = 1e-6
+    local out = ffi.new("float[?]", T * d)
+    ok(be, be.ops.add_rmsnorm(be, B.act(x, T, d), B.act(y, T, d), W.w, eps, B.act(out, T, d)))
+    local sum, ref = {}, {}
+    for t = 1, T do
+      sum[t], ref[t] = {}, {}
+      local ss = 0
+      for i = 1, d do
+        sum[t][i] = xt[t][i] + yt[t][i]
+        ss = ss + sum[t][i] ^ 2
+      end
+      local inv = 1 / math.sqrt(ss / d + eps)
+      for i = 1, d do ref[t][i] = W.vals[i][1] * sum[t][i] * inv end
+    end
+    assert.is_true(rel_err(x, d, sum) < TOL)
+    assert.is_true(rel_err(out, d, ref) < TOL)
+    -- the unfused pair on the same inputs gives the same bits
+    local x2, y2, out2 = ffi.new("float[?]", T * d), ffi.new("float[?]", T * d), ffi.new("float[?]", T * d)
+    for t = 1, T do for i = 1, d do x2[(t - 1) * d + i - 1], y2[(t - 1) * d + i - 1] = xt[t][i], yt[t][i] end end
+    ok(be, be.ops.add(be, B.act(x2, T, d), B.act(y2, T, d)))
+    ok(be, be.ops.rmsnorm(be, B.act(x2, T, d), W.w, eps, B.act(out2, T, d)))
+    local function same(a, b) for i = 0, T * d - 1 do if a[i] ~= b[i] then return false end end return true end
+    assert.is_true(same(x, x2) and same(out, out2))
+    -- a weight of the wrong width is refused before x changes
+    local Wbad = B.bf16_weight("bad_norm", d - 1, 1, function() return 1 end)
+    local before = ffi.new("float[?]", T * d)
+    ffi.copy(before, x, T * d * 4)
+    local st = be.ops.add_rmsnorm(be, B.act(x, T, d), B.act(y, T, d), Wbad.w, eps, B.act(out, T, d))
+    assert.are_not.equal(0, st)
+    local msg = ffi.string(C.kd_last_error())
+    assert.truthy(msg:find("cpu add_rmsnorm: weight 'bad_norm' has 7 entries, expected the 8 cols of a row", 1, true), msg)
+    assert.is_true(same(x, before))
+  end)
+
   it("rope: interleaved pairs (MLA) and rotate-half, on an offset inside each head", function()
     local T, H, stride, off, dim = 3, 2, 10, 4, 6
     local inv = floats(dim / 2, function(i) return 1 / (50000 ^ (2 * i / dim)) * (i == 2 and 0.125 or 1) end)

@@ -96,6 +96,29 @@ describe("CUDA ops against the CPU twins #gpu", function()
     end
   end)
 
+  it("add_rmsnorm: the residual sum and its norm (K2.6 and drafter widths)", function()
+    O.seed(14)
+    for _, s in ipairs({ { 3, 7168, 1e-6 }, { 17, 7168, 1e-6 }, { 5, 128, 1e-5 }, { 2, 100, 1e-5 } }) do
+      local r, c, eps = s[1], s[2], s[3]
+      local x, y = O.rand_floats(r * c, 2), O.rand_floats(r * c, 2)
+      local w = O.bf16_weight(c, 1)
+      local xs, outs = {}, {}
+      for _, tb in ipairs({ cpu, gpu }) do
+        local xo, o = ffi.new("float[?]", r * c), ffi.new("float[?]", r * c)
+        O.check(C.kd_test_add_rmsnorm(tb, x, y, r, c, w, eps, xo, o), tb == cpu and "cpu" or "cuda")
+        xs[#xs + 1], outs[#outs + 1] = xo, o
+      end
+      local name = string.format("add_rmsnorm %dx%d (eps %g)", r, c, eps)
+      O.assert_close(note, name .. ": x + y", xs[1], xs[2], r * c, TOL_BF16)
+      O.assert_close(note, name .. ": norm", outs[1], outs[2], r * c, TOL_BF16)
+      -- on CUDA the bits of add followed by rmsnorm (the forward's results do not move)
+      local xa, oa = ffi.new("float[?]", r * c), ffi.new("float[?]", r * c)
+      O.check(C.kd_test_add(gpu, x, y, r, c, 0, 0, xa), "cuda add")
+      O.check(C.kd_test_rmsnorm(gpu, xa, r, c, w, eps, oa), "cuda rmsnorm")
+      assert.is_true(O.same_bits(xs[2], xa, r * c) and O.same_bits(outs[2], oa, r * c), name .. ": not add + rmsnorm's bits")
+    end
+  end)
+
   it("rope: interleaved (MLA q and k_pe, tiny) and rotate-half (drafter)", function()
     O.seed(5)
     local cases = {

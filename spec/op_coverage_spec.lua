@@ -17,6 +17,7 @@ local WHERE = {
   scale_add = { OPS_SPEC, "C.kd_test_add(tb, x, y, r, c, 0.37, 1, out)" },
   swiglu = { OPS_SPEC, "C.kd_test_swiglu(" },
   rmsnorm = { OPS_SPEC, "C.kd_test_rmsnorm(" },
+  add_rmsnorm = { OPS_SPEC, "C.kd_test_add_rmsnorm(" },
   rope = { OPS_SPEC, "C.kd_test_rope(" },
   gather_rows = { OPS_SPEC, "C.kd_test_gather_rows(" },
   linear = { OPS_SPEC, "C.kd_test_linear(" },

@@ -145,6 +145,21 @@ kd_status kd_cpu_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32
     return KD_OK;
 }
 
+/* add, then rmsnorm: the definition itself; every check comes before x changes */
+kd_status kd_cpu_add_rmsnorm(kd_backend *be, kd_act x, kd_act y, const kd_weight *w, float eps, kd_act out) {
+    KD_TRY(kd_cpu_check_f32("add_rmsnorm", "x", x));
+    KD_TRY(kd_cpu_check_f32("add_rmsnorm", "y", y));
+    KD_TRY(kd_cpu_check_f32("add_rmsnorm", "out", out));
+    KD_TRY(kd_cpu_check_shape("add_rmsnorm", "y", y, x.rows, x.cols));
+    KD_TRY(kd_cpu_check_shape("add_rmsnorm", "out", out, x.rows, x.cols));
+    KD_TRY(kd_cpu_check_weight("add_rmsnorm", w));
+    if (w->format == KD_W_INT4 || w->rows * w->cols != x.cols)
+        return kd_fail(KD_ERR_ARG, "cpu add_rmsnorm: weight '%s' has %lld entries, expected the %d cols of a row",
+                       w->name ? w->name : "?", (long long)(w->rows * w->cols), x.cols);
+    KD_TRY(kd_cpu_add(be, x, y));
+    return kd_cpu_rmsnorm(be, x, w, eps, out);
+}
+
 /* backend memory is host memory here: the length is read directly */
 kd_status kd_cpu_store_rows_at(kd_backend *be, kd_act dst, const int32_t *d_len, kd_act src) {
     int row0 = *d_len;

@@ -207,7 +207,7 @@ static double mark_ms(int a, int b) {
 /* op kinds of the profile */
 enum cat { C_ATTN_PROJ, C_ABSORB, C_ATTN, C_DENSE, C_MOE, C_SHARED, C_LMHEAD, C_NORM, C_ELEM, C_UPLOAD, C_OTHER, C_N };
 static const char *cat_name[C_N] = {"attn proj", "absorb", "attention", "dense MLP", "routed MoE", "shared exp",
-                                    "lm_head", "norm+rope", "elementwise", "upload", "other"};
+                                    "lm_head", "norms (+ residual), rope", "elementwise", "upload", "other"};
 static bool g_prof;
 static int g_nmark;                   /* profile marks start at 2 (0, 1: the step) */
 static int g_mark_cat[MAXMARK];
@@ -249,6 +249,8 @@ WRAP(add, C_ELEM, (kd_backend *be, kd_act x, kd_act y), (be, x, y))
 WRAP(scale_add, C_ELEM, (kd_backend *be, kd_act x, kd_act y, float s), (be, x, y, s))
 WRAP(swiglu, C_ELEM, (kd_backend *be, kd_act g, kd_act u, kd_act o), (be, g, u, o))
 WRAP(rmsnorm, C_NORM, (kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act o), (be, x, w, eps, o))
+WRAP(add_rmsnorm, C_NORM, (kd_backend *be, kd_act x, kd_act y, const kd_weight *w, float eps, kd_act o),
+     (be, x, y, w, eps, o))
 WRAP(rope, C_NORM, (kd_backend *be, kd_act x, int nh, int hs, int off, const int32_t *pos, const kd_rope *r),
      (be, x, nh, hs, off, pos, r))
 WRAP(gather_rows, C_ELEM, (kd_backend *be, kd_act d, kd_act s, const int32_t *rows, int n), (be, d, s, rows, n))
@@ -701,6 +703,7 @@ static void wrap_backend(void) {
     g_wrap.scale_add = w_scale_add;
     g_wrap.swiglu = w_swiglu;
     g_wrap.rmsnorm = w_rmsnorm;
+    g_wrap.add_rmsnorm = w_add_rmsnorm;
     g_wrap.rope = w_rope;
     g_wrap.gather_rows = w_gather_rows;
     g_wrap.linear = w_linear;

@@ -59,6 +59,9 @@ kd_status kd_test_add(kd_test_backend *tb, const float *x, const float *y, int r
 kd_status kd_test_swiglu(kd_test_backend *tb, const float *gate, const float *up, int rows, int cols, float *out);
 kd_status kd_test_rmsnorm(kd_test_backend *tb, const float *x, int rows, int cols, const kd_test_weight *w, float eps,
                           float *out);
+/* the fused op: x_out = x + y, out = rmsnorm(x + y) * w (w: cols entries) */
+kd_status kd_test_add_rmsnorm(kd_test_backend *tb, const float *x, const float *y, int rows, int cols,
+                              const kd_test_weight *w, float eps, float *x_out, float *out);
 /* x [rows, cols] roped in place on the device; pos [rows]; inv_freq [dim/2] */
 kd_status kd_test_rope(kd_test_backend *tb, const float *x, int rows, int cols, int n_heads, int head_stride,
                        int offset, const int32_t *pos, int dim, int interleaved, float attn_factor,

@@ -252,6 +252,26 @@ done:
     return st;
 }
 
+kd_status kd_test_add_rmsnorm(kd_test_backend *tb, const float *x, const float *y, int rows, int cols,
+                              const kd_test_weight *w, float eps, float *x_out, float *out) {
+    KD_TRY(check_tb(tb, "add_rmsnorm"));
+    kd_backend *be = tb->be;
+    arena a = {.be = be};
+    kd_status st;
+    kd_weight dw;
+    kd_act dx, dy, o;
+    RUN(up_weight(&a, w, "test.norm", &dw));
+    RUN(up_act(&a, x, rows, cols, be->act_dtype, &dx));
+    RUN(up_act(&a, y, rows, cols, be->act_dtype, &dy));
+    RUN(up_act(&a, NULL, rows, cols, be->act_dtype, &o));
+    RUN(be->ops->add_rmsnorm(be, dx, dy, &dw, eps, o));
+    RUN(down_act(&a, dx, x_out));
+    RUN(down_act(&a, o, out));
+done:
+    arena_free(&a);
+    return st;
+}
+
 kd_status kd_test_rope(kd_test_backend *tb, const float *x, int rows, int cols, int n_heads, int head_stride,
                        int offset, const int32_t *pos, int dim, int interleaved, float attn_factor,
                        const float *inv_freq, float *out) {

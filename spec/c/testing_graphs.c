@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { OP_COPY, OP_EMBED, OP_ADD, OP_SCALE_ADD, OP_SWIGLU, OP_RMSNORM, OP_ROPE, OP_LINEAR, OP_HEAD_MATMUL,
-       OP_ATTENTION, OP_MOE, OP_STORE_AT, OP_ATTENTION_AT, OP_LOG_SOFTMAX };
+enum { OP_COPY, OP_EMBED, OP_ADD, OP_SCALE_ADD, OP_SWIGLU, OP_RMSNORM, OP_ADD_RMSNORM, OP_ROPE, OP_LINEAR,
+       OP_HEAD_MATMUL, OP_ATTENTION, OP_MOE, OP_STORE_AT, OP_ATTENTION_AT, OP_LOG_SOFTMAX };
 
 /* one recorded op call: its arguments by value (pointers stay pointers, as in a CUDA graph) */
 typedef struct rec {
@@ -63,6 +63,7 @@ static kd_status replay(kd_backend *be, const rec *r) {
     case OP_SCALE_ADD: return o->scale_add(be, r->a[0], r->a[1], r->f);
     case OP_SWIGLU: return o->swiglu(be, r->a[0], r->a[1], r->a[2]);
     case OP_RMSNORM: return o->rmsnorm(be, r->a[0], r->p[0], r->f, r->a[1]);
+    case OP_ADD_RMSNORM: return o->add_rmsnorm(be, r->a[0], r->a[1], r->p[0], r->f, r->a[2]);
     case OP_ROPE: return o->rope(be, r->a[0], r->i[0], r->i[1], r->i[2], r->p[0], r->p[1]);
     case OP_LINEAR: return o->linear(be, r->a[0], r->p[0], r->a[1]);
     case OP_HEAD_MATMUL:
@@ -105,6 +106,10 @@ static kd_status w_swiglu(kd_backend *be, kd_act gt, kd_act up, kd_act out) {
 }
 static kd_status w_rmsnorm(kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act out) {
     rec r = {.op = OP_RMSNORM, .a = {x, out}, .p = {w}, .f = eps};
+    return issue(be, &r);
+}
+static kd_status w_add_rmsnorm(kd_backend *be, kd_act x, kd_act y, const kd_weight *w, float eps, kd_act out) {
+    rec r = {.op = OP_ADD_RMSNORM, .a = {x, y, out}, .p = {w}, .f = eps};
     return issue(be, &r);
 }
 static kd_status w_rope(kd_backend *be, kd_act x, int nh, int hs, int off, const int32_t *pos, const kd_rope *rp) {
@@ -155,18 +160,15 @@ static kd_status w_download(kd_backend *be, void *d, const void *s, size_t n) {
     return g.recording ? refuse("download") : g.orig->download(be, d, s, n);
 }
 static kd_status w_sync(kd_backend *be) { return g.recording ? refuse("sync") : g.orig->sync(be); }
-static kd_status w_gather_rows(kd_backend *be, kd_act d, kd_act s, const int32_t *rows, int n) {
-    return g.recording ? refuse("gather_rows") : g.orig->gather_rows(be, d, s, rows, n);
-}
+/* every other op: refused inside a capture (so an op the capture does not record cannot run
+ * eagerly unnoticed), passed through otherwise */
+#define REFUSED_OP(name, params, args) \
+    static kd_status refused_##name params { return g.recording ? refuse(#name) : g.orig->name args; }
+KD_BACKEND_OPS(REFUSED_OP)
+#undef REFUSED_OP
 static kd_status w_log_softmax(kd_backend *be, kd_act x) {   /* the draft pass's last op (drafter.c) */
     rec r = {.op = OP_LOG_SOFTMAX, .a = {x}};
     return issue(be, &r);
-}
-static kd_status w_argmax(kd_backend *be, kd_act x, int32_t *o) {
-    return g.recording ? refuse("argmax") : g.orig->argmax(be, x, o);
-}
-static kd_status w_topk(kd_backend *be, kd_act x, int k, float *v, int32_t *ids) {
-    return g.recording ? refuse("topk") : g.orig->topk(be, x, k, v, ids);
 }
 
 /* ---- capture and replay ---- */
@@ -239,21 +241,22 @@ kd_status kd_testing_emulate_graphs(kd_model *m) {
     g.ops.upload = w_upload;
     g.ops.download = w_download;
     g.ops.sync = w_sync;
+#define REFUSED_ENTRY(name, params, args) g.ops.name = refused_##name;
+    KD_BACKEND_OPS(REFUSED_ENTRY)
+#undef REFUSED_ENTRY
     g.ops.copy = w_copy;
     g.ops.embed = w_embed;
     g.ops.add = w_add;
     g.ops.scale_add = w_scale_add;
     g.ops.swiglu = w_swiglu;
     g.ops.rmsnorm = w_rmsnorm;
+    g.ops.add_rmsnorm = w_add_rmsnorm;
     g.ops.rope = w_rope;
-    g.ops.gather_rows = w_gather_rows;
     g.ops.linear = w_linear;
     g.ops.head_matmul = w_head_matmul;
     g.ops.attention = w_attention;
     g.ops.moe = w_moe;
     g.ops.log_softmax = w_log_softmax;
-    g.ops.argmax = w_argmax;
-    g.ops.topk = w_topk;
     g.ops.store_rows_at = w_store_at;
     g.ops.attention_at = w_attention_at;
     g.ops.graph_begin = w_graph_begin;
