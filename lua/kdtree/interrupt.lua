@@ -42,7 +42,9 @@ function I.take() return C.sigtimedwait(set, nil, zero) == SIGINT end
 -- default action as soon as the script's main chunk returns, before it closes the state, and on
 -- CUDA that close (the context teardown) takes about a second and may run threads that do not
 -- block SIGINT; a Ctrl-C then ends the process with status 130 (reproduced on the CPU with a slow
--- teardown; the H200's 130s of 2026-12-03 fit it, not yet confirmed there). A
+-- teardown: repl_spec). The 130s repl_spec saw in CI and on the H200 on 2026-12-03 had another
+-- cause, in the spec's harness: dash, script's shell there, waited in the terminal's foreground
+-- group and died of the Ctrl-C itself (spec/helpers/terminal.lua now execs the command). A
 -- thread that does not block SIGINT while the session runs would break the polling (luajit's own
 -- handler would take the signal), so block() must still come before any thread starts.
 function I.ignore() C.signal(SIGINT, ffi.cast("kd_lua_sighandler", 1)) end   -- 1 = SIG_IGN
