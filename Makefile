@@ -58,7 +58,7 @@ endif
 LUAJIT  := luajit
 # Debian's busted script starts with `#!/usr/bin/env lua`: run it under LuaJIT
 BUSTED  := $(LUAJIT) $(shell command -v busted 2>/dev/null || echo /usr/bin/busted)
-DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8 pkg-config
+DEB_PKGS := luajit libluajit-5.1-dev lua-busted lua-dkjson libcjson-dev libpcre2-dev libreadline8 pkg-config g++
 FUZZ_PKGS := clang python3
 
 .PHONY: all test test-gpu test-asan fuzz fuzz-build deps-fuzz run bench bench-trace bench-comm deps install clean FORCE
@@ -119,7 +119,8 @@ $(BUILD)/%.o: %.cu $(wildcard core/*.h cuda/*.cuh) $(STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c -o $@ $<
 
-# deps: the Debian packages; as root install them, otherwise print the command.
+# deps: the Debian packages (g++ builds the CUDA kernels' CPU emulation, spec/norm_emu_spec.lua); as
+# root install them, otherwise print the command.
 # deps-fuzz: the same for what `make fuzz` needs besides (clang's libFuzzer, python3 for the seeds)
 install_pkgs = @missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
