@@ -454,6 +454,51 @@ describe("cpu backend ops", function()
     end
   end)
 
+  -- planted ties (the mutation run's M4 survived without them): equal router rows give equal
+  -- scores, and the rule (cpu_moe.c, as CUDA's) takes the lower expert, and the lower group
+  it("moe: equal router scores go to the lower expert, equal group scores to the lower group", function()
+    local D, I, n = 8, 4, 8
+    local x, xt = rand_act(1, D)
+    local G, U, Dn = {}, {}, {}
+    local gate, up, down = ffi.new("kd_weight[?]", n), ffi.new("kd_weight[?]", n), ffi.new("kd_weight[?]", n)
+    for e = 0, n - 1 do
+      G[e] = B.bf16_weight("g", I, D, function() return randn() * 0.5 end)
+      U[e] = B.bf16_weight("u", I, D, function() return randn() * 0.5 end)
+      Dn[e] = B.bf16_weight("d", D, I, function() return randn() * 0.5 end)
+      gate[e], up[e], down[e] = G[e].w, U[e].w, Dn[e].w
+    end
+    -- expert e's output for the token, in Lua (its routing weight is 1: top-1, normalised)
+    local function expert(e)
+      local h, o = {}, {}
+      for j = 1, I do
+        local g, u = 0, 0
+        for i = 1, D do g, u = g + xt[1][i] * G[e].vals[j][i], u + xt[1][i] * U[e].vals[j][i] end
+        h[j] = g / (1 + math.exp(-g)) * u
+      end
+      for c = 1, D do
+        o[c] = 0
+        for j = 1, I do o[c] = o[c] + h[j] * Dn[e].vals[c][j] end
+      end
+      return { o }
+    end
+    -- router rows: a multiple of x, so row c * x scores sigmoid(c |x|^2); `tops` get the largest
+    local function case(ng, tg, mult, want, other)
+      local router = B.bf16_weight("mlp.gate.weight", n, D, function(e, i) return mult[e + 1] * xt[1][i + 1] end)
+      local ex = ffi.new("kd_experts")
+      ex.n, ex.top_k, ex.n_group, ex.topk_group = n, 1, ng, tg
+      ex.norm_topk_prob, ex.routed_scaling_factor = true, 1.0
+      ex.router, ex.bias, ex.gate, ex.up, ex.down = router.w, nil, gate, up, down
+      local out = ffi.new("float[?]", D)
+      ok(be, be.ops.moe(be, B.act(x, 1, D), ex, B.act(out, 1, D)))
+      assert.is_true(rel_err(out, D, expert(want)) < TOL, "expert " .. want .. " expected")
+      assert.is_true(rel_err(out, D, expert(other)) > 1e-2, "the tie's other side gives a different output")
+    end
+    -- one group: experts 2 and 5 tie at the top
+    case(1, 1, { -1, -1, 2, -1, -1, 2, -1, -1 }, 2, 5)
+    -- two groups of 4 with equal top-2 sums (experts 1 + 0 against 5 + 4): group 0, then expert 1
+    case(2, 1, { 1, 2, -1, -1, 1, 2, -1, -1 }, 1, 5)
+  end)
+
   it("log_softmax, argmax and top-k (equal values: lower id first)", function()
     local x = floats(2 * 7, function(i) return ({ 1, 5, 3, 5, -2, 0, 5, 2, 2, 9, 1, 9, 9, -1 })[i + 1] end)
     local ids = ffi.new("int32_t[2]")
