@@ -20,7 +20,7 @@ import time
 BUSTED = ["luajit", "/usr/bin/busted", "--exclude-tags=gpu,slow"]
 
 TREE = ["spec/tree_spec.lua", "spec/ddtree_spec.lua", "spec/argmax_ties_spec.lua"]
-ACCEPT = ["spec/ddtree_spec.lua", "spec/ddtree_round_spec.lua", "spec/policy_spec.lua", "spec/nonfinite_spec.lua"]
+ACCEPT = ["spec/ddtree_spec.lua", "spec/ddtree_round_spec.lua", "spec/policy_spec.lua", "spec/nonfinite_spec.lua", "spec/backend_failure_spec.lua"]
 COMPACT = ["spec/forward_spec.lua", "spec/ddtree_spec.lua"]
 SAMPLE = ["spec/sample_spec.lua", "spec/sample_golden_spec.lua", "spec/ddtree_spec.lua"]
 ROPE = ["spec/golden_spec.lua", "spec/loader_spec.lua", "spec/dflash_spec.lua", "spec/cpu_ops_spec.lua"]

@@ -183,8 +183,27 @@ describe("after a failed backend op", function()
     s:close(); fresh:close()
   end)
 
+  -- the walk's result is checked before anything is committed (the mutation run's A5 removed
+  -- that check and survived until this case)
+  it("a backend walk whose path does not start at the root is refused; the round then goes on exactly", function()
+    local s = m:new_seq(64)
+    s:forward(PROMPT)
+    local t = true_chain()
+    s:verify(t)
+    fail("tree_walk", 0)
+    local e = err_of(s.accept, s, t)
+    assert.truthy(e:find("kd_accept: the backend's walk returned node 1 at step 0 (tree of 7 nodes)", 1, true), e)
+    heal()
+    assert.are.equal(#PROMPT, s:len())
+    local r = s:accept(t)
+    s:commit(t)
+    assert.are.same({ ar[1], ar[2], ar[3], ar[4], ar[5], ar[6], ar[7], ar[8] }, r.tokens)
+    assert.are.equal(ar[9], r.bonus)
+    t:close(); s:close()
+  end)
+
   it("names the op it was given, and only the ops it can fail", function()
-    assert.matches("expected upload, copy or gather_rows",
+    assert.matches("expected upload, copy, gather_rows or tree_walk",
       err_of(O.check, O.C.kd_test_fail_op(m:handle(), "linear", 0), "kd_test_fail_op"))
   end)
 

@@ -1,6 +1,8 @@
 /* testing_faults.c: backend failures on demand (kd_test_fail_op in kdtree_testing.h), so the
  * specs can check what the engine promises after a failed backend op: a clear error, and a
- * sequence that is consistent and usable (not only the happy path).
+ * sequence that is consistent and usable (not only the happy path). One op fails differently:
+ * tree_walk succeeds but returns a path that starts at node 1, not the root, as a faulty
+ * backend could; the engine's own check of the walk must refuse it.
  *
  * The model's backend keeps its state; only its op table is swapped for a copy in which one
  * op counts its calls and fails once the count runs out. One injection at a time (a testing
@@ -39,6 +41,15 @@ static kd_status fault_gather_rows(kd_backend *be, kd_act dst, kd_act src, const
     KD_TRY(fault_check());
     return g_fault.orig->gather_rows(be, dst, src, rows, n);
 }
+static kd_status fault_tree_walk(kd_backend *be, const kd_dtree *t, int n, int sampled) {
+    KD_TRY(g_fault.orig->tree_walk(be, t, n, sampled));
+    if (g_fault.left > 0) {
+        g_fault.left--;
+        return KD_OK;
+    }
+    const int32_t wrong = 1;   /* the path's first node, where the walk must start at the root (0) */
+    return g_fault.orig->upload(be, t->result + KD_DTREE_HDR, &wrong, sizeof wrong);
+}
 
 static void fault_clear(void) {
     if (g_fault.be) g_fault.be->ops = g_fault.orig;
@@ -72,8 +83,11 @@ kd_status kd_test_fail_op(kd_model *m, const char *op, int after) {
     } else if (!strcmp(op, "gather_rows")) {
         ops.gather_rows = fault_gather_rows;
         name = "gather_rows";
+    } else if (!strcmp(op, "tree_walk")) {
+        ops.tree_walk = fault_tree_walk;
+        name = "tree_walk";
     } else {
-        return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op '%s': expected upload, copy or gather_rows", op);
+        return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op '%s': expected upload, copy, gather_rows or tree_walk", op);
     }
     g_fault.be = m->be;
     g_fault.orig = m->be->ops;
