@@ -1,15 +1,14 @@
 -- tp_cuda_spec: tensor parallelism on CUDA ranks that share one GPU (devices = {0, 0, ...}), so the
 -- real CUDA split runs through the loopback communicator (cuda/comm.cu: a fixed-order fp32 sum of
--- the ranks' bf16 partials, written to every rank). spec/tp_spec.lua proves the split on CPU ranks;
+-- the ranks' fp32 partials, written to every rank; model.c rounds the sum to bf16 once). spec/tp_spec.lua proves the split on CPU ranks;
 -- here the same engine on the CUDA backend, against the one-rank CUDA model (TP-1):
 --   * greedy dflash and ddtree give the split model's own greedy ar tokens exactly (DDTree is
 --     exact; tiny-k2.6 at tp 2 with its DFlash drafter, tiny-dsv3 at tp 2 and 4 with the oracle
 --     drafter given those ar tokens);
---   * the split model's greedy ar follows TP-1's up to a near-tie, not exactly: each rank rounds
---     its row-parallel o_proj/down partial to bf16 before the loopback's fp32 sum, where TP-1
---     rounds the whole sum once, so logits move by bf16 noise (within REL_TOL) and on these random
---     tiny models greedy tokens part at near-ties (measured on an H200: tiny-k2.6 tp 2 at step 15,
---     tiny-dsv3 tp 2 at step 5). The rule that holds and still catches a wrong split: at the first
+--   * the split model's greedy ar follows TP-1's up to a near-tie, not exactly: the ranks' fp32
+--     partials are summed in another order than TP-1's GEMM accumulates, so a bf16 result can round
+--     the other way (with bf16 partials, before fp32 partials, tokens parted on an H200: tiny-k2.6
+--     tp 2 at step 15, tiny-dsv3 tp 2 at step 5; fp32 partials have not run on a GPU yet). The rule that holds and still catches a wrong split: at the first
 --     differing step TP-1's own logits (for the shared prefix) rate the split model's token within
 --     2 * REL_TOL * (largest |logit|) of their max (each of the two logits may move by REL_TOL), and
 --     the split model's logits for that prefix are within REL_TOL of TP-1's; and on DECISIVE, a
@@ -17,9 +16,9 @@
 --     greedy token is TP-1's exactly (a wrong split moves logits by far more than the margin);
 --   * sampled dflash and ddtree give the split model's own ar tokens (speculative decoding stays
 --     lossless at tp > 1: the loopback sum is elementwise, so a row's bits do not depend on the
---     rows beside it). Sampled tokens are not compared with TP-1's: the split rounds each rank's
---     bf16 partial sums before the all-reduce, so logits move by bf16 noise, which can move a
---     keyed draw that lands near a boundary;
+--     rows beside it). Sampled tokens are not compared with TP-1's: the split's summation order
+--     can move a bf16 logit by one rounding step, which can move a keyed draw that lands near a
+--     boundary;
 --   * the prompt's logits within REL_TOL of TP-1's, relative to their largest |logit| (golden_spec's
 --     bound for the CUDA backend's bf16 activations against fp64), and the latent KV cache
 --     bit-identical on every rank after the prefill (the all-reduce leaves the same bits everywhere);
