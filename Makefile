@@ -67,7 +67,7 @@ all: $(BUILD)/libkdtree.so $(BUILD)/libkdtree_test.so $(BUILD)/libkdtree_interna
 # The configuration of this build, rewritten (and so newer than every object) only when it
 # changes: objects depend on it, so `make CUDA=0` then `make` cannot link CPU-built objects
 # into a CUDA library. Each make says which backends it builds and how to change that.
-CONFIG := CUDA=$(CUDA) CC=$(CC) CFLAGS=$(CFLAGS)$(if $(filter 1,$(CUDA)), CUDA_ARCHS=$(CUDA_ARCHS) NVFLAGS=$(NVFLAGS))
+CONFIG := CUDA=$(CUDA) CC=$(CC) SAN=$(SAN) CFLAGS=$(CFLAGS)$(if $(filter 1,$(CUDA)), CUDA_ARCHS=$(CUDA_ARCHS) NVFLAGS=$(NVFLAGS))
 STAMP  := $(BUILD)/config.stamp
 ifeq ($(CUDA),1)
   BACKENDS_MSG := cpu + cuda (sm $(CUDA_ARCHS), $(NVCC)); CPU only: make CUDA=0; other GPUs: make CUDA_ARCHS="90 120"
@@ -102,10 +102,10 @@ $(BUILD)/libkdtree_test.so: $(OBJ) $(TEST_OBJ) $(BUILD)/kdtree_test.map
 
 # the engine's objects for programs that reach inside it (benches: backend ops, config, weights),
 # linked statically with the flags written beside it (engine.flags: KD_WITH_CUDA when the
-# objects have the CUDA backend, and the libraries)
+# objects have the CUDA backend, the sanitizers they were built with, and the libraries)
 $(BUILD)/libkdtree_internal.a: $(OBJ)
 	rm -f $@ && ar rcs $@ $^
-	echo $(filter -DKD_WITH_CUDA,$(CFLAGS)) $(LDLIBS) > $(BUILD)/engine.flags
+	echo $(filter -DKD_WITH_CUDA,$(CFLAGS)) $(SAN) $(LDLIBS) > $(BUILD)/engine.flags
 
 $(BUILD)/core/%.o: core/%.c $(wildcard core/*.h core/cpu/*.h) $(STAMP)
 	@mkdir -p $(dir $@)

@@ -82,11 +82,9 @@ describe("the shipped library's dynamic symbols", function()
   it("nothing `make install` puts on disk names the test surface", function()
     local dest = os.tmpname()
     os.remove(dest)
-    -- with the CUDA setting of the build under test, so that make finds it up to date
-    local flags = assert(io.open(BUILD .. "/engine.flags"), "no " .. BUILD .. "/engine.flags: run make"):read("*a")
-    local cuda = flags:find("KD_WITH_CUDA", 1, true) and 1 or 0
-    local rc, out = sh(string.format("make -s --no-print-directory install DESTDIR='%s' PREFIX=/usr BUILD='%s' CUDA=%d",
-      dest, BUILD, cuda))
+    -- in the configuration of the build under test, so that make finds it up to date
+    local rc, out = sh(string.format("make -s --no-print-directory install DESTDIR='%s' PREFIX=/usr BUILD='%s' %s",
+      dest, BUILD, require("helpers.build_config")(BUILD)))
     assert.are.equal(0, rc, "make install failed: " .. out)
     local rc2, files = sh(string.format("find '%s' -type f | wc -l", dest))
     assert.are.equal(0, rc2)
