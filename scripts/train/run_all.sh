@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# run_all.sh OUTDIR [--minutes N] [--smoke]: the whole mini-code recipe (README.md), stage by stage, into OUTDIR.
+# run_all.sh OUTDIR [--minutes N] [--target DIR] [--sequences N] [--smoke]: the whole mini-code recipe (README.md), stage by stage,
+# into OUTDIR.
 # --minutes N: wall-time budget of the whole run (default 8); the target's training loop gets 60% of what is left
 # after the corpus and tokenizer stages less 110 s, the drafter's loop what is left after its data, less 30 s.
+# --target DIR: keep a target already trained by this recipe (e.g. models/mini-code) and train only a new drafter
+# for it; the tokenizer the run trains must be DIR's, byte for byte (tiktoken.model: the corpus and BPE are seeded), else it stops.
+# --sequences N: the drafter's training data, N target continuations (3/4 greedy, 1/4 sampled; default 8192). The
+# drafter overfits 8192 within 2,000 steps (docs/mini-code.md), so a longer run needs more of them.
 # --smoke: toy sizes for a CPU test of every stage (arch.py's SMOKE_* dims, small corpus share, short loops).
 set -euo pipefail
-if [ $# -lt 1 ]; then echo "usage: run_all.sh OUTDIR [--minutes N] [--smoke]" >&2; exit 2; fi
+if [ $# -lt 1 ]; then echo "usage: run_all.sh OUTDIR [--minutes N] [--target DIR] [--sequences N] [--smoke]" >&2; exit 2; fi
 OUT=$1; shift
-MINUTES=8; SMOKE=0
+MINUTES=8; SMOKE=0; TARGET=; SEQS=8192
 while [ $# -gt 0 ]; do
   case "$1" in
     --minutes) MINUTES=$2; shift 2 ;;
+    --target) TARGET=$(cd "$2" && pwd); shift 2 ;;
+    --sequences) SEQS=$2; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
-    *) echo "run_all.sh: unknown argument '$1' (expected --minutes N or --smoke)" >&2; exit 2 ;;
+    *) echo "run_all.sh: unknown argument '$1' (expected --minutes N, --target DIR, --sequences N or --smoke)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -38,9 +45,16 @@ if [ $SMOKE = 1 ]; then
     --seq-len 48 --batch 8 --anchors 4 --heldout-prompts 8 --heldout-len 16 --heldout-new 24
 else
   stage tokenizer $PY tokenize_corpus.py "$OUT"
-  LEFT=$(( DEADLINE - $(date +%s) ))
-  TMIN=$(awk -v l="$LEFT" 'BEGIN { t = 0.6 * (l - 110) / 60; printf "%.2f", (t < 0.5 ? 0.5 : t) }')
-  stage target $PY target.py "$OUT" --minutes "$TMIN"
-  stage drafter $PY drafter.py "$OUT" --deadline "$DEADLINE"
+  if [ -n "$TARGET" ]; then
+    cmp "$OUT/tokenizer/tiktoken.model" "$TARGET/tiktoken.model" ||
+      { echo "run_all.sh: this run's tokenizer/tiktoken.model differs from $TARGET's" >&2; exit 1; }
+    mkdir -p "$OUT/models" && rm -rf "$OUT/models/mini-code" && cp -r "$TARGET" "$OUT/models/mini-code"
+    echo "$(date -u +%H:%M:%S) === target: kept $TARGET (its tokenizer is this run's)"
+  else
+    LEFT=$(( DEADLINE - $(date +%s) ))
+    TMIN=$(awk -v l="$LEFT" 'BEGIN { t = 0.6 * (l - 110) / 60; printf "%.2f", (t < 0.5 ? 0.5 : t) }')
+    stage target $PY target.py "$OUT" --minutes "$TMIN"
+  fi
+  stage drafter $PY drafter.py "$OUT" --deadline "$DEADLINE" --greedy $(( SEQS * 3 / 4 )) --sampled $(( SEQS - SEQS * 3 / 4 ))
 fi
 echo "$(date -u +%H:%M:%S) === done in $(( $(date +%s) - START )) s: $OUT/models/mini-code, $OUT/models/mini-code-dflash, $OUT/report.json"
