@@ -8,7 +8,8 @@
 --   * the split model's greedy ar follows TP-1's up to a near-tie, not exactly: the ranks' fp32
 --     partials are summed in another order than TP-1's GEMM accumulates, so a bf16 result can round
 --     the other way (with bf16 partials, before fp32 partials, tokens parted on an H200: tiny-k2.6
---     tp 2 at step 15, tiny-dsv3 tp 2 at step 5; fp32 partials have not run on a GPU yet). The rule that holds and still catches a wrong split: at the first
+--     tp 2 at step 15, tiny-dsv3 tp 2 at step 5; with fp32 partials the prompt logits stay within
+--     0.0063 of the largest |logit|, H200 2026-12-04). The rule that holds and still catches a wrong split: at the first
 --     differing step TP-1's own logits (for the shared prefix) rate the split model's token within
 --     2 * REL_TOL * (largest |logit|) of their max (each of the two logits may move by REL_TOL), and
 --     the split model's logits for that prefix are within REL_TOL of TP-1's; and on DECISIVE, a

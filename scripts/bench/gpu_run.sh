@@ -3,12 +3,13 @@
 # compute-sanitizer memcheck + racecheck on the CUDA driver and on the W4A16 checks at small
 # shapes (w4a16_bench --small), and make bench. Logs go to $OUT
 # (the device tool's folder) or ./gpu-logs; summary.log has one line per step, and in $OUT the
-# rest is packed into logs.tgz beside it.
+# rest goes into logs.tar beside it, a step at a time, so that a call cut at the device tool's time
+# limit still brings back every finished step (the tool returns at most 8 files).
 # Usage (repo root, after `source .device/env.sh`): scripts/bench/gpu_run.sh [steps]
 # steps: any of build test sanitize bench spec-memcheck (default: all but spec-memcheck, in that
 # order; spec-memcheck = the spec files under compute-sanitizer memcheck, one process each)
 set -u
-PACK=${GPU_RUN_PACK:-${OUT:+1}}   # pack by default only into the device tool's $OUT
+PACK=${GPU_RUN_PACK:-${OUT:+1}}   # pack by default only into the device tool's $OUT (GPU_RUN_PACK=0: leave the logs as they are)
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 steps=${*:-"build test sanitize bench"}
@@ -17,6 +18,10 @@ has() { case " $steps " in *" $1 "*) return 0 ;; esac; return 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; nvcc --version | tail -1; } \
   > "$OUT/summary.log" 2>&1
 
+pack() {   # move every finished log and table into $OUT/logs.tar (when packing)
+  [ "$PACK" = 1 ] || return 0
+  (cd "$OUT" && set -- $(ls | grep -vx -e summary.log -e logs.tar) && { [ $# = 0 ] || { tar rf logs.tar -- "$@" && rm -f -- "$@"; }; })
+}
 step() {   # step NAME SECONDS CMD...: output to $OUT/NAME.log, one line in the summary
   local name=$1 secs=$2; shift 2
   local t0; t0=$(date +%s)
@@ -24,8 +29,11 @@ step() {   # step NAME SECONDS CMD...: output to $OUT/NAME.log, one line in the 
   local rc=$?
   echo "$name: rc=$rc ($(( $(date +%s) - t0 )) s) $(grep -aE '[0-9]+ success' "$OUT/$name.log" | tail -1)" >> "$OUT/summary.log"
 }
+START=$(date +%s)
 has build && step build 300 make -j16 all   # the fat binary (sm_90 + sm_120 + PTX), as users get it
+pack
 if has test; then step test-gpu 240 make test-gpu; fi
+pack
 if has sanitize; then
   cc -O1 -g -std=c11 -D_GNU_SOURCE -Icore -Ispec/c scripts/bench/cuda_sanitize.c -Lbuild -lkdtree_test \
     -Wl,-rpath,$PWD/build -lm \
@@ -39,34 +47,43 @@ if has sanitize; then
   for t in memcheck-w4a16 racecheck-w4a16; do
     grep -aE "ERROR SUMMARY|RACECHECK SUMMARY|check failures" "$OUT/$t.log" | sed "s|^|  $t: |" >> "$OUT/summary.log"
   done
+  pack
 fi
 if has bench; then
   step bench 240 make bench
   cp build/bench/*.md "$OUT/" 2>/dev/null
+  pack
 fi
 # one spec file per sanitizer process (SPEC_MEMCHECK: the files, default every spec file but
-# fatbin_spec, which reads the library file and runs no kernel; about 4 minutes on the H200).
+# fatbin_spec, which reads the library file and runs no kernel). 150 s a file, 400 s for comm_spec,
+# whose busted process makes no CUDA call and waits for the comm_bench it starts (sanitized too,
+# with 2-8 loopback ranks on threads; it overran 150 s on 2026-12-04). GPU_RUN_SECONDS (seconds
+# since this script started; default none) stops starting files that could overrun it, and the
+# summary names the ones left, to pass as SPEC_MEMCHECK to the next call: the device tool cuts a
+# call at 600 s, and the whole list takes longer than that.
 # LuaJIT runs with its JIT off (-joff): with the JIT on, the process aborts under
 # compute-sanitizer with no report (rc 6; after 12 tests of cuda_ops_spec, or at once with a
 # --filter; H200, 2026-11-30), and with it off the same specs run clean. A file that makes no
 # CUDA call in its process (the tree, CPU-op and report specs) ends with the sanitizer's
 # "terminated before first instrumented API call" and rc 255: the summary says "no CUDA calls".
 if has spec-memcheck; then
+  left=""
   for f in ${SPEC_MEMCHECK:-$(ls spec/*_spec.lua | grep -v fatbin_spec)}; do
     n=$(basename "$f" .lua)
-    KDTREE_LIB=build/libkdtree_test.so KDTREE_BACKEND=cuda step "memcheck-$n" 150 compute-sanitizer --tool memcheck \
+    secs=150; [ "$n" = comm_spec ] && secs=400
+    if [ -n "${GPU_RUN_SECONDS:-}" ] && [ $(( $(date +%s) - START + secs )) -gt "$GPU_RUN_SECONDS" ]; then
+      left="$left $f"; continue
+    fi
+    KDTREE_LIB=build/libkdtree_test.so KDTREE_BACKEND=cuda step "memcheck-$n" $secs compute-sanitizer --tool memcheck \
       --leak-check full --print-limit 20 --error-exitcode 3 luajit -joff "$BUSTED_BIN" "$f"
     if grep -aq "terminated before first instrumented API call" "$OUT/memcheck-$n.log"; then
       echo "  $n: no CUDA calls" >> "$OUT/summary.log"
     else
       grep -aE "ERROR SUMMARY" "$OUT/memcheck-$n.log" | tail -1 | sed "s|^|  $n: |" >> "$OUT/summary.log"
     fi
+    pack
   done
+  [ -z "$left" ] || echo "spec-memcheck: not run (GPU_RUN_SECONDS=$GPU_RUN_SECONDS): SPEC_MEMCHECK=\"${left# }\"" >> "$OUT/summary.log"
 fi
+pack
 cat "$OUT/summary.log"
-# the device tool brings back at most 8 files from $OUT: the logs and tables go into one
-# archive beside the summary (GPU_RUN_PACK=0 leaves them as they are; ./gpu-logs is not packed unless GPU_RUN_PACK=1)
-if [ "$PACK" = 1 ]; then
-  (cd "$OUT" && tar czf logs.tgz --exclude logs.tgz --exclude summary.log -- * &&
-     find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.log -delete)
-fi
