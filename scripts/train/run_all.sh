@@ -7,7 +7,8 @@
 # for it; the tokenizer the run trains must be DIR's, byte for byte (tiktoken.model: the corpus and BPE are seeded), else it stops.
 # --sequences N: the drafter's training data, N target continuations (3/4 greedy, 1/4 sampled; default 8192). The
 # drafter overfits 8192 within 2,000 steps (docs/mini-code.md), so a longer run needs more of them.
-# --smoke: toy sizes for a CPU test of every stage (arch.py's SMOKE_* dims, small corpus share, short loops).
+# --smoke: toy sizes for a CPU test of every stage (arch.py's SMOKE_* dims, small corpus share, short loops; it
+# trains its own toy target and data, and refuses --target and --sequences).
 set -euo pipefail
 if [ $# -lt 1 ]; then echo "usage: run_all.sh OUTDIR [--minutes N] [--target DIR] [--sequences N] [--smoke]" >&2; exit 2; fi
 OUT=$1; shift
@@ -21,6 +22,9 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument '$1' (expected --minutes N, --target DIR, --sequences N or --smoke)" >&2; exit 2 ;;
   esac
 done
+if [ $SMOKE = 1 ] && { [ -n "$TARGET" ] || [ "$SEQS" != 8192 ]; }; then
+  echo "run_all.sh: --smoke trains its own toy target and data; --target and --sequences do not apply" >&2; exit 2
+fi
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")"
 export PYTHONUNBUFFERED=1 PYTHONHASHSEED=0
