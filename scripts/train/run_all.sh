@@ -5,14 +5,15 @@
 # after the corpus and tokenizer stages less 110 s, the drafter's loop what is left after its data, less 30 s.
 # --target DIR: keep a target already trained by this recipe (e.g. models/mini-code) and train only a new drafter
 # for it; the tokenizer the run trains must be DIR's, byte for byte (tiktoken.model: the corpus and BPE are seeded), else it stops.
-# --sequences N: the drafter's training data, N target continuations (3/4 greedy, 1/4 sampled; default 8192). The
+# --sequences N: the drafter's training data, N target continuations (3/4 greedy, 1/4 sampled; default drafter.py's
+# 6144 + 2048). The
 # drafter overfits 8192 within 2,000 steps (docs/mini-code.md), so a longer run needs more of them.
 # --smoke: toy sizes for a CPU test of every stage (arch.py's SMOKE_* dims, small corpus share, short loops; it
 # trains its own toy target and data, and refuses --target and --sequences).
 set -euo pipefail
 if [ $# -lt 1 ]; then echo "usage: run_all.sh OUTDIR [--minutes N] [--target DIR] [--sequences N] [--smoke]" >&2; exit 2; fi
 OUT=$1; shift
-MINUTES=8; SMOKE=0; TARGET=; SEQS=8192
+MINUTES=8; SMOKE=0; TARGET=; SEQS=
 while [ $# -gt 0 ]; do
   case "$1" in
     --minutes) MINUTES=$2; shift 2 ;;
@@ -22,7 +23,7 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument '$1' (expected --minutes N, --target DIR, --sequences N or --smoke)" >&2; exit 2 ;;
   esac
 done
-if [ $SMOKE = 1 ] && { [ -n "$TARGET" ] || [ "$SEQS" != 8192 ]; }; then
+if [ $SMOKE = 1 ] && [ -n "$TARGET$SEQS" ]; then
   echo "run_all.sh: --smoke trains its own toy target and data; --target and --sequences do not apply" >&2; exit 2
 fi
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -59,6 +60,6 @@ else
     TMIN=$(awk -v l="$LEFT" 'BEGIN { t = 0.6 * (l - 110) / 60; printf "%.2f", (t < 0.5 ? 0.5 : t) }')
     stage target $PY target.py "$OUT" --minutes "$TMIN"
   fi
-  stage drafter $PY drafter.py "$OUT" --deadline "$DEADLINE" --greedy $(( SEQS * 3 / 4 )) --sampled $(( SEQS - SEQS * 3 / 4 ))
+  stage drafter $PY drafter.py "$OUT" --deadline "$DEADLINE" ${SEQS:+--greedy $(( SEQS * 3 / 4 )) --sampled $(( SEQS - SEQS * 3 / 4 ))}
 fi
 echo "$(date -u +%H:%M:%S) === done in $(( $(date +%s) - START )) s: $OUT/models/mini-code, $OUT/models/mini-code-dflash, $OUT/report.json"
