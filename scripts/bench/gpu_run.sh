@@ -55,9 +55,9 @@ if has bench; then
   pack
 fi
 # one spec file per sanitizer process (SPEC_MEMCHECK: the files, default every spec file but
-# fatbin_spec, which reads the library file and runs no kernel). 150 s a file, 400 s for comm_spec,
-# whose busted process makes no CUDA call and waits for the comm_bench it starts (sanitized too,
-# with 2-8 loopback ranks on threads; it overran 150 s on 2026-12-04). GPU_RUN_SECONDS (seconds
+# fatbin_spec, which reads the library file and runs no kernel). 150 s a file, 400 s for comm_spec
+# (a guess): its busted process makes no CUDA call itself but builds and starts comm_bench, and
+# under the sanitizer it overran 150 s on 2026-12-04 (slow or stuck was not seen). GPU_RUN_SECONDS (seconds
 # since this script started; default none) stops starting files that could overrun it, and the
 # summary names the ones left, to pass as SPEC_MEMCHECK to the next call: the device tool cuts a
 # call at 600 s, and the whole list takes longer than that.
