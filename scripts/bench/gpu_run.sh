@@ -55,34 +55,43 @@ if has bench; then
   pack
 fi
 # one spec file per sanitizer process (SPEC_MEMCHECK: the files, default every spec file but
-# fatbin_spec, which reads the library file and runs no kernel). 150 s a file, 400 s for comm_spec
-# (a guess): its busted process makes no CUDA call itself but builds and starts comm_bench, and
-# under the sanitizer it overran 150 s on 2026-12-04 (slow or stuck was not seen). GPU_RUN_SECONDS (seconds
+# fatbin_spec, which reads the library file and runs no kernel), SPEC_MEMCHECK_JOBS of them at once
+# (default 1; the GPU has room for several, and each process is mostly host-bound under the
+# sanitizer). 150 s a file, 400 s for comm_spec: its busted process makes no CUDA call itself but
+# runs comm_bench, which is built here first so that the spec's own `make` is a no-op (the
+# sanitizer follows child processes, and a compiler under it is slow). GPU_RUN_SECONDS (seconds
 # since this script started; default none) stops starting files that could overrun it, and the
 # summary names the ones left, to pass as SPEC_MEMCHECK to the next call: the device tool cuts a
-# call at 600 s, and the whole list takes longer than that.
+# call at 600 s.
 # LuaJIT runs with its JIT off (-joff): with the JIT on, the process aborts under
 # compute-sanitizer with no report (rc 6; after 12 tests of cuda_ops_spec, or at once with a
 # --filter; H200, 2026-11-30), and with it off the same specs run clean. A file that makes no
 # CUDA call in its process (the tree, CPU-op and report specs) ends with the sanitizer's
 # "terminated before first instrumented API call" and rc 255: the summary says "no CUDA calls".
+memcheck_spec() {   # memcheck_spec FILE SECONDS: one spec file under memcheck, its log packed alone
+  local n; n=$(basename "$1" .lua)
+  KDTREE_LIB=build/libkdtree_test.so KDTREE_BACKEND=cuda step "memcheck-$n" "$2" compute-sanitizer --tool memcheck \
+    --leak-check full --print-limit 20 --error-exitcode 3 luajit -joff "$BUSTED_BIN" "$1"
+  if grep -aq "terminated before first instrumented API call" "$OUT/memcheck-$n.log"; then
+    echo "  $n: no CUDA calls" >> "$OUT/summary.log"
+  else
+    grep -aE "ERROR SUMMARY" "$OUT/memcheck-$n.log" | tail -1 | sed "s|^|  $n: |" >> "$OUT/summary.log"
+  fi
+  [ "$PACK" = 1 ] && (cd "$OUT" && flock .pack.lock sh -c "tar rf logs.tar memcheck-$n.log && rm -f memcheck-$n.log")
+}
 if has spec-memcheck; then
+  make build/bench/comm_bench > "$OUT/comm-bench-build.log" 2>&1
   left=""
   for f in ${SPEC_MEMCHECK:-$(ls spec/*_spec.lua | grep -v fatbin_spec)}; do
-    n=$(basename "$f" .lua)
-    secs=150; [ "$n" = comm_spec ] && secs=400
+    secs=150; [ "$(basename "$f" .lua)" = comm_spec ] && secs=400
+    while [ "$(jobs -rp | wc -l)" -ge "${SPEC_MEMCHECK_JOBS:-1}" ]; do wait -n; done
     if [ -n "${GPU_RUN_SECONDS:-}" ] && [ $(( $(date +%s) - START + secs )) -gt "$GPU_RUN_SECONDS" ]; then
       left="$left $f"; continue
     fi
-    KDTREE_LIB=build/libkdtree_test.so KDTREE_BACKEND=cuda step "memcheck-$n" $secs compute-sanitizer --tool memcheck \
-      --leak-check full --print-limit 20 --error-exitcode 3 luajit -joff "$BUSTED_BIN" "$f"
-    if grep -aq "terminated before first instrumented API call" "$OUT/memcheck-$n.log"; then
-      echo "  $n: no CUDA calls" >> "$OUT/summary.log"
-    else
-      grep -aE "ERROR SUMMARY" "$OUT/memcheck-$n.log" | tail -1 | sed "s|^|  $n: |" >> "$OUT/summary.log"
-    fi
-    pack
+    memcheck_spec "$f" "$secs" &
   done
+  wait
+  rm -f "$OUT/.pack.lock"
   [ -z "$left" ] || echo "spec-memcheck: not run (GPU_RUN_SECONDS=$GPU_RUN_SECONDS): SPEC_MEMCHECK=\"${left# }\"" >> "$OUT/summary.log"
 fi
 pack
