@@ -57,33 +57,45 @@ fi
 # one spec file per sanitizer process (SPEC_MEMCHECK: the files, default every spec file but
 # fatbin_spec, which reads the library file and runs no kernel), SPEC_MEMCHECK_JOBS of them at once
 # (default 1; the GPU has room for several, and each process is mostly host-bound under the
-# sanitizer). 150 s a file, 400 s for comm_spec: its busted process makes no CUDA call itself but
-# runs comm_bench, which is built here first so that the spec's own `make` is a no-op (the
-# sanitizer follows child processes, and a compiler under it is slow). GPU_RUN_SECONDS (seconds
-# since this script started; default none) stops starting files that could overrun it, and the
-# summary names the ones left, to pass as SPEC_MEMCHECK to the next call: the device tool cuts a
-# call at 600 s.
+# sanitizer), 150 s each. comm_spec only builds and runs `comm_bench --check`; under the sanitizer
+# through busted it waited for an attachable process until its 400 s ran out (H200, 2026-12-04), so
+# its program runs under memcheck directly instead. GPU_RUN_SECONDS (seconds since this script
+# started; default none) stops starting files that could overrun it, and the summary names the
+# ones left, to pass as SPEC_MEMCHECK to the next call: the device tool cuts a call at 600 s.
 # LuaJIT runs with its JIT off (-joff): with the JIT on, the process aborts under
 # compute-sanitizer with no report (rc 6; after 12 tests of cuda_ops_spec, or at once with a
 # --filter; H200, 2026-11-30), and with it off the same specs run clean. A file that makes no
 # CUDA call in its process (the tree, CPU-op and report specs) ends with the sanitizer's
 # "terminated before first instrumented API call" and rc 255: the summary says "no CUDA calls".
+# Memcheck counts a CUDA API call that returns an error as an error: the summary line says how many
+# of them are cudaErrorMemoryAllocation (device_oom_spec provokes them on purpose) and how many were
+# raised inside libnccl (NCCL probing its kernels), so that any other error stands out.
+memcheck_summary() {   # memcheck_summary NAME: the log's error summary, API errors sorted by cause
+  local log="$OUT/memcheck-$1.log"
+  if grep -aq "terminated before first instrumented API call" "$log"; then echo "  $1: no CUDA calls"; return; fi
+  local line; line=$(grep -aE "ERROR SUMMARY" "$log" | tail -1)
+  local oom nccl
+  oom=$(grep -ac "Program hit cudaErrorMemoryAllocation" "$log")
+  nccl=$(awk '/Program hit/ { e = 1; next } e && /Host Frame/ && !/libcuda/ { if (/libnccl/) n++; e = 0 } END { print n + 0 }' "$log")
+  echo "  $1: ${line:-no ERROR SUMMARY (cut short?)} (API errors: $oom out of memory, $nccl inside libnccl)"
+}
 memcheck_spec() {   # memcheck_spec FILE SECONDS: one spec file under memcheck, its log packed alone
   local n; n=$(basename "$1" .lua)
-  KDTREE_LIB=build/libkdtree_test.so KDTREE_BACKEND=cuda step "memcheck-$n" "$2" compute-sanitizer --tool memcheck \
-    --leak-check full --print-limit 20 --error-exitcode 3 luajit -joff "$BUSTED_BIN" "$1"
-  if grep -aq "terminated before first instrumented API call" "$OUT/memcheck-$n.log"; then
-    echo "  $n: no CUDA calls" >> "$OUT/summary.log"
+  if [ "$n" = comm_spec ]; then
+    step "memcheck-$n" "$2" compute-sanitizer --tool memcheck --leak-check full --print-limit 20 \
+      --error-exitcode 3 build/bench/comm_bench --check
   else
-    grep -aE "ERROR SUMMARY" "$OUT/memcheck-$n.log" | tail -1 | sed "s|^|  $n: |" >> "$OUT/summary.log"
+    KDTREE_LIB=build/libkdtree_test.so KDTREE_BACKEND=cuda step "memcheck-$n" "$2" compute-sanitizer --tool memcheck \
+      --leak-check full --print-limit 20 --error-exitcode 3 luajit -joff "$BUSTED_BIN" "$1"
   fi
+  memcheck_summary "$n" >> "$OUT/summary.log"
   [ "$PACK" = 1 ] && (cd "$OUT" && flock .pack.lock sh -c "tar rf logs.tar memcheck-$n.log && rm -f memcheck-$n.log")
 }
 if has spec-memcheck; then
   make build/bench/comm_bench > "$OUT/comm-bench-build.log" 2>&1
   left=""
   for f in ${SPEC_MEMCHECK:-$(ls spec/*_spec.lua | grep -v fatbin_spec)}; do
-    secs=150; [ "$(basename "$f" .lua)" = comm_spec ] && secs=400
+    secs=150
     while [ "$(jobs -rp | wc -l)" -ge "${SPEC_MEMCHECK_JOBS:-1}" ]; do wait -n; done
     if [ -n "${GPU_RUN_SECONDS:-}" ] && [ $(( $(date +%s) - START + secs )) -gt "$GPU_RUN_SECONDS" ]; then
       left="$left $f"; continue
