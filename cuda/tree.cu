@@ -101,6 +101,44 @@ __global__ void __launch_bounds__(256) topk_hist_kernel(const void *x, int dt, l
         if (h[i]) atomicAdd(&g[i], h[i]);
 }
 
+/* one warp: the bin of h (TK_BINS counts, the largest keys in the top bin) that holds the
+ * need-th largest key (1 <= need <= the sum of h), and the count of that bin and every bin
+ * above it, on every lane; each lane sums 64 bins, a scan across the lanes finds the lane,
+ * which walks its bins */
+struct top_bin { int bin; unsigned int through; };
+__device__ __forceinline__ top_bin find_top_bin(const unsigned int *h, unsigned int need, int lane) {
+    constexpr int PER = TK_BINS / 32;
+    unsigned int sum = 0;
+#pragma unroll 8
+    for (int j = 0; j < PER; j++) sum += h[TK_BINS - 1 - (lane * PER + j)];
+    unsigned int incl = sum;
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned int u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+    }
+    const int L = __ffs(__ballot_sync(0xffffffffu, incl >= need)) - 1;
+    top_bin r = {0, 0};
+    if (lane == L) {
+        unsigned int c = incl - sum;
+#pragma unroll 1
+        for (int j = 0; j < PER; j++) {
+            c += h[TK_BINS - 1 - (L * PER + j)];
+            if (c >= need) { r.bin = TK_BINS - 1 - (L * PER + j); r.through = c; break; }
+        }
+    }
+    r.bin = __shfl_sync(0xffffffffu, r.bin, L);
+    r.through = __shfl_sync(0xffffffffu, r.through, L);
+    return r;
+}
+
+/* one warp: the sum of h's TK_BINS counts, on every lane */
+__device__ __forceinline__ unsigned int bin_total(const unsigned int *h, int lane) {
+    unsigned int sum = 0;
+    for (int i = lane; i < TK_BINS; i += 32) sum += h[i];
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    return sum;
+}
+
 /* One block per row. With hist (topk_hist_kernel's counts of this launch's rows): the top bins
  * down to the one that holds the k-th key, when they hold at most cap ids, are gathered in one
  * pass and sorted; else (or without hist) the radix select below. Either way the sort orders a
@@ -114,32 +152,18 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     __shared__ unsigned int warp_cnt[32];
     __shared__ unsigned int s_ngt, s_neq_taken;
     __shared__ int s_tb;
-    __shared__ unsigned int s_nc;
+    __shared__ unsigned int s_nc, s_nk;
+    __shared__ int s_sb;
+    __shared__ unsigned int sub[TK_BINS];            /* the second histogram, of bin tb's keys */
     const size_t base = (size_t)blockIdx.x * ld;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     int nsort = kpow2;
 
     bool gathered = false;
     if (bins) {
-        if (warp == 0) {   /* the bin holding the k-th key, from the top: each lane 64 bins, then a scan */
-            constexpr int PER = TK_BINS / 32;
-            const unsigned int *g = bins + (size_t)blockIdx.x * TK_BINS;
-            unsigned int sum = 0;
-            for (int j = 0; j < PER; j++) sum += g[TK_BINS - 1 - (lane * PER + j)];
-            unsigned int incl = sum;
-            for (int o = 1; o < 32; o <<= 1) {
-                unsigned int u = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += u;
-            }
-            const int L = __ffs(__ballot_sync(0xffffffffu, incl >= (unsigned)k)) - 1;   /* found: the bins sum to cols >= k */
-            if (lane == L) {
-                unsigned int c = incl - sum;
-                for (int j = 0; j < PER; j++) {
-                    c += g[TK_BINS - 1 - (L * PER + j)];
-                    if (c >= (unsigned)k) { s_tb = TK_BINS - 1 - (L * PER + j); s_nc = c; break; }
-                }
-            }
-            if (tid == 0) s_ngt = 0;
+        if (warp == 0) {
+            const top_bin t = find_top_bin(bins + (size_t)blockIdx.x * TK_BINS, (unsigned)k, lane);
+            if (lane == 0) { s_tb = t.bin; s_nc = t.through; s_ngt = 0; }
         }
         __syncthreads();
         gathered = s_nc <= (unsigned)cap;
@@ -154,6 +178,42 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
                 if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
                 slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
                 if (in) cand[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
+            }
+            __syncthreads();
+            if (s_nc > 2u * (unsigned)kpow2) {
+                /* many more than k: the keys in bin tb (the bins above it hold fewer than k) are
+                 * binned again by their next TK_BITS bits, and only the keys from the sub-bin
+                 * holding the k-th key up are kept, so the sort below orders ~k keys, not s_nc */
+                for (int i = tid; i < TK_BINS; i += blockDim.x) sub[i] = 0;
+                __syncthreads();
+                for (int i = tid; i < (int)s_nc; i += blockDim.x) {
+                    const uint32_t key = (uint32_t)(cand[i] >> 32);
+                    if ((key >> (32 - TK_BITS)) == tb) atomicAdd(&sub[(key >> (32 - 2 * TK_BITS)) & (TK_BINS - 1)], 1u);
+                }
+                __syncthreads();
+                if (warp == 0) {
+                    const unsigned int in_tb = bin_total(sub, lane);
+                    const top_bin t = find_top_bin(sub, (unsigned)k - (s_nc - in_tb), lane);
+                    if (lane == 0) { s_sb = t.bin; s_nk = 0; }
+                }
+                __syncthreads();
+                /* compaction in place, a slice of blockDim.x keys a step: every key written so far
+                 * is one already read (the kept ones are no more than the read ones), so a
+                 * barrier between a slice's reads and its writes is all it needs */
+                const uint32_t cut = (tb << (32 - TK_BITS)) | ((uint32_t)s_sb << (32 - 2 * TK_BITS));   /* least key kept */
+                for (int i0 = 0; i0 < (int)s_nc; i0 += blockDim.x) {
+                    const unsigned long long mine = i0 + tid < (int)s_nc ? cand[i0 + tid] : 0ull;
+                    const bool keep = (uint32_t)(mine >> 32) >= cut;
+                    const unsigned m = __ballot_sync(0xffffffffu, keep);
+                    __syncthreads();
+                    unsigned int slot = 0;
+                    if (lane == 0 && m) slot = atomicAdd(&s_nk, (unsigned)__popc(m));
+                    slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
+                    if (keep) cand[slot] = mine;
+                }
+                __syncthreads();
+                if (tid == 0) s_nc = s_nk;
+                __syncthreads();
             }
             nsort = 1;
             while (nsort < (int)s_nc) nsort <<= 1;   /* <= cap: a power of two */
