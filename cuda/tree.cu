@@ -7,7 +7,9 @@
  * top-k (k up to 16384, V up to 2^31): a histogram of the keys' top 11 bits, several blocks
  * per row, finds the bin that holds the k-th largest value; when the bins from the top down
  * to it hold at most 8192 ids (k below 8192, values not piled into one bin), one pass gathers
- * them and a bitonic sort orders them. Else a radix select finds the k-th largest value in
+ * them, a second histogram of that bin's keys (their next 11 bits) drops those below the
+ * sub-bin holding the k-th when they are more than twice k, and a bitonic sort orders the
+ * rest. Else a radix select finds the k-th largest value in
  * four 8-bit passes over the row, then one ordered pass collects everything above it
  * plus the lowest-id entries equal to it, and a bitonic sort in shared memory orders
  * the k candidates by (value desc, id asc). */
