@@ -1,12 +1,14 @@
-"""The mini-code pair's dimensions (chosen to fit 16 MB on disk together) and the toy ones of --smoke, their
-config dicts, and their stored sizes."""
+"""The recipe's sizes: the shipped mini-code pair (chosen to fit 16 MB on disk together), a larger pair for the GPU
+(--size large: not shipped, about 18x the target's parameters, to see DDTree where the weights weigh more), and the
+toy one of --smoke; their config dicts, model directories and stored sizes."""
+import os
 import copy
 
 from common import MASK_OFFSET, N_SPECIAL_SLOTS, SPECIAL_OFFSETS
 import make_tiny_drafter as mtd
 import tinymodels as tm
 
-SIZE_LIMIT = 16_000_000          # bytes on disk, target + drafter (issue 16)
+SIZE_LIMIT = 16_000_000          # bytes on disk, target + drafter (issue 16), for the shipped size
 
 TARGET = {"hidden": 256, "layers": 6, "heads": 4, "q_lora": 128, "kv_lora": 64, "nope": 32, "rope": 16, "v_dim": 32,
           "dense_inter": 768, "moe_inter": 128, "experts": 16, "topk": 4}
@@ -14,12 +16,28 @@ DRAFTER = {"block_size": 16, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim":
 SMOKE_TARGET = {"hidden": 64, "layers": 4, "heads": 2, "q_lora": 32, "kv_lora": 32, "nope": 16, "rope": 8,
                 "v_dim": 16, "dense_inter": 128, "moe_inter": 32, "experts": 8, "topk": 2}
 SMOKE_DRAFTER = {"block_size": 8, "layers": 1, "heads": 2, "kv_heads": 1, "head_dim": 32, "inter": 128, "taps": [1, 2]}
+LARGE_TARGET = {"hidden": 1024, "layers": 8, "heads": 8, "q_lora": 384, "kv_lora": 256, "nope": 64, "rope": 32,
+                "v_dim": 64, "dense_inter": 2816, "moe_inter": 512, "experts": 16, "topk": 4}
+LARGE_DRAFTER = {"block_size": 16, "layers": 2, "heads": 8, "kv_heads": 4, "head_dim": 128, "inter": 2816,
+                 "taps": [1, 3, 5, 6]}
+SIZES = {"mini": (TARGET, DRAFTER), "smoke": (SMOKE_TARGET, SMOKE_DRAFTER), "large": (LARGE_TARGET, LARGE_DRAFTER)}
 
 
-def text_config(n_base, smoke=False):
+def model_dirs(outdir, size):
+    """(target dir, drafter dir) under OUTDIR/models: mini-code(-dflash), or large-code(-dflash) for the large size"""
+    name = "large-code" if size == "large" else "mini-code"
+    return os.path.join(outdir, "models", name), os.path.join(outdir, "models", name + "-dflash")
+
+
+def size_limit(size):
+    """the bytes the pair may take on disk, or None (the large pair is not shipped)"""
+    return None if size == "large" else SIZE_LIMIT
+
+
+def text_config(n_base, size="mini"):
     """K2.6's text config (tinymodels.K26_TEXT: YaRN, noaux_tc, n_group 1, one shared expert, first layer dense)
     at this recipe's dimensions and token ids"""
-    d = SMOKE_TARGET if smoke else TARGET
+    d = SIZES[size][0]
     t = copy.deepcopy(tm.K26_TEXT)
     t.update(vocab_size=n_base + N_SPECIAL_SLOTS, hidden_size=d["hidden"], intermediate_size=d["dense_inter"],
              moe_intermediate_size=d["moe_inter"], num_hidden_layers=d["layers"], num_attention_heads=d["heads"],
@@ -31,10 +49,10 @@ def text_config(n_base, smoke=False):
     return t
 
 
-def drafter_config(text, smoke=False):
+def drafter_config(text, size="mini"):
     """DFlashDraftModel config (make_tiny_drafter.drafter_config's fields: qwen3 layers, YaRN like K2.6's drafter)
     with this recipe's block size, taps, widths and the mask token [UNK] (163838 in K2.6)"""
-    d = SMOKE_DRAFTER if smoke else DRAFTER
+    d = SIZES[size][1]
     if max(d["taps"]) >= text["num_hidden_layers"] - 1:
         raise ValueError(f"taps {d['taps']}: the last layer's output is not a tap (HF's last hidden state is normed)")
     c = mtd.drafter_config(text)

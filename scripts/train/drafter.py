@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Stage 4 and the self-check: the DFlash drafter of OUTDIR/models/mini-code, then the pair's quick checks.
+"""Stage 4 and the self-check: the DFlash drafter of OUTDIR/models/mini-code (large-code with --size large), then
+the pair's quick checks.
 
-    python3 drafter.py OUTDIR [--minutes 2] [--device cuda] [--smoke]
+    python3 drafter.py OUTDIR [--minutes 2] [--device cuda] [--size mini|large] [--smoke]
 
 Data (ddtree_dflash.md 2.4, self-distillation): prompts are seeded windows of the TRAIN tokens (lengths
 --prompt-lens), continued to --seq-len tokens by the frozen target as shipped (read back from
@@ -11,13 +12,13 @@ Features: the outputs of the tap layers and the final-normed hidden (soft labels
 Training: scripts/golden/train_tiny_drafter.train (block [anchor, MASK x (bs-1)] with the target's embedding and
 lm_head frozen; the DFlash depth-weighted cross entropy plus --kl times the soft-label term; AdamW, cosine over
 --minutes). The stored bf16 drafter is checked against scripts/golden/dflash_ref.py (float64) and written to
-OUTDIR/models/mini-code-dflash.
+OUTDIR/models/mini-code-dflash (large-code-dflash).
 
 Self-check (OUTDIR/report.json "selfcheck"), on the HELD-OUT split: --heldout-prompts seeded windows of
 --heldout-len tokens (written to OUTDIR/heldout_prompts.json for the specs); the target's greedy continuation of a
 few of them (ids and text); the target's greedy continuations of all, and on them the drafter's per-depth top-1
 agreement with the target and the chain tau of argmax drafting (a cheap tau proxy); the size check of the pair
-(arch.SIZE_LIMIT): the stage fails when the two directories are larger."""
+(arch.size_limit: the shipped size's 16 MB): the stage fails when the two directories are larger."""
 import argparse
 import base64
 import json
@@ -136,15 +137,16 @@ def main():
     ap.add_argument("--heldout-prompts", type=int, default=32)
     ap.add_argument("--heldout-len", type=int, default=64)
     ap.add_argument("--heldout-new", type=int, default=64, help="greedy tokens after each held-out prompt")
+    ap.add_argument("--size", choices=["mini", "large"], default="mini", help="arch.py's dimensions (large: not shipped)")
     ap.add_argument("--smoke", action="store_true", help="arch.py's toy dimensions (a CPU test of the recipe)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    size = "smoke" if a.smoke else a.size
     dev = a.device
     torch_setup(a.seed, dev)
-    mdir = os.path.join(a.outdir, "models", "mini-code")
-    ddir = os.path.join(a.outdir, "models", "mini-code-dflash")
+    mdir, ddir = arch.model_dirs(a.outdir, size)
     text = read_json(os.path.join(mdir, "config.json"))["text_config"]
-    cfg = arch.drafter_config(text, a.smoke)
+    cfg = arch.drafter_config(text, size)
     taps, bs = cfg["dflash_config"]["target_layer_ids"], cfg["block_size"]
     ttd.MASK_ID = cfg["dflash_config"]["mask_token_id"]
     _, _, model = mtd.load_target(mdir)              # the shipped checkpoint read back (INT4 dequantized exactly)
@@ -198,20 +200,21 @@ def main():
         ids = hdata["tokens"][i, a.heldout_len:].tolist()
         samples.append({"prompt_index": i, "prompt": enc.decode(hp[i]), "greedy": enc.decode(ids), "greedy_ids": ids})
     size_t, size_d = dir_bytes(mdir), dir_bytes(ddir)
+    names = [os.path.basename(mdir), os.path.basename(ddir)]
+    limit = arch.size_limit(size)
     check = {"heldout_prompts": len(hp), "drafter_top1_agreement_by_depth": [round(x, 4) for x in vacc.tolist()],
              "drafter_ce_by_depth": [round(x, 4) for x in vce.tolist()], "chain_tau_argmax": vchain,
              "depth1_recall_at_16": vr16, "greedy_samples": samples,
-             "bytes": {"mini-code": size_t, "mini-code-dflash": size_d, "total": size_t + size_d,
-                       "limit": arch.SIZE_LIMIT}}
+             "bytes": {names[0]: size_t, names[1]: size_d, "total": size_t + size_d, "limit": limit}}
     update_report(a.outdir, "selfcheck", check)
     log("selfcheck", f"held-out: drafter top-1 agreement by depth {' '.join(f'{x:.2f}' for x in vacc.tolist())}; "
         f"chain tau (argmax) {vchain:.2f}; recall@16 depth 1 {vr16:.2f}")
     for s in samples[:2]:
         log("selfcheck", f"prompt ...{s['prompt'][-120:]!r}\n    greedy -> {s['greedy'][:300]!r}")
-    log("selfcheck", f"size: mini-code {size_t / 1e6:.2f} MB + mini-code-dflash {size_d / 1e6:.2f} MB = "
-        f"{(size_t + size_d) / 1e6:.2f} MB (limit {arch.SIZE_LIMIT / 1e6:.0f} MB)")
-    if size_t + size_d > arch.SIZE_LIMIT:
-        raise SystemExit(f"selfcheck: the pair is {size_t + size_d} bytes, over {arch.SIZE_LIMIT}")
+    log("selfcheck", f"size: {names[0]} {size_t / 1e6:.2f} MB + {names[1]} {size_d / 1e6:.2f} MB = "
+        f"{(size_t + size_d) / 1e6:.2f} MB (limit {f'{limit / 1e6:.0f} MB' if limit else 'none'})")
+    if limit and size_t + size_d > limit:
+        raise SystemExit(f"selfcheck: the pair is {size_t + size_d} bytes, over {limit}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# run_all.sh OUTDIR [--minutes N] [--target DIR] [--sequences N] [--smoke]: the whole mini-code recipe (README.md), stage by stage,
-# into OUTDIR.
+# run_all.sh OUTDIR [--minutes N] [--target DIR] [--sequences N] [--size mini|large] [--smoke]: the whole mini-code
+# recipe (README.md), stage by stage, into OUTDIR.
 # --minutes N: wall-time budget of the whole run (default 8); the target's training loop gets 60% of what is left
 # after the corpus and tokenizer stages less 110 s, the drafter's loop what is left after its data, less 30 s.
 # --target DIR: keep a target already trained by this recipe (e.g. models/mini-code) and train only a new drafter
@@ -8,24 +8,33 @@
 # --sequences N: the drafter's training data, N target continuations (3/4 greedy, 1/4 sampled; default drafter.py's
 # 6144 + 2048). The
 # drafter overfits 8192 within 2,000 steps (docs/mini-code.md), so a longer run needs more of them.
+# --size large: arch.py's LARGE_* dims (a pair for the GPU, not shipped: no size limit) in OUTDIR/models/large-code and
+# large-code-dflash; the target trains at --lr 1e-3 (a guess for its width, not tuned). Refuses --target.
 # --smoke: toy sizes for a CPU test of every stage (arch.py's SMOKE_* dims, small corpus share, short loops; it
 # trains its own toy target and data, and refuses --target and --sequences).
 set -euo pipefail
-if [ $# -lt 1 ]; then echo "usage: run_all.sh OUTDIR [--minutes N] [--target DIR] [--sequences N] [--smoke]" >&2; exit 2; fi
+if [ $# -lt 1 ]; then echo "usage: run_all.sh OUTDIR [--minutes N] [--target DIR] [--sequences N] [--size mini|large] [--smoke]" >&2; exit 2; fi
 OUT=$1; shift
-MINUTES=8; SMOKE=0; TARGET=; SEQS=
+MINUTES=8; SMOKE=0; TARGET=; SEQS=; SIZE=mini
 while [ $# -gt 0 ]; do
   case "$1" in
     --minutes) MINUTES=$2; shift 2 ;;
     --target) TARGET=$(cd "$2" && pwd); shift 2 ;;
     --sequences) SEQS=$2; shift 2 ;;
+    --size) SIZE=$2; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
-    *) echo "run_all.sh: unknown argument '$1' (expected --minutes N, --target DIR, --sequences N or --smoke)" >&2; exit 2 ;;
+    *) echo "run_all.sh: unknown argument '$1' (expected --minutes N, --target DIR, --sequences N, --size mini|large or --smoke)" >&2; exit 2 ;;
   esac
 done
-if [ $SMOKE = 1 ] && [ -n "$TARGET$SEQS" ]; then
-  echo "run_all.sh: --smoke trains its own toy target and data; --target and --sequences do not apply" >&2; exit 2
+case "$SIZE" in mini|large) ;; *) echo "run_all.sh: --size '$SIZE': expected mini or large" >&2; exit 2 ;; esac
+if [ $SMOKE = 1 ] && [ -n "$TARGET$SEQS" -o $SIZE != mini ]; then
+  echo "run_all.sh: --smoke trains its own toy target and data; --target, --sequences and --size do not apply" >&2; exit 2
 fi
+if [ $SIZE = large ] && [ -n "$TARGET" ]; then
+  echo "run_all.sh: --size large trains its own target; --target does not apply" >&2; exit 2
+fi
+NAME=mini-code; SIZE_ARGS=
+[ $SIZE = large ] && NAME=large-code && SIZE_ARGS="--size large"
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")"
 export PYTHONUNBUFFERED=1 PYTHONHASHSEED=0
@@ -58,8 +67,9 @@ else
   else
     LEFT=$(( DEADLINE - $(date +%s) ))
     TMIN=$(awk -v l="$LEFT" 'BEGIN { t = 0.6 * (l - 110) / 60; printf "%.2f", (t < 0.5 ? 0.5 : t) }')
-    stage target $PY target.py "$OUT" --minutes "$TMIN"
+    stage target $PY target.py "$OUT" --minutes "$TMIN" $SIZE_ARGS ${SIZE_ARGS:+--lr 1e-3}
   fi
-  stage drafter $PY drafter.py "$OUT" --deadline "$DEADLINE" ${SEQS:+--greedy $(( SEQS * 3 / 4 )) --sampled $(( SEQS - SEQS * 3 / 4 ))}
+  stage drafter $PY drafter.py "$OUT" --deadline "$DEADLINE" $SIZE_ARGS \
+    ${SEQS:+--greedy $(( SEQS * 3 / 4 )) --sampled $(( SEQS - SEQS * 3 / 4 ))}
 fi
-echo "$(date -u +%H:%M:%S) === done in $(( $(date +%s) - START )) s: $OUT/models/mini-code, $OUT/models/mini-code-dflash, $OUT/report.json"
+echo "$(date -u +%H:%M:%S) === done in $(( $(date +%s) - START )) s: $OUT/models/$NAME, $OUT/models/$NAME-dflash, $OUT/report.json"

@@ -3,9 +3,10 @@
 noaux_tc sigmoid router with e_score_correction_bias, a shared expert, a dense first layer, n_group = topk_group = 1
 as in models/tiny-k2.6) trained from scratch on OUTDIR/tokens/train.npy, then its routed experts quantized to INT4
 group-32 (compressed-tensors pack-quantized, scripts/golden/int4.py) and written in the kimi_k25 layout
-(scripts/golden/tinymodels.write_k26: `language_model.` prefix, experts one by one) to OUTDIR/models/mini-code.
+(scripts/golden/tinymodels.write_k26: `language_model.` prefix, experts one by one) to OUTDIR/models/mini-code
+(OUTDIR/models/large-code with --size large).
 
-    python3 target.py OUTDIR [--minutes 3.2] [--device cuda] [--smoke]
+    python3 target.py OUTDIR [--minutes 3.2] [--device cuda] [--size mini|large] [--smoke]
 
 Training: fp32 master weights, bf16 autocast, AdamW (0.9, 0.95, wd 0.1 on matrices), warmup then cosine to 10%
 over the wall-time budget, grad clip 1, random windows of --seq-len + 1 tokens (files joined by [EOS]). The MoE
@@ -187,19 +188,22 @@ def main():
     ap.add_argument("--max-steps", type=int, default=10 ** 9)
     ap.add_argument("--bias-rate", type=float, default=1e-3)
     ap.add_argument("--eval-windows", type=int, default=256)
+    ap.add_argument("--size", choices=["mini", "large"], default="mini", help="arch.py's dimensions (large: not shipped)")
     ap.add_argument("--smoke", action="store_true", help="arch.py's toy dimensions (a CPU test of the recipe)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    size = "smoke" if a.smoke else a.size
     dev = a.device
     torch_setup(a.seed, dev)
     stats = read_json(os.path.join(a.outdir, "tokenizer_stats.json"))
     n_base = stats["n_base"]
-    text = arch.text_config(n_base, a.smoke)
-    est, dest = arch.target_bytes(text), arch.drafter_bytes(arch.drafter_config(text, a.smoke))
+    text = arch.text_config(n_base, size)
+    est, dest = arch.target_bytes(text), arch.drafter_bytes(arch.drafter_config(text, size))
+    limit = arch.size_limit(size)
     log("target", f"estimated size: target {est / 1e6:.2f} MB + drafter {dest / 1e6:.2f} MB "
-        f"(limit {arch.SIZE_LIMIT / 1e6:.0f} MB)")
-    if est + dest > 0.98 * arch.SIZE_LIMIT:
-        raise SystemExit(f"target: {est + dest} bytes estimated, over 98% of {arch.SIZE_LIMIT}: shrink arch.py's dims")
+        f"(limit {f'{limit / 1e6:.0f} MB' if limit else 'none'})")
+    if limit and est + dest > 0.98 * limit:
+        raise SystemExit(f"target: {est + dest} bytes estimated, over 98% of {limit}: shrink arch.py's dims")
 
     from transformers import DeepseekV3ForCausalLM
     cfg = tm.hf_config(text)
@@ -267,7 +271,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = False
     loss_trained = heldout_loss(model, eval_batches)
     W = to_stored(model, text)
-    mdir = os.path.join(a.outdir, "models", "mini-code")
+    mdir = arch.model_dirs(a.outdir, size)[0]
     write_model(mdir, W, text, n_base, os.path.join(a.outdir, "tokenizer"))
     stored = tm.hf_model(text, W).float().to(dev)
     install_dense_moe(stored)
