@@ -143,7 +143,7 @@ __device__ __forceinline__ unsigned int bin_total(const unsigned int *h, int lan
 
 /* One block per row. With hist (topk_hist_kernel's counts of this launch's rows): the top bins
  * down to the one that holds the k-th key, when they hold at most cap ids, are gathered in one
- * pass and sorted; else (or without hist) the radix select below. Either way the sort orders a
+ * pass (and cut to about k by a second histogram when they are more than twice k) and sorted; else (or without hist) the radix select below. Either way the sort orders a
  * superset of the top k by the same (key desc, id asc), so both give the same lists. */
 __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
                                                            int kpow2, int cap, const unsigned int *bins, float *vals,
