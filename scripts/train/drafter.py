@@ -124,6 +124,8 @@ def main():
                     help="unix time by which this stage must end: the training loop gets what is left after the "
                          "data, less --reserve seconds for the checks (overrides --minutes)")
     ap.add_argument("--reserve", type=float, default=30)
+    ap.add_argument("--data-share", type=float, default=0.35,
+                    help="with --deadline: the share of the time left that the training data may take")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--greedy", type=int, default=6144)
     ap.add_argument("--sampled", type=int, default=2048)
@@ -157,7 +159,9 @@ def main():
     held_tok = np.load(os.path.join(a.outdir, "tokens", "heldout.npy"))
     lens = [int(x) for x in a.prompt_lens.split(",")]
     prompts = sample_prompts(train_tok, a.greedy + a.sampled, lens, a.seed + 1)
-    budget = 0.35 * (a.deadline - time.time() - a.reserve) if a.deadline else 0.0
+    if not 0 < a.data_share < 1:
+        raise SystemExit(f"drafter: --data-share {a.data_share}: expected a share in (0, 1)")
+    budget = a.data_share * (a.deadline - time.time() - a.reserve) if a.deadline else 0.0
     data = make_data(model, prompts, a.greedy, a.seq_len, taps, dev, "training data", budget_s=budget)
     prompts = data["prompts"]
 
