@@ -18,9 +18,10 @@ has() { case " $steps " in *" $1 "*) return 0 ;; esac; return 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; nvcc --version | tail -1; } \
   > "$OUT/summary.log" 2>&1
 
-pack() {   # move every finished log and table into $OUT/logs.tar (when packing)
-  [ "$PACK" = 1 ] || return 0
-  (cd "$OUT" && set -- $(ls | grep -vx -e summary.log -e logs.tar) && { [ $# = 0 ] || { tar rf logs.tar -- "$@" && rm -f -- "$@"; }; })
+pack() {   # pack [FILE...]: move FILEs (default: every finished log and table) of $OUT into $OUT/logs.tar
+  [ "$PACK" = 1 ] || return 0   # when packing; under a lock, as the memcheck jobs pack in parallel
+  (cd "$OUT" && { [ $# -gt 0 ] || set -- $(ls | grep -vx -e summary.log -e logs.tar); } &&
+    { [ $# = 0 ] || flock .pack.lock sh -c 'tar rf logs.tar -- "$@" && rm -f -- "$@"' pack "$@"; })
 }
 step() {   # step NAME SECONDS CMD...: output to $OUT/NAME.log, one line in the summary
   local name=$1 secs=$2; shift 2
@@ -57,7 +58,7 @@ fi
 # one spec file per sanitizer process (SPEC_MEMCHECK: the files, default every spec file but
 # fatbin_spec, which reads the library file and runs no kernel), SPEC_MEMCHECK_JOBS of them at once
 # (default 1; the GPU has room for several, and each process is mostly host-bound under the
-# sanitizer), 150 s each. comm_spec only builds and runs `comm_bench --check`; under the sanitizer
+# sanitizer), MEMCHECK_SECS each. comm_spec only builds and runs `comm_bench --check`; under the sanitizer
 # through busted it waited for an attachable process until its 400 s ran out (H200, 2026-12-04), so
 # its program runs under memcheck directly instead. GPU_RUN_SECONDS (seconds since this script
 # started; default none) stops starting files that could overrun it, and the summary names the
@@ -79,32 +80,32 @@ memcheck_summary() {   # memcheck_summary NAME: the log's error summary, API err
   nccl=$(awk '/Program hit/ { e = 1; next } e && /Host Frame/ && !/libcuda/ { if (/libnccl/) n++; e = 0 } END { print n + 0 }' "$log")
   echo "  $1: ${line:-no ERROR SUMMARY (cut short?)} (API errors: $oom out of memory, $nccl inside libnccl)"
 }
-memcheck_spec() {   # memcheck_spec FILE SECONDS: one spec file under memcheck, its log packed alone
+MEMCHECK_SECS=150
+memcheck_spec() {   # memcheck_spec FILE: one spec file under memcheck, its log packed alone
   local n; n=$(basename "$1" .lua)
   if [ "$n" = comm_spec ]; then
-    step "memcheck-$n" "$2" compute-sanitizer --tool memcheck --leak-check full --print-limit 20 \
+    step "memcheck-$n" $MEMCHECK_SECS compute-sanitizer --tool memcheck --leak-check full --print-limit 20 \
       --error-exitcode 3 build/bench/comm_bench --check
   else
-    KDTREE_LIB=build/libkdtree_test.so KDTREE_BACKEND=cuda step "memcheck-$n" "$2" compute-sanitizer --tool memcheck \
-      --leak-check full --print-limit 20 --error-exitcode 3 luajit -joff "$BUSTED_BIN" "$1"
+    KDTREE_LIB=build/libkdtree_test.so KDTREE_BACKEND=cuda step "memcheck-$n" $MEMCHECK_SECS compute-sanitizer \
+      --tool memcheck --leak-check full --print-limit 20 --error-exitcode 3 luajit -joff "$BUSTED_BIN" "$1"
   fi
   memcheck_summary "$n" >> "$OUT/summary.log"
-  [ "$PACK" = 1 ] && (cd "$OUT" && flock .pack.lock sh -c "tar rf logs.tar memcheck-$n.log && rm -f memcheck-$n.log")
+  pack "memcheck-$n.log"
 }
 if has spec-memcheck; then
   make build/bench/comm_bench > "$OUT/comm-bench-build.log" 2>&1
   left=""
   for f in ${SPEC_MEMCHECK:-$(ls spec/*_spec.lua | grep -v fatbin_spec)}; do
-    secs=150
     while [ "$(jobs -rp | wc -l)" -ge "${SPEC_MEMCHECK_JOBS:-1}" ]; do wait -n; done
-    if [ -n "${GPU_RUN_SECONDS:-}" ] && [ $(( $(date +%s) - START + secs )) -gt "$GPU_RUN_SECONDS" ]; then
+    if [ -n "${GPU_RUN_SECONDS:-}" ] && [ $(( $(date +%s) - START + MEMCHECK_SECS )) -gt "$GPU_RUN_SECONDS" ]; then
       left="$left $f"; continue
     fi
-    memcheck_spec "$f" "$secs" &
+    memcheck_spec "$f" &
   done
   wait
-  rm -f "$OUT/.pack.lock"
   [ -z "$left" ] || echo "spec-memcheck: not run (GPU_RUN_SECONDS=$GPU_RUN_SECONDS): SPEC_MEMCHECK=\"${left# }\"" >> "$OUT/summary.log"
 fi
 pack
+rm -f "$OUT/.pack.lock"
 cat "$OUT/summary.log"
