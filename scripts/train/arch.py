@@ -21,6 +21,7 @@ LARGE_TARGET = {"hidden": 1024, "layers": 8, "heads": 8, "q_lora": 384, "kv_lora
 LARGE_DRAFTER = {"block_size": 16, "layers": 2, "heads": 8, "kv_heads": 4, "head_dim": 128, "inter": 2816,
                  "taps": [1, 3, 5, 6]}
 SIZES = {"mini": (TARGET, DRAFTER), "smoke": (SMOKE_TARGET, SMOKE_DRAFTER), "large": (LARGE_TARGET, LARGE_DRAFTER)}
+TARGET_LR = {"mini": 3e-3, "smoke": 3e-3, "large": 1e-3}   # the large one's: a guess for its width, not tuned
 
 
 def model_dirs(outdir, size):

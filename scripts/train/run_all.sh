@@ -11,7 +11,7 @@
 # --data-share F: the share of the drafter stage's time its data may take (default drafter.py's 0.35); the 2026-12-04
 # drafter's validation loss was flat over its last 3,000 steps, so more data is the next lever.
 # --size large: arch.py's LARGE_* dims (a pair for the GPU, not shipped: no size limit) in OUTDIR/models/large-code and
-# large-code-dflash; the target trains at --lr 1e-3 (a guess for its width, not tuned). Refuses --target.
+# large-code-dflash; the target trains at arch.py's TARGET_LR for it. Refuses --target.
 # --smoke: toy sizes for a CPU test of every stage (arch.py's SMOKE_* dims, small corpus share, short loops; it
 # trains its own toy target and data, and refuses --target and --sequences).
 set -euo pipefail
@@ -70,7 +70,7 @@ else
   else
     LEFT=$(( DEADLINE - $(date +%s) ))
     TMIN=$(awk -v l="$LEFT" 'BEGIN { t = 0.6 * (l - 110) / 60; printf "%.2f", (t < 0.5 ? 0.5 : t) }')
-    stage target $PY target.py "$OUT" --minutes "$TMIN" $SIZE_ARGS ${SIZE_ARGS:+--lr 1e-3}
+    stage target $PY target.py "$OUT" --minutes "$TMIN" $SIZE_ARGS
   fi
   stage drafter $PY drafter.py "$OUT" --deadline "$DEADLINE" $SIZE_ARGS ${SHARE:+--data-share $SHARE} \
     ${SEQS:+--greedy $(( SEQS * 3 / 4 )) --sampled $(( SEQS - SEQS * 3 / 4 ))}

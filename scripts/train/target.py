@@ -183,7 +183,7 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: arch.TARGET_LR of the size)")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--max-steps", type=int, default=10 ** 9)
     ap.add_argument("--bias-rate", type=float, default=1e-3)
@@ -193,6 +193,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     size = "smoke" if a.smoke else a.size
+    if a.lr is None:
+        a.lr = arch.TARGET_LR[size]
     dev = a.device
     torch_setup(a.seed, dev)
     stats = read_json(os.path.join(a.outdir, "tokenizer_stats.json"))
