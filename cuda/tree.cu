@@ -9,7 +9,10 @@
  * to it hold at most 8192 ids (k below 8192, values not piled into one bin), one pass gathers
  * them, a second histogram of that bin's keys (their next 11 bits) drops those below the
  * sub-bin holding the k-th when they are more than twice k, and a bitonic sort orders the
- * rest. Else a radix select finds the k-th largest value in
+ * rest. When those bins hold more (flat rows: thousands of ids in the k-th's bin), a second
+ * row histogram, of that bin's keys by their next 11 bits and again over several blocks per
+ * row, narrows the cut to a sub-bin, and the keys from it up are gathered the same way. Else
+ * (more than 8192 ids even so: many equal values) a radix select finds the k-th largest value in
  * four 8-bit passes over the row, then one ordered pass collects everything above it
  * plus the lowest-id entries equal to it, and a bitonic sort in shared memory orders
  * the k candidates by (value desc, id asc). */
@@ -103,11 +106,43 @@ __global__ void __launch_bounds__(256) topk_hist_kernel(const void *x, int dt, l
         if (h[i]) atomicAdd(&g[i], h[i]);
 }
 
+/* declared here, defined below: topk_hist2_kernel needs it before topk_kernel does */
+struct top_bin { int bin; unsigned int through; };
+__device__ __forceinline__ top_bin find_top_bin(const unsigned int *h, unsigned int need, int lane);
+
+/* for a row whose top bins down to the k-th's hold more than cap ids (hist: topk_hist_kernel's
+ * counts): the row histogram of that bin's keys by their next TK_BITS bits, TK_SLICE ids per
+ * block, into hist2; other rows' blocks return at once */
+__global__ void __launch_bounds__(256) topk_hist2_kernel(const void *x, int dt, long long ld, int cols, int k, int cap,
+                                                         const unsigned int *hist, unsigned int *hist2) {
+    __shared__ unsigned int h[TK_BINS];
+    __shared__ int s_tb;
+    __shared__ bool s_crowded;
+    const int tid = threadIdx.x;
+    if (tid < 32) {
+        const top_bin t = find_top_bin(hist + (size_t)blockIdx.y * TK_BINS, (unsigned)k, tid);
+        if (tid == 0) { s_tb = t.bin; s_crowded = t.through > (unsigned)cap; }
+    }
+    for (int i = tid; i < TK_BINS; i += blockDim.x) h[i] = 0;
+    __syncthreads();
+    if (!s_crowded) return;
+    const uint32_t tb = (uint32_t)s_tb;
+    const size_t base = (size_t)blockIdx.y * ld;
+    const int lo = blockIdx.x * TK_SLICE, hi = min(cols, lo + TK_SLICE);
+    for (int c = lo + tid; c < hi; c += blockDim.x) {
+        const uint32_t key = fkey(ld_row(x, dt, base + c));
+        if ((key >> (32 - TK_BITS)) == tb) atomicAdd(&h[(key >> (32 - 2 * TK_BITS)) & (TK_BINS - 1)], 1u);
+    }
+    __syncthreads();
+    unsigned int *g = hist2 + (size_t)blockIdx.y * TK_BINS;
+    for (int i = tid; i < TK_BINS; i += blockDim.x)
+        if (h[i]) atomicAdd(&g[i], h[i]);
+}
+
 /* one warp: the bin of h (TK_BINS counts, the largest keys in the top bin) that holds the
  * need-th largest key (1 <= need <= the sum of h), and the count of that bin and every bin
  * above it, on every lane; each lane sums 64 bins, a scan across the lanes finds the lane,
  * which walks its bins */
-struct top_bin { int bin; unsigned int through; };
 __device__ __forceinline__ top_bin find_top_bin(const unsigned int *h, unsigned int need, int lane) {
     constexpr int PER = TK_BINS / 32;
     unsigned int sum = 0;
@@ -143,11 +178,14 @@ __device__ __forceinline__ unsigned int bin_total(const unsigned int *h, int lan
 
 /* One block per row. With hist (topk_hist_kernel's counts of this launch's rows): the top bins
  * down to the one that holds the k-th key, when they hold at most cap ids, are gathered in one
- * pass (and cut to about k by a second histogram when they are more than twice k) and sorted; else (or without hist) the radix select below. Either way the sort orders a
- * superset of the top k by the same (key desc, id asc), so both give the same lists. */
+ * pass (and cut to about k by a second histogram when they are more than twice k) and sorted;
+ * when they hold more, hist2 (topk_hist2_kernel's) narrows the cut to the sub-bin holding the
+ * k-th, and the keys from it up are gathered when they are at most cap; else (or without hist)
+ * the radix select below. Each way the sort orders a superset of the top k by the same (key
+ * desc, id asc), so all give the same lists. */
 __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
-                                                           int kpow2, int cap, const unsigned int *bins, float *vals,
-                                                           int32_t *ids) {
+                                                           int kpow2, int cap, const unsigned int *bins,
+                                                           const unsigned int *bins2, float *vals, int32_t *ids) {
     extern __shared__ unsigned long long cand[];     /* cap composite keys (>= kpow2) */
     __shared__ unsigned int hist[256];
     __shared__ unsigned int s_sel[3];
@@ -168,13 +206,27 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
             if (lane == 0) { s_tb = t.bin; s_nc = t.through; s_ngt = 0; }
         }
         __syncthreads();
+        const uint32_t tb = (uint32_t)s_tb;
+        uint32_t cut = tb << (32 - TK_BITS);          /* the least key gathered */
         gathered = s_nc <= (unsigned)cap;
+        const bool narrowed = !gathered && bins2;
+        if (narrowed) {   /* crowded: bin tb's own histogram narrows the cut to a sub-bin */
+            if (warp == 0) {
+                const unsigned int above = s_nc - bins[(size_t)blockIdx.x * TK_BINS + tb];   /* < k */
+                const top_bin t = find_top_bin(bins2 + (size_t)blockIdx.x * TK_BINS, (unsigned)k - above, lane);
+                if (lane == 0) { s_sb = t.bin; s_nk = above + t.through; }
+            }
+            __syncthreads();
+            cut |= (uint32_t)s_sb << (32 - 2 * TK_BITS);
+            gathered = s_nk <= (unsigned)cap;
+            if (gathered && tid == 0) s_nc = s_nk;
+            __syncthreads();
+        }
         if (gathered) {
-            const uint32_t tb = (uint32_t)s_tb;
             for (int c0 = 0; c0 < cols; c0 += blockDim.x) {
                 const int c = c0 + tid;
                 const uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
-                const bool in = c < cols && (key >> (32 - TK_BITS)) >= tb;
+                const bool in = c < cols && key >= cut;
                 const unsigned m = __ballot_sync(0xffffffffu, in);
                 unsigned int slot = 0;
                 if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
@@ -182,7 +234,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
                 if (in) cand[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
             }
             __syncthreads();
-            if (s_nc > 2u * (unsigned)kpow2) {
+            if (!narrowed && s_nc > 2u * (unsigned)kpow2) {
                 /* many more than k: the keys in bin tb (the bins above it hold fewer than k) are
                  * binned again by their next TK_BITS bits, and only the keys from the sub-bin
                  * holding the k-th key up are kept, so the sort below orders ~k keys, not s_nc */
@@ -202,10 +254,10 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
                 /* compaction in place, a slice of blockDim.x keys a step: every key written so far
                  * is one already read (the kept ones are no more than the read ones), so a
                  * barrier between a slice's reads and its writes is all it needs */
-                const uint32_t cut = (tb << (32 - TK_BITS)) | ((uint32_t)s_sb << (32 - 2 * TK_BITS));   /* least key kept */
+                const uint32_t keep_cut = cut | ((uint32_t)s_sb << (32 - 2 * TK_BITS));   /* least key kept */
                 for (int i0 = 0; i0 < (int)s_nc; i0 += blockDim.x) {
                     const unsigned long long mine = i0 + tid < (int)s_nc ? cand[i0 + tid] : 0ull;
-                    const bool keep = (uint32_t)(mine >> 32) >= cut;
+                    const bool keep = (uint32_t)(mine >> 32) >= keep_cut;
                     const unsigned m = __ballot_sync(0xffffffffu, keep);
                     __syncthreads();
                     unsigned int slot = 0;
@@ -362,19 +414,23 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
     while (kp < k) kp <<= 1;
     /* the histogram (several blocks per row) lets most rows skip the radix passes; grid.y
      * bounds the rows it takes */
-    unsigned int *bins = NULL;
+    unsigned int *bins = NULL, *bins2 = NULL;
     const int cap = x.rows <= 65535 && kp < TK_CAND ? TK_CAND : kp;
     if (cap > kp) {
-        size_t bytes = (size_t)x.rows * TK_BINS * sizeof(unsigned int);
-        KD_TRY(kd_cuda_ws(be, KD_WS_TREE, bytes, (void **)&bins));
-        KD_CUDA(cudaMemsetAsync(bins, 0, bytes, c->stream));
-        topk_hist_kernel<<<dim3((unsigned)((x.cols + TK_SLICE - 1) / TK_SLICE), (unsigned)x.rows), 256, 0, c->stream>>>(
-            x.data, x.dtype, x.ld, x.cols, bins);
+        const size_t n = (size_t)x.rows * TK_BINS;
+        KD_TRY(kd_cuda_ws(be, KD_WS_TREE, 2 * n * sizeof(unsigned int), (void **)&bins));
+        bins2 = bins + n;
+        KD_CUDA(cudaMemsetAsync(bins, 0, 2 * n * sizeof(unsigned int), c->stream));
+        const dim3 grid((unsigned)((x.cols + TK_SLICE - 1) / TK_SLICE), (unsigned)x.rows);
+        topk_hist_kernel<<<grid, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, bins);
         KD_CUDA_LAUNCH("topk_hist_kernel");
+        topk_hist2_kernel<<<grid, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, cap, bins, bins2);
+        KD_CUDA_LAUNCH("topk_hist2_kernel");
     }
     size_t smem = (size_t)cap * sizeof(unsigned long long);
     KD_TRY(kd_cuda_smem(c, (const void *)topk_kernel, smem));
-    topk_kernel<<<x.rows, ROW_THREADS, smem, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, kp, cap, bins, vals, ids);
+    topk_kernel<<<x.rows, ROW_THREADS, smem, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, kp, cap, bins, bins2, vals,
+                                                          ids);
     KD_CUDA_LAUNCH("topk_kernel");
     return KD_OK;
 }

@@ -448,5 +448,26 @@ describe("CUDA ops against the CPU twins #gpu", function()
         note("%-58s identical", string.format("topk %dx%d k=%d", r, c, k))
       end
     end)
+    it("topk of flat rows (thousands of ids in the k-th's bin; bf16 rows: hundreds of ties at the cut)", function()
+      O.seed(21)
+      local r, c = 2, 163840
+      for _, k in ipairs(SMALL and { 16 } or { 1, 16, 256, 1024 }) do
+        for _, round in ipairs({ false, true }) do
+          local x = ffi.new("float[?]", r * c)
+          for i = 0, r * c - 1 do x[i] = math.random() * 16 end
+          if round then C.kd_test_round_bf16(x, r * c) end
+          local v1, v2 = ffi.new("float[?]", r * k), ffi.new("float[?]", r * k)
+          local i1, i2 = ffi.new("int32_t[?]", r * k), ffi.new("int32_t[?]", r * k)
+          O.check(C.kd_test_topk(cpu, x, r, c, k, v1, i1), "cpu topk")
+          O.check(C.kd_test_topk(gpu, x, r, c, k, v2, i2), "cuda topk")
+          for i = 0, r * k - 1 do
+            assert.are.equal(i1[i], i2[i], string.format("flat topk %dx%d k=%d%s: id %d differs", r, c, k,
+              round and " bf16" or "", i))
+            assert.are.equal(v1[i], v2[i])
+          end
+          note("%-58s identical", string.format("topk flat%s %dx%d k=%d", round and " bf16" or "", r, c, k))
+        end
+      end
+    end)
   end)
 end)
