@@ -6,13 +6,11 @@
  *
  * top-k (k up to 16384, V up to 2^31): a histogram of the keys' top 11 bits, several blocks
  * per row, finds the bin that holds the k-th largest value; when the bins from the top down
- * to it hold at most 8192 ids (k below 8192, values not piled into one bin), one pass gathers
- * them, a second histogram of that bin's keys (their next 11 bits) drops those below the
- * sub-bin holding the k-th when they are more than twice k, and a bitonic sort orders the
- * rest. When those bins hold more (flat rows: thousands of ids in the k-th's bin), a second
- * row histogram, of that bin's keys by their next 11 bits and again over several blocks per
- * row, narrows the cut to a sub-bin, and the keys from it up are gathered the same way. Else
- * (more than 8192 ids even so: many equal values) a radix select finds the k-th largest value in
+ * to it hold more than twice k ids (flat rows: thousands in the k-th's bin), a second row
+ * histogram, of that bin's keys by their next 11 bits and again over several blocks per row,
+ * narrows the cut to the sub-bin that holds the k-th. When the keys from the cut up are at most
+ * 8192, one pass gathers them and a bitonic sort orders them. Else (many equal values) a
+ * radix select finds the k-th largest value in
  * four 8-bit passes over the row, then one ordered pass collects everything above it
  * plus the lowest-id entries equal to it, and a bitonic sort in shared memory orders
  * the k candidates by (value desc, id asc). */
@@ -110,22 +108,22 @@ __global__ void __launch_bounds__(256) topk_hist_kernel(const void *x, int dt, l
 struct top_bin { int bin; unsigned int through; };
 __device__ __forceinline__ top_bin find_top_bin(const unsigned int *h, unsigned int need, int lane);
 
-/* for a row whose top bins down to the k-th's hold more than cap ids (hist: topk_hist_kernel's
+/* for a row whose top bins down to the k-th's hold more than wide ids (hist: topk_hist_kernel's
  * counts): the row histogram of that bin's keys by their next TK_BITS bits, TK_SLICE ids per
  * block, into hist2; other rows' blocks return at once */
-__global__ void __launch_bounds__(256) topk_hist2_kernel(const void *x, int dt, long long ld, int cols, int k, int cap,
+__global__ void __launch_bounds__(256) topk_hist2_kernel(const void *x, int dt, long long ld, int cols, int k, int wide,
                                                          const unsigned int *hist, unsigned int *hist2) {
     __shared__ unsigned int h[TK_BINS];
     __shared__ int s_tb;
-    __shared__ bool s_crowded;
+    __shared__ bool s_wide;
     const int tid = threadIdx.x;
     if (tid < 32) {
         const top_bin t = find_top_bin(hist + (size_t)blockIdx.y * TK_BINS, (unsigned)k, tid);
-        if (tid == 0) { s_tb = t.bin; s_crowded = t.through > (unsigned)cap; }
+        if (tid == 0) { s_tb = t.bin; s_wide = t.through > (unsigned)wide; }
     }
     for (int i = tid; i < TK_BINS; i += blockDim.x) h[i] = 0;
     __syncthreads();
-    if (!s_crowded) return;
+    if (!s_wide) return;
     const uint32_t tb = (uint32_t)s_tb;
     const size_t base = (size_t)blockIdx.y * ld;
     const int lo = blockIdx.x * TK_SLICE, hi = min(cols, lo + TK_SLICE);
@@ -168,21 +166,12 @@ __device__ __forceinline__ top_bin find_top_bin(const unsigned int *h, unsigned 
     return r;
 }
 
-/* one warp: the sum of h's TK_BINS counts, on every lane */
-__device__ __forceinline__ unsigned int bin_total(const unsigned int *h, int lane) {
-    unsigned int sum = 0;
-    for (int i = lane; i < TK_BINS; i += 32) sum += h[i];
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    return sum;
-}
-
-/* One block per row. With hist (topk_hist_kernel's counts of this launch's rows): the top bins
- * down to the one that holds the k-th key, when they hold at most cap ids, are gathered in one
- * pass (and cut to about k by a second histogram when they are more than twice k) and sorted;
- * when they hold more, hist2 (topk_hist2_kernel's) narrows the cut to the sub-bin holding the
- * k-th, and the keys from it up are gathered when they are at most cap; else (or without hist)
- * the radix select below. Each way the sort orders a superset of the top k by the same (key
- * desc, id asc), so all give the same lists. */
+/* One block per row. With hist (topk_hist_kernel's counts of this launch's rows) and hist2
+ * (topk_hist2_kernel's, for rows whose top bins down to the k-th's hold more than 2 kpow2 keys):
+ * the cut is the bin holding the k-th key, or its sub-bin where hist2 has one, and the keys
+ * from the cut up, when at most cap, are gathered in one pass and sorted; else (or without
+ * hist) the radix select below. Either way the sort orders a superset of the top k by the same
+ * (key desc, id asc), so both give the same lists. */
 __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
                                                            int kpow2, int cap, const unsigned int *bins,
                                                            const unsigned int *bins2, float *vals, int32_t *ids) {
@@ -192,9 +181,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     __shared__ unsigned int warp_cnt[32];
     __shared__ unsigned int s_ngt, s_neq_taken;
     __shared__ int s_tb;
-    __shared__ unsigned int s_nc, s_nk;
-    __shared__ int s_sb;
-    __shared__ unsigned int sub[TK_BINS];            /* the second histogram, of bin tb's keys */
+    __shared__ unsigned int s_nc;
     const size_t base = (size_t)blockIdx.x * ld;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     int nsort = kpow2;
@@ -208,20 +195,17 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
         __syncthreads();
         const uint32_t tb = (uint32_t)s_tb;
         uint32_t cut = tb << (32 - TK_BITS);          /* the least key gathered */
-        gathered = s_nc <= (unsigned)cap;
-        const bool narrowed = !gathered && bins2;
-        if (narrowed) {   /* crowded: bin tb's own histogram narrows the cut to a sub-bin */
-            if (warp == 0) {
-                const unsigned int above = s_nc - bins[(size_t)blockIdx.x * TK_BINS + tb];   /* < k */
+        if (s_nc > 2u * (unsigned)kpow2) {   /* hist2 holds bin tb's keys: narrow the cut to a sub-bin */
+            __syncthreads();                  /* every thread has read s_nc */
+            if (warp == 0) {   /* the s_nc - bins[tb] keys above bin tb are all kept */
+                const unsigned int above = s_nc - bins[(size_t)blockIdx.x * TK_BINS + tb];
                 const top_bin t = find_top_bin(bins2 + (size_t)blockIdx.x * TK_BINS, (unsigned)k - above, lane);
-                if (lane == 0) { s_sb = t.bin; s_nk = above + t.through; }
+                if (lane == 0) { s_tb = t.bin; s_nc = above + t.through; }
             }
             __syncthreads();
-            cut |= (uint32_t)s_sb << (32 - 2 * TK_BITS);
-            gathered = s_nk <= (unsigned)cap;
-            if (gathered && tid == 0) s_nc = s_nk;
-            __syncthreads();
+            cut |= (uint32_t)s_tb << (32 - 2 * TK_BITS);
         }
+        gathered = s_nc <= (unsigned)cap;
         if (gathered) {
             for (int c0 = 0; c0 < cols; c0 += blockDim.x) {
                 const int c = c0 + tid;
@@ -232,42 +216,6 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
                 if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
                 slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
                 if (in) cand[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
-            }
-            __syncthreads();
-            if (!narrowed && s_nc > 2u * (unsigned)kpow2) {
-                /* many more than k: the keys in bin tb (the bins above it hold fewer than k) are
-                 * binned again by their next TK_BITS bits, and only the keys from the sub-bin
-                 * holding the k-th key up are kept, so the sort below orders ~k keys, not s_nc */
-                for (int i = tid; i < TK_BINS; i += blockDim.x) sub[i] = 0;
-                __syncthreads();
-                for (int i = tid; i < (int)s_nc; i += blockDim.x) {
-                    const uint32_t key = (uint32_t)(cand[i] >> 32);
-                    if ((key >> (32 - TK_BITS)) == tb) atomicAdd(&sub[(key >> (32 - 2 * TK_BITS)) & (TK_BINS - 1)], 1u);
-                }
-                __syncthreads();
-                if (warp == 0) {
-                    const unsigned int in_tb = bin_total(sub, lane);
-                    const top_bin t = find_top_bin(sub, (unsigned)k - (s_nc - in_tb), lane);
-                    if (lane == 0) { s_sb = t.bin; s_nk = 0; }
-                }
-                __syncthreads();
-                /* compaction in place, a slice of blockDim.x keys a step: every key written so far
-                 * is one already read (the kept ones are no more than the read ones), so a
-                 * barrier between a slice's reads and its writes is all it needs */
-                const uint32_t keep_cut = cut | ((uint32_t)s_sb << (32 - 2 * TK_BITS));   /* least key kept */
-                for (int i0 = 0; i0 < (int)s_nc; i0 += blockDim.x) {
-                    const unsigned long long mine = i0 + tid < (int)s_nc ? cand[i0 + tid] : 0ull;
-                    const bool keep = (uint32_t)(mine >> 32) >= keep_cut;
-                    const unsigned m = __ballot_sync(0xffffffffu, keep);
-                    __syncthreads();
-                    unsigned int slot = 0;
-                    if (lane == 0 && m) slot = atomicAdd(&s_nk, (unsigned)__popc(m));
-                    slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
-                    if (keep) cand[slot] = mine;
-                }
-                __syncthreads();
-                if (tid == 0) s_nc = s_nk;
-                __syncthreads();
             }
             nsort = 1;
             while (nsort < (int)s_nc) nsort <<= 1;   /* <= cap: a power of two */
@@ -424,7 +372,7 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
         const dim3 grid((unsigned)((x.cols + TK_SLICE - 1) / TK_SLICE), (unsigned)x.rows);
         topk_hist_kernel<<<grid, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, bins);
         KD_CUDA_LAUNCH("topk_hist_kernel");
-        topk_hist2_kernel<<<grid, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, cap, bins, bins2);
+        topk_hist2_kernel<<<grid, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, 2 * kp, bins, bins2);
         KD_CUDA_LAUNCH("topk_hist2_kernel");
     }
     size_t smem = (size_t)cap * sizeof(unsigned long long);
