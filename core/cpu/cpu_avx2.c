@@ -24,11 +24,16 @@
 
 bool kd_cpu_has_avx2(void) { return __builtin_cpu_supports("avx2"); }
 
-/* kd_dot's reduction of its eight partial sums, then its scalar tail over [i0, n) */
-AVX2 static inline float finish(__m256 s, const float *a, const float *b, int i0, int n) {
+/* kd_dot's reduction of its eight partial sums */
+AVX2 static inline float tree8(__m256 s) {
     float v[8];
     _mm256_storeu_ps(v, s);
-    float t = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+/* the reduction, then kd_dot's scalar tail over [i0, n) */
+AVX2 static inline float finish(__m256 s, const float *a, const float *b, int i0, int n) {
+    float t = tree8(s);
     for (int i = i0; i < n; i++) t += a[i] * b[i];
     return t;
 }
@@ -114,9 +119,7 @@ AVX2 float kd_cpu_dot_bf16_avx2(const float *x, const uint16_t *p, int n) {
     const int n8 = n & ~7;
     __m256 s = _mm256_setzero_ps();
     for (int i = 0; i < n8; i += 8) MAC(s, _mm256_loadu_ps(x + i), bf16x8(p + i));
-    float v[8];
-    _mm256_storeu_ps(v, s);
-    float t = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    float t = tree8(s);
     for (int i = n8; i < n; i++) t += x[i] * kd_bf16_to_f32(p[i]);
     return t;
 }
@@ -127,9 +130,7 @@ AVX2 float kd_cpu_dot_int4_avx2(const float *x, const uint32_t *words, const uin
         const __m256 sc = _mm256_set1_ps(kd_bf16_to_f32(scales[c / group]));
         for (int i = c; i < c + group; i += 8) MAC(s, _mm256_loadu_ps(x + i), int4x8(words[i / 8], sc));
     }
-    float v[8];
-    _mm256_storeu_ps(v, s);
-    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    return tree8(s);
 }
 
 AVX2 void kd_cpu_decode_bf16_avx2(const uint16_t *p, int64_t n, float *dst) {

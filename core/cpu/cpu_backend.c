@@ -111,7 +111,6 @@ void kd_cpu_weight_row(const kd_weight *w, int64_t r, int64_t c0, int64_t n, flo
 }
 
 void kd_cpu_weight_row_impl(const kd_weight *w, int64_t r, int64_t c0, int64_t n, float *dst, bool simd) {
-    (void)simd;   /* unread where the AVX2 forms are not built */
     switch (w->format) {
     case KD_W_BF16: {
         const uint16_t *p = (const uint16_t *)w->src + r * kd_weight_ld(w) + c0;
