@@ -63,8 +63,10 @@ kd_status kd_cpu_check_f32(const char *op, const char *arg, kd_act a);
 kd_status kd_cpu_check_shape(const char *op, const char *arg, kd_act a, int rows, int cols);
 
 /* ---- weights ---- */
-/* decode row r, columns [c0, c0+n) of a weight into dst as fp32 */
+/* decode row r, columns [c0, c0+n) of a weight into dst as fp32 (_impl: simd chooses the AVX2
+ * form, which gives the same bits; the plain call takes it where the CPU has AVX2) */
 void kd_cpu_weight_row(const kd_weight *w, int64_t r, int64_t c0, int64_t n, float *dst);
+void kd_cpu_weight_row_impl(const kd_weight *w, int64_t r, int64_t c0, int64_t n, float *dst, bool simd);
 kd_status kd_cpu_check_weight(const char *op, const kd_weight *w);
 
 /* dot product with a fixed summation order (8 partial sums), so a result never
@@ -80,9 +82,29 @@ static inline float kd_dot(const float *a, const float *b, int n) {
 }
 
 /* out[t, :] = x[t, :] W^T for fp32 rows: x [T, k] (ld ldx), W = weight rows [wrow0, wrow0+nout)
- * over its columns [wcol0, wcol0+k), out [T, nout] (ld ldo). Decodes each weight row once. */
+ * over its columns [wcol0, wcol0+k), out [T, nout] (ld ldo). Decodes each weight row once.
+ * _impl: simd chooses the AVX2 forms (the same bits); the plain call takes them where it can. */
 kd_status kd_cpu_matmul_wt(kd_backend *be, const float *x, int T, int ldx, int k, const kd_weight *w,
                            int64_t wrow0, int64_t wcol0, int nout, float *out, int ldo);
+kd_status kd_cpu_matmul_wt_impl(kd_backend *be, const float *x, int T, int ldx, int k, const kd_weight *w,
+                                int64_t wrow0, int64_t wcol0, int nout, float *out, int ldo, bool simd);
+
+/* AVX2 forms of the loops above (cpu_avx2.c), bit for bit the same results; kd_cpu_has_avx2:
+ * whether this CPU runs them (false where they are not built: KD_CPU_AVX2 0) */
+bool kd_cpu_has_avx2(void);
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KD_CPU_AVX2 1
+/* out[t * ldo + j] = kd_dot(x row t, wr row j, k) for t < T, j < nb (wr: nb decoded rows of k) */
+void kd_cpu_dots_avx2(const float *x, int T, int ldx, const float *wr, int nb, int k, float *out, int ldo);
+float kd_cpu_dot_bf16_avx2(const float *x, const uint16_t *p, int n);
+float kd_cpu_dot_int4_avx2(const float *x, const uint32_t *words, const uint16_t *scales, int group, int n);
+void kd_cpu_decode_bf16_avx2(const uint16_t *p, int64_t n, float *dst);
+/* whole groups of g columns from c0 (c0 and n multiples of g, g of 8) */
+void kd_cpu_decode_int4_avx2(const uint32_t *words, const uint16_t *scales, int64_t g, int64_t c0, int64_t n,
+                             float *dst);
+#else
+#define KD_CPU_AVX2 0
+#endif
 
 /* the ops (backend.h's KD_BACKEND_OPS), one family per file: cpu_elementwise.c (data movement,
  * norms, RoPE, the vocabulary reductions), cpu_matmul.c, cpu_attention.c, cpu_moe.c, cpu_ddtree.c */

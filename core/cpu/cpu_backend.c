@@ -107,9 +107,19 @@ kd_status kd_cpu_check_weight(const char *op, const kd_weight *w) {
 
 /* ---- weight decoding ---- */
 void kd_cpu_weight_row(const kd_weight *w, int64_t r, int64_t c0, int64_t n, float *dst) {
+    kd_cpu_weight_row_impl(w, r, c0, n, dst, kd_cpu_has_avx2());
+}
+
+void kd_cpu_weight_row_impl(const kd_weight *w, int64_t r, int64_t c0, int64_t n, float *dst, bool simd) {
     switch (w->format) {
     case KD_W_BF16: {
         const uint16_t *p = (const uint16_t *)w->src + r * kd_weight_ld(w) + c0;
+#if KD_CPU_AVX2
+        if (simd) {
+            kd_cpu_decode_bf16_avx2(p, n, dst);
+            break;
+        }
+#endif
         for (int64_t i = 0; i < n; i++) {           /* bf16 -> f32: the 16 bits on top */
             uint32_t u = (uint32_t)p[i] << 16;
             memcpy(&dst[i], &u, sizeof u);
@@ -126,6 +136,12 @@ void kd_cpu_weight_row(const kd_weight *w, int64_t r, int64_t c0, int64_t n, flo
         const uint16_t *scales = (const uint16_t *)w->src_scale + r * (kd_weight_ld(w) / w->group);
         int64_t g = w->group;
         if (c0 % g == 0 && n % g == 0) {            /* whole groups: one scale per run of g/8 words */
+#if KD_CPU_AVX2
+            if (simd && g % 8 == 0) {
+                kd_cpu_decode_int4_avx2(words, scales, g, c0, n, dst);
+                break;
+            }
+#endif
             for (int64_t c = c0; c < c0 + n; c += g) {
                 float sc = kd_bf16_to_f32(scales[c / g]);
                 for (int64_t j = c / 8; j < (c + g) / 8; j++) {
@@ -175,10 +191,24 @@ static float dot_int4(const float *x, const uint32_t *words, const uint16_t *sca
 
 kd_status kd_cpu_matmul_wt(kd_backend *be, const float *x, int T, int ldx, int k, const kd_weight *w,
                            int64_t wrow0, int64_t wcol0, int nout, float *out, int ldo) {
+    return kd_cpu_matmul_wt_impl(be, x, T, ldx, k, w, wrow0, wcol0, nout, out, ldo, kd_cpu_has_avx2());
+}
+
+kd_status kd_cpu_matmul_wt_impl(kd_backend *be, const float *x, int T, int ldx, int k, const kd_weight *w,
+                                int64_t wrow0, int64_t wcol0, int nout, float *out, int ldo, bool simd) {
     if (T <= 2 && w->format == KD_W_BF16) {
         for (int o = 0; o < nout; o++) {
             const uint16_t *p = (const uint16_t *)w->src + (wrow0 + o) * kd_weight_ld(w) + wcol0;
-            for (int t = 0; t < T; t++) out[(size_t)t * ldo + o] = dot_bf16(x + (size_t)t * ldx, p, k);
+            for (int t = 0; t < T; t++) {
+                const float *xt = x + (size_t)t * ldx;
+#if KD_CPU_AVX2
+                if (simd) {
+                    out[(size_t)t * ldo + o] = kd_cpu_dot_bf16_avx2(xt, p, k);
+                    continue;
+                }
+#endif
+                out[(size_t)t * ldo + o] = dot_bf16(xt, p, k);
+            }
         }
         return KD_OK;
     }
@@ -187,8 +217,16 @@ kd_status kd_cpu_matmul_wt(kd_backend *be, const float *x, int T, int ldx, int k
         for (int o = 0; o < nout; o++) {
             const uint32_t *words = (const uint32_t *)w->src + (wrow0 + o) * wpr;
             const uint16_t *scales = (const uint16_t *)w->src_scale + (wrow0 + o) * spr;
-            for (int t = 0; t < T; t++)
-                out[(size_t)t * ldo + o] = dot_int4(x + (size_t)t * ldx, words, scales, w->group, k);
+            for (int t = 0; t < T; t++) {
+                const float *xt = x + (size_t)t * ldx;
+#if KD_CPU_AVX2
+                if (simd) {
+                    out[(size_t)t * ldo + o] = kd_cpu_dot_int4_avx2(xt, words, scales, w->group, k);
+                    continue;
+                }
+#endif
+                out[(size_t)t * ldo + o] = dot_int4(xt, words, scales, w->group, k);
+            }
         }
         return KD_OK;
     }
@@ -197,7 +235,13 @@ kd_status kd_cpu_matmul_wt(kd_backend *be, const float *x, int T, int ldx, int k
     KD_TRY(wrow_buf(be, (size_t)BLOCK * k, &wr));
     for (int o0 = 0; o0 < nout; o0 += BLOCK) {
         int nb = nout - o0 < BLOCK ? nout - o0 : BLOCK;
-        for (int j = 0; j < nb; j++) kd_cpu_weight_row(w, wrow0 + o0 + j, wcol0, k, wr + (size_t)j * k);
+        for (int j = 0; j < nb; j++) kd_cpu_weight_row_impl(w, wrow0 + o0 + j, wcol0, k, wr + (size_t)j * k, simd);
+#if KD_CPU_AVX2
+        if (simd) {
+            kd_cpu_dots_avx2(x, T, ldx, wr, nb, k, out + o0, ldo);
+            continue;
+        }
+#endif
         for (int t = 0; t < T; t++) {
             const float *xt = x + (size_t)t * ldx;
             float *ot = out + (size_t)t * ldo + o0;

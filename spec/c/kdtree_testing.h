@@ -72,6 +72,11 @@ kd_status kd_test_gather_rows(kd_test_backend *tb, const float *src, int src_row
                               int n, int inplace, int dst_row0, float *out);
 /* out [M, w.rows] = x [M, w.cols] w^T; out_f32: output buffer in f32 (else act dtype) */
 kd_status kd_test_linear(kd_test_backend *tb, const float *x, int M, const kd_test_weight *w, int out_f32, float *out);
+/* the CPU backend's two forms of one product, x [T, cols] times w^T, and of the decoding of all
+ * of w's rows: the portable C (out_c) and the AVX2 form (out_simd), each [T, rows] / [rows, cols];
+ * KD_ERR_UNSUPPORTED where this CPU or build has no AVX2 */
+kd_status kd_test_cpu_matmul_forms(const float *x, int T, const kd_test_weight *w, float *out_c, float *out_simd);
+kd_status kd_test_cpu_decode_forms(const kd_test_weight *w, float *out_c, float *out_simd);
 /* x [rows, xcols]; out [rows, out_cols] (starts zeroed); see backend.h head_matmul */
 kd_status kd_test_head_matmul(kd_test_backend *tb, const float *x, int rows, int xcols, int n_heads, int xstride,
                               int k, const kd_test_weight *w, int wstride, int wrow0, int transposed, int ocols,

@@ -336,6 +336,38 @@ done:
     return st;
 }
 
+static kd_status cpu_forms(const float *x, int T, const kd_test_weight *tw, float *out_c, float *out_simd) {
+    if (!tw || !out_c || !out_simd || (x && T <= 0))
+        return kd_fail(KD_ERR_ARG, "kd_test_cpu_*_forms: a NULL argument or T = %d", T);
+    if (!kd_cpu_has_avx2()) return kd_fail(KD_ERR_UNSUPPORTED, "kd_test_cpu_*_forms: this CPU or build has no AVX2");
+    kd_backend *be;
+    KD_TRY(kd_backend_cpu_create(&be));
+    arena a = {.be = be};
+    kd_status st;
+    kd_weight w;
+    RUN(up_weight(&a, tw, "test.cpu_forms", &w));
+    for (int simd = 0; simd < 2; simd++) {
+        float *out = simd ? out_simd : out_c;
+        if (x) RUN(kd_cpu_matmul_wt_impl(be, x, T, (int)w.cols, (int)w.cols, &w, 0, 0, (int)w.rows, out, (int)w.rows,
+                                         simd));
+        else
+            for (int64_t r = 0; r < w.rows; r++) kd_cpu_weight_row_impl(&w, r, 0, w.cols, out + r * w.cols, simd);
+    }
+done:
+    arena_free(&a);
+    be->ops->destroy(be);
+    return st;
+}
+
+kd_status kd_test_cpu_matmul_forms(const float *x, int T, const kd_test_weight *w, float *out_c, float *out_simd) {
+    if (!x) return kd_fail(KD_ERR_ARG, "kd_test_cpu_matmul_forms: x is NULL");
+    return cpu_forms(x, T, w, out_c, out_simd);
+}
+
+kd_status kd_test_cpu_decode_forms(const kd_test_weight *w, float *out_c, float *out_simd) {
+    return cpu_forms(NULL, 0, w, out_c, out_simd);
+}
+
 kd_status kd_test_head_matmul(kd_test_backend *tb, const float *x, int rows, int xcols, int n_heads, int xstride,
                               int k, const kd_test_weight *w, int wstride, int wrow0, int transposed, int ocols,
                               int out_cols, float *out) {
