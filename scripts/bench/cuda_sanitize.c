@@ -110,6 +110,13 @@ static void ops(void) {
     ck(kd_test_argmax(tb, x, 3, 1000, am), "argmax");
     int32_t ti[3 * 300];
     ck(kd_test_topk(tb, x, 3, 40000, 300, out, ti), "topk");
+    /* flat rows (seven distinct values) at K2.6's vocabulary: the top bins hold far more than k
+     * keys, so the row-wide second histogram narrows the cut (its several blocks per row) */
+    float *flat = malloc(sizeof(float) * 2 * 163840);
+    for (int i = 0; i < 2 * 163840; i++) flat[i] = 0.001f * (float)(i % 7);
+    int32_t tf[2 * 256];
+    ck(kd_test_topk(tb, flat, 2, 163840, 256, out, tf), "topk flat");
+    free(flat);
     kd_test_backend_free(tb);
     free(x); free(y); free(out);
 }
