@@ -8,9 +8,11 @@
  * per row, finds the bin that holds the k-th largest value; when the bins from the top down
  * to it hold more than twice k ids (flat rows: thousands in the k-th's bin), a second row
  * histogram, of that bin's keys by their next 11 bits and again over several blocks per row,
- * narrows the cut to the sub-bin that holds the k-th. When the keys from the cut up are at most
- * 8192, one pass gathers them and a bitonic sort orders them. Else (many equal values) a
- * radix select finds the k-th largest value in
+ * narrows the cut to the sub-bin that holds the k-th. When the keys from the cut up fit the row's
+ * candidate slots, a third pass over the row, again several blocks per row, appends them to
+ * those slots, and one block per row sorts them (bitonic, in shared memory): no pass over the
+ * whole row runs in one block, as a single block's pass is latency-bound (about 100 us for
+ * 163840 ids on the H200). Else (many equal values) a radix select finds the k-th largest value in
  * four 8-bit passes over the row, then one ordered pass collects everything above it
  * plus the lowest-id entries equal to it, and a bitonic sort in shared memory orders
  * the k candidates by (value desc, id asc). */
@@ -23,7 +25,7 @@ constexpr int ROW_THREADS = 1024;
 constexpr int TOPK_MAX = 16384;
 constexpr int TK_BITS = 11, TK_BINS = 1 << TK_BITS;   /* the first histogram: the key's top 11 bits */
 constexpr int TK_SLICE = 4096;                        /* ids per block of that histogram */
-constexpr int TK_CAND = 8192;                         /* ids gathered from the top bins and sorted */
+constexpr int TK_CAND = 8192;                         /* most candidate slots per row */
 
 __device__ __forceinline__ float ld_row(const void *x, int dt, size_t i) { return kd_ld(x, dt, i); }
 
@@ -166,21 +168,72 @@ __device__ __forceinline__ top_bin find_top_bin(const unsigned int *h, unsigned 
     return r;
 }
 
-/* One block per row. With hist (topk_hist_kernel's counts of this launch's rows) and hist2
- * (topk_hist2_kernel's, for rows whose top bins down to the k-th's hold more than 2 kpow2 keys):
- * the cut is the bin holding the k-th key, or its sub-bin where hist2 has one, and the keys
- * from the cut up, when at most cap, are gathered in one pass and sorted; else (or without
- * hist) the radix select below. Either way the sort orders a superset of the top k by the same
- * (key desc, id asc), so both give the same lists. */
+/* one warp: a row's cut (the least key kept: the start of the bin that holds the k-th key, or of
+ * its sub-bin when the bins down to it hold more than wide keys and hist2 has counted that bin)
+ * and how many keys are at or above it, on every lane */
+struct top_cut { uint32_t key; unsigned int count; };
+__device__ __forceinline__ top_cut find_cut(const unsigned int *h, const unsigned int *h2, unsigned int k,
+                                            unsigned int wide, int lane) {
+    const top_bin t = find_top_bin(h, k, lane);
+    top_cut c = {(uint32_t)t.bin << (32 - TK_BITS), t.through};
+    if (t.through > wide) {   /* the t.through - h[t.bin] keys above bin t.bin are all kept */
+        const unsigned int above = t.through - h[t.bin];
+        const top_bin s = find_top_bin(h2, k - above, lane);
+        c.key |= (uint32_t)s.bin << (32 - 2 * TK_BITS);
+        c.count = above + s.through;
+    }
+    return c;
+}
+
+/* the keys from each row's cut up, TK_SLICE ids per block, appended in any order to the row's
+ * cap slots of cand (composite keys: value, then the lower id first), their number in ncand;
+ * rows with more than cap such keys are left to topk_kernel's radix select. The order of the
+ * slots does not matter: topk_kernel sorts them by a key that no two ids share. */
+__global__ void __launch_bounds__(256) topk_gather_kernel(const void *x, int dt, long long ld, int cols, int k, int wide,
+                                                          int cap, const unsigned int *hist, const unsigned int *hist2,
+                                                          unsigned int *ncand, unsigned long long *cand) {
+    __shared__ uint32_t s_cut;
+    __shared__ bool s_fits;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const size_t row = blockIdx.y;
+    if (tid < 32) {
+        const top_cut c = find_cut(hist + row * TK_BINS, hist2 + row * TK_BINS, (unsigned)k, (unsigned)wide, lane);
+        if (tid == 0) { s_cut = c.key; s_fits = c.count <= (unsigned)cap; }
+    }
+    __syncthreads();
+    if (!s_fits) return;
+    const uint32_t cut = s_cut;
+    const size_t base = row * ld;
+    unsigned long long *out = cand + row * cap;
+    const int lo = blockIdx.x * TK_SLICE, hi = min(cols, lo + TK_SLICE);
+    for (int c0 = lo; c0 < hi; c0 += blockDim.x) {   /* whole warps iterate together: the ballot below */
+        const int c = c0 + tid;
+        const uint32_t key = c < hi ? fkey(ld_row(x, dt, base + c)) : 0u;
+        const bool in = c < hi && key >= cut;
+        const unsigned m = __ballot_sync(0xffffffffu, in);
+        if (!m) continue;
+        unsigned int slot = 0;
+        if (lane == 0) slot = atomicAdd(&ncand[row], (unsigned)__popc(m));
+        slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
+        if (in) out[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
+    }
+}
+
+/* One block per row. With bins / bins2 (topk_hist_kernel's and topk_hist2_kernel's counts of
+ * this launch's rows) and gcand / ncand (topk_gather_kernel's cap slots per row): a row whose
+ * keys from the cut up fit its slots sorts them; else (or without bins) the radix select below
+ * finds the k-th and collects the top k. Either way the sort orders a superset of the top k by
+ * the same (key desc, id asc), so both give the same lists. */
 __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
                                                            int kpow2, int cap, const unsigned int *bins,
-                                                           const unsigned int *bins2, float *vals, int32_t *ids) {
-    extern __shared__ unsigned long long cand[];     /* cap composite keys (>= kpow2) */
+                                                           const unsigned int *bins2, const unsigned int *ncand,
+                                                           const unsigned long long *gcand, float *vals,
+                                                           int32_t *ids) {
+    extern __shared__ unsigned long long cand[];     /* max(cap, kpow2) composite keys */
     __shared__ unsigned int hist[256];
     __shared__ unsigned int s_sel[3];
     __shared__ unsigned int warp_cnt[32];
     __shared__ unsigned int s_ngt, s_neq_taken;
-    __shared__ int s_tb;
     __shared__ unsigned int s_nc;
     const size_t base = (size_t)blockIdx.x * ld;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
@@ -189,38 +242,18 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     bool gathered = false;
     if (bins) {
         if (warp == 0) {
-            const top_bin t = find_top_bin(bins + (size_t)blockIdx.x * TK_BINS, (unsigned)k, lane);
-            if (lane == 0) { s_tb = t.bin; s_nc = t.through; s_ngt = 0; }
+            const size_t o = (size_t)blockIdx.x * TK_BINS;
+            const top_cut c = find_cut(bins + o, bins2 + o, (unsigned)k, 2u * (unsigned)kpow2, lane);
+            if (lane == 0) s_nc = c.count;
         }
         __syncthreads();
-        const uint32_t tb = (uint32_t)s_tb;
-        uint32_t cut = tb << (32 - TK_BITS);          /* the least key gathered */
-        if (s_nc > 2u * (unsigned)kpow2) {   /* hist2 holds bin tb's keys: narrow the cut to a sub-bin */
-            __syncthreads();                  /* every thread has read s_nc */
-            if (warp == 0) {   /* the s_nc - bins[tb] keys above bin tb are all kept */
-                const unsigned int above = s_nc - bins[(size_t)blockIdx.x * TK_BINS + tb];
-                const top_bin t = find_top_bin(bins2 + (size_t)blockIdx.x * TK_BINS, (unsigned)k - above, lane);
-                if (lane == 0) { s_tb = t.bin; s_nc = above + t.through; }
-            }
-            __syncthreads();
-            cut |= (uint32_t)s_tb << (32 - 2 * TK_BITS);
-        }
         gathered = s_nc <= (unsigned)cap;
         if (gathered) {
-            for (int c0 = 0; c0 < cols; c0 += blockDim.x) {
-                const int c = c0 + tid;
-                const uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
-                const bool in = c < cols && key >= cut;
-                const unsigned m = __ballot_sync(0xffffffffu, in);
-                unsigned int slot = 0;
-                if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
-                slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
-                if (in) cand[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
-            }
+            const unsigned int n = ncand[blockIdx.x];   /* == s_nc: both count the keys from the cut up */
+            const unsigned long long *g = gcand + (size_t)blockIdx.x * cap;
             nsort = 1;
-            while (nsort < (int)s_nc) nsort <<= 1;   /* <= cap: a power of two */
-            __syncthreads();
-            for (int i = (int)s_nc + tid; i < nsort; i += blockDim.x) cand[i] = 0ull;   /* padding sorts last */
+            while (nsort < (int)n) nsort <<= 1;   /* <= cap: a power of two */
+            for (int i = tid; i < nsort; i += blockDim.x) cand[i] = i < (int)n ? g[i] : 0ull;   /* padding sorts last */
             __syncthreads();
         }
     }
@@ -360,25 +393,37 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
     if (!vals || !ids) return kd_fail(KD_ERR_ARG, "cuda topk: vals/ids are NULL");
     int kp = 1;
     while (kp < k) kp <<= 1;
-    /* the histogram (several blocks per row) lets most rows skip the radix passes; grid.y
-     * bounds the rows it takes */
-    unsigned int *bins = NULL, *bins2 = NULL;
-    const int cap = x.rows <= 65535 && kp < TK_CAND ? TK_CAND : kp;
+    /* the histograms and the gather (several blocks per row each) let most rows skip the radix
+     * passes; grid.y bounds the rows they take, and a row's candidate slots are 4 kp (at least
+     * 2048, at most TK_CAND): twice the most keys a row has after the second histogram, unless
+     * many keys tie there */
+    unsigned int *bins = NULL, *bins2 = NULL, *ncand = NULL;
+    unsigned long long *gcand = NULL;
+    const int slots = 4 * kp < 2048 ? 2048 : 4 * kp < TK_CAND ? 4 * kp : TK_CAND;
+    const int cap = x.rows <= 65535 && kp < TK_CAND ? slots : kp;
     if (cap > kp) {
-        const size_t n = (size_t)x.rows * TK_BINS;
-        KD_TRY(kd_cuda_ws(be, KD_WS_TREE, 2 * n * sizeof(unsigned int), (void **)&bins));
+        const size_t n = (size_t)x.rows * TK_BINS, ncap = (size_t)x.rows * cap;
+        void *ws = NULL;   /* the slots first: 8-byte aligned */
+        const size_t counts = (2 * n + (size_t)x.rows) * sizeof(unsigned int);
+        KD_TRY(kd_cuda_ws(be, KD_WS_TREE, ncap * sizeof(unsigned long long) + counts, &ws));
+        gcand = (unsigned long long *)ws;
+        bins = (unsigned int *)(gcand + ncap);
         bins2 = bins + n;
-        KD_CUDA(cudaMemsetAsync(bins, 0, 2 * n * sizeof(unsigned int), c->stream));
+        ncand = bins2 + n;
+        KD_CUDA(cudaMemsetAsync(bins, 0, counts, c->stream));
         const dim3 grid((unsigned)((x.cols + TK_SLICE - 1) / TK_SLICE), (unsigned)x.rows);
         topk_hist_kernel<<<grid, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, bins);
         KD_CUDA_LAUNCH("topk_hist_kernel");
         topk_hist2_kernel<<<grid, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, 2 * kp, bins, bins2);
         KD_CUDA_LAUNCH("topk_hist2_kernel");
+        topk_gather_kernel<<<grid, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, 2 * kp, cap, bins, bins2,
+                                                         ncand, gcand);
+        KD_CUDA_LAUNCH("topk_gather_kernel");
     }
     size_t smem = (size_t)cap * sizeof(unsigned long long);
     KD_TRY(kd_cuda_smem(c, (const void *)topk_kernel, smem));
-    topk_kernel<<<x.rows, ROW_THREADS, smem, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, kp, cap, bins, bins2, vals,
-                                                          ids);
+    topk_kernel<<<x.rows, ROW_THREADS, smem, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, kp, cap, bins, bins2, ncand,
+                                                          gcand, vals, ids);
     KD_CUDA_LAUNCH("topk_kernel");
     return KD_OK;
 }
