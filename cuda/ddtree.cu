@@ -8,9 +8,7 @@
  *              up the parent chains), which is the heap's pop without its log-depth chain
  *              of dependent shared-memory steps. Scores are updated in double with the same
  *              operations in the same order as the host (__d*_rn: no fma contraction). The
- *              other threads check the lists for NaN / +inf first, copying them into shared
- *              memory where they fit (each pop reads three values and a token from them:
- *              global loads in the pop's dependent chain otherwise), and write the parents,
+ *              other threads check the lists for NaN / +inf first and write the parents,
  *              depths and ancestor masks afterwards (one row per thread).
  * tree_stage   root token and positions (pos0 + depth); optionally the verify forward's
  *              inputs (ids, positions, mask) into the sequence's scratch.
@@ -85,10 +83,7 @@ __device__ bool entry_before(const sel_front &h, int a, int b) {
     return na < nb;
 }
 
-/* lists_in_smem: the L x K values and ids are copied into shared memory after the frontier
- * and node arrays (the launch sized it so) */
-__global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, int L, int K, int budget,
-                                                                  bool lists_in_smem) {
+__global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, int L, int K, int budget) {
     extern __shared__ double sel_smem[];
     __shared__ int s_bad, s_n;
     const int H = 2 * budget + 1;
@@ -98,8 +93,6 @@ __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, in
     int *np = hdr + H;
     int *nd = np + (budget + 1);
     int *nr = nd + (budget + 1);
-    float *svals = (float *)(nr + (budget + 1));
-    int32_t *sids = (int32_t *)(svals + L * K);
     const int tid = threadIdx.x;
 
     if (tid == 0) s_bad = INT_MAX;
@@ -108,21 +101,15 @@ __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, in
     for (int i = tid; i < total; i += blockDim.x) {
         float v = t.vals[i];
         if (v != v || v == INFINITY) atomicMin(&s_bad, i);
-        if (lists_in_smem) {
-            svals[i] = v;
-            sids[i] = t.ids[i];
-        }
     }
     __syncthreads();
-    const float *vals = lists_in_smem ? svals : t.vals;
-    const int32_t *ids = lists_in_smem ? sids : t.ids;
 
     if (tid < 32) {   /* warp 0 selects; lane 0 writes, __syncwarp publishes to the other lanes */
         const int lane = tid;
         const sel_front h = { hs, hpar, hdr, np, nd, nr };
         if (lane == 0) {
             np[0] = -1; nd[0] = 0; nr[0] = -1;
-            hs[0] = list_value(vals, 0); hpar[0] = 0; hdr[0] = 1 << 16;
+            hs[0] = list_value(t.vals, 0); hpar[0] = 0; hdr[0] = 1 << 16;
         }
         __syncwarp();
         int fn = 1, n = 0;   /* frontier entries [0, fn); nodes popped */
@@ -145,20 +132,20 @@ __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, in
             const bool sib = r + 1 < K, child = d < L;
             __syncwarp();    /* every lane has read entry bi */
             if (lane == 0) {
-                t.token[i] = ids[row + r];
+                t.token[i] = t.ids[row + r];
                 np[i] = parent;
                 nd[i] = d;
                 nr[i] = r;
                 int m = fn - 1;   /* the last entry fills the popped slot; the new ones go after it */
                 hs[bi] = hs[m]; hpar[bi] = hpar[m]; hdr[bi] = hdr[m];
                 if (sib) {
-                    hs[m] = __dadd_rn(__dsub_rn(bs, list_value(vals, row + r)), list_value(vals, row + r + 1));
+                    hs[m] = __dadd_rn(__dsub_rn(bs, list_value(t.vals, row + r)), list_value(t.vals, row + r + 1));
                     hpar[m] = parent;
                     hdr[m] = d << 16 | (r + 1);
                     m++;
                 }
                 if (child) {
-                    hs[m] = __dadd_rn(bs, list_value(vals, d * K));
+                    hs[m] = __dadd_rn(bs, list_value(t.vals, d * K));
                     hpar[m] = i;
                     hdr[m] = (d + 1) << 16;
                 }
@@ -878,13 +865,8 @@ extern "C" kd_status kd_cuda_tree_select(kd_backend *be, const kd_dtree *t, int 
     if (budget > SEL_MAX_BUDGET || smem > c->smem_optin)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda tree_select: budget %d needs %zu bytes of shared memory (at most %d "
                        "nodes, %zu bytes here)", budget, smem, SEL_MAX_BUDGET, c->smem_optin);
-    /* the lists too, where they fit beside the arrays (1 KB left for the kernel's static
-     * shared memory) */
-    const size_t lists = (size_t)L * K * (sizeof(float) + sizeof(int32_t));
-    const bool lists_in_smem = smem + lists + 1024 <= c->smem_optin;
-    if (lists_in_smem) smem += lists;
     KD_TRY(kd_cuda_smem(c, (const void *)tree_select_kernel, smem));
-    tree_select_kernel<<<1, SEL_THREADS, smem, c->stream>>>(*t, L, K, budget, lists_in_smem);
+    tree_select_kernel<<<1, SEL_THREADS, smem, c->stream>>>(*t, L, K, budget);
     KD_CUDA_LAUNCH("tree_select_kernel");
     return KD_OK;
 }
