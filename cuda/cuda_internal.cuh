@@ -38,7 +38,7 @@ enum kd_cuda_ws {
     KD_WS_ATTN,          /* attention partials (m, l, o per chunk) and visible lists */
     KD_WS_MOE,           /* router logits, expert ids/weights, grouped rows */
     KD_WS_MOE2,          /* expert intermediate activations */
-    KD_WS_TREE,          /* top-k candidates */
+    KD_WS_TREE,          /* top-k's histograms and candidates, argmax's partials */
     KD_WS_TMP,           /* dtype conversions, in-place gather staging */
     KD_WS_W4A16,         /* handed to the W4A16 kernels */
     KD_WS_COUNT

@@ -1,8 +1,9 @@
 /* tree.cu: per-row reductions over the vocabulary: log_softmax (in place), argmax, top-k.
- * One block per row (top-k's first histogram: several, with integer counts); fixed
- * reduction orders, so a row's result never depends on the other rows. Order of equal values: the lower id first (argmax and top-k), and NaN
- * loses to everything, exactly as core/cpu/cpu_elementwise.c; argmax reports a row's first
- * NaN / +inf column as -code (sample_rule.h) as the CPU op does.
+ * log_softmax: one block per row; argmax and top-k: several blocks per row, then a merge. Fixed
+ * reduction orders or total orders, so a row's result never depends on the other rows. Order of
+ * equal values: the lower id first (argmax and top-k), and NaN loses to everything, exactly as
+ * core/cpu/cpu_elementwise.c; argmax reports a row's first NaN / +inf column as -code
+ * (sample_rule.h) as the CPU op does.
  *
  * top-k (k up to 16384, V up to 2^31): a histogram of the keys' top 11 bits, several blocks
  * per row, finds the bin that holds the k-th largest value; when the bins from the top down
@@ -49,38 +50,59 @@ __device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
     return va > vb || (va == vb && ia < ib);
 }
 
-/* the row's argmax, or -code of its first NaN / +inf column (sample_rule.h) */
-__global__ void __launch_bounds__(ROW_THREADS) argmax_kernel(const void *x, int dt, long long ld, int cols, int32_t *out) {
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    __shared__ int sbad[32];
-    size_t base = (size_t)blockIdx.x * ld;
-    float bv = NAN;
-    int bi = 0x7fffffff;
-    int bad = 0x7fffffff;            /* the smallest code: the first bad column (its kind below it) */
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = ld_row(x, dt, base + c);
-        int32_t code = kd_rule_logit_code(v, c);
-        if (code && code < bad) bad = code;
-        if (bi == 0x7fffffff || beats(v, c, bv, bi)) { bv = v; bi = c; }
-    }
+/* argmax: each block reduces AM_SLICE ids of a row to a partial (value, id, first bad code),
+ * several blocks per row, as one block's pass over a whole row is latency-bound; then one warp
+ * per row merges the row's partials. beats is a total order on (value, id) and the code a
+ * minimum, so the merge order cannot change the result. */
+constexpr int AM_SLICE = 8192;
+constexpr int AM_NONE = 0x7fffffff;   /* no id yet / no bad column */
+struct am_part { float v; int i; int bad; };
+
+__device__ __forceinline__ void am_merge(am_part &a, const am_part &b) {
+    a.bad = min(a.bad, b.bad);
+    if (b.i != AM_NONE && (a.i == AM_NONE || beats(b.v, b.i, a.v, a.i))) { a.v = b.v; a.i = b.i; }
+}
+
+__device__ __forceinline__ am_part am_warp_merge(am_part p) {
     for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        bad = min(bad, __shfl_xor_sync(0xffffffffu, bad, o));
-        if (oi != 0x7fffffff && (bi == 0x7fffffff || beats(ov, oi, bv, bi))) { bv = ov; bi = oi; }
+        const am_part q = {__shfl_xor_sync(0xffffffffu, p.v, o), __shfl_xor_sync(0xffffffffu, p.i, o),
+                           __shfl_xor_sync(0xffffffffu, p.bad, o)};
+        am_merge(p, q);
     }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { sv[warp] = bv; si[warp] = bi; sbad[warp] = bad; }
+    return p;
+}
+
+/* the partial of row blockIdx.y's ids [blockIdx.x * AM_SLICE, + AM_SLICE), into part (rows x gridDim.x) */
+__global__ void __launch_bounds__(256) argmax_part_kernel(const void *x, int dt, long long ld, int cols, am_part *part) {
+    __shared__ am_part sp[8];
+    const size_t base = (size_t)blockIdx.y * ld;
+    const int lo = blockIdx.x * AM_SLICE, hi = min(cols, lo + AM_SLICE);
+    am_part p = {NAN, AM_NONE, AM_NONE};   /* bad: the smallest code, the first bad column (its kind below it) */
+    for (int c = lo + threadIdx.x; c < hi; c += blockDim.x) {
+        const float v = ld_row(x, dt, base + c);
+        const int32_t code = kd_rule_logit_code(v, c);
+        if (code && code < p.bad) p.bad = code;
+        if (p.i == AM_NONE || beats(v, c, p.v, p.i)) { p.v = v; p.i = c; }
+    }
+    p = am_warp_merge(p);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) sp[warp] = p;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int nw = (blockDim.x + 31) >> 5;
-        for (int w = 1; w < nw; w++) {
-            bad = min(bad, sbad[w]);
-            if (si[w] != 0x7fffffff && (bi == 0x7fffffff || beats(sv[w], si[w], bv, bi))) { bv = sv[w]; bi = si[w]; }
-        }
-        out[blockIdx.x] = bad != 0x7fffffff ? -bad : bi == 0x7fffffff ? 0 : bi;
+    if (warp == 0) {
+        p = lane < (int)(blockDim.x >> 5) ? sp[lane] : am_part{NAN, AM_NONE, AM_NONE};
+        p = am_warp_merge(p);
+        if (lane == 0) part[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = p;
     }
+}
+
+/* one warp per row: the row's argmax, or -code of its first NaN / +inf column (sample_rule.h) */
+__global__ void argmax_merge_kernel(const am_part *part, int nparts, int rows, int32_t *out) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= rows) return;   /* whole warps */
+    am_part p = {NAN, AM_NONE, AM_NONE};
+    for (int j = lane; j < nparts; j += 32) am_merge(p, part[(size_t)row * nparts + j]);
+    p = am_warp_merge(p);
+    if (lane == 0) out[row] = p.bad != AM_NONE ? -p.bad : p.i == AM_NONE ? 0 : p.i;
 }
 
 /* order-preserving key: larger value -> larger key; NaN lowest; -0 == +0 */
@@ -379,8 +401,18 @@ extern "C" kd_status kd_cuda_argmax(kd_backend *be, kd_act x, int32_t *out) {
     KD_TRY(check_rows("argmax", x));
     if (!x.rows) return KD_OK;
     if (!out) return kd_fail(KD_ERR_ARG, "cuda argmax: out is NULL");
-    argmax_kernel<<<x.rows, ROW_THREADS, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, out);
-    KD_CUDA_LAUNCH("argmax_kernel");
+    const int nparts = (x.cols + AM_SLICE - 1) / AM_SLICE;
+    const int chunk = x.rows < 65535 ? x.rows : 65535;   /* rows on grid.y */
+    am_part *part = NULL;
+    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, (size_t)chunk * nparts * sizeof(am_part), (void **)&part));
+    for (int r0 = 0; r0 < x.rows; r0 += chunk) {
+        const kd_act xr = kd_act_rows(x, r0, x.rows - r0 < chunk ? x.rows - r0 : chunk);
+        argmax_part_kernel<<<dim3((unsigned)nparts, (unsigned)xr.rows), 256, 0, c->stream>>>(xr.data, xr.dtype, xr.ld,
+                                                                                         xr.cols, part);
+        KD_CUDA_LAUNCH("argmax_part_kernel");
+        argmax_merge_kernel<<<(xr.rows + 7) / 8, 256, 0, c->stream>>>(part, nparts, xr.rows, out + r0);
+        KD_CUDA_LAUNCH("argmax_merge_kernel");
+    }
     return KD_OK;
 }
 

@@ -415,15 +415,22 @@ describe("CUDA ops against the CPU twins #gpu", function()
           function(tb, out) return C.kd_test_log_softmax(tb, x, r, c, out) end, TOL_LSM)
       end
     end)
-    it("argmax with planted ties (lower id wins)", function()
+    it("argmax with planted ties (lower id wins), across the blocks a row is split into", function()
       O.seed(19)
-      local r, c = 4, 163840
-      local x = O.rand_floats(r * c)
-      x[0 * c + 70000] = 50; x[0 * c + 9000] = 50      -- tie: 9000 wins
-      x[1 * c + c - 1] = 60                             -- last column
-      for i = 0, c - 1 do x[2 * c + i] = 1.5 end         -- all equal: 0
-      x[3 * c + 5] = 0 / 0; x[3 * c + 9] = 1 / 0         -- the first NaN / +inf column: -code
-      exact("argmax 4x163840 (ties, NaN, +inf)", r, function(tb, out) return C.kd_test_argmax(tb, x, r, c, out) end, "int32_t")
+      -- widths: the vocabulary (20 blocks of 8192 ids), one id past a block, under one block
+      for _, c in ipairs({ 163840, 8193, 33 }) do
+        local r = 6
+        local x = O.rand_floats(r * c)
+        local far, near = math.floor(c * 0.43), math.floor(c * 0.06)
+        x[0 * c + far] = 50; x[0 * c + near] = 50          -- tie in two blocks: near wins
+        x[1 * c + c - 1] = 60                              -- last column
+        for i = 0, c - 1 do x[2 * c + i] = 1.5 end          -- all equal: 0
+        x[3 * c + 5] = 0 / 0; x[3 * c + 9] = 1 / 0          -- the first NaN / +inf column: -code
+        x[4 * c + far] = 1 / 0; x[4 * c + near] = 0 / 0     -- the first bad column in an earlier block
+        x[5 * c + far] = 0 / 0; x[5 * c + c - 1] = 1 / 0    -- NaN before +inf, blocks apart
+        exact(string.format("argmax %dx%d (ties, NaN, +inf)", r, c), r,
+          function(tb, out) return C.kd_test_argmax(tb, x, r, c, out) end, "int32_t")
+      end
     end)
     it("topk with planted ties: values desc, equal values lower id first", function()
       O.seed(20)
