@@ -12,15 +12,20 @@
  *              depths and ancestor masks afterwards (one row per thread).
  * tree_stage   root token and positions (pos0 + depth); optionally the verify forward's
  *              inputs (ids, positions, mask) into the sequence's scratch.
- * sample_rows  the keyed sampling rule (core/sample.c) with one block per row. Masses are
- *              integers (sample_rule.h, the same code as the host) summed exactly in 128
- *              bits, so the parallel sums equal the host's sequential ones. min-p zeroes
- *              the masses below its floor. The cut of top-k / top-p (the last kept element
- *              of the order logit descending, id ascending) comes from one pass of a
- *              histogram by distance below the row max (counts, and masses for top-p),
- *              then the ids of the one or few bins that hold it, sorted in shared memory
- *              (cut_by_bins: at most 4 passes over the row in all; 3 when every kept id
- *              is gathered, which draws from shared memory); rows whose bins are too
+ * sample_rows  the keyed sampling rule (core/sample.c). Masses are integers (sample_rule.h,
+ *              the same code as the host) summed exactly in 128 bits, so the parallel sums
+ *              equal the host's sequential ones whatever their grouping. The row-wide passes
+ *              that need no cut run over several blocks per row (SMP_SLICE ids each), as one
+ *              block's pass over a 163840-id row is latency-bound: each slice's max and first
+ *              NaN / +inf id, and without top-k / top-p each slice's mass; then one block per
+ *              row merges them, and a draw without a cut searches only the slice where the
+ *              prefix crosses its target. min-p zeroes the masses below its floor. The
+ *              cut of top-k / top-p (the last kept element of the order logit descending,
+ *              id ascending) comes from one pass of a histogram by distance below the row
+ *              max (counts, and masses for top-p), then the ids of the one or few bins that
+ *              hold it, sorted in shared memory (cut_by_bins: at most 3 passes of one block
+ *              over the row after the max; 2 when every kept id is gathered, which draws
+ *              from shared memory); rows whose bins are too
  *              crowded (ties) fall back to radix passes on the logit's 32-bit key
  *              (cut_by_radix). Prefix searches (the draw, and the radix path's last kept
  *              id among equal logits) sum tiles, find the crossing tile by one block scan
@@ -45,6 +50,7 @@ constexpr int SMP_TILES = SMP_THREADS;    /* a prefix search's segments: one per
 constexpr int SMP_BINS = 1024;            /* the cut's fast path: bins below the row max ... */
 constexpr double SMP_SPAN = 44.0;         /* ... covering x/T in [m/T - 44, m/T] (below: every mass is 0) */
 constexpr int SMP_CAP = 2048;             /* ... and at most this many ids in the bins that hold the cut */
+constexpr int SMP_SLICE = 8192;           /* ids per block of the row-wide passes (max, mass) */
 constexpr int WALK_THREADS = 256;
 constexpr unsigned FULL = 0xffffffffu;
 
@@ -297,8 +303,6 @@ __device__ __forceinline__ kd_u128 warp_sum_u128(kd_u128 v) {
  * of the bins that hold the cut, sorted in place; tiles: the prefix searches' segment sums. */
 struct smp_shared {
     unsigned long long wlo[SMP_WARPS], whi[SMP_WARPS];   /* per-warp u128 partials */
-    float redf[32];
-    int redi[32];
     unsigned int hcnt[256];                              /* radix histograms: counts (fallback) */
     unsigned long long hlo[256], hhi[256];               /* radix histograms: masses (fallback) */
     unsigned int bcnt[SMP_BINS];                         /* fast path: counts by bin */
@@ -358,26 +362,21 @@ __device__ kd_u128 block_excl_scan_u128(kd_u128 v, kd_u128 *total, smp_shared &s
     return kd_u128_sub(kd_u128_add(before, incl), v);
 }
 
-__device__ int block_min_int(int v, smp_shared &sh) {
+/* the block's max of m and min of bad, on every thread (blocks of SMP_THREADS) */
+__device__ void block_max_bad(float &m, int &bad) {
+    __shared__ float rf[SMP_WARPS];
+    __shared__ int ri[SMP_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(FULL, v, o));
+    for (int o = 16; o > 0; o >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+        bad = min(bad, __shfl_xor_sync(FULL, bad, o));
+    }
+    __syncthreads();                     /* the previous users of rf / ri are done */
+    if (lane == 0) { rf[warp] = m; ri[warp] = bad; }
     __syncthreads();
-    if (lane == 0) sh.redi[warp] = v;
-    __syncthreads();
-    int r = INT_MAX;
-    for (int w = 0; w < SMP_WARPS; w++) r = min(r, sh.redi[w]);
-    return r;
-}
-
-__device__ float block_max_float(float v, smp_shared &sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
-    __syncthreads();
-    if (lane == 0) sh.redf[warp] = v;
-    __syncthreads();
-    float r = -INFINITY;
-    for (int w = 0; w < SMP_WARPS; w++) r = fmaxf(r, sh.redf[w]);
-    return r;
+    m = -INFINITY;
+    bad = INT_MAX;
+    for (int w = 0; w < SMP_WARPS; w++) { m = fmaxf(m, rf[w]); bad = min(bad, ri[w]); }
 }
 
 /* exact add of a u128 mass into bucket b of (lo, hi) (low word atomically, its carry into the high word) */
@@ -793,25 +792,77 @@ __device__ void cut_by_radix(const float *xr, int V, const smp_mass &mass, int t
                            [&](kd_u128) { return kd_u128_of(c - 1); }, V, sh);
 }
 
+/* a slice's max over its finite logits, and its first NaN / +inf id (INT_MAX: none) */
+struct smp_max_part { float m; int bad; };
+
+/* the row's max and first bad id from its S slices' parts, on every thread */
+__device__ void row_max_bad(const smp_max_part *p, int S, float &m, int &bad) {
+    m = -INFINITY;
+    bad = INT_MAX;
+    for (int j = threadIdx.x; j < S; j += SMP_THREADS) { m = fmaxf(m, p[j].m); bad = min(bad, p[j].bad); }
+    block_max_bad(m, bad);
+}
+
+/* slice blockIdx.x of row blockIdx.y: its max part, into pm (rows x gridDim.x) */
+__global__ void __launch_bounds__(SMP_THREADS) smp_max_kernel(const float *x, long long ld, int V, smp_max_part *pm) {
+    const float *xr = x + (size_t)blockIdx.y * (size_t)ld;
+    const int lo = blockIdx.x * SMP_SLICE, hi = min(V, lo + SMP_SLICE);
+    float m = -INFINITY;
+    int bad = INT_MAX;
+    for (int i = lo + threadIdx.x; i < hi; i += SMP_THREADS) {
+        const float v = xr[i];
+        if (v != v || v == INFINITY) bad = min(bad, i);
+        else m = fmaxf(m, v);
+    }
+    block_max_bad(m, bad);
+    if (threadIdx.x == 0) pm[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = smp_max_part{m, bad};
+}
+
+/* for a sampler without top-k / top-p: slice blockIdx.x of row blockIdx.y's mass, into pw
+ * (rows x gridDim.x u128 as lo, hi pairs); rows with a bad logit or no finite one are left out
+ * (sample_rows_kernel reports them without reading pw) */
+__global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, long long ld, int V, double T,
+                                                               uint64_t qmin, const smp_max_part *pm,
+                                                               unsigned long long *pw) {
+    __shared__ unsigned long long wlo[SMP_WARPS], whi[SMP_WARPS];
+    const int S = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float m;
+    int bad;
+    row_max_bad(pm + (size_t)blockIdx.y * S, S, m, bad);
+    if (bad != INT_MAX || m == -INFINITY) return;   /* the whole block */
+    const smp_mass mass = { m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
+    const float *xr = x + (size_t)blockIdx.y * (size_t)ld;
+    const int lo = blockIdx.x * SMP_SLICE, hi = min(V, lo + SMP_SLICE);
+    kd_u128 acc = u128_zero();
+    for (int i = lo + threadIdx.x; i < hi; i += SMP_THREADS) acc = kd_u128_add64(acc, mass(xr[i]));
+    acc = warp_sum_u128(acc);
+    if (lane == 0) { wlo[warp] = acc.lo; whi[warp] = acc.hi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        kd_u128 r = u128_zero();
+        for (int w = 0; w < SMP_WARPS; w++) { kd_u128 v; v.lo = wlo[w]; v.hi = whi[w]; r = kd_u128_add(r, v); }
+        const size_t o = 2 * ((size_t)blockIdx.y * S + blockIdx.x);
+        pw[o] = r.lo;
+        pw[o + 1] = r.hi;
+    }
+}
+
+/* One block per row, after smp_max_kernel (pm) and, without a cut, smp_mass_kernel (pw), over
+ * S slices a row */
 __global__ void __launch_bounds__(SMP_THREADS) sample_rows_kernel(const float *x, long long ld, int V, double T,
                                                                    int top_k, float top_p, uint64_t qmin, uint64_t seed,
-                                                                   const int32_t *pos, int pos_offset, int32_t *out,
-                                                                   int32_t *code) {
+                                                                   const smp_max_part *pm, const unsigned long long *pw,
+                                                                   int S, const int32_t *pos, int pos_offset,
+                                                                   int32_t *out, int32_t *code) {
     extern __shared__ double sel_smem[];
     smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
     const int tid = threadIdx.x, row = blockIdx.x;
     const float *xr = x + (size_t)row * (size_t)ld;
 
     /* 1. validate; the row max */
-    float m = -INFINITY;
-    int bad = INT_MAX;
-    for (int i = tid; i < V; i += SMP_THREADS) {
-        float v = xr[i];
-        if (v != v || v == INFINITY) bad = min(bad, i);
-        else m = fmaxf(m, v);
-    }
-    m = block_max_float(m, sh);
-    bad = block_min_int(bad, sh);
+    float m;
+    int bad;
+    row_max_bad(pm + (size_t)row * S, S, m, bad);
     if (bad != INT_MAX || m == -INFINITY) {
         if (tid == 0) {
             int32_t c = KD_SAMPLE_ERR_ALLNEG;
@@ -835,13 +886,47 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_rows_kernel(const float *x
     const bool cut = topk || topp;
 
     /* 3. the draw: the first kept id (ascending) whose prefix mass exceeds floor(U W / 2^53);
-     *    from shared memory when every kept id is a gathered candidate, else a pass over the row */
+     *    from shared memory when every kept id is a gathered candidate; without a cut, in the
+     *    slice where the slices' prefix crosses it; else a pass over the row */
     const uint64_t U = kd_rule_u53(seed, (int64_t)pos[row] + pos_offset);
+    if (!cut) {
+        if (tid == 0) {   /* S u128 sums: few next to the slice's search */
+            const unsigned long long *w = pw + 2 * (size_t)row * S;
+            kd_u128 W = u128_zero();
+            for (int j = 0; j < S; j++) { kd_u128 v; v.lo = w[2 * j]; v.hi = w[2 * j + 1]; W = kd_u128_add(W, v); }
+            const kd_u128 target = kd_rule_target(U, W);   /* < W */
+            kd_u128 before = u128_zero();
+            int j = 0;
+            for (;; j++) {
+                kd_u128 v; v.lo = w[2 * j]; v.hi = w[2 * j + 1];
+                const kd_u128 after = kd_u128_add(before, v);
+                if (kd_u128_lt(target, after) || j == S - 1) break;
+                before = after;
+            }
+            const kd_u128 rest = kd_u128_sub(target, before);   /* the target inside slice j */
+            sh.first = j;
+            sh.sel_lo = rest.lo;
+            sh.sel_hi = rest.hi;
+        }
+        __syncthreads();
+        const int lo = sh.first * SMP_SLICE;
+        kd_u128 rest;
+        rest.lo = sh.sel_lo;
+        rest.hi = sh.sel_hi;
+        /* first_exceeding's own barriers come before it writes sh.sel_lo / hi */
+        const int i = first_exceeding([&](int k) { return kd_u128_of(mass(xr[lo + k])); },
+                                      [&](kd_u128) { return rest; }, min(V, lo + SMP_SLICE) - lo, sh);
+        if (tid == 0) {
+            out[row] = i < 0 ? -1 : lo + i;
+            code[row] = 0;
+        }
+        return;
+    }
     const int tok = nkept > 0 ? draw_from_candidates(xr, nkept, mass, U, sh) : first_exceeding(
         [&](int i) {
             const float v = xr[i];
             const uint32_t key = okey(v);
-            const bool kept = !cut || key > ckey || (key == ckey && i <= cid);
+            const bool kept = key > ckey || (key == ckey && i <= cid);
             return kd_u128_of(kept ? mass(v) : 0u);
         },
         [&](kd_u128 W) { return kd_rule_target(U, W); }, V, sh);
@@ -896,11 +981,31 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
     if (!x.rows) return KD_OK;
     if (!pos || !out || !code) return kd_fail(KD_ERR_ARG, "cuda sample_rows: positions / out / code are NULL");
     KD_TRY(kd_cuda_smem(c, (const void *)sample_rows_kernel, SMP_SMEM));
-    sample_rows_kernel<<<x.rows, SMP_THREADS, SMP_SMEM, c->stream>>>((const float *)x.data, x.ld, x.cols,
-                                                                     (double)sp->temperature, sp->top_k, sp->top_p,
-                                                                     kd_rule_min_p_floor(sp->min_p), sp->seed, pos,
-                                                                     pos_offset, out, code);
-    KD_CUDA_LAUNCH("sample_rows_kernel");
+    const bool cut = (sp->top_k > 0 && sp->top_k < x.cols) || (sp->top_p > 0.0f && sp->top_p < 1.0f);
+    const double T = (double)sp->temperature;
+    const uint64_t qmin = kd_rule_min_p_floor(sp->min_p);
+    const int S = (x.cols + SMP_SLICE - 1) / SMP_SLICE;
+    const int chunk = x.rows < 65535 ? x.rows : 65535;   /* rows on grid.y */
+    const size_t nparts = (size_t)chunk * S;
+    void *ws = NULL;   /* the masses first: 8-byte aligned */
+    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, nparts * (2 * sizeof(unsigned long long) + sizeof(smp_max_part)), &ws));
+    unsigned long long *pw = (unsigned long long *)ws;
+    smp_max_part *pm = (smp_max_part *)(pw + 2 * nparts);
+    for (int r0 = 0; r0 < x.rows; r0 += chunk) {
+        const kd_act xr = kd_act_rows(x, r0, x.rows - r0 < chunk ? x.rows - r0 : chunk);
+        const float *xd = (const float *)xr.data;
+        const dim3 grid((unsigned)S, (unsigned)xr.rows);
+        smp_max_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, pm);
+        KD_CUDA_LAUNCH("smp_max_kernel");
+        if (!cut) {
+            smp_mass_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, T, qmin, pm, pw);
+            KD_CUDA_LAUNCH("smp_mass_kernel");
+        }
+        sample_rows_kernel<<<xr.rows, SMP_THREADS, SMP_SMEM, c->stream>>>(xd, xr.ld, xr.cols, T, sp->top_k, sp->top_p,
+                                                                          qmin, sp->seed, pm, pw, S, pos + r0,
+                                                                          pos_offset, out + r0, code + r0);
+        KD_CUDA_LAUNCH("sample_rows_kernel");
+    }
     return KD_OK;
 }
 
