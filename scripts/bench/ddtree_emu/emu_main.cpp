@@ -2,9 +2,7 @@
  * under the SIMT emulation of inc/cuda_internal.cuh and compares them with the host code. */
 #include "cuda_internal.cuh"
 #include "sample_rule.h"
-#include <thread>
 #include <vector>
-#include <memory>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -13,28 +11,10 @@ extern "C" {
 #include "sample.h"
 kd_status kd_cpu_tree_walk(kd_backend *be, const kd_dtree *t, int n, int sampled);
 }
-thread_local emu_dim threadIdx, blockIdx;
-emu_dim blockDim, gridDim;
-std::barrier<> *emu_block_bar;
-std::barrier<> *emu_warp_bar[64];
-uint64_t emu_xbuf[64][32];
-std::mutex emu_atomic_mu;
+#include "emu_runtime.h"
 static double emu_dyn_buf[240000 / 8];
 static double *emu_dyn_smem = emu_dyn_buf;
 #include "kernels.inc"
-
-template <class F> static void launch(int grid, int block, F f) {
-    blockDim.x = block; gridDim.x = grid;
-    for (int b = 0; b < grid; b++) {
-        std::barrier<> bar(block);
-        emu_block_bar = &bar;
-        std::vector<std::unique_ptr<std::barrier<>>> wb;
-        for (int w = 0; w < block / 32; w++) { wb.emplace_back(new std::barrier<>(32)); emu_warp_bar[w] = wb.back().get(); }
-        std::vector<std::thread> th;
-        for (int t = 0; t < block; t++) th.emplace_back([&, t, b] { threadIdx.x = t; blockIdx.x = b; f(); });
-        for (auto &x : th) x.join();
-    }
-}
 
 static uint64_t rs = 88172645463325252ull;
 static double urand() { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (rs >> 11) * 0x1.0p-53; }
@@ -58,9 +38,17 @@ static void test_sample(int V, int kind, const kd_sampler &sp, int rows) {
     if (kind == 2 && rows > 1) { x[V + 5] = NAN; }
     std::vector<int32_t> pos(rows), out(rows, -7), code(rows, -7);
     for (int r = 0; r < rows; r++) pos[r] = (int32_t)(urand() * 100000);
+    /* as kd_cuda_sample_rows launches them */
+    const bool cut = (sp.top_k > 0 && sp.top_k < V) || (sp.top_p > 0.0f && sp.top_p < 1.0f);
+    const int S = (V + SMP_SLICE - 1) / SMP_SLICE;
+    const uint64_t qmin = kd_rule_min_p_floor(sp.min_p);
+    std::vector<smp_max_part> pm((size_t)rows * S);
+    std::vector<unsigned long long> pw(2 * (size_t)rows * S, 0xdeadull);   /* rows left out keep this */
+    launch(S, SMP_THREADS, [&] { smp_max_kernel(x.data(), V, V, pm.data()); }, rows);
+    if (!cut) launch(S, SMP_THREADS, [&] { smp_mass_kernel(x.data(), V, V, (double)sp.temperature, qmin, pm.data(), pw.data()); }, rows);
     launch(rows, SMP_THREADS, [&] {
-        sample_rows_kernel(x.data(), V, V, (double)sp.temperature, sp.top_k, sp.top_p, kd_rule_min_p_floor(sp.min_p),
-                           sp.seed, pos.data(), 0, out.data(), code.data());
+        sample_rows_kernel(x.data(), V, V, (double)sp.temperature, sp.top_k, sp.top_p, qmin, sp.seed, pm.data(),
+                           pw.data(), S, pos.data(), 0, out.data(), code.data());
     });
     std::vector<uint64_t> q(V);
     std::vector<int32_t> a(V);
@@ -129,7 +117,8 @@ static void test_tree(int L, int V, int B, int kind) {
     }
 }
 
-/* default: trees, walks and a quick sampling matrix (minutes); "full": every setting at
+/* default: trees, walks and a quick sampling matrix (minutes); "slices": rows of 8193 and 20000
+ * ids (2-3 slices of the max and mass passes), with and without a cut; "full": every setting at
  * V = 10, 333, 1000 and 45 settings at V = 163840 (~20 minutes on 2 cores); "samples": the
  * quick sampling matrix alone; "trees": the trees and walks alone; "crowded": rows of V = 12000
  * whose bins below the max hold more than 2048 ids (ties, all equal: the radix path) or fewer
@@ -137,7 +126,13 @@ static void test_tree(int L, int V, int B, int kind) {
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
     const char *mode = argc > 1 ? argv[1] : "";
-    const bool full = !strcmp(mode, "full"), crowded = !strcmp(mode, "crowded");
+    const bool full = !strcmp(mode, "full"), crowded = !strcmp(mode, "crowded"), slices = !strcmp(mode, "slices");
+    if (slices)   /* rows of several 8192-id slices: the multi-block max and mass passes, and a draw in one slice */
+        for (int V : {8193, 20000})
+            for (int kind = 0; kind < 5; kind++)
+                for (kd_sampler sp : {kd_sampler{1.0f, 0, 0.0f, 21, 0.0f}, kd_sampler{0.7f, 0, 0.0f, 22, 0.05f},
+                                      kd_sampler{1.0f, 40, 0.9f, 23, 0.0f}})
+                    test_sample(V, kind, sp, 2);
     const bool trees = !strcmp(mode, "") || full || !strcmp(mode, "trees");
     const bool samples = !strcmp(mode, "") || full || !strcmp(mode, "samples");
     if (crowded)

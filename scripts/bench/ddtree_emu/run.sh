@@ -8,18 +8,21 @@
 #   emu_main.cpp           launches tree_select, tree_walk and sample_rows_kernel and checks
 #                          them against kd_tree_select_host + kd_tree_mask, the CPU twin of
 #                          tree_walk, and kd_sample_row_code (the engine's objects, CPU build)
-# Usage (repo root): scripts/bench/ddtree_emu/run.sh [full|samples|trees|crowded]   (default: a few minutes; full: every
+# Usage (repo root): scripts/bench/ddtree_emu/run.sh [full|samples|trees|crowded|slices]   (default: a few minutes; full: every
 # sampling setting and V = 163840 rows, ~20 minutes on 2 cores: 512 OS threads per emulated block)
+# EMU_LIB=DIR links the engine's objects of a build there (libkdtree_internal.a, engine.flags).
+# spec/ddtree_emu_spec.lua runs the slices form in CI.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../.." && pwd)
 out=${EMU_BUILD:-/tmp/kd_ddtree_emu}
 mkdir -p "$out"
 # the engine's objects (the host definitions are internal: libkdtree.so exports only kdtree.h)
-make -s -C "$root" BUILD="$out/lib" CUDA=0 "$out/lib/libkdtree_internal.a"
+lib=${EMU_LIB:-$out/lib}
+[ -n "${EMU_LIB:-}" ] || make -s -C "$root" BUILD="$lib" CUDA=0 "$lib/libkdtree_internal.a"
 # the kernels: the anonymous namespace of ddtree.cu, dynamic shared memory from a host buffer
 sed -n '/^namespace {/,/^}  \/\/ namespace/p' "$root/cuda/ddtree.cu" |
   sed 's/extern __shared__ double sel_smem\[\];/double *sel_smem = emu_dyn_smem;/' > "$out/kernels.inc"
 g++ -std=c++20 -O1 -pthread -I"$here/inc" -I"$out" -I"$root/core" -o "$out/emu" "$here/emu_main.cpp" \
-  "$out/lib/libkdtree_internal.a" $(cat "$out/lib/engine.flags")
+  "$lib/libkdtree_internal.a" $(cat "$lib/engine.flags")
 "$out/emu" "${1:-}"

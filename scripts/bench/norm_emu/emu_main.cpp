@@ -2,48 +2,12 @@
  * (kernels.inc, extracted by run.sh) under the SIMT emulation of ddtree_emu/inc/cuda_internal.cuh:
  * add_rmsnorm_kernel must give the bits of the add followed by the norm, and the CPU twin's values. */
 #include "cuda_internal.cuh"
-extern "C" {
-#include "cpu/cpu.h"
-}
+#include "emu_half.h"
 #include <cstdio>
-#include <memory>
-#include <thread>
 #include <vector>
-
-/* the device's 16-bit floats, as the bits they store (round to nearest even, as the intrinsics) */
-struct bf16 { uint16_t bits; };
-struct __half { uint16_t bits; };
-inline float __bfloat162float(bf16 h) { return kd_bf16_to_f32(h.bits); }
-inline bf16 __float2bfloat16(float f) { return bf16{kd_f32_to_bf16(f)}; }
-inline float __half2float(__half h) { return kd_f16_to_f32(h.bits); }
-inline __half __float2half(float f) { return __half{kd_f32_to_f16(f)}; }
 #include "helpers.inc"
-
-thread_local emu_dim threadIdx, blockIdx;
-emu_dim blockDim, gridDim;
-std::barrier<> *emu_block_bar;
-std::barrier<> *emu_warp_bar[64];
-uint64_t emu_xbuf[64][32];
-std::mutex emu_atomic_mu;
+#include "emu_runtime.h"
 #include "kernels.inc"
-
-/* blocks one after another (__shared__ is static), one OS thread per CUDA thread */
-template <class F> static void launch(int grid, int block, F f) {
-    blockDim.x = block;
-    gridDim.x = grid;
-    for (int b = 0; b < grid; b++) {
-        std::barrier<> bar(block);
-        emu_block_bar = &bar;
-        std::vector<std::unique_ptr<std::barrier<>>> wb;
-        for (int w = 0; w < (block + 31) / 32; w++) {
-            wb.emplace_back(new std::barrier<>(block - 32 * w < 32 ? block - 32 * w : 32));
-            emu_warp_bar[w] = wb.back().get();
-        }
-        std::vector<std::thread> th;
-        for (int t = 0; t < block; t++) th.emplace_back([&, t, b] { threadIdx.x = t; blockIdx.x = b; f(); });
-        for (auto &x : th) x.join();
-    }
-}
 
 /* rmsnorm's block size (kd_cuda_rmsnorm, kd_cuda_add_rmsnorm in norm_rope.cu) */
 static int threads_for(int d) { return d >= 1024 ? 256 : d >= 256 ? 128 : d >= 64 ? 64 : 32; }
