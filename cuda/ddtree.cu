@@ -379,6 +379,17 @@ __device__ void block_max_bad(float &m, int &bad) {
     for (int w = 0; w < SMP_WARPS; w++) { m = fmaxf(m, rf[w]); bad = min(bad, ri[w]); }
 }
 
+/* a slice's max over its finite logits, and its first NaN / +inf id (INT_MAX: none) */
+struct smp_max_part { float m; int bad; };
+
+/* the row's max and first bad id from its S slices' parts, on every thread */
+__device__ void row_max_bad(const smp_max_part *p, int S, float &m, int &bad) {
+    m = -INFINITY;
+    bad = INT_MAX;
+    for (int j = threadIdx.x; j < S; j += SMP_THREADS) { m = fmaxf(m, p[j].m); bad = min(bad, p[j].bad); }
+    block_max_bad(m, bad);
+}
+
 /* exact add of a u128 mass into bucket b of (lo, hi) (low word atomically, its carry into the high word) */
 __device__ __forceinline__ void u128_atomic_add(unsigned long long *lo, unsigned long long *hi, int b, kd_u128 m) {
     if (m.lo == 0 && m.hi == 0) return;
@@ -503,34 +514,52 @@ __device__ void bitonic_sort(unsigned long long *a, int np, bool descending) {
         }
 }
 
-/* The fast path of the cut (top-k and / or top-p): the row's ids by bin = the distance below the
- * max in steps of SPAN * T / (SMP_BINS - 1) (the last bin holds the rest: its masses are all 0,
- * as the mass of x/T - m/T < -43.99 truncates to 0). A bin is monotone in the logit, so the
- * order of the row (logit descending, id ascending) visits the bins in ascending order; one
- * pass of counts (and masses for top-p without a small top-k) finds the bins [lo, hi] that can
- * hold the cut, a second pass gathers their ids, and they are sorted in shared memory. Returns false (the radix path
- * decides) when those bins hold more than SMP_CAP ids (e.g. a row of equal logits). */
-__device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp_mass &mass, int top_k, float top_p,
-                            bool topk, bool topp, uint32_t *ckey, int *cid, int *nkept, smp_shared &sh) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float bscale = (float)fmin((double)(SMP_BINS - 1) / (SMP_SPAN * T), 1e30);
-    auto bin_of = [&](float v) -> int {   /* non-increasing in v; equal logits (+0 and -0 too) share a bin */
+/* a logit's bin = its distance below the row max m in steps of SPAN * T / (SMP_BINS - 1); the last
+ * bin holds the rest (their masses are all 0, as the mass of x/T - m/T < -43.99 truncates to 0).
+ * Non-increasing in the logit; equal logits (+0 and -0 too) share a bin. */
+struct smp_binner {
+    float m, bscale;
+    __device__ smp_binner(float m_, double T) : m(m_), bscale((float)fmin((double)(SMP_BINS - 1) / (SMP_SPAN * T), 1e30)) {}
+    __device__ __forceinline__ int operator()(float v) const {
         const float d = m - v;
         if (d == 0.0f) return 0;
         const float s = d * bscale;
         return s < (float)(SMP_BINS - 1) ? (int)s : SMP_BINS - 1;
-    };
-    /* masses by bin for top-p, unless top-k is small: then the bins before the k-th's hold fewer
-     * than SMP_CAP / 2 ids, all gathered (no exp over the rest of the row) */
-    const bool bin_mass = topp && (!topk || top_k > SMP_CAP / 2);
-    for (int b = tid; b < SMP_BINS; b += SMP_THREADS) { sh.bcnt[b] = 0; sh.blo[b] = 0; sh.bhi[b] = 0; }
+    }
+};
+
+/* masses by bin for top-p, unless top-k is small: then the bins before the k-th's hold fewer than
+ * SMP_CAP / 2 ids, all gathered (no exp over the rest of the row) */
+__host__ __device__ __forceinline__ bool smp_bin_mass(bool topk, bool topp, int top_k) {
+    return topp && (!topk || top_k > SMP_CAP / 2);
+}
+
+/* For a sampler with top-k / top-p: slice blockIdx.x of row blockIdx.y's counts by bin (all but
+ * the last bin's) and, where smp_bin_mass, masses by bin, added into the row's SMP_BINS entries of
+ * gcnt / glo / ghi (zeroed by the caller; integer sums, so the order of the adds does not matter);
+ * a warp whose lanes share a bin adds once. Rows with a bad logit or no finite one are left out. */
+__global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, long long ld, int V, double T,
+                                                               uint64_t qmin, bool bin_mass, const smp_max_part *pm,
+                                                               unsigned int *gcnt, unsigned long long *glo,
+                                                               unsigned long long *ghi) {
+    __shared__ unsigned int bcnt[SMP_BINS];
+    __shared__ unsigned long long blo[SMP_BINS], bhi[SMP_BINS];
+    const int tid = threadIdx.x, lane = tid & 31, S = gridDim.x;
+    float m;
+    int bad;
+    row_max_bad(pm + (size_t)blockIdx.y * S, S, m, bad);
+    if (bad != INT_MAX || m == -INFINITY) return;   /* the whole block */
+    const smp_mass mass = { m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
+    const smp_binner bin_of(m, T);
+    for (int b = tid; b < SMP_BINS; b += SMP_THREADS) { bcnt[b] = 0; blo[b] = 0; bhi[b] = 0; }
     __syncthreads();
-    /* 1. counts (all but the last bin's) and masses by bin; a warp whose lanes share a bin adds once */
-    for (int i0 = 0; i0 < V; i0 += SMP_THREADS) {
+    const float *xr = x + (size_t)blockIdx.y * (size_t)ld;
+    const int lo = blockIdx.x * SMP_SLICE, hi = min(V, lo + SMP_SLICE);
+    for (int i0 = lo; i0 < hi; i0 += SMP_THREADS) {   /* whole warps iterate together: the ballot below */
         const int i = i0 + tid;
         int b = SMP_BINS - 1;
         uint64_t q = 0;
-        if (i < V) {
+        if (i < hi) {
             const float v = xr[i];
             b = bin_of(v);
             if (bin_mass && b < SMP_BINS - 1) q = mass(v);
@@ -540,14 +569,39 @@ __device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp
         if (__ballot_sync(FULL, counted && b == b0) == FULL) {
             const kd_u128 s = warp_sum_u128(kd_u128_of(q));
             if (lane == 0) {
-                atomicAdd(&sh.bcnt[b0], 32u);
-                u128_atomic_add(sh.blo, sh.bhi, b0, s);
+                atomicAdd(&bcnt[b0], 32u);
+                u128_atomic_add(blo, bhi, b0, s);
             }
         } else if (counted) {
-            atomicAdd(&sh.bcnt[b], 1u);
-            u128_atomic_add(sh.blo, sh.bhi, b, kd_u128_of(q));
+            atomicAdd(&bcnt[b], 1u);
+            u128_atomic_add(blo, bhi, b, kd_u128_of(q));
         }
     }
+    __syncthreads();
+    const size_t o = (size_t)blockIdx.y * SMP_BINS;
+    for (int b = tid; b < SMP_BINS; b += SMP_THREADS) {
+        if (bcnt[b]) atomicAdd(&gcnt[o + b], bcnt[b]);
+        kd_u128 v;
+        v.lo = blo[b];
+        v.hi = bhi[b];
+        u128_atomic_add(glo + o, ghi + o, b, v);
+    }
+}
+
+/* The fast path of the cut (top-k and / or top-p). A bin (smp_binner) is monotone in the logit,
+ * so the order of the row (logit descending, id ascending) visits the bins in ascending order;
+ * the row's counts (and masses for top-p without a small top-k) by bin, from smp_bins_kernel,
+ * find the bins [lo, hi] that can hold the cut, a pass over the row gathers their ids, and they
+ * are sorted in shared memory. Returns false (the radix path decides) when those bins hold more
+ * than SMP_CAP ids (e.g. a row of equal logits). */
+__device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp_mass &mass, int top_k, float top_p,
+                            bool topk, bool topp, const unsigned int *gcnt, const unsigned long long *glo,
+                            const unsigned long long *ghi, uint32_t *ckey, int *cid, int *nkept, smp_shared &sh) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const smp_binner bin_of(m, T);
+    const bool bin_mass = smp_bin_mass(topk, topp, top_k);
+    /* 1. the row's counts and masses by bin */
+    for (int b = tid; b < SMP_BINS; b += SMP_THREADS) { sh.bcnt[b] = gcnt[b]; sh.blo[b] = glo[b]; sh.bhi[b] = ghi[b]; }
     __syncthreads();
     /* 2. warp 0 finds the candidate bins */
     if (warp == 0) {
@@ -792,17 +846,6 @@ __device__ void cut_by_radix(const float *xr, int V, const smp_mass &mass, int t
                            [&](kd_u128) { return kd_u128_of(c - 1); }, V, sh);
 }
 
-/* a slice's max over its finite logits, and its first NaN / +inf id (INT_MAX: none) */
-struct smp_max_part { float m; int bad; };
-
-/* the row's max and first bad id from its S slices' parts, on every thread */
-__device__ void row_max_bad(const smp_max_part *p, int S, float &m, int &bad) {
-    m = -INFINITY;
-    bad = INT_MAX;
-    for (int j = threadIdx.x; j < S; j += SMP_THREADS) { m = fmaxf(m, p[j].m); bad = min(bad, p[j].bad); }
-    block_max_bad(m, bad);
-}
-
 /* slice blockIdx.x of row blockIdx.y: its max part, into pm (rows x gridDim.x) */
 __global__ void __launch_bounds__(SMP_THREADS) smp_max_kernel(const float *x, long long ld, int V, smp_max_part *pm) {
     const float *xr = x + (size_t)blockIdx.y * (size_t)ld;
@@ -847,13 +890,16 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, l
     }
 }
 
-/* One block per row, after smp_max_kernel (pm) and, without a cut, smp_mass_kernel (pw), over
- * S slices a row */
+/* One block per row, after smp_max_kernel (pm) and, without a cut, smp_mass_kernel (pw) or, with
+ * one, smp_bins_kernel (gcnt / glo / ghi), over S slices a row */
 __global__ void __launch_bounds__(SMP_THREADS) sample_rows_kernel(const float *x, long long ld, int V, double T,
                                                                    int top_k, float top_p, uint64_t qmin, uint64_t seed,
                                                                    const smp_max_part *pm, const unsigned long long *pw,
-                                                                   int S, const int32_t *pos, int pos_offset,
-                                                                   int32_t *out, int32_t *code) {
+                                                                   const unsigned int *gcnt,
+                                                                   const unsigned long long *glo,
+                                                                   const unsigned long long *ghi, int S,
+                                                                   const int32_t *pos, int pos_offset, int32_t *out,
+                                                                   int32_t *code) {
     extern __shared__ double sel_smem[];
     smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
     const int tid = threadIdx.x, row = blockIdx.x;
@@ -881,7 +927,9 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_rows_kernel(const float *x
     const bool topk = top_k > 0 && top_k < V, topp = top_p > 0.0f && top_p < 1.0f;
     uint32_t ckey = 0;
     int cid = INT_MAX, nkept = 0;
-    if ((topk || topp) && !cut_by_bins(xr, V, m, T, mass, top_k, top_p, topk, topp, &ckey, &cid, &nkept, sh))
+    const size_t ob = (size_t)row * SMP_BINS;
+    if ((topk || topp) && !cut_by_bins(xr, V, m, T, mass, top_k, top_p, topk, topp, gcnt + ob, glo + ob, ghi + ob, &ckey,
+                                       &cid, &nkept, sh))
         cut_by_radix(xr, V, mass, top_k, top_p, topk, topp, &ckey, &cid, sh);
     const bool cut = topk || topp;
 
@@ -981,16 +1029,20 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
     if (!x.rows) return KD_OK;
     if (!pos || !out || !code) return kd_fail(KD_ERR_ARG, "cuda sample_rows: positions / out / code are NULL");
     KD_TRY(kd_cuda_smem(c, (const void *)sample_rows_kernel, SMP_SMEM));
-    const bool cut = (sp->top_k > 0 && sp->top_k < x.cols) || (sp->top_p > 0.0f && sp->top_p < 1.0f);
+    const bool topk = sp->top_k > 0 && sp->top_k < x.cols, topp = sp->top_p > 0.0f && sp->top_p < 1.0f, cut = topk || topp;
     const double T = (double)sp->temperature;
     const uint64_t qmin = kd_rule_min_p_floor(sp->min_p);
     const int S = (x.cols + SMP_SLICE - 1) / SMP_SLICE;
     const int chunk = x.rows < 65535 ? x.rows : 65535;   /* rows on grid.y */
-    const size_t nparts = (size_t)chunk * S;
-    void *ws = NULL;   /* the masses first: 8-byte aligned */
-    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, nparts * (2 * sizeof(unsigned long long) + sizeof(smp_max_part)), &ws));
-    unsigned long long *pw = (unsigned long long *)ws;
-    smp_max_part *pm = (smp_max_part *)(pw + 2 * nparts);
+    const size_t nparts = (size_t)chunk * S, nbins = cut ? (size_t)chunk * SMP_BINS : 0;
+    /* the 8-byte arrays first: aligned */
+    const size_t hist_bytes = nbins * (2 * sizeof(unsigned long long) + sizeof(unsigned int));
+    void *ws = NULL;
+    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, nparts * (2 * sizeof(unsigned long long) + sizeof(smp_max_part)) + hist_bytes,
+                      &ws));
+    unsigned long long *pw = (unsigned long long *)ws, *glo = pw + 2 * nparts, *ghi = glo + nbins;
+    unsigned int *gcnt = (unsigned int *)(ghi + nbins);
+    smp_max_part *pm = (smp_max_part *)(gcnt + nbins);
     for (int r0 = 0; r0 < x.rows; r0 += chunk) {
         const kd_act xr = kd_act_rows(x, r0, x.rows - r0 < chunk ? x.rows - r0 : chunk);
         const float *xd = (const float *)xr.data;
@@ -1000,10 +1052,15 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
         if (!cut) {
             smp_mass_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, T, qmin, pm, pw);
             KD_CUDA_LAUNCH("smp_mass_kernel");
+        } else {
+            KD_CUDA(cudaMemsetAsync(glo, 0, hist_bytes, c->stream));
+            smp_bins_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, T, qmin,
+                                                                 smp_bin_mass(topk, topp, sp->top_k), pm, gcnt, glo, ghi);
+            KD_CUDA_LAUNCH("smp_bins_kernel");
         }
         sample_rows_kernel<<<xr.rows, SMP_THREADS, SMP_SMEM, c->stream>>>(xd, xr.ld, xr.cols, T, sp->top_k, sp->top_p,
-                                                                          qmin, sp->seed, pm, pw, S, pos + r0,
-                                                                          pos_offset, out + r0, code + r0);
+                                                                          qmin, sp->seed, pm, pw, gcnt, glo, ghi, S,
+                                                                          pos + r0, pos_offset, out + r0, code + r0);
         KD_CUDA_LAUNCH("sample_rows_kernel");
     }
     return KD_OK;

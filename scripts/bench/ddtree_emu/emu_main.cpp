@@ -44,11 +44,18 @@ static void test_sample(int V, int kind, const kd_sampler &sp, int rows) {
     const uint64_t qmin = kd_rule_min_p_floor(sp.min_p);
     std::vector<smp_max_part> pm((size_t)rows * S);
     std::vector<unsigned long long> pw(2 * (size_t)rows * S, 0xdeadull);   /* rows left out keep this */
+    std::vector<unsigned int> gcnt((size_t)rows * SMP_BINS, 0);
+    std::vector<unsigned long long> glo((size_t)rows * SMP_BINS, 0), ghi((size_t)rows * SMP_BINS, 0);
+    const double T = (double)sp.temperature;
     launch(S, SMP_THREADS, [&] { smp_max_kernel(x.data(), V, V, pm.data()); }, rows);
-    if (!cut) launch(S, SMP_THREADS, [&] { smp_mass_kernel(x.data(), V, V, (double)sp.temperature, qmin, pm.data(), pw.data()); }, rows);
+    if (!cut) launch(S, SMP_THREADS, [&] { smp_mass_kernel(x.data(), V, V, T, qmin, pm.data(), pw.data()); }, rows);
+    else {
+        const bool bin_mass = smp_bin_mass(sp.top_k > 0 && sp.top_k < V, sp.top_p > 0.0f && sp.top_p < 1.0f, sp.top_k);
+        launch(S, SMP_THREADS, [&] { smp_bins_kernel(x.data(), V, V, T, qmin, bin_mass, pm.data(), gcnt.data(), glo.data(), ghi.data()); }, rows);
+    }
     launch(rows, SMP_THREADS, [&] {
-        sample_rows_kernel(x.data(), V, V, (double)sp.temperature, sp.top_k, sp.top_p, qmin, sp.seed, pm.data(),
-                           pw.data(), S, pos.data(), 0, out.data(), code.data());
+        sample_rows_kernel(x.data(), V, V, T, sp.top_k, sp.top_p, qmin, sp.seed, pm.data(), pw.data(), gcnt.data(),
+                           glo.data(), ghi.data(), S, pos.data(), 0, out.data(), code.data());
     });
     std::vector<uint64_t> q(V);
     std::vector<int32_t> a(V);
@@ -118,7 +125,8 @@ static void test_tree(int L, int V, int B, int kind) {
 }
 
 /* default: trees, walks and a quick sampling matrix (minutes); "slices": rows of 8193 and 20000
- * ids (2-3 slices of the max and mass passes), with and without a cut; "full": every setting at
+ * ids (2-3 slices of the max, mass and bins passes), without a cut, with min-p, top-k + top-p
+ * (counts by bin), top-p alone and a large top-k + top-p (masses by bin); "full": every setting at
  * V = 10, 333, 1000 and 45 settings at V = 163840 (~20 minutes on 2 cores); "samples": the
  * quick sampling matrix alone; "trees": the trees and walks alone; "crowded": rows of V = 12000
  * whose bins below the max hold more than 2048 ids (ties, all equal: the radix path) or fewer
@@ -131,7 +139,8 @@ int main(int argc, char **argv) {
         for (int V : {8193, 20000})
             for (int kind = 0; kind < 5; kind++)
                 for (kd_sampler sp : {kd_sampler{1.0f, 0, 0.0f, 21, 0.0f}, kd_sampler{0.7f, 0, 0.0f, 22, 0.05f},
-                                      kd_sampler{1.0f, 40, 0.9f, 23, 0.0f}})
+                                      kd_sampler{1.0f, 40, 0.9f, 23, 0.0f}, kd_sampler{1.0f, 0, 0.9f, 24, 0.0f},
+                                      kd_sampler{0.8f, 4096, 0.95f, 25, 0.0f}})
                     test_sample(V, kind, sp, 2);
     const bool trees = !strcmp(mode, "") || full || !strcmp(mode, "trees");
     const bool samples = !strcmp(mode, "") || full || !strcmp(mode, "samples");
