@@ -14,22 +14,22 @@
  *              inputs (ids, positions, mask) into the sequence's scratch.
  * sample_rows  the keyed sampling rule (core/sample.c). Masses are integers (sample_rule.h,
  *              the same code as the host) summed exactly in 128 bits, so the parallel sums
- *              equal the host's sequential ones whatever their grouping. The row-wide passes
- *              that need no cut run over several blocks per row (SMP_SLICE ids each), as one
- *              block's pass over a 163840-id row is latency-bound: each slice's max and first
- *              NaN / +inf id, and without top-k / top-p each slice's mass; then one block per
- *              row merges them, and a draw without a cut searches only the slice where the
- *              prefix crosses its target. min-p zeroes the masses below its floor. The
- *              cut of top-k / top-p (the last kept element of the order logit descending,
- *              id ascending) comes from one pass of a histogram by distance below the row
- *              max (counts, and masses for top-p), then the ids of the one or few bins that
- *              hold it, sorted in shared memory (cut_by_bins: at most 3 passes of one block
- *              over the row after the max; 2 when every kept id is gathered, which draws
- *              from shared memory); rows whose bins are too
- *              crowded (ties) fall back to radix passes on the logit's 32-bit key
- *              (cut_by_radix). Prefix searches (the draw, and the radix path's last kept
- *              id among equal logits) sum tiles, find the crossing tile by one block scan
- *              and scan that tile with one warp. Logits far below the max get mass 0
+ *              equal the host's sequential ones whatever their grouping. The passes over a
+ *              whole row run over several blocks per row (SMP_SLICE ids each), as one block's
+ *              pass over a 163840-id row is latency-bound: each slice's max and first NaN /
+ *              +inf id (smp_max_kernel); with top-k / top-p, each slice's histogram by distance
+ *              below the row max, counts and masses for top-p (smp_bins_kernel); each slice's
+ *              kept mass (smp_mass_kernel). The cut of top-k / top-p (the last kept element of
+ *              the order logit descending, id ascending; sample_cut_kernel, a block per row)
+ *              comes from the bins that can hold it: their ids are gathered by one pass and
+ *              sorted in shared memory (cut_by_bins); when they start at the max every kept id
+ *              is there and the draw is made from them; rows whose bins are too crowded (ties)
+ *              fall back to radix passes on the logit's 32-bit key (cut_by_radix). Otherwise
+ *              the draw (smp_draw_kernel, a block per row) finds the slice where the slices'
+ *              kept-mass prefix passes its target and searches that slice alone. min-p zeroes
+ *              the masses below its floor. Prefix searches (the draw, and the radix path's
+ *              last kept id among equal logits) sum tiles, find the crossing tile by one block
+ *              scan and scan that tile with one warp. Logits far below the max get mass 0
  *              without the exp (smp_mass says why that is exact).
  * tree_walk    the accept walk: one block; each step every thread scans a slice of the
  *              nodes for the child (parent == cur, token == target[cur]); the smallest id
@@ -861,23 +861,49 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_max_kernel(const float *x, lo
     if (threadIdx.x == 0) pm[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = smp_max_part{m, bad};
 }
 
-/* for a sampler without top-k / top-p: slice blockIdx.x of row blockIdx.y's mass, into pw
- * (rows x gridDim.x u128 as lo, hi pairs); rows with a bad logit or no finite one are left out
- * (sample_rows_kernel reports them without reading pw) */
+/* a row's cut for the draw over the row: the kept ids are those with key > key, or key == key
+ * and id <= id; pending: the row still needs that draw (its cut did not gather every kept id) */
+struct smp_cut { uint32_t key; int id; int pending; };
+
+/* is id i (of key okey(x[i])) kept: every id without a cut (c NULL) */
+__device__ __forceinline__ bool smp_kept(const smp_cut *c, int i, uint32_t key) {
+    return !c || key > c->key || (key == c->key && i <= c->id);
+}
+
+/* a row with a NaN / +inf logit (its first at bad) or no finite one: its code, by thread 0 */
+__device__ void smp_report_bad(const float *xr, int bad, int row, int32_t *out, int32_t *code) {
+    if (threadIdx.x != 0) return;
+    int32_t c = KD_SAMPLE_ERR_ALLNEG;
+    if (bad != INT_MAX) {
+        const float v = xr[bad];
+        c = (v != v ? KD_SAMPLE_ERR_NAN : KD_SAMPLE_ERR_PINF) | (int32_t)((uint32_t)bad << 2);
+    }
+    code[row] = c;
+    out[row] = -1;
+}
+
+/* slice blockIdx.x of row blockIdx.y's kept mass (every id without cuts; with them, the ids of
+ * the row's cut, for pending rows), into pw (rows x gridDim.x u128 as lo, hi pairs); rows with
+ * a bad logit or no finite one, and rows drawn already, are left out (smp_draw_kernel does not
+ * read their pw) */
 __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, long long ld, int V, double T,
                                                                uint64_t qmin, const smp_max_part *pm,
-                                                               unsigned long long *pw) {
+                                                               const smp_cut *cuts, unsigned long long *pw) {
     __shared__ unsigned long long wlo[SMP_WARPS], whi[SMP_WARPS];
     const int S = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float m;
     int bad;
     row_max_bad(pm + (size_t)blockIdx.y * S, S, m, bad);
-    if (bad != INT_MAX || m == -INFINITY) return;   /* the whole block */
+    const smp_cut *c = cuts ? cuts + blockIdx.y : NULL;
+    if (bad != INT_MAX || m == -INFINITY || (c && !c->pending)) return;   /* the whole block */
     const smp_mass mass = { m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
     const float *xr = x + (size_t)blockIdx.y * (size_t)ld;
     const int lo = blockIdx.x * SMP_SLICE, hi = min(V, lo + SMP_SLICE);
     kd_u128 acc = u128_zero();
-    for (int i = lo + threadIdx.x; i < hi; i += SMP_THREADS) acc = kd_u128_add64(acc, mass(xr[i]));
+    for (int i = lo + threadIdx.x; i < hi; i += SMP_THREADS) {
+        const float v = xr[i];
+        if (smp_kept(c, i, okey(v))) acc = kd_u128_add64(acc, mass(v));
+    }
     acc = warp_sum_u128(acc);
     if (lane == 0) { wlo[warp] = acc.lo; whi[warp] = acc.hi; }
     __syncthreads();
@@ -890,96 +916,103 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, l
     }
 }
 
-/* One block per row, after smp_max_kernel (pm) and, without a cut, smp_mass_kernel (pw) or, with
- * one, smp_bins_kernel (gcnt / glo / ghi), over S slices a row */
-__global__ void __launch_bounds__(SMP_THREADS) sample_rows_kernel(const float *x, long long ld, int V, double T,
-                                                                   int top_k, float top_p, uint64_t qmin, uint64_t seed,
-                                                                   const smp_max_part *pm, const unsigned long long *pw,
-                                                                   const unsigned int *gcnt,
-                                                                   const unsigned long long *glo,
-                                                                   const unsigned long long *ghi, int S,
-                                                                   const int32_t *pos, int pos_offset, int32_t *out,
-                                                                   int32_t *code) {
+/* With top-k / top-p, one block per row after smp_max_kernel (pm) and smp_bins_kernel (gcnt /
+ * glo / ghi): a bad row's code; else the cut (the last kept element of the order after top-k and
+ * top-p) and, when every kept id is a gathered candidate, the draw from them; else the cut goes
+ * to cuts[row], pending, for smp_mass_kernel and smp_draw_kernel */
+__global__ void __launch_bounds__(SMP_THREADS) sample_cut_kernel(const float *x, long long ld, int V, double T,
+                                                                  int top_k, float top_p, uint64_t qmin, uint64_t seed,
+                                                                  const smp_max_part *pm, const unsigned int *gcnt,
+                                                                  const unsigned long long *glo,
+                                                                  const unsigned long long *ghi, int S,
+                                                                  const int32_t *pos, int pos_offset, smp_cut *cuts,
+                                                                  int32_t *out, int32_t *code) {
     extern __shared__ double sel_smem[];
     smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
     const int tid = threadIdx.x, row = blockIdx.x;
     const float *xr = x + (size_t)row * (size_t)ld;
-
-    /* 1. validate; the row max */
     float m;
     int bad;
     row_max_bad(pm + (size_t)row * S, S, m, bad);
     if (bad != INT_MAX || m == -INFINITY) {
-        if (tid == 0) {
-            int32_t c = KD_SAMPLE_ERR_ALLNEG;
-            if (bad != INT_MAX) {
-                float v = xr[bad];
-                c = (v != v ? KD_SAMPLE_ERR_NAN : KD_SAMPLE_ERR_PINF) | (int32_t)((uint32_t)bad << 2);
-            }
-            code[row] = c;
-            out[row] = -1;
-        }
+        smp_report_bad(xr, bad, row, out, code);
         return;
     }
     const smp_mass mass = { m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
-
-    /* 2. the cut: the last kept element (ckey, cid) of the order after top-k and top-p */
     const bool topk = top_k > 0 && top_k < V, topp = top_p > 0.0f && top_p < 1.0f;
     uint32_t ckey = 0;
     int cid = INT_MAX, nkept = 0;
     const size_t ob = (size_t)row * SMP_BINS;
-    if ((topk || topp) && !cut_by_bins(xr, V, m, T, mass, top_k, top_p, topk, topp, gcnt + ob, glo + ob, ghi + ob, &ckey,
-                                       &cid, &nkept, sh))
+    if (!cut_by_bins(xr, V, m, T, mass, top_k, top_p, topk, topp, gcnt + ob, glo + ob, ghi + ob, &ckey, &cid, &nkept,
+                     sh))
         cut_by_radix(xr, V, mass, top_k, top_p, topk, topp, &ckey, &cid, sh);
-    const bool cut = topk || topp;
-
-    /* 3. the draw: the first kept id (ascending) whose prefix mass exceeds floor(U W / 2^53);
-     *    from shared memory when every kept id is a gathered candidate; without a cut, in the
-     *    slice where the slices' prefix crosses it; else a pass over the row */
-    const uint64_t U = kd_rule_u53(seed, (int64_t)pos[row] + pos_offset);
-    if (!cut) {
-        if (tid == 0) {   /* S u128 sums: few next to the slice's search */
-            const unsigned long long *w = pw + 2 * (size_t)row * S;
-            kd_u128 W = u128_zero();
-            for (int j = 0; j < S; j++) { kd_u128 v; v.lo = w[2 * j]; v.hi = w[2 * j + 1]; W = kd_u128_add(W, v); }
-            const kd_u128 target = kd_rule_target(U, W);   /* < W */
-            kd_u128 before = u128_zero();
-            int j = 0;
-            for (;; j++) {
-                kd_u128 v; v.lo = w[2 * j]; v.hi = w[2 * j + 1];
-                const kd_u128 after = kd_u128_add(before, v);
-                if (kd_u128_lt(target, after) || j == S - 1) break;
-                before = after;
-            }
-            const kd_u128 rest = kd_u128_sub(target, before);   /* the target inside slice j */
-            sh.first = j;
-            sh.sel_lo = rest.lo;
-            sh.sel_hi = rest.hi;
-        }
-        __syncthreads();
-        const int lo = sh.first * SMP_SLICE;
-        kd_u128 rest;
-        rest.lo = sh.sel_lo;
-        rest.hi = sh.sel_hi;
-        /* first_exceeding's own barriers come before it writes sh.sel_lo / hi */
-        const int i = first_exceeding([&](int k) { return kd_u128_of(mass(xr[lo + k])); },
-                                      [&](kd_u128) { return rest; }, min(V, lo + SMP_SLICE) - lo, sh);
-        if (tid == 0) {
-            out[row] = i < 0 ? -1 : lo + i;
+    int tok = -1;
+    if (nkept > 0) tok = draw_from_candidates(xr, nkept, mass, kd_rule_u53(seed, (int64_t)pos[row] + pos_offset), sh);
+    if (tid == 0) {
+        cuts[row] = smp_cut{ckey, cid, nkept > 0 ? 0 : 1};
+        if (nkept > 0) {
+            out[row] = tok;
             code[row] = 0;
         }
+    }
+}
+
+/* One block per row, after smp_mass_kernel: the draw, the first kept id (ascending) whose prefix
+ * mass exceeds floor(U W / 2^53), searched in the slice where the slices' prefix passes it (S u128
+ * sums, then the slice's tiles). Without cuts it also reports the bad rows; with them it draws
+ * only the pending rows. */
+__global__ void __launch_bounds__(SMP_THREADS) smp_draw_kernel(const float *x, long long ld, int V, double T,
+                                                                uint64_t qmin, uint64_t seed, const smp_max_part *pm,
+                                                                const smp_cut *cuts, const unsigned long long *pw,
+                                                                int S, const int32_t *pos, int pos_offset,
+                                                                int32_t *out, int32_t *code) {
+    extern __shared__ double sel_smem[];
+    smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
+    const int tid = threadIdx.x, row = blockIdx.x;
+    const float *xr = x + (size_t)row * (size_t)ld;
+    float m;
+    int bad;
+    row_max_bad(pm + (size_t)row * S, S, m, bad);
+    const smp_cut *c = cuts ? cuts + row : NULL;
+    if (bad != INT_MAX || m == -INFINITY) {
+        if (!c) smp_report_bad(xr, bad, row, out, code);   /* with cuts, sample_cut_kernel did */
         return;
     }
-    const int tok = nkept > 0 ? draw_from_candidates(xr, nkept, mass, U, sh) : first_exceeding(
-        [&](int i) {
-            const float v = xr[i];
-            const uint32_t key = okey(v);
-            const bool kept = key > ckey || (key == ckey && i <= cid);
-            return kd_u128_of(kept ? mass(v) : 0u);
-        },
-        [&](kd_u128 W) { return kd_rule_target(U, W); }, V, sh);
+    if (c && !c->pending) return;
+    const smp_mass mass = { m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
+    const uint64_t U = kd_rule_u53(seed, (int64_t)pos[row] + pos_offset);
     if (tid == 0) {
-        out[row] = tok;
+        const unsigned long long *w = pw + 2 * (size_t)row * S;
+        kd_u128 W = u128_zero();
+        for (int j = 0; j < S; j++) { kd_u128 v; v.lo = w[2 * j]; v.hi = w[2 * j + 1]; W = kd_u128_add(W, v); }
+        const kd_u128 target = kd_rule_target(U, W);   /* < W */
+        kd_u128 before = u128_zero();
+        int j = 0;
+        for (;; j++) {
+            kd_u128 v; v.lo = w[2 * j]; v.hi = w[2 * j + 1];
+            const kd_u128 after = kd_u128_add(before, v);
+            if (kd_u128_lt(target, after) || j == S - 1) break;
+            before = after;
+        }
+        const kd_u128 rest = kd_u128_sub(target, before);   /* the target inside slice j */
+        sh.first = j;
+        sh.sel_lo = rest.lo;
+        sh.sel_hi = rest.hi;
+    }
+    __syncthreads();
+    const int lo = sh.first * SMP_SLICE;
+    kd_u128 rest;
+    rest.lo = sh.sel_lo;
+    rest.hi = sh.sel_hi;
+    /* first_exceeding's own barriers come before it writes sh.sel_lo / hi */
+    const int i = first_exceeding(
+        [&](int k) {
+            const float v = xr[lo + k];
+            return kd_u128_of(smp_kept(c, lo + k, okey(v)) ? mass(v) : 0u);
+        },
+        [&](kd_u128) { return rest; }, min(V, lo + SMP_SLICE) - lo, sh);
+    if (tid == 0) {
+        out[row] = i < 0 ? -1 : lo + i;
         code[row] = 0;
     }
 }
@@ -1028,7 +1061,8 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
     if (!sp || !(sp->temperature > 0.0f)) return kd_fail(KD_ERR_ARG, "cuda sample_rows: a greedy sampler (use argmax)");
     if (!x.rows) return KD_OK;
     if (!pos || !out || !code) return kd_fail(KD_ERR_ARG, "cuda sample_rows: positions / out / code are NULL");
-    KD_TRY(kd_cuda_smem(c, (const void *)sample_rows_kernel, SMP_SMEM));
+    KD_TRY(kd_cuda_smem(c, (const void *)sample_cut_kernel, SMP_SMEM));
+    KD_TRY(kd_cuda_smem(c, (const void *)smp_draw_kernel, SMP_SMEM));
     const bool topk = sp->top_k > 0 && sp->top_k < x.cols, topp = sp->top_p > 0.0f && sp->top_p < 1.0f, cut = topk || topp;
     const double T = (double)sp->temperature;
     const uint64_t qmin = kd_rule_min_p_floor(sp->min_p);
@@ -1038,30 +1072,34 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
     /* the 8-byte arrays first: aligned */
     const size_t hist_bytes = nbins * (2 * sizeof(unsigned long long) + sizeof(unsigned int));
     void *ws = NULL;
-    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, nparts * (2 * sizeof(unsigned long long) + sizeof(smp_max_part)) + hist_bytes,
-                      &ws));
+    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, nparts * (2 * sizeof(unsigned long long) + sizeof(smp_max_part)) + hist_bytes +
+                                          (size_t)chunk * sizeof(smp_cut), &ws));
     unsigned long long *pw = (unsigned long long *)ws, *glo = pw + 2 * nparts, *ghi = glo + nbins;
     unsigned int *gcnt = (unsigned int *)(ghi + nbins);
     smp_max_part *pm = (smp_max_part *)(gcnt + nbins);
+    smp_cut *cuts = cut ? (smp_cut *)(pm + nparts) : NULL;
     for (int r0 = 0; r0 < x.rows; r0 += chunk) {
         const kd_act xr = kd_act_rows(x, r0, x.rows - r0 < chunk ? x.rows - r0 : chunk);
         const float *xd = (const float *)xr.data;
         const dim3 grid((unsigned)S, (unsigned)xr.rows);
         smp_max_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, pm);
         KD_CUDA_LAUNCH("smp_max_kernel");
-        if (!cut) {
-            smp_mass_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, T, qmin, pm, pw);
-            KD_CUDA_LAUNCH("smp_mass_kernel");
-        } else {
+        if (cut) {
             KD_CUDA(cudaMemsetAsync(glo, 0, hist_bytes, c->stream));
             smp_bins_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, T, qmin,
                                                                  smp_bin_mass(topk, topp, sp->top_k), pm, gcnt, glo, ghi);
             KD_CUDA_LAUNCH("smp_bins_kernel");
+            sample_cut_kernel<<<xr.rows, SMP_THREADS, SMP_SMEM, c->stream>>>(xd, xr.ld, xr.cols, T, sp->top_k, sp->top_p,
+                                                                             qmin, sp->seed, pm, gcnt, glo, ghi, S,
+                                                                             pos + r0, pos_offset, cuts, out + r0,
+                                                                             code + r0);
+            KD_CUDA_LAUNCH("sample_cut_kernel");
         }
-        sample_rows_kernel<<<xr.rows, SMP_THREADS, SMP_SMEM, c->stream>>>(xd, xr.ld, xr.cols, T, sp->top_k, sp->top_p,
-                                                                          qmin, sp->seed, pm, pw, gcnt, glo, ghi, S,
-                                                                          pos + r0, pos_offset, out + r0, code + r0);
-        KD_CUDA_LAUNCH("sample_rows_kernel");
+        smp_mass_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, T, qmin, pm, cuts, pw);
+        KD_CUDA_LAUNCH("smp_mass_kernel");
+        smp_draw_kernel<<<xr.rows, SMP_THREADS, SMP_SMEM, c->stream>>>(xd, xr.ld, xr.cols, T, qmin, sp->seed, pm, cuts, pw,
+                                                                       S, pos + r0, pos_offset, out + r0, code + r0);
+        KD_CUDA_LAUNCH("smp_draw_kernel");
     }
     return KD_OK;
 }
