@@ -6,16 +6,12 @@
 -- rows. spec/gpu_round_spec.lua checks the same
 -- kernels on the GPU (#gpu); `scripts/bench/ddtree_emu/run.sh full` runs every setting by hand.
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
-local sh = require("helpers.shell")
+local emu = require("helpers.emu")
 
 describe("the sampling kernels under emulation", function()
   it("draw the host rule's tokens on rows of several slices", function()
-    local lib = (os.getenv("KDTREE_LIB") or "build/libkdtree_test.so"):match("^(.*)/[^/]+$") or "build"
-    local dir = os.tmpname()
-    os.remove(dir)
-    local rc, out = sh(string.format("env -u LD_PRELOAD EMU_LIB='%s' EMU_BUILD='%s' scripts/bench/ddtree_emu/run.sh slices; "
-      .. "s=$?; rm -rf '%s'; [ $s = 0 ]", lib, dir, dir))
+    local rc, out = emu("scripts/bench/ddtree_emu/run.sh", "slices")
     assert.are.equal(0, rc, out)
-    assert.truthy(("\n" .. out):find("\nok: 100 checks, 0 fails", 1, true), out)
+    assert.truthy(out:find("\nok: 100 checks, 0 fails", 1, true), out)
   end)
 end)

@@ -5,20 +5,14 @@
 -- twin's values within bf16 rounding. This holds the fused kernel's logic and reduction order in
 -- CI; spec/cuda_ops_spec.lua checks the same on the GPU (#gpu).
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
-local sh = require("helpers.shell")
+local emu = require("helpers.emu")
 
 describe("the fused residual + RMSNorm kernel under emulation", function()
   it("gives the bits of the add followed by the norm, and the CPU twin's values", function()
-    -- the engine's objects of the library under test; the toolchain runs without a sanitizer
-    -- runtime preloaded (make test-asan preloads one into every process)
-    local lib = (os.getenv("KDTREE_LIB") or "build/libkdtree_test.so"):match("^(.*)/[^/]+$") or "build"
-    local dir = os.tmpname()
-    os.remove(dir)
-    local rc, out = sh(string.format("env -u LD_PRELOAD EMU_LIB='%s' EMU_BUILD='%s' scripts/bench/norm_emu/run.sh; "
-      .. "s=$?; rm -rf '%s'; [ $s = 0 ]", lib, dir, dir))
+    local rc, out = emu("scripts/bench/norm_emu/run.sh")
     assert.are.equal(0, rc, out)
     local ok = 0
-    for _ in ("\n" .. out):gmatch("\nok ") do ok = ok + 1 end
+    for _ in out:gmatch("\nok ") do ok = ok + 1 end
     assert.are.equal(5, ok, out)
     assert.truthy(out:find("\n10 checks, 0 failed", 1, true), out)
   end)
