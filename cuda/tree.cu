@@ -208,8 +208,9 @@ __device__ __forceinline__ top_cut find_cut(const unsigned int *h, const unsigne
 }
 
 /* the keys from each row's cut up, TK_SLICE ids per block, appended in any order to the row's
- * cap slots of cand (composite keys: value, then the lower id first), their number in ncand;
- * rows with more than cap such keys are left to topk_kernel's radix select. The order of the
+ * cap slots of cand (composite keys: value, then the lower id first), their number in ncand
+ * (zeroed by the caller); rows with more than cap such keys keep 0 there and are left to
+ * topk_kernel's radix select. The order of the
  * slots does not matter: topk_kernel sorts them by a key that no two ids share. */
 __global__ void __launch_bounds__(256) topk_gather_kernel(const void *x, int dt, long long ld, int cols, int k, int wide,
                                                           int cap, const unsigned int *hist, const unsigned int *hist2,
@@ -241,14 +242,13 @@ __global__ void __launch_bounds__(256) topk_gather_kernel(const void *x, int dt,
     }
 }
 
-/* One block per row. With bins / bins2 (topk_hist_kernel's and topk_hist2_kernel's counts of
- * this launch's rows) and gcand / ncand (topk_gather_kernel's cap slots per row): a row whose
- * keys from the cut up fit its slots sorts them; else (or without bins) the radix select below
- * finds the k-th and collects the top k. Either way the sort orders a superset of the top k by
- * the same (key desc, id asc), so both give the same lists. */
+/* One block per row. With gcand / ncand (topk_gather_kernel's cap slots per row, and how many
+ * it filled): a row whose keys from the cut up fit its slots (ncand > 0: they are at least k)
+ * sorts them; else (or without gcand) the radix select below finds the k-th and collects the top
+ * k. Either way the sort orders a superset of the top k by the same (key desc, id asc), so both
+ * give the same lists. */
 __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
-                                                           int kpow2, int cap, const unsigned int *bins,
-                                                           const unsigned int *bins2, const unsigned int *ncand,
+                                                           int kpow2, int cap, const unsigned int *ncand,
                                                            const unsigned long long *gcand, float *vals,
                                                            int32_t *ids) {
     extern __shared__ unsigned long long cand[];     /* max(cap, kpow2) composite keys */
@@ -256,30 +256,19 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     __shared__ unsigned int s_sel[3];
     __shared__ unsigned int warp_cnt[32];
     __shared__ unsigned int s_ngt, s_neq_taken;
-    __shared__ unsigned int s_nc;
     const size_t base = (size_t)blockIdx.x * ld;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     int nsort = kpow2;
 
-    bool gathered = false;
-    if (bins) {
-        if (warp == 0) {
-            const size_t o = (size_t)blockIdx.x * TK_BINS;
-            const top_cut c = find_cut(bins + o, bins2 + o, (unsigned)k, 2u * (unsigned)kpow2, lane);
-            if (lane == 0) s_nc = c.count;
-        }
+    const unsigned int n = gcand ? ncand[blockIdx.x] : 0;   /* the keys from the row's cut up, if they fit */
+    const bool gathered = n > 0;
+    if (gathered) {
+        const unsigned long long *g = gcand + (size_t)blockIdx.x * cap;
+        nsort = 1;
+        while (nsort < (int)n) nsort <<= 1;   /* <= cap: a power of two */
+        for (int i = tid; i < nsort; i += blockDim.x) cand[i] = i < (int)n ? g[i] : 0ull;   /* padding sorts last */
         __syncthreads();
-        gathered = s_nc <= (unsigned)cap;
-        if (gathered) {
-            const unsigned int n = ncand[blockIdx.x];   /* == s_nc: both count the keys from the cut up */
-            const unsigned long long *g = gcand + (size_t)blockIdx.x * cap;
-            nsort = 1;
-            while (nsort < (int)n) nsort <<= 1;   /* <= cap: a power of two */
-            for (int i = tid; i < nsort; i += blockDim.x) cand[i] = i < (int)n ? g[i] : 0ull;   /* padding sorts last */
-            __syncthreads();
-        }
-    }
-    if (!gathered) {
+    } else {
 
     /* radix select of the k-th largest key */
     uint32_t prefix = 0, mask = 0;
@@ -454,8 +443,8 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
     }
     size_t smem = (size_t)cap * sizeof(unsigned long long);
     KD_TRY(kd_cuda_smem(c, (const void *)topk_kernel, smem));
-    topk_kernel<<<x.rows, ROW_THREADS, smem, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, kp, cap, bins, bins2, ncand,
-                                                          gcand, vals, ids);
+    topk_kernel<<<x.rows, ROW_THREADS, smem, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, kp, cap, ncand, gcand, vals,
+                                                          ids);
     KD_CUDA_LAUNCH("topk_kernel");
     return KD_OK;
 }

@@ -62,7 +62,7 @@ static void test_topk(int rows, int V, int k, int kind, int dt) {
     const int cap = kp < TK_CAND ? slots : kp;
     std::vector<unsigned> bins, bins2, ncand;
     std::vector<unsigned long long> gcand;
-    const unsigned *b1 = NULL, *b2 = NULL, *nc = NULL;
+    const unsigned *nc = NULL;
     const unsigned long long *gc = NULL;
     if (cap > kp) {
         bins.assign((size_t)rows * TK_BINS, 0); bins2.assign((size_t)rows * TK_BINS, 0); ncand.assign(rows, 0);
@@ -71,11 +71,11 @@ static void test_topk(int rows, int V, int k, int kind, int dt) {
         launch(g, 256, [&] { topk_hist_kernel(x.data(), dt, V, V, bins.data()); }, rows);
         launch(g, 256, [&] { topk_hist2_kernel(x.data(), dt, V, V, k, 2 * kp, bins.data(), bins2.data()); }, rows);
         launch(g, 256, [&] { topk_gather_kernel(x.data(), dt, V, V, k, 2 * kp, cap, bins.data(), bins2.data(), ncand.data(), gcand.data()); }, rows);
-        b1 = bins.data(); b2 = bins2.data(); nc = ncand.data(); gc = gcand.data();
+        nc = ncand.data(); gc = gcand.data();
     }
     std::vector<float> vals((size_t)rows * k);
     std::vector<int32_t> ids((size_t)rows * k, -7);
-    launch(rows, ROW_THREADS, [&] { topk_kernel(x.data(), dt, V, V, k, kp, cap, b1, b2, nc, gc, vals.data(), ids.data()); });
+    launch(rows, ROW_THREADS, [&] { topk_kernel(x.data(), dt, V, V, k, kp, cap, nc, gc, vals.data(), ids.data()); });
     for (int r = 0; r < rows; r++) {
         const float *xr = x.f.data() + (size_t)r * V;
         std::vector<int> o(V);
