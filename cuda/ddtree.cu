@@ -382,14 +382,6 @@ __device__ void block_max_bad(float &m, int &bad) {
 /* a slice's max over its finite logits, and its first NaN / +inf id (INT_MAX: none) */
 struct smp_max_part { float m; int bad; };
 
-/* the row's max and first bad id from its S slices' parts, on every thread */
-__device__ void row_max_bad(const smp_max_part *p, int S, float &m, int &bad) {
-    m = -INFINITY;
-    bad = INT_MAX;
-    for (int j = threadIdx.x; j < S; j += SMP_THREADS) { m = fmaxf(m, p[j].m); bad = min(bad, p[j].bad); }
-    block_max_bad(m, bad);
-}
-
 /* exact add of a u128 mass into bucket b of (lo, hi) (low word atomically, its carry into the high word) */
 __device__ __forceinline__ void u128_atomic_add(unsigned long long *lo, unsigned long long *hi, int b, kd_u128 m) {
     if (m.lo == 0 && m.hi == 0) return;
@@ -498,6 +490,18 @@ struct smp_mass {
     }
 };
 
+/* a row's max and first NaN / +inf id (bad) from its S slices' parts, on every thread of the
+ * block; true, with the row's mass rule, when it has neither a bad logit nor only -inf ones */
+__device__ bool smp_row_rule(const smp_max_part *parts, int S, double T, uint64_t qmin, smp_mass &mass, int &bad) {
+    float m = -INFINITY;
+    bad = INT_MAX;
+    for (int j = threadIdx.x; j < S; j += SMP_THREADS) { m = fmaxf(m, parts[j].m); bad = min(bad, parts[j].bad); }
+    block_max_bad(m, bad);
+    if (bad != INT_MAX || m == -INFINITY) return false;
+    mass = smp_mass{ m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
+    return true;
+}
+
 /* bitonic sort of a[0..np) (np a power of two) by the block, descending or ascending */
 __device__ void bitonic_sort(unsigned long long *a, int np, bool descending) {
     for (int size = 2; size <= np; size <<= 1)
@@ -545,12 +549,10 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, l
     __shared__ unsigned int bcnt[SMP_BINS];
     __shared__ unsigned long long blo[SMP_BINS], bhi[SMP_BINS];
     const int tid = threadIdx.x, lane = tid & 31, S = gridDim.x;
-    float m;
+    smp_mass mass;
     int bad;
-    row_max_bad(pm + (size_t)blockIdx.y * S, S, m, bad);
-    if (bad != INT_MAX || m == -INFINITY) return;   /* the whole block */
-    const smp_mass mass = { m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
-    const smp_binner bin_of(m, T);
+    if (!smp_row_rule(pm + (size_t)blockIdx.y * S, S, T, qmin, mass, bad)) return;   /* the whole block */
+    const smp_binner bin_of(mass.m, T);
     for (int b = tid; b < SMP_BINS; b += SMP_THREADS) { bcnt[b] = 0; blo[b] = 0; bhi[b] = 0; }
     __syncthreads();
     const float *xr = x + (size_t)blockIdx.y * (size_t)ld;
@@ -594,11 +596,11 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, l
  * find the bins [lo, hi] that can hold the cut, a pass over the row gathers their ids, and they
  * are sorted in shared memory. Returns false (the radix path decides) when those bins hold more
  * than SMP_CAP ids (e.g. a row of equal logits). */
-__device__ bool cut_by_bins(const float *xr, int V, float m, double T, const smp_mass &mass, int top_k, float top_p,
-                            bool topk, bool topp, const unsigned int *gcnt, const unsigned long long *glo,
-                            const unsigned long long *ghi, uint32_t *ckey, int *cid, int *nkept, smp_shared &sh) {
+__device__ bool cut_by_bins(const float *xr, int V, const smp_mass &mass, int top_k, float top_p, bool topk, bool topp,
+                            const unsigned int *gcnt, const unsigned long long *glo, const unsigned long long *ghi,
+                            uint32_t *ckey, int *cid, int *nkept, smp_shared &sh) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const smp_binner bin_of(m, T);
+    const smp_binner bin_of(mass.m, mass.T);
     const bool bin_mass = smp_bin_mass(topk, topp, top_k);
     /* 1. the row's counts and masses by bin */
     for (int b = tid; b < SMP_BINS; b += SMP_THREADS) { sh.bcnt[b] = gcnt[b]; sh.blo[b] = glo[b]; sh.bhi[b] = ghi[b]; }
@@ -883,20 +885,18 @@ __device__ void smp_report_bad(const float *xr, int bad, int row, int32_t *out, 
 }
 
 /* slice blockIdx.x of row blockIdx.y's kept mass (every id without cuts; with them, the ids of
- * the row's cut, for pending rows), into pw (rows x gridDim.x u128 as lo, hi pairs); rows with
+ * the row's cut, for pending rows), into pw (rows x gridDim.x); rows with
  * a bad logit or no finite one, and rows drawn already, are left out (smp_draw_kernel does not
  * read their pw) */
 __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, long long ld, int V, double T,
                                                                uint64_t qmin, const smp_max_part *pm,
-                                                               const smp_cut *cuts, unsigned long long *pw) {
+                                                               const smp_cut *cuts, kd_u128 *pw) {
     __shared__ unsigned long long wlo[SMP_WARPS], whi[SMP_WARPS];
     const int S = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float m;
+    smp_mass mass;
     int bad;
-    row_max_bad(pm + (size_t)blockIdx.y * S, S, m, bad);
     const smp_cut *c = cuts ? cuts + blockIdx.y : NULL;
-    if (bad != INT_MAX || m == -INFINITY || (c && !c->pending)) return;   /* the whole block */
-    const smp_mass mass = { m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
+    if (!smp_row_rule(pm + (size_t)blockIdx.y * S, S, T, qmin, mass, bad) || (c && !c->pending)) return;   /* the block */
     const float *xr = x + (size_t)blockIdx.y * (size_t)ld;
     const int lo = blockIdx.x * SMP_SLICE, hi = min(V, lo + SMP_SLICE);
     kd_u128 acc = u128_zero();
@@ -910,9 +910,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, l
     if (threadIdx.x == 0) {
         kd_u128 r = u128_zero();
         for (int w = 0; w < SMP_WARPS; w++) { kd_u128 v; v.lo = wlo[w]; v.hi = whi[w]; r = kd_u128_add(r, v); }
-        const size_t o = 2 * ((size_t)blockIdx.y * S + blockIdx.x);
-        pw[o] = r.lo;
-        pw[o + 1] = r.hi;
+        pw[(size_t)blockIdx.y * S + blockIdx.x] = r;
     }
 }
 
@@ -931,20 +929,17 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_cut_kernel(const float *x,
     smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
     const int tid = threadIdx.x, row = blockIdx.x;
     const float *xr = x + (size_t)row * (size_t)ld;
-    float m;
+    smp_mass mass;
     int bad;
-    row_max_bad(pm + (size_t)row * S, S, m, bad);
-    if (bad != INT_MAX || m == -INFINITY) {
+    if (!smp_row_rule(pm + (size_t)row * S, S, T, qmin, mass, bad)) {
         smp_report_bad(xr, bad, row, out, code);
         return;
     }
-    const smp_mass mass = { m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
     const bool topk = top_k > 0 && top_k < V, topp = top_p > 0.0f && top_p < 1.0f;
     uint32_t ckey = 0;
     int cid = INT_MAX, nkept = 0;
     const size_t ob = (size_t)row * SMP_BINS;
-    if (!cut_by_bins(xr, V, m, T, mass, top_k, top_p, topk, topp, gcnt + ob, glo + ob, ghi + ob, &ckey, &cid, &nkept,
-                     sh))
+    if (!cut_by_bins(xr, V, mass, top_k, top_p, topk, topp, gcnt + ob, glo + ob, ghi + ob, &ckey, &cid, &nkept, sh))
         cut_by_radix(xr, V, mass, top_k, top_p, topk, topp, &ckey, &cid, sh);
     int tok = -1;
     if (nkept > 0) tok = draw_from_candidates(xr, nkept, mass, kd_rule_u53(seed, (int64_t)pos[row] + pos_offset), sh);
@@ -963,34 +958,31 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_cut_kernel(const float *x,
  * only the pending rows. */
 __global__ void __launch_bounds__(SMP_THREADS) smp_draw_kernel(const float *x, long long ld, int V, double T,
                                                                 uint64_t qmin, uint64_t seed, const smp_max_part *pm,
-                                                                const smp_cut *cuts, const unsigned long long *pw,
+                                                                const smp_cut *cuts, const kd_u128 *pw,
                                                                 int S, const int32_t *pos, int pos_offset,
                                                                 int32_t *out, int32_t *code) {
     extern __shared__ double sel_smem[];
     smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
     const int tid = threadIdx.x, row = blockIdx.x;
     const float *xr = x + (size_t)row * (size_t)ld;
-    float m;
+    smp_mass mass;
     int bad;
-    row_max_bad(pm + (size_t)row * S, S, m, bad);
     const smp_cut *c = cuts ? cuts + row : NULL;
-    if (bad != INT_MAX || m == -INFINITY) {
+    if (!smp_row_rule(pm + (size_t)row * S, S, T, qmin, mass, bad)) {
         if (!c) smp_report_bad(xr, bad, row, out, code);   /* with cuts, sample_cut_kernel did */
         return;
     }
     if (c && !c->pending) return;
-    const smp_mass mass = { m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
     const uint64_t U = kd_rule_u53(seed, (int64_t)pos[row] + pos_offset);
     if (tid == 0) {
-        const unsigned long long *w = pw + 2 * (size_t)row * S;
+        const kd_u128 *w = pw + (size_t)row * S;
         kd_u128 W = u128_zero();
-        for (int j = 0; j < S; j++) { kd_u128 v; v.lo = w[2 * j]; v.hi = w[2 * j + 1]; W = kd_u128_add(W, v); }
+        for (int j = 0; j < S; j++) W = kd_u128_add(W, w[j]);
         const kd_u128 target = kd_rule_target(U, W);   /* < W */
         kd_u128 before = u128_zero();
         int j = 0;
         for (;; j++) {
-            kd_u128 v; v.lo = w[2 * j]; v.hi = w[2 * j + 1];
-            const kd_u128 after = kd_u128_add(before, v);
+            const kd_u128 after = kd_u128_add(before, w[j]);
             if (kd_u128_lt(target, after) || j == S - 1) break;
             before = after;
         }
@@ -1072,9 +1064,10 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
     /* the 8-byte arrays first: aligned */
     const size_t hist_bytes = nbins * (2 * sizeof(unsigned long long) + sizeof(unsigned int));
     void *ws = NULL;
-    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, nparts * (2 * sizeof(unsigned long long) + sizeof(smp_max_part)) + hist_bytes +
+    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, nparts * (sizeof(kd_u128) + sizeof(smp_max_part)) + hist_bytes +
                                           (size_t)chunk * sizeof(smp_cut), &ws));
-    unsigned long long *pw = (unsigned long long *)ws, *glo = pw + 2 * nparts, *ghi = glo + nbins;
+    kd_u128 *pw = (kd_u128 *)ws;
+    unsigned long long *glo = (unsigned long long *)(pw + nparts), *ghi = glo + nbins;
     unsigned int *gcnt = (unsigned int *)(ghi + nbins);
     smp_max_part *pm = (smp_max_part *)(gcnt + nbins);
     smp_cut *cuts = cut ? (smp_cut *)(pm + nparts) : NULL;

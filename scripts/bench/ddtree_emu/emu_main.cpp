@@ -43,7 +43,7 @@ static void test_sample(int V, int kind, const kd_sampler &sp, int rows) {
     const int S = (V + SMP_SLICE - 1) / SMP_SLICE;
     const uint64_t qmin = kd_rule_min_p_floor(sp.min_p);
     std::vector<smp_max_part> pm((size_t)rows * S);
-    std::vector<unsigned long long> pw(2 * (size_t)rows * S, 0xdeadull);   /* rows left out keep this */
+    std::vector<kd_u128> pw((size_t)rows * S, kd_u128{0xdead, 0xdead});   /* rows left out keep this */
     std::vector<unsigned int> gcnt((size_t)rows * SMP_BINS, 0);
     std::vector<unsigned long long> glo((size_t)rows * SMP_BINS, 0), ghi((size_t)rows * SMP_BINS, 0);
     const double T = (double)sp.temperature;
