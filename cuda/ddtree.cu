@@ -21,8 +21,9 @@
  *              below the row max, counts and masses for top-p (smp_bins_kernel); each slice's
  *              kept mass (smp_mass_kernel). The cut of top-k / top-p (the last kept element of
  *              the order logit descending, id ascending; sample_cut_kernel, a block per row)
- *              comes from the bins that can hold it: their ids are gathered by one pass and
- *              sorted in shared memory (cut_by_bins); when they start at the max every kept id
+ *              comes from the bins that can hold it (smp_plan_kernel): their ids are gathered
+ *              over several blocks per row (smp_gather_kernel) and sorted in shared memory
+ *              (cut_by_bins); when they start at the max every kept id
  *              is there and the draw is made from them; rows whose bins are too crowded (ties)
  *              fall back to radix passes on the logit's 32-bit key (cut_by_radix). Otherwise
  *              the draw (smp_draw_kernel, a block per row) finds the slice where the slices'
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, in
             for (int o = 16; o > 0; o >>= 1) {
                 const double os = __shfl_xor_sync(FULL, bs, o);
                 const int oi = __shfl_xor_sync(FULL, bi, o);
-                if (oi >= 0 && (bi < 0 || os > bs || (os == bs && entry_before(h, oi, bi)))) { bs = os; bi = oi; }
+                if (oi >= 0 && oi != bi && (bi < 0 || os > bs || (os == bs && entry_before(h, oi, bi)))) { bs = os; bi = oi; }
             }
             const int parent = hpar[bi], d = hdr[bi] >> 16, r = hdr[bi] & 0xffff;
             const int i = ++n, row = (d - 1) * K;
@@ -305,15 +306,14 @@ struct smp_shared {
     unsigned long long wlo[SMP_WARPS], whi[SMP_WARPS];   /* per-warp u128 partials */
     unsigned int hcnt[256];                              /* radix histograms: counts (fallback) */
     unsigned long long hlo[256], hhi[256];               /* radix histograms: masses (fallback) */
-    unsigned int bcnt[SMP_BINS];                         /* fast path: counts by bin */
-    unsigned long long blo[SMP_BINS], bhi[SMP_BINS];     /* fast path: masses by bin */
+    unsigned int bcnt[SMP_BINS];                         /* fast path's plan: counts by bin */
+    unsigned long long blo[SMP_BINS], bhi[SMP_BINS];     /* fast path's plan: masses by bin */
     unsigned long long cand[SMP_CAP];                    /* fast path: (key << 32 | ~id), sorted descending */
     unsigned long long tlo[SMP_TILES], thi[SMP_TILES];   /* segment sums of a prefix search */
     int sel_d;
     unsigned int sel_kr;
     unsigned long long sel_lo, sel_hi;
-    int res, tile, ncand, cut;
-    int lo, hi, fast;                                    /* fast path: the candidate bins [lo, hi] */
+    int res, tile, cut;
     int first;                                           /* fast path: the drawn candidate */
     unsigned int cnt_lo;                                 /* fast path: elements in bins below lo */
     unsigned long long mlo_lo, mlo_hi, tot_lo, tot_hi;   /* fast path: mass below lo; the row's mass */
@@ -591,80 +591,128 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, l
 }
 
 /* The fast path of the cut (top-k and / or top-p). A bin (smp_binner) is monotone in the logit,
- * so the order of the row (logit descending, id ascending) visits the bins in ascending order;
- * the row's counts (and masses for top-p without a small top-k) by bin, from smp_bins_kernel,
- * find the bins [lo, hi] that can hold the cut, a pass over the row gathers their ids, and they
- * are sorted in shared memory. Returns false (the radix path decides) when those bins hold more
- * than SMP_CAP ids (e.g. a row of equal logits). */
-__device__ bool cut_by_bins(const float *xr, int V, const smp_mass &mass, int top_k, float top_p, bool topk, bool topp,
-                            const unsigned int *gcnt, const unsigned long long *glo, const unsigned long long *ghi,
-                            uint32_t *ckey, int *cid, int *nkept, smp_shared &sh) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const smp_binner bin_of(mass.m, mass.T);
+ * so the order of the row (logit descending, id ascending) visits the bins in ascending order.
+ * smp_plan_kernel finds from the row's counts (and masses for top-p without a small top-k) by bin
+ * the bins [lo, hi] that can hold the cut; smp_gather_kernel gathers their ids over several
+ * blocks per row into the row's SMP_CAP slots; cut_by_bins sorts them in shared memory. The plan
+ * is not fast (the radix path decides) when those bins hold more than SMP_CAP ids (e.g. a row of
+ * equal logits). */
+struct smp_plan {
+    unsigned long long mlo_lo, mlo_hi, tot_lo, tot_hi;   /* mass below bin lo; the row's mass */
+    float m;                                             /* the row max (the binner's) */
+    int lo, hi, fast;                                    /* the candidate bins [lo, hi] */
+    unsigned int cnt_lo, ncand;                          /* ids in bins below lo; ids gathered */
+};
+
+/* One block per row after smp_bins_kernel (gcnt / glo / ghi): the row's plan (fast = 0 for a row
+ * with a bad logit or no finite one: sample_cut_kernel reports it) */
+__global__ void __launch_bounds__(SMP_THREADS) smp_plan_kernel(int V, double T, int top_k, float top_p, uint64_t qmin,
+                                                               const smp_max_part *pm, int S, const unsigned int *gcnt,
+                                                               const unsigned long long *glo,
+                                                               const unsigned long long *ghi, smp_plan *plans) {
+    extern __shared__ double sel_smem[];
+    smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, row = blockIdx.x;
+    smp_mass mass;
+    int bad;
+    if (!smp_row_rule(pm + (size_t)row * S, S, T, qmin, mass, bad)) {
+        if (tid == 0) plans[row].fast = 0;
+        return;
+    }
+    const bool topk = top_k > 0 && top_k < V, topp = top_p > 0.0f && top_p < 1.0f;
     const bool bin_mass = smp_bin_mass(topk, topp, top_k);
-    /* 1. the row's counts and masses by bin */
-    for (int b = tid; b < SMP_BINS; b += SMP_THREADS) { sh.bcnt[b] = gcnt[b]; sh.blo[b] = glo[b]; sh.bhi[b] = ghi[b]; }
+    const size_t ob = (size_t)row * SMP_BINS;
+    for (int b = tid; b < SMP_BINS; b += SMP_THREADS) { sh.bcnt[b] = gcnt[ob + b]; sh.blo[b] = glo[ob + b]; sh.bhi[b] = ghi[ob + b]; }
     __syncthreads();
-    /* 2. warp 0 finds the candidate bins */
-    if (warp == 0) {
-        kd_u128 counted = warp_sum_u128([&] {
-            kd_u128 s = u128_zero();
-            for (int b = lane; b < SMP_BINS - 1; b += 32) s = kd_u128_add64(s, sh.bcnt[b]);
-            return s;
-        }());
-        const unsigned int tail = (unsigned)V - (unsigned)counted.lo;
-        auto cnt = [&](int b) { return kd_u128_of(b < SMP_BINS - 1 ? sh.bcnt[b] : tail); };
-        auto mas = [&](int b) { kd_u128 r; r.lo = sh.blo[b]; r.hi = sh.bhi[b]; return r; };
-        kd_u128 ignore;
-        int lo, hi;
-        if (topk) {
-            hi = warp_first_reaching(cnt, kd_u128_of((uint64_t)top_k), &ignore);   /* found: the counts sum to V */
-            lo = hi;
-            if (top_k <= SMP_CAP / 2) lo = 0;   /* fewer than k ids before the k-th's bin: gather them all */
-            if (bin_mass) {   /* the nucleus ends no earlier than where the smallest possible goal is reached */
-                const kd_u128 s_lo = warp_prefix(mas, hi);
-                lo = warp_first_reaching(mas, kd_rule_top_p_goal(s_lo, top_p), &ignore);
-                if (lo < 0 || lo > hi) lo = hi;   /* not reached: s_lo reaches its own goal before bin hi */
-            }
-        } else {
-            const kd_u128 S = warp_prefix(mas, SMP_BINS);
-            hi = warp_first_reaching(mas, kd_rule_top_p_goal(S, top_p), &ignore);   /* found: the goal is <= S */
-            lo = hi;
+    if (warp != 0) return;
+    kd_u128 counted = warp_sum_u128([&] {
+        kd_u128 s = u128_zero();
+        for (int b = lane; b < SMP_BINS - 1; b += 32) s = kd_u128_add64(s, sh.bcnt[b]);
+        return s;
+    }());
+    const unsigned int tail = (unsigned)V - (unsigned)counted.lo;
+    auto cnt = [&](int b) { return kd_u128_of(b < SMP_BINS - 1 ? sh.bcnt[b] : tail); };
+    auto mas = [&](int b) { kd_u128 r; r.lo = sh.blo[b]; r.hi = sh.bhi[b]; return r; };
+    kd_u128 ignore;
+    int lo, hi;
+    if (topk) {
+        hi = warp_first_reaching(cnt, kd_u128_of((uint64_t)top_k), &ignore);   /* found: the counts sum to V */
+        lo = hi;
+        if (top_k <= SMP_CAP / 2) lo = 0;   /* fewer than k ids before the k-th's bin: gather them all */
+        if (bin_mass) {   /* the nucleus ends no earlier than where the smallest possible goal is reached */
+            const kd_u128 s_lo = warp_prefix(mas, hi);
+            lo = warp_first_reaching(mas, kd_rule_top_p_goal(s_lo, top_p), &ignore);
+            if (lo < 0 || lo > hi) lo = hi;   /* not reached: s_lo reaches its own goal before bin hi */
         }
-        const kd_u128 below = warp_prefix(cnt, lo), through = warp_prefix(cnt, hi + 1);
-        const kd_u128 mbelow = warp_prefix(mas, lo), mtot = warp_prefix(mas, SMP_BINS);
-        if (lane == 0) {
-            sh.lo = lo;
-            sh.hi = hi;
-            sh.cnt_lo = (unsigned)below.lo;
-            sh.fast = hi >= 0 && through.lo - below.lo <= (uint64_t)SMP_CAP;
-            sh.mlo_lo = mbelow.lo; sh.mlo_hi = mbelow.hi;
-            sh.tot_lo = mtot.lo; sh.tot_hi = mtot.hi;
-            sh.ncand = 0;
-            sh.cut = INT_MAX;
-        }
+    } else {
+        const kd_u128 S_all = warp_prefix(mas, SMP_BINS);
+        hi = warp_first_reaching(mas, kd_rule_top_p_goal(S_all, top_p), &ignore);   /* found: the goal is <= S */
+        lo = hi;
     }
-    __syncthreads();
-    if (!sh.fast) return false;
-    const int lo = sh.lo, hi = sh.hi;
-    /* 3. gather the candidates' (key, id); pad to a power of two with 0 (below every real entry) */
-    for (int i0 = 0; i0 < V; i0 += SMP_THREADS) {
-        const int i = i0 + tid;
-        float v = 0.0f;
-        int b = -1;
-        if (i < V) { v = xr[i]; b = bin_of(v); }
-        const bool in = b >= lo && b <= hi;
+    const kd_u128 below = warp_prefix(cnt, lo), through = warp_prefix(cnt, hi + 1);
+    const kd_u128 mbelow = warp_prefix(mas, lo), mtot = warp_prefix(mas, SMP_BINS);
+    if (lane == 0) {
+        smp_plan p;
+        p.mlo_lo = mbelow.lo; p.mlo_hi = mbelow.hi;
+        p.tot_lo = mtot.lo; p.tot_hi = mtot.hi;
+        p.m = mass.m;
+        p.lo = lo;
+        p.hi = hi;
+        p.fast = hi >= 0 && through.lo - below.lo <= (uint64_t)SMP_CAP;
+        p.cnt_lo = (unsigned)below.lo;
+        p.ncand = 0;
+        plans[row] = p;
+    }
+}
+
+/* slice blockIdx.x of row blockIdx.y, for a fast plan: the (key << 32 | ~id) of its ids in bins
+ * [lo, hi] into the row's SMP_CAP slots of cand (in no set order: cut_by_bins sorts them) */
+__global__ void __launch_bounds__(SMP_THREADS) smp_gather_kernel(const float *x, long long ld, int V, double T,
+                                                                 smp_plan *plans, unsigned long long *cand) {
+    constexpr int PER = SMP_SLICE / SMP_THREADS;
+    smp_plan *p = plans + blockIdx.y;
+    if (!p->fast) return;   /* the whole block */
+    const int lane = threadIdx.x & 31, blo = p->lo, bhi = p->hi;
+    const smp_binner bin_of(p->m, T);
+    const float *xr = x + (size_t)blockIdx.y * (size_t)ld;
+    unsigned long long *out = cand + (size_t)blockIdx.y * SMP_CAP;
+    const int lo = blockIdx.x * SMP_SLICE, hi = min(V, lo + SMP_SLICE);
+    float v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {   /* every load first: one block's pass is latency-bound */
+        const int i = lo + j * SMP_THREADS + threadIdx.x;
+        v[j] = i < hi ? xr[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = lo + j * SMP_THREADS + threadIdx.x;
+        const int b = i < hi ? bin_of(v[j]) : -1;
+        const bool in = b >= blo && b <= bhi;
         const unsigned bal = __ballot_sync(FULL, in);
-        int base = 0;
-        if (lane == 0 && bal) base = atomicAdd(&sh.ncand, __popc(bal));
+        if (!bal) continue;   /* warp-uniform */
+        unsigned base = 0;
+        if (lane == 0) base = atomicAdd(&p->ncand, (unsigned)__popc(bal));
         base = __shfl_sync(FULL, base, 0);
-        if (in) sh.cand[base + __popc(bal & ((1u << lane) - 1u))] = (unsigned long long)okey(v) << 32 | (0xffffffffu - (uint32_t)i);
+        if (in) out[base + __popc(bal & ((1u << lane) - 1u))] = (unsigned long long)okey(v[j]) << 32 | (0xffffffffu - (uint32_t)i);
     }
-    __syncthreads();
-    const int n = sh.ncand;
+}
+
+/* the cut from a fast plan's gathered ids (false: the plan is not fast) */
+__device__ bool cut_by_bins(const smp_mass &mass, int top_k, float top_p, bool topk, bool topp, const smp_plan *plan,
+                            const unsigned long long *gathered, uint32_t *ckey, int *cid, int *nkept, smp_shared &sh) {
+    const int tid = threadIdx.x;
+    if (!plan->fast) return false;   /* uniform over the block */
+    const int lo = plan->lo, n = (int)plan->ncand;
+    if (tid == 0) {
+        sh.cnt_lo = plan->cnt_lo;
+        sh.mlo_lo = plan->mlo_lo; sh.mlo_hi = plan->mlo_hi;
+        sh.tot_lo = plan->tot_lo; sh.tot_hi = plan->tot_hi;
+        sh.cut = INT_MAX;
+    }
+    /* 3. the candidates, padded to a power of two with 0 (below every real entry), sorted */
     int np = 1;
     while (np < n) np <<= 1;
-    for (int j = n + tid; j < np; j += SMP_THREADS) sh.cand[j] = 0ull;
+    for (int j = tid; j < np; j += SMP_THREADS) sh.cand[j] = j < n ? gathered[j] : 0ull;
     __syncthreads();
     bitonic_sort(sh.cand, np, true);   /* descending: the row's order */
     /* 4. the cut: top-k's k-th of the order; top-p's first prefix (within top-k) whose mass reaches G */
@@ -914,15 +962,14 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, l
     }
 }
 
-/* With top-k / top-p, one block per row after smp_max_kernel (pm) and smp_bins_kernel (gcnt /
- * glo / ghi): a bad row's code; else the cut (the last kept element of the order after top-k and
+/* With top-k / top-p, one block per row after smp_max_kernel (pm), smp_plan_kernel (plans) and
+ * smp_gather_kernel (cand): a bad row's code; else the cut (the last kept element of the order after top-k and
  * top-p) and, when every kept id is a gathered candidate, the draw from them; else the cut goes
  * to cuts[row], pending, for smp_mass_kernel and smp_draw_kernel */
 __global__ void __launch_bounds__(SMP_THREADS) sample_cut_kernel(const float *x, long long ld, int V, double T,
                                                                   int top_k, float top_p, uint64_t qmin, uint64_t seed,
-                                                                  const smp_max_part *pm, const unsigned int *gcnt,
-                                                                  const unsigned long long *glo,
-                                                                  const unsigned long long *ghi, int S,
+                                                                  const smp_max_part *pm, int S, const smp_plan *plans,
+                                                                  const unsigned long long *cand,
                                                                   const int32_t *pos, int pos_offset, smp_cut *cuts,
                                                                   int32_t *out, int32_t *code) {
     extern __shared__ double sel_smem[];
@@ -938,8 +985,7 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_cut_kernel(const float *x,
     const bool topk = top_k > 0 && top_k < V, topp = top_p > 0.0f && top_p < 1.0f;
     uint32_t ckey = 0;
     int cid = INT_MAX, nkept = 0;
-    const size_t ob = (size_t)row * SMP_BINS;
-    if (!cut_by_bins(xr, V, mass, top_k, top_p, topk, topp, gcnt + ob, glo + ob, ghi + ob, &ckey, &cid, &nkept, sh))
+    if (!cut_by_bins(mass, top_k, top_p, topk, topp, plans + row, cand + (size_t)row * SMP_CAP, &ckey, &cid, &nkept, sh))
         cut_by_radix(xr, V, mass, top_k, top_p, topk, topp, &ckey, &cid, sh);
     int tok = -1;
     if (nkept > 0) tok = draw_from_candidates(xr, nkept, mass, kd_rule_u53(seed, (int64_t)pos[row] + pos_offset), sh);
@@ -1053,6 +1099,7 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
     if (!sp || !(sp->temperature > 0.0f)) return kd_fail(KD_ERR_ARG, "cuda sample_rows: a greedy sampler (use argmax)");
     if (!x.rows) return KD_OK;
     if (!pos || !out || !code) return kd_fail(KD_ERR_ARG, "cuda sample_rows: positions / out / code are NULL");
+    KD_TRY(kd_cuda_smem(c, (const void *)smp_plan_kernel, SMP_SMEM));
     KD_TRY(kd_cuda_smem(c, (const void *)sample_cut_kernel, SMP_SMEM));
     KD_TRY(kd_cuda_smem(c, (const void *)smp_draw_kernel, SMP_SMEM));
     const bool topk = sp->top_k > 0 && sp->top_k < x.cols, topp = sp->top_p > 0.0f && sp->top_p < 1.0f, cut = topk || topp;
@@ -1061,13 +1108,17 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
     const int S = (x.cols + SMP_SLICE - 1) / SMP_SLICE;
     const int chunk = x.rows < 65535 ? x.rows : 65535;   /* rows on grid.y */
     const size_t nparts = (size_t)chunk * S, nbins = cut ? (size_t)chunk * SMP_BINS : 0;
+    const size_t ncand = cut ? (size_t)chunk * SMP_CAP : 0, nplans = cut ? (size_t)chunk : 0;
     /* the 8-byte arrays first: aligned */
     const size_t hist_bytes = nbins * (2 * sizeof(unsigned long long) + sizeof(unsigned int));
     void *ws = NULL;
     KD_TRY(kd_cuda_ws(be, KD_WS_TREE, nparts * (sizeof(kd_u128) + sizeof(smp_max_part)) + hist_bytes +
+                                          ncand * sizeof(unsigned long long) + nplans * sizeof(smp_plan) +
                                           (size_t)chunk * sizeof(smp_cut), &ws));
     kd_u128 *pw = (kd_u128 *)ws;
-    unsigned long long *glo = (unsigned long long *)(pw + nparts), *ghi = glo + nbins;
+    unsigned long long *cand = (unsigned long long *)(pw + nparts);
+    smp_plan *plans = (smp_plan *)(cand + ncand);
+    unsigned long long *glo = (unsigned long long *)(plans + nplans), *ghi = glo + nbins;
     unsigned int *gcnt = (unsigned int *)(ghi + nbins);
     smp_max_part *pm = (smp_max_part *)(gcnt + nbins);
     smp_cut *cuts = cut ? (smp_cut *)(pm + nparts) : NULL;
@@ -1082,8 +1133,13 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
             smp_bins_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, T, qmin,
                                                                  smp_bin_mass(topk, topp, sp->top_k), pm, gcnt, glo, ghi);
             KD_CUDA_LAUNCH("smp_bins_kernel");
+            smp_plan_kernel<<<xr.rows, SMP_THREADS, SMP_SMEM, c->stream>>>(xr.cols, T, sp->top_k, sp->top_p, qmin, pm, S,
+                                                                           gcnt, glo, ghi, plans);
+            KD_CUDA_LAUNCH("smp_plan_kernel");
+            smp_gather_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, T, plans, cand);
+            KD_CUDA_LAUNCH("smp_gather_kernel");
             sample_cut_kernel<<<xr.rows, SMP_THREADS, SMP_SMEM, c->stream>>>(xd, xr.ld, xr.cols, T, sp->top_k, sp->top_p,
-                                                                             qmin, sp->seed, pm, gcnt, glo, ghi, S,
+                                                                             qmin, sp->seed, pm, S, plans, cand,
                                                                              pos + r0, pos_offset, cuts, out + r0,
                                                                              code + r0);
             KD_CUDA_LAUNCH("sample_cut_kernel");

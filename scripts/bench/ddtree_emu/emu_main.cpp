@@ -48,14 +48,20 @@ static void test_sample(int V, int kind, const kd_sampler &sp, int rows) {
     std::vector<unsigned long long> glo((size_t)rows * SMP_BINS, 0), ghi((size_t)rows * SMP_BINS, 0);
     const double T = (double)sp.temperature;
     std::vector<smp_cut> cuts(rows, smp_cut{0, 0, 7});
+    std::vector<smp_plan> plans(rows);
+    std::vector<unsigned long long> cand((size_t)rows * SMP_CAP, 0xdeadull);
     const smp_cut *cp = cut ? cuts.data() : NULL;
     launch(S, SMP_THREADS, [&] { smp_max_kernel(x.data(), V, V, pm.data()); }, rows);
     if (cut) {
         const bool bin_mass = smp_bin_mass(sp.top_k > 0 && sp.top_k < V, sp.top_p > 0.0f && sp.top_p < 1.0f, sp.top_k);
         launch(S, SMP_THREADS, [&] { smp_bins_kernel(x.data(), V, V, T, qmin, bin_mass, pm.data(), gcnt.data(), glo.data(), ghi.data()); }, rows);
         launch(rows, SMP_THREADS, [&] {
-            sample_cut_kernel(x.data(), V, V, T, sp.top_k, sp.top_p, qmin, sp.seed, pm.data(), gcnt.data(), glo.data(),
-                              ghi.data(), S, pos.data(), 0, cuts.data(), out.data(), code.data());
+            smp_plan_kernel(V, T, sp.top_k, sp.top_p, qmin, pm.data(), S, gcnt.data(), glo.data(), ghi.data(), plans.data());
+        });
+        launch(S, SMP_THREADS, [&] { smp_gather_kernel(x.data(), V, V, T, plans.data(), cand.data()); }, rows);
+        launch(rows, SMP_THREADS, [&] {
+            sample_cut_kernel(x.data(), V, V, T, sp.top_k, sp.top_p, qmin, sp.seed, pm.data(), S, plans.data(),
+                              cand.data(), pos.data(), 0, cuts.data(), out.data(), code.data());
         });
     }
     launch(S, SMP_THREADS, [&] { smp_mass_kernel(x.data(), V, V, T, qmin, pm.data(), cp, pw.data()); }, rows);
