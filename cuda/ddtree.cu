@@ -3,10 +3,13 @@
  *
  * tree_select  Algorithm 1 (core/tree.c) by one warp of one block: the frontier of
  *              (score, parent, depth, rank) entries in shared memory, unordered; each pop
- *              takes its first entry in pop order by a scan of the lanes' slots and a warp
- *              butterfly (scores in registers; exact score ties ordered by rank tuples read
- *              up the parent chains), which is the heap's pop without its log-depth chain
- *              of dependent shared-memory steps. Scores are updated in double with the same
+ *              takes its first entry in pop order by a scan of the lanes' slots and two warp
+ *              max reductions of the score's order-preserving 64-bit key (a pop is a chain of
+ *              dependent instructions: ncu counted ~200 per pop with a butterfly of doubles);
+ *              exact score ties are ordered by rank tuples read up the parent chains, on a
+ *              slow path taken only when two entries share the best key. This is the heap's
+ *              pop without its log-depth chain of dependent shared-memory steps. Scores are
+ *              updated in double with the same
  *              operations in the same order as the host (__d*_rn: no fma contraction). The
  *              other threads check the lists for NaN / +inf first and write the parents,
  *              depths and ancestor masks afterwards (one row per thread).
@@ -65,8 +68,19 @@ __device__ __forceinline__ double list_value(const float *vals, int i) {
     return (double)v;
 }
 
+/* a score's key: unsigned and in the scores' order (scores are finite: list values are clamped).
+ * -0 is keyed as +0, as they compare equal; the sign of a zero score changes no later sum's value
+ * or order (the tree outputs no score). */
+__device__ __forceinline__ unsigned long long score_key(double s) {
+    const unsigned long long b = (unsigned long long)__double_as_longlong(s == 0.0 ? 0.0 : s);
+    return b >> 63 ? ~b : b | 0x8000000000000000ull;
+}
+__device__ __forceinline__ double key_score(unsigned long long k) {
+    return __longlong_as_double((long long)(k >> 63 ? k & 0x7fffffffffffffffull : ~k));
+}
+
 struct sel_front {
-    double *score;
+    unsigned long long *key;
     int *parent, *dr;          /* dr = depth << 16 | rank */
     const int *np, *nd, *nr;   /* popped nodes: parent, depth, rank */
 };
@@ -81,7 +95,7 @@ __device__ int entry_ranks(const sel_front &h, int e, int *out) {
 
 /* entry a pops before entry b */
 __device__ bool entry_before(const sel_front &h, int a, int b) {
-    if (h.score[a] != h.score[b]) return h.score[a] > h.score[b];
+    if (h.key[a] != h.key[b]) return h.key[a] > h.key[b];
     int ra[KD_TREE_MAX_DEPTH], rb[KD_TREE_MAX_DEPTH];
     int na = entry_ranks(h, a, ra), nb = entry_ranks(h, b, rb);
     int n = na < nb ? na : nb;
@@ -90,12 +104,26 @@ __device__ bool entry_before(const sel_front &h, int a, int b) {
     return na < nb;
 }
 
+/* the frontier's first entry in pop order when two or more share the best key: each lane its
+ * slots, then a butterfly (entry_before is a strict total order, so every lane ends on the same
+ * entry) */
+__device__ int first_of_ties(const sel_front &h, int fn, int lane) {
+    int bi = -1;
+    for (int e = lane; e < fn; e += 32)
+        if (bi < 0 || entry_before(h, e, bi)) bi = e;
+    for (int o = 16; o > 0; o >>= 1) {
+        const int oi = __shfl_xor_sync(FULL, bi, o);
+        if (oi >= 0 && oi != bi && (bi < 0 || entry_before(h, oi, bi))) bi = oi;
+    }
+    return bi;
+}
+
 __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, int L, int K, int budget) {
     extern __shared__ double sel_smem[];
     __shared__ int s_bad, s_n;
     const int H = 2 * budget + 1;
-    double *hs = sel_smem;
-    int *hpar = (int *)(hs + H);
+    unsigned long long *hk = (unsigned long long *)sel_smem;
+    int *hpar = (int *)(hk + H);
     int *hdr = hpar + H;
     int *np = hdr + H;
     int *nd = np + (budget + 1);
@@ -113,27 +141,30 @@ __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, in
 
     if (tid < 32) {   /* warp 0 selects; lane 0 writes, __syncwarp publishes to the other lanes */
         const int lane = tid;
-        const sel_front h = { hs, hpar, hdr, np, nd, nr };
+        const sel_front h = { hk, hpar, hdr, np, nd, nr };
         if (lane == 0) {
             np[0] = -1; nd[0] = 0; nr[0] = -1;
-            hs[0] = list_value(t.vals, 0); hpar[0] = 0; hdr[0] = 1 << 16;
+            hk[0] = score_key(list_value(t.vals, 0)); hpar[0] = 0; hdr[0] = 1 << 16;
         }
         __syncwarp();
         int fn = 1, n = 0;   /* frontier entries [0, fn); nodes popped */
         while (fn > 0 && n < budget) {
-            /* the frontier's first entry in pop order: each lane its slots, then a butterfly
-             * (entry_before is a strict total order, so every lane ends on the same entry) */
-            double bs = 0.0;
+            /* the best key: each lane its slots (tie: another of them has its best key), then
+             * the warp's max, high word first */
+            unsigned long long bk = 0;   /* below every entry's key */
             int bi = -1;
+            bool tie = false;
             for (int e = lane; e < fn; e += 32) {
-                const double sc = hs[e];
-                if (bi < 0 || sc > bs || (sc == bs && entry_before(h, e, bi))) { bs = sc; bi = e; }
+                const unsigned long long k = hk[e];
+                if (k > bk) { bk = k; bi = e; tie = false; }
+                else if (k == bk) tie = true;
             }
-            for (int o = 16; o > 0; o >>= 1) {
-                const double os = __shfl_xor_sync(FULL, bs, o);
-                const int oi = __shfl_xor_sync(FULL, bi, o);
-                if (oi >= 0 && oi != bi && (bi < 0 || os > bs || (os == bs && entry_before(h, oi, bi)))) { bs = os; bi = oi; }
-            }
+            const unsigned mh = __reduce_max_sync(FULL, (unsigned)(bk >> 32));
+            const unsigned ml = __reduce_max_sync(FULL, (unsigned)(bk >> 32) == mh ? (unsigned)bk : 0u);
+            const unsigned long long mk = (unsigned long long)mh << 32 | ml;
+            const unsigned win = __ballot_sync(FULL, bk == mk), tied = __ballot_sync(FULL, bk == mk && tie);
+            bi = (__popc(win) == 1 && !tied) ? __shfl_sync(FULL, bi, __ffs(win) - 1) : first_of_ties(h, fn, lane);
+            const double bs = key_score(mk);
             const int parent = hpar[bi], d = hdr[bi] >> 16, r = hdr[bi] & 0xffff;
             const int i = ++n, row = (d - 1) * K;
             const bool sib = r + 1 < K, child = d < L;
@@ -144,15 +175,15 @@ __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, in
                 nd[i] = d;
                 nr[i] = r;
                 int m = fn - 1;   /* the last entry fills the popped slot; the new ones go after it */
-                hs[bi] = hs[m]; hpar[bi] = hpar[m]; hdr[bi] = hdr[m];
+                hk[bi] = hk[m]; hpar[bi] = hpar[m]; hdr[bi] = hdr[m];
                 if (sib) {
-                    hs[m] = __dadd_rn(__dsub_rn(bs, list_value(t.vals, row + r)), list_value(t.vals, row + r + 1));
+                    hk[m] = score_key(__dadd_rn(__dsub_rn(bs, list_value(t.vals, row + r)), list_value(t.vals, row + r + 1)));
                     hpar[m] = parent;
                     hdr[m] = d << 16 | (r + 1);
                     m++;
                 }
                 if (child) {
-                    hs[m] = __dadd_rn(bs, list_value(t.vals, d * K));
+                    hk[m] = score_key(__dadd_rn(bs, list_value(t.vals, d * K)));
                     hpar[m] = i;
                     hdr[m] = (d + 1) << 16;
                 }

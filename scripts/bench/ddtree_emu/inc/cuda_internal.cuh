@@ -51,10 +51,21 @@ inline unsigned __ballot_sync(unsigned, bool p) {
     emu_warp_bar[w]->arrive_and_wait();
     return b;
 }
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+    int w = threadIdx.x >> 5;
+    emu_xbuf[w][threadIdx.x & 31] = v;
+    emu_warp_bar[w]->arrive_and_wait();
+    unsigned m = 0;
+    for (int i = 0; i < 32; i++) m = std::max(m, (unsigned)emu_xbuf[w][i]);
+    emu_warp_bar[w]->arrive_and_wait();
+    return m;
+}
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline long long __double_as_longlong(double d) { long long u; std::memcpy(&u, &d, 8); return u; }
+inline double __longlong_as_double(long long u) { double d; std::memcpy(&d, &u, 8); return d; }
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dsub_rn(double a, double b) { return a - b; }
 inline unsigned atomicAdd(unsigned *p, unsigned v) { std::lock_guard<std::mutex> g(emu_atomic_mu); unsigned o = *p; *p = o + v; return o; }
