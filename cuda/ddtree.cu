@@ -5,7 +5,7 @@
  *              (score, parent, depth, rank) entries in shared memory, unordered; each pop
  *              takes its first entry in pop order by a scan of the lanes' slots and two warp
  *              max reductions of the score's order-preserving 64-bit key (a pop is a chain of
- *              dependent instructions: ncu counted ~200 per pop with a butterfly of doubles);
+ *              dependent instructions: ncu counted ~235 per pop with a butterfly of doubles);
  *              exact score ties are ordered by rank tuples read up the parent chains, on a
  *              slow path taken only when two entries share the best key. This is the heap's
  *              pop without its log-depth chain of dependent shared-memory steps. Scores are
