@@ -354,9 +354,9 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
 
     /* the block shape (tc_shape: row groups, warps, value slices); the bits depend on none of it */
     const long long ncq = tc_max_chunks(S, past, T, causal, visible != NULL, d_past != NULL);
-    const TcShape sh = tc_shape(ncq, T, G, n_kv_heads, DVP, a.HDP, async, c->n_sms, c->smem_optin, c->mla_rg,
-                                c->mla_vsplit);
-    const int rows = sh.rg * 16, nth = sh.rg * 32 * sh.kw;
+    const TcShape sh = tc_shape(ncq, T, G, n_kv_heads, DVP, a.HDP, async, tc_wide_offsets_fit(S, k.ld, v.ld), c->n_sms,
+                                c->smem_optin, c->mla_rg, c->mla_vsplit);
+    const int rows = sh.rg * 16, nth = tc_threads(sh);
     a.rb_per_q = (G + rows - 1) / rows;
     const size_t smem = tc_smem_bytes(a.HDP, sh.rg, sh.kw);
     if (smem > c->smem_optin)

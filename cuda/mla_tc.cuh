@@ -14,8 +14,9 @@
  * and writes (m, l, o) as the chunk's partial; tc_merge_kernel combines the chunks of a row
  * in chunk order: M = max m_c, L = sum l_c 2^(m_c-M), out = sum o_c 2^(m_c-M) / L.
  *
- * Block shape: 64 rows (4 groups of 16, the mma M dimension) x one chunk x one kv head, 2
- * warps per 16 rows. When few blocks would run (decode, small T at short context): 16 rows
+ * Block shape: 64 rows (4 groups of 16, the mma M dimension) x one chunk x one kv head: 8
+ * warps that each span the 64 rows (tc_wide_kernel, mla_tc_wide.cuh) where its cp.async path and
+ * shared memory allow, else 2 warps per 16 rows (tc_chunk_kernel). When few blocks would run (decode, small T at short context): 16 rows
  * of 8 warps, and the value dims split over up to 4 blocks ("value slices": each block
  * computes the chunk's S and softmax, and its DVP / VS value dims of O), so a decode step at 1K
  * runs 32 blocks of 8 warps instead of 8 blocks of 2.
@@ -134,8 +135,10 @@ __device__ __forceinline__ void tc_load_slab(const TcArgs &a, uint16_t *dst, int
 }
 
 /* bytes of dynamic shared memory for key dims padded to HDP, rg row groups of 16 and kw
- * warps per row group */
+ * warps per row group (rg 4, kw 8: tc_wide_kernel, whose 8 warps each span the 64 rows) */
+static inline size_t tc_wide_smem_bytes(int HDP);
 static inline size_t tc_smem_bytes(int HDP, int rg, int kw = 2) {
+    if (rg == 4 && kw == 8) return tc_wide_smem_bytes(HDP);
     const size_t rows = (size_t)rg * 16;
     return rows * (HDP + 8) * 2 + rows * TC_PLD * 2 + (size_t)TC_STAGES * TC_STAGE_BYTES + (size_t)TC_CHUNK * 4 +
            4 * rows * 4 + (size_t)(kw + 2) * rows * 4 + 16;
@@ -439,6 +442,10 @@ __global__ void tc_merge_kernel(TcArgs a, void *out, int odt, long long ldo) {
     }
 }
 
+}  // namespace mla
+#include "mla_tc_wide.cuh"
+namespace mla {
+
 /* ---- the launch plan (host): attention_tc in mla.cu and scripts/bench/mla_emu both take it from here ---- */
 
 /* value dims padded to a kernel instance (32..512, a power of two) */
@@ -450,16 +457,27 @@ static inline long long tc_max_chunks(int S, int past, int T, bool causal, bool 
 }
 
 /* The block shape of a call: rg row groups of 16 per block (4: 64 rows share a tile) unless
- * that leaves most SMs idle (decode at short context) or does not fit; then, when async and
- * vs_mode allow, 16-row blocks of kw = 8 warps split into vs value slices (up to DVP / 128;
- * more while the grid has fewer than two blocks per SM). rg_forced: 1 or 4, else 0 (the rule);
- * vs_mode: 0 off, 1, 2 or 4 forced, 8 the rule. The bits depend on none of these (above). */
+ * that leaves two thirds of the SMs idle (K2.6 decode below ~22K context, small T at short
+ * context) or does not fit; 64-row blocks take tc_wide_kernel (kw = 8: each warp spans the 64
+ * rows) where it applies (async, DVP >= 128, its shared memory fits, wide_fits:
+ * tc_wide_offsets_fit), else kw = 2. 16-row blocks, when async and vs_mode allow, take kw = 8
+ * warps split into vs value slices (up to DVP / 128; more while the grid has fewer than two
+ * blocks per SM). rg_forced: 1 or 4, else 0 (the rule); vs_mode: 0 off, 1, 2 or 4 forced, 8 the
+ * rule. The bits depend on none of these (above). */
 struct TcShape { int rg, kw, vs; };
-static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int DVP, int HDP, bool async, int n_sms,
-                               size_t smem_optin, int rg_forced, int vs_mode) {
+static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int DVP, int HDP, bool async,
+                               bool wide_fits, int n_sms, size_t smem_optin, int rg_forced, int vs_mode) {
     TcShape s = {4, 2, 1};
     const long long blocks4 = ncq * (((long long)T * G + TC_ROWS - 1) / TC_ROWS) * n_kv_heads;
-    s.rg = rg_forced ? rg_forced : blocks4 < n_sms ? 1 : 4;
+    /* 64-row blocks once they fill a third of the SMs: below that the 16-row blocks (4x as many,
+     * each a quarter of the work) finish sooner. Measured (cuda_ops_bench --attention, H100,
+     * 2026-12-05): 34 blocks (1K, T = 17) faster as 16-row blocks; 64 (32K, T = 1) and 130 (1K,
+     * T = 65) faster as 64-row blocks. */
+    s.rg = rg_forced ? rg_forced : blocks4 * 3 < n_sms ? 1 : 4;
+    if (s.rg == 4 && async && wide_fits && DVP >= 128 && tc_smem_bytes(HDP, 4, 8) <= smem_optin) {
+        s.kw = 8;
+        return s;
+    }
     if (s.rg == 4 && tc_smem_bytes(HDP, 4) > smem_optin) s.rg = 1;   /* e.g. sm_120's 99 KB */
     if (s.rg == 1 && vs_mode != 0 && async && DVP >= 128 && tc_smem_bytes(HDP, 1, 8) <= smem_optin) {
         s.kw = 8;
@@ -473,10 +491,14 @@ static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int 
     }
     return s;
 }
+/* threads of a block of that shape */
+static inline int tc_threads(TcShape s) { return s.rg == 4 && s.kw == 8 ? TW_NTH : s.rg * 32 * s.kw; }
 
 /* the kernel instance of a shape, or NULL (no instance for that DVP) */
 typedef void (*TcKernel)(TcArgs);
 static inline TcKernel tc_kernel(int DVP, bool async, TcShape s) {
+    if (s.rg == 4 && s.kw == 8)   /* async, DVP >= 128 (tc_shape) */
+        return DVP == 128 ? tc_wide_kernel<128> : DVP == 256 ? tc_wide_kernel<256> : DVP == 512 ? tc_wide_kernel<512> : NULL;
     if (s.kw == 8) {   /* async, rg 1, DVP >= 128 * vs (tc_shape) */
         if (DVP == 128) return tc_chunk_kernel<128, true, 1, 8, 1>;
         if (DVP == 256) return s.vs == 1 ? tc_chunk_kernel<256, true, 1, 8, 1> : tc_chunk_kernel<256, true, 1, 8, 2>;

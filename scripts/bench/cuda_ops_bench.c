@@ -273,22 +273,45 @@ static void bench_round(const char *md_path) {
 
 int main(int argc, char **argv) {
     const char *md_path = NULL;
-    int round_only = 0;
+    int round_only = 0, attention_only = 0, rg = 0, vs = 0, one_ctx = 0, one_T = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--md") && i + 1 < argc) md_path = argv[++i];
         else if (!strcmp(argv[i], "--round")) round_only = 1;
+        else if (!strcmp(argv[i], "--attention")) attention_only = 1;
+        else if (!strcmp(argv[i], "--attention-at") && i + 2 < argc) {   /* one row (for a profiler) */
+            attention_only = 1;
+            one_ctx = atoi(argv[++i]);
+            one_T = atoi(argv[++i]);
+        }
+        else if (!strcmp(argv[i], "--mla-row-groups") && i + 1 < argc) rg = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--mla-value-slices") && i + 1 < argc) vs = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: cuda_ops_bench [--round] [--md FILE]\n");
+            fprintf(stderr, "usage: cuda_ops_bench [--round | --attention | --attention-at CTX T] [--md FILE] [--mla-row-groups N] "
+                            "[--mla-value-slices N]\n");
             return 2;
         }
     }
     /* KDTREE_MLA_TC=0: the attention rows on the CUDA-core kernel (a bench maps the old variable to
      * the option; the library reads no environment) */
     const char *tc = getenv("KDTREE_MLA_TC");
-    const kd_model_options opt = { .mla_kernel = tc && !strcmp(tc, "0") ? KD_MLA_CUDA_CORES : KD_MLA_DEFAULT };
+    const kd_model_options opt = { .mla_kernel = tc && !strcmp(tc, "0") ? KD_MLA_CUDA_CORES : KD_MLA_DEFAULT,
+                                   .mla_row_groups = rg, .mla_value_slices = vs };
     CK(kd_backend_cuda_create(0, &opt, &be));
     if (round_only) {
         bench_round(md_path);
+        be->ops->destroy(be);
+        return 0;
+    }
+    if (attention_only) {   /* the step's attention: MLA, 64 heads; decode and the verify trees */
+        printf("# attention rows (--mla-row-groups %d --mla-value-slices %d)\n", rg, vs);
+        if (one_ctx > 0 && one_T > 0) {
+            bench_attention(64, one_ctx, one_T, one_T > 1);
+            be->ops->destroy(be);
+            return 0;
+        }
+        static const int actx[] = {1024, 8192, 32768}, aT[] = {1, 17, 65, 257};
+        for (int c = 0; c < 3; c++)
+            for (int t = 0; t < 4; t++) bench_attention(64, actx[c], aT[t], aT[t] > 1);
         be->ops->destroy(be);
         return 0;
     }

@@ -92,6 +92,18 @@ static void ops(void) {
        "attention gqa window");
     ck(kd_test_attention(tb, x, 5, 3 * 36, 3, 36, y, 12, 36, x, 36, 0, 1, 7, 1, NULL, 0, 0.2f, 3 * 36, out),
        "attention unaligned");
+    {   /* 64-row blocks forced: the wide tensor-core kernel (mla_tc_wide.cuh), shared and tail chunks */
+        const kd_model_options wide = {.mla_row_groups = 4};
+        kd_test_backend *tw;
+        ck(kd_test_backend_new(kind, 0, &wide, &tw), "backend (mla_row_groups 4)");
+        if (tw) {
+            ck(kd_test_attention(tw, x, 9, 2 * 576, 2, 576, y, 609, 576, NULL, 512, 1, 1, 600, 0, vis, 0, 0.14f, 2 * 512,
+                                 out), "attention tree, 64-row blocks");
+            ck(kd_test_attention(tw, x, 5, 4 * 576, 4, 576, y, 1100, 576, NULL, 512, 1, 1, 1095, 1, NULL, 0, 0.14f,
+                                 4 * 512, out), "attention causal 3 chunks, 64-row blocks");
+            kd_test_backend_free(tw);
+        }
+    }
     enum { NE = 16, H = 128, I = 64 };
     kd_test_weight router = bf16w(NE, H), g[NE], u[NE], d[NE], g4[NE], u4[NE], d4[NE];
     float bias[NE];

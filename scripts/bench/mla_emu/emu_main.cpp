@@ -111,10 +111,11 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
     const int DVP = tc_dv_padded(c.dv);
     /* attention_tc's shape rule on 132 SMs, this emulator's shared memory as the limit */
     const long long ncq = tc_max_chunks(S, a.past, T, c.causal, c.vis != nullptr, c.bound > 0);
-    const TcShape sh = tc_shape(ncq, T, G, c.Hkv, DVP, a.HDP, async, 132, sizeof emu_smem_buf, c.rg,
+    const TcShape sh = tc_shape(ncq, T, G, c.Hkv, DVP, a.HDP, async, tc_wide_offsets_fit(S, ldk, ldv), 132,
+                                sizeof emu_smem_buf, c.rg,
                                 c.vs < 0 ? 0 : c.vs == 0 ? 8 : c.vs);
     last_kw = sh.kw; last_vs = sh.vs;
-    const int rows = sh.rg * 16, nth = sh.rg * 32 * sh.kw;
+    const int rows = sh.rg * 16, nth = tc_threads(sh);
     a.rb_per_q = (G + rows - 1) / rows;
     a.qvec = c.hd % 8 == 0;
     std::vector<int32_t> list, cnt;

@@ -11,6 +11,8 @@
 
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 
 unsigned char *mla_emu_smem();                 /* this block's dynamic shared memory */
 extern uint32_t mla_emu_x[32][32][8];          /* per warp, per lane operand slots */
