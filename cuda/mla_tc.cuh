@@ -107,6 +107,38 @@ __device__ __forceinline__ void tc_copy8(uint16_t *dst, const uint16_t *base, in
     }
 }
 
+/* The block's rows (tc_chunk_kernel, tc_wide_kernel): row r of ROWS is query t_s[r] (-1: inert)
+ * and head h_s[r], sees nv_s[r] keys of the chunk starting at ordinal o0, and its query is cache
+ * row qr_s[r]. Returns the most keys any row sees, the tile's loaded length (nl_s: its slot).
+ * Two barriers. */
+template <int ROWS>
+__device__ __forceinline__ int tc_block_rows(const TcArgs &a, int past, int S, int o0, int tq, int rbase, int g,
+                                             int *t_s, int *h_s, int *nv_s, int *qr_s, int *nl_s) {
+    const int tid = threadIdx.x;
+    if (tid < ROWS) {
+        int R = rbase + tid, t = -1, hh = 0;
+        if (a.tail) { if (R < a.G) { t = a.t0 + tq; hh = R; } }
+        else if (R < a.tb * a.G) { t = a.t0 + R / a.G; hh = R % a.G; }
+        int nv = 0;
+        if (t >= 0) {
+            nv = tc_nvis(a, past, S, t) - o0;
+            nv = nv < 0 ? 0 : nv > TC_CHUNK ? TC_CHUNK : nv;
+        }
+        t_s[tid] = nv > 0 ? t : -1;
+        h_s[tid] = g * a.G + hh;
+        nv_s[tid] = nv;
+        qr_s[tid] = past + (t >= 0 ? t : 0);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int m = 0;
+        for (int r = 0; r < ROWS; r++) m = nv_s[r] > m ? nv_s[r] : m;
+        nl_s[0] = m;
+    }
+    __syncthreads();
+    return nl_s[0];
+}
+
 /* slab s of the block's sequence: s < ns1: keys [kg*128, +128) x key dims [ds*64, +64)
  * (kg = s / nds, ds = s % nds), stored [key][TC_P1LD]; else (phase 2, ks = s - ns1) 16 * VS
  * keys [ks*16*VS, +16*VS) x the DVP / VS value dims of slice sl, stored [key][DVP / VS + 8].
@@ -208,28 +240,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
     }
     const int o0 = c * TC_CHUNK;
 
-    if (tid < ROWS) {
-        int R = rbase + tid, t = -1, hh = 0;
-        if (a.tail) { if (R < a.G) { t = a.t0 + tq; hh = R; } }
-        else if (R < a.tb * a.G) { t = a.t0 + R / a.G; hh = R % a.G; }
-        int nv = 0;
-        if (t >= 0) {
-            nv = tc_nvis(a, past, S, t) - o0;
-            nv = nv < 0 ? 0 : nv > TC_CHUNK ? TC_CHUNK : nv;
-        }
-        t_s[tid] = nv > 0 ? t : -1;
-        h_s[tid] = g * a.G + hh;
-        nv_s[tid] = nv;
-        qr_s[tid] = past + (t >= 0 ? t : 0);
-    }
-    __syncthreads();
-    if (tid == 0) {
-        int m = 0;
-        for (int r = 0; r < ROWS; r++) m = nv_s[r] > m ? nv_s[r] : m;
-        nl_s[0] = m;
-    }
-    __syncthreads();
-    const int n_load = nl_s[0];
+    const int n_load = tc_block_rows<ROWS>(a, past, S, o0, tq, rbase, g, t_s, h_s, nv_s, qr_s, nl_s);
     if (n_load == 0) return;
 
     for (int j = tid; j < TC_CHUNK; j += NTH)

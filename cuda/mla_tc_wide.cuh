@@ -34,8 +34,8 @@ static_assert(TW_K2 * (TC_DV_MAX + 8) * 2 <= TW_STAGE_BYTES, "a phase-2 stage fi
 /* Q (phase 1), then P (phase 2) in the same rows; stages; the per-row and per-key tables */
 static inline size_t tc_wide_smem_bytes(int HDP) {
     const size_t qp = (size_t)TW_ROWS * (HDP + 8 > TC_PLD ? HDP + 8 : TC_PLD) * 2;
-    return qp + (size_t)TW_STAGES * TW_STAGE_BYTES + 2 * (size_t)TC_CHUNK * 4 + (size_t)TC_CHUNK * 4 + 4 * TW_ROWS * 4 +
-           (size_t)(TW_WARPS + 3) * TW_ROWS * 4 + 16;
+    return qp + (size_t)TW_STAGES * TW_STAGE_BYTES + 3 * (size_t)TC_CHUNK * 4   /* koff, voff, row */
+           + 4 * TW_ROWS * 4 + (size_t)(TW_WARPS + 3) * TW_ROWS * 4 + 16;         /* rows; max, l, m; n_load */
 }
 
 /* stage s of the block: s < nd1: keys [0, TC_CHUNK) x key dims [32 s, +32), stored [key][TW_P1LD];
@@ -123,28 +123,7 @@ __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
     }
     const int o0 = c * TC_CHUNK;
 
-    if (tid < ROWS) {
-        int R = rbase + tid, t = -1, hh = 0;
-        if (a.tail) { if (R < a.G) { t = a.t0 + tq; hh = R; } }
-        else if (R < a.tb * a.G) { t = a.t0 + R / a.G; hh = R % a.G; }
-        int nv = 0;
-        if (t >= 0) {
-            nv = tc_nvis(a, past, S, t) - o0;
-            nv = nv < 0 ? 0 : nv > TC_CHUNK ? TC_CHUNK : nv;
-        }
-        t_s[tid] = nv > 0 ? t : -1;
-        h_s[tid] = g * a.G + hh;
-        nv_s[tid] = nv;
-        qr_s[tid] = past + (t >= 0 ? t : 0);
-    }
-    __syncthreads();
-    if (tid == 0) {
-        int m = 0;
-        for (int r = 0; r < ROWS; r++) m = nv_s[r] > m ? nv_s[r] : m;
-        nl_s[0] = m;
-    }
-    __syncthreads();
-    const int n_load = nl_s[0];
+    const int n_load = tc_block_rows<ROWS>(a, past, S, o0, tq, rbase, g, t_s, h_s, nv_s, qr_s, nl_s);
     if (n_load == 0) return;
 
     for (int j = tid; j < TC_CHUNK; j += TW_NTH) {
