@@ -236,7 +236,7 @@ bench-comm: $(BENCH_COMM)
 
 bench: $(BENCH_W4)
 	$(BENCH_W4) --md $(BUILD)/bench/w4a16.md
-	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_ops_bench.c $(BUILD)/libkdtree_internal.a $(LDLIBS) \
+	-$(MAKE) all && $(CC) -O2 -std=c11 -D_GNU_SOURCE -Icore -I$(CUDA_HOME)/include scripts/bench/cuda_ops_bench.c $(BUILD)/libkdtree_internal.a $(LDLIBS) \
 	  -o $(BUILD)/bench/cuda_ops_bench && $(BUILD)/bench/cuda_ops_bench --md $(BUILD)/bench/ddtree_round.md
 	-$(MAKE) $(BENCH_SLICE) && $(BENCH_SLICE) --md $(BUILD)/bench/model_slice.md
 	-$(MAKE) bench-comm

@@ -4,13 +4,13 @@
  * from M, so the same token row can get different bits in a batch of 1 and a batch of
  * 37. Here every output element is computed by the same sequence of tensor-core MMAs
  * (mma.sync m16n8k16, bf16 in, fp32 accumulate) over k in a fixed order, and neither the
- * row's position in its tile nor the tile's height (64 rows, or 16 where M <= 16) changes
+ * row's position in its tile nor the tile's height (16, 64 or 128 rows, by M) changes
  * anything (an MMA row depends only on that row of A). Split-K, used to give small-M
  * launches enough blocks, is chosen from (N, K, batch, SM count) only, never from M, and
  * its partial sums are added in split order by a second kernel. So a row's result is
  * bit-identical for any M.
  *
- * Loads: cp.async 16-byte copies through a 4-stage shared-memory pipeline when the
+ * Loads: cp.async 16-byte copies through a 3- or 4-stage shared-memory pipeline when the
  * operands are 16-byte aligned; otherwise (odd leading dims, f32 activations) plain
  * loads into the same shared tiles, so both paths feed identical MMAs.
  */
@@ -23,18 +23,24 @@ using mla::cp_commit;
 using mla::cp_wait;
 using mla::mma16816;
 
-/* BM: rows of A per block, 64, or 16 where M <= 16 (a quarter of the mma and of the A tile,
- * and more blocks per SM; the bits are the same, see the top). BK: the k-tile, the unit of
+/* BM: rows of A per block, 64; 16 where M <= 16 (a quarter of the mma and of the A tile,
+ * and more blocks per SM); 128 where M > 64 (each warp 64 x 32: 16 mma per 8 fragment loads
+ * where 32 x 32 makes 8 per 6, and each B tile feeds twice the rows). The bits are the same,
+ * see the top. BK: the k-tile, the unit of
  * split-K. A pipeline stage holds KS = 2 k-tiles, so it reads 128 contiguous bytes of each
  * weight row, not 64 (H200, the lm_head at M = 1 944 -> 606 us, at M = 64 1167 -> 923); the
  * k16 steps are the same, in the same order, so the bits are too. */
-constexpr int BM = 64, BM_SMALL = 16, BN = 64, BK = 32, KS = 2 * BK, KT_PS = KS / BK, STAGES = 4, THREADS = 128;
+constexpr int BM = 64, BM_SMALL = 16, BM_LARGE = 128, BN = 64, BK = 32, KS = 2 * BK, KT_PS = KS / BK, THREADS = 128;
 constexpr int LD = KS + 8;          /* smem row stride (bf16) of A and of B [n][k]: conflict-free fragment loads */
 constexpr int BN_LD = BN + 8;       /* B stored [k][n] (ldmatrix.trans) */
 constexpr int B_STAGE = BN * LD > KS * BN_LD ? BN * LD : KS * BN_LD;
-/* dynamic shared memory of a block: STAGES stages of A (TBM rows) and B (46 KB at TBM = 16,
- * 74 KB at 64) */
-__host__ __device__ constexpr size_t gemm_smem(int tbm) { return (size_t)STAGES * (tbm * LD + B_STAGE) * sizeof(bf16); }
+/* pipeline stages: 4, or 3 at TBM = 128 (four would take 111 KB, over sm_120's 99 KB a block);
+ * dynamic shared memory of a block: the stages of A (TBM rows) and B (46 KB at TBM = 16, 74 KB
+ * at 64, 83 KB at 128) */
+__host__ __device__ constexpr int gemm_stages(int tbm) { return tbm == BM_LARGE ? 3 : 4; }
+__host__ __device__ constexpr size_t gemm_smem(int tbm) {
+    return (size_t)gemm_stages(tbm) * (tbm * LD + B_STAGE) * sizeof(bf16);
+}
 
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t *r, const void *smem) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -164,21 +170,24 @@ __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Til
     }
 }
 
-/* grid: x = n_tiles * splits, y = m tiles of TBM rows, z = batch (or expert). Warps: 2 x 2 of
- * 32 x 32 (TBM = 64) or 1 x 4 of 16 x 16 (TBM = 16). */
+/* grid: x = m tiles of TBM rows, y = n_tiles * splits, z = batch (or expert). The m tiles vary
+ * fastest so that the blocks sharing a strip of B run together and read it from HBM once (with
+ * the n tiles fastest, M = 256 read a 2.35 GB lm_head four times). Warps: 2 x 2 of 64 x 32
+ * (TBM = 128) or of 32 x 32 (TBM = 64), or 1 x 4 of 16 x 16 (TBM = 16). */
 template <int TBM, bool ASYNC, bool BKM>
 __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_tiles, int splits,
                                                        int kts_per_split, float *partial) {
-    static_assert(TBM == BM || TBM == BM_SMALL, "the warp layout below covers these two");
-    constexpr int MI = TBM == BM ? 2 : 1, NI = TBM == BM ? 4 : 2;   /* m16 / n8 fragments a warp */
+    static_assert(TBM == BM_LARGE || TBM == BM || TBM == BM_SMALL, "the warp layout below covers these three");
+    constexpr int MI = TBM == BM_SMALL ? 1 : TBM / 32, NI = TBM == BM_SMALL ? 2 : 4;   /* m16 / n8 fragments a warp */
     extern __shared__ __align__(16) unsigned char gemm_smem_buf[];
+    constexpr int STAGES = gemm_stages(TBM);
     bf16 *const As0 = (bf16 *)gemm_smem_buf, *const Bs0 = As0 + STAGES * TBM * LD;
 
     Tile t;
     t.z = blockIdx.z;
-    int nt = blockIdx.x % n_tiles, split = blockIdx.x / n_tiles;
+    int nt = blockIdx.y % n_tiles, split = blockIdx.y / n_tiles;
     t.n0 = nt * BN;
-    t.m0 = blockIdx.y * TBM;
+    t.m0 = blockIdx.x * TBM;
     if (g.row_off) {
         t.row_base = g.row_off[t.z];
         t.rows = g.row_off[t.z + 1] - t.row_base;
@@ -196,7 +205,7 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
     const int kt1 = min(kt_total, kt0 + kts_per_split);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int wm = TBM == BM ? (warp >> 1) * 32 : 0, wn = TBM == BM ? (warp & 1) * 32 : warp * 16;
+    const int wm = TBM == BM_SMALL ? 0 : (warp >> 1) * (TBM / 2), wn = TBM == BM_SMALL ? warp * 16 : (warp & 1) * 32;
     const int gq = lane >> 2, tq = lane & 3;
 
     float acc[MI][NI][4];
@@ -369,15 +378,16 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
             s.C = (char *)g.C + (size_t)m0 * g.ldc * csz;
         }
         bool async_s = async && aligned16(s.A);
-        /* rows per block: 16 when M is at most 16 (grouped launches: no group has more rows
-         * than M) */
-        const bool small = s.M <= BM_SMALL;
-        const int tbm = small ? BM_SMALL : BM;
-        dim3 grid(n_tiles * splits, (s.M + tbm - 1) / tbm, s.batch);
+        /* rows per block: 16 when M is at most 16, 64 up to 64, else 128 (grouped launches: no
+         * group has more rows than M) */
+        const int tbm = s.M <= BM_SMALL ? BM_SMALL : s.M <= BM ? BM : BM_LARGE;
+        dim3 grid((s.M + tbm - 1) / tbm, n_tiles * splits, s.batch);
         if (grid.y > 65535 || grid.z > 65535)
-            return kd_fail(KD_ERR_ARG, "cuda gemm: grid too large (M=%d, batch=%d)", s.M, s.batch);
-        if (small) KD_TRY(launch_gemm<BM_SMALL>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial));
-        else KD_TRY(launch_gemm<BM>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial));
+            return kd_fail(KD_ERR_ARG, "cuda gemm: grid too large (N=%d: %d column tiles x %d splits, batch=%d; at most 65535 each)",
+                           s.N, n_tiles, splits, s.batch);
+        if (tbm == BM_SMALL) KD_TRY(launch_gemm<BM_SMALL>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial));
+        else if (tbm == BM) KD_TRY(launch_gemm<BM>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial));
+        else KD_TRY(launch_gemm<BM_LARGE>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial));
         KD_CUDA_LAUNCH("gemm_kernel");
         if (splits > 1) {
             size_t total = (size_t)s.batch * s.M * s.N;

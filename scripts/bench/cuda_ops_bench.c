@@ -9,6 +9,9 @@
  * a round makes, as a markdown table (also into FILE with --md FILE).
  *
  *   cuda_ops_bench [--round] [--md FILE]     --round: the round's table alone (under a minute)
+ *   cuda_ops_bench --linear                  the dense linear rows alone
+ *   cuda_ops_bench --attention | --attention-at CTX T   the verify's attention rows (or one)
+ *                  [--mla-row-groups N] [--mla-value-slices N]   force an MLA block shape
  *
  * Build: `make bench` (against build/libkdtree_internal.a: the backend's ops are not exported by
  * libkdtree.so), which runs it with --md build/bench/ddtree_round.md.
@@ -19,6 +22,8 @@
 #include "backend.h"
 #include "error.h"
 #include "tree.h"
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,6 +83,35 @@ static kd_status lin_run(void *p, int i) {
     return be->ops->linear(be, a->x, &a->w[i % a->nw], a->out);
 }
 
+/* The same product by cuBLAS (GemmEx, bf16 in, fp32 compute, default algorithm), the rate the
+ * issue holds the GEMM to; timed like time_it but synchronizing the device (cuBLAS runs on the
+ * default stream, not the backend's). Not batch-invariant: a reference rate, not a kernel. */
+static double time_cublas(cublasHandle_t h, const lin_arg *a) {
+    const float one = 1.0f, zero = 0.0f;
+    const int M = a->x.rows, N = a->out.cols, K = a->x.cols;
+    const cudaDataType ct = a->out.dtype == KD_F32 ? CUDA_R_32F : CUDA_R_16BF;
+    double t[5];
+    for (int r = -1; r < 5; r++) {   /* r = -1: warm-up */
+        const int n = r < 0 ? 3 : 20;
+        cudaDeviceSynchronize();
+        uint64_t t0 = kd_time_ns();
+        for (int i = 0; i < n; i++)
+            if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, a->w[i % a->nw].dev, CUDA_R_16BF, K,
+                             a->x.data, CUDA_R_16BF, K, &zero, a->out.data, ct, N, CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+                fprintf(stderr, "cublasGemmEx failed (M %d N %d K %d)\n", M, N, K);
+                exit(1);
+            }
+        if (cudaDeviceSynchronize() != cudaSuccess) {
+            fprintf(stderr, "cuBLAS: %s\n", cudaGetErrorString(cudaGetLastError()));
+            exit(1);
+        }
+        if (r >= 0) t[r] = (double)(kd_time_ns() - t0) * 1e-9 / n;
+    }
+    qsort(t, 5, sizeof t[0], cmp_d);
+    return t[2];
+}
+
 static void bench_linear(const char *name, int N, int K) {
     size_t wbytes = (size_t)N * K * 2;
     int nw = (int)((200u << 20) / wbytes) + 1;       /* > 200 MB of weights in rotation */
@@ -90,6 +124,11 @@ static void bench_linear(const char *name, int N, int K) {
         w[j] = (kd_weight){.name = name, .format = KD_W_BF16, .rows = N, .cols = K, .src = src};
         CK(be->ops->weight_load(be, &w[j]));
     }
+    cublasHandle_t h;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "cublasCreate failed\n");
+        exit(1);
+    }
     int Ms[] = {1, 8, 64, 256};
     for (int mi = 0; mi < 4; mi++) {
         int M = Ms[mi];
@@ -101,11 +140,13 @@ static void bench_linear(const char *name, int N, int K) {
         a.out = (kd_act){o, M, N, N, f32 ? KD_F32 : KD_BF16};
         double s = time_it(lin_run, &a, 20);
         double gbs = (double)wbytes / s / 1e9, tf = 2.0 * M * N * (double)K / s / 1e12;
-        printf("linear %-14s N=%6d K=%5d M=%3d  %8.1f us  %7.1f GB/s (weights)  %6.1f TFLOP/s\n", name, N, K, M, s * 1e6,
-               gbs, tf);
+        double sc = time_cublas(h, &a);
+        printf("linear %-14s N=%6d K=%5d M=%3d  %8.1f us  %7.1f GB/s (weights)  %6.1f TFLOP/s  cuBLAS %8.1f us: %3.0f%% of its rate\n",
+               name, N, K, M, s * 1e6, gbs, tf, sc * 1e6, 100.0 * sc / s);
         be->ops->free(be, a.x.data);
         be->ops->free(be, o);
     }
+    cublasDestroy(h);
     for (int j = 0; j < nw; j++) be->ops->weight_free(be, &w[j]);
     free(w);
     free(src);
@@ -273,11 +314,12 @@ static void bench_round(const char *md_path) {
 
 int main(int argc, char **argv) {
     const char *md_path = NULL;
-    int round_only = 0, attention_only = 0, rg = 0, vs = 0, one_ctx = 0, one_T = 0;
+    int round_only = 0, attention_only = 0, linear_only = 0, rg = 0, vs = 0, one_ctx = 0, one_T = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--md") && i + 1 < argc) md_path = argv[++i];
         else if (!strcmp(argv[i], "--round")) round_only = 1;
         else if (!strcmp(argv[i], "--attention")) attention_only = 1;
+        else if (!strcmp(argv[i], "--linear")) linear_only = 1;
         else if (!strcmp(argv[i], "--attention-at") && i + 2 < argc) {   /* one row (for a profiler) */
             attention_only = 1;
             one_ctx = atoi(argv[++i]);
@@ -286,7 +328,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--mla-row-groups") && i + 1 < argc) rg = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--mla-value-slices") && i + 1 < argc) vs = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: cuda_ops_bench [--round | --attention | --attention-at CTX T] [--md FILE] [--mla-row-groups N] "
+            fprintf(stderr, "usage: cuda_ops_bench [--round | --linear | --attention | --attention-at CTX T] [--md FILE] [--mla-row-groups N] "
                             "[--mla-value-slices N]\n");
             return 2;
         }
@@ -324,6 +366,10 @@ int main(int argc, char **argv) {
     bench_linear("shared_down", 7168, 2048);
     bench_linear("dense_up", 18432, 7168);
     bench_linear("lm_head", 163840, 7168);
+    if (linear_only) {
+        be->ops->destroy(be);
+        return 0;
+    }
     int ctxs[] = {1024, 4096, 16384, 65536};
     int Hs[] = {64, 8}, Ts[] = {1, 64};
     printf("# attention path: %s\n", opt.mla_kernel == KD_MLA_CUDA_CORES ? "CUDA cores (KDTREE_MLA_TC=0)"
