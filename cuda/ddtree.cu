@@ -18,8 +18,8 @@
  * sample_rows  the keyed sampling rule (core/sample.c). Masses are integers (sample_rule.h,
  *              the same code as the host) summed exactly in 128 bits, so the parallel sums
  *              equal the host's sequential ones whatever their grouping. The passes over a
- *              whole row run over several blocks per row (SMP_SLICE ids each), as one block's
- *              pass over a 163840-id row is latency-bound: each slice's max and first NaN /
+ *              whole row run over several blocks per row (SMP_SLICE ids each, a thread's loaded
+ *              together), as one block's pass over a 163840-id row is latency-bound: each slice's max and first NaN /
  *              +inf id (smp_max_kernel); with top-k / top-p, each slice's histogram by distance
  *              below the row max, counts and masses for top-p (smp_bins_kernel); each slice's
  *              kept mass (smp_mass_kernel). The cut of top-k / top-p (the last kept element of
@@ -54,7 +54,8 @@ constexpr int SMP_TILES = SMP_THREADS;    /* a prefix search's segments: one per
 constexpr int SMP_BINS = 1024;            /* the cut's fast path: bins below the row max ... */
 constexpr double SMP_SPAN = 44.0;         /* ... covering x/T in [m/T - 44, m/T] (below: every mass is 0) */
 constexpr int SMP_CAP = 2048;             /* ... and at most this many ids in the bins that hold the cut */
-constexpr int SMP_SLICE = 8192;           /* ids per block of the row-wide passes (max, mass) */
+constexpr int SMP_SLICE = 8192;           /* ids per block of the row-wide passes (max, bins, mass) ... */
+constexpr int SMP_PER = SMP_SLICE / SMP_THREADS;   /* ... SMP_PER a thread, loaded together */
 constexpr int WALK_THREADS = 256;
 constexpr unsigned FULL = 0xffffffffu;
 
@@ -569,6 +570,16 @@ __host__ __device__ __forceinline__ bool smp_bin_mass(bool topk, bool topp, int 
     return topp && (!topk || top_k > SMP_CAP / 2);
 }
 
+/* this thread's SMP_PER values of slice blockIdx.x of row xr (0 past V), their loads in flight
+ * together (a pass that waits on each load in turn is latency-bound) */
+__device__ __forceinline__ void slice_values(const float *xr, int V, float *xv) {
+#pragma unroll
+    for (int j = 0; j < SMP_PER; j++) {
+        const int i = blockIdx.x * SMP_SLICE + j * SMP_THREADS + threadIdx.x;
+        xv[j] = i < V ? xr[i] : 0.0f;
+    }
+}
+
 /* For a sampler with top-k / top-p: slice blockIdx.x of row blockIdx.y's counts by bin (all but
  * the last bin's) and, where smp_bin_mass, masses by bin, added into the row's SMP_BINS entries of
  * gcnt / glo / ghi (zeroed by the caller; integer sums, so the order of the adds does not matter);
@@ -586,14 +597,15 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, l
     const smp_binner bin_of(mass.m, T);
     for (int b = tid; b < SMP_BINS; b += SMP_THREADS) { bcnt[b] = 0; blo[b] = 0; bhi[b] = 0; }
     __syncthreads();
-    const float *xr = x + (size_t)blockIdx.y * (size_t)ld;
-    const int lo = blockIdx.x * SMP_SLICE, hi = min(V, lo + SMP_SLICE);
-    for (int i0 = lo; i0 < hi; i0 += SMP_THREADS) {   /* whole warps iterate together: the ballot below */
-        const int i = i0 + tid;
+    float xv[SMP_PER];
+    slice_values(x + (size_t)blockIdx.y * (size_t)ld, V, xv);
+#pragma unroll
+    for (int j = 0; j < SMP_PER; j++) {   /* whole warps iterate together: the ballot below */
+        const int i = blockIdx.x * SMP_SLICE + j * SMP_THREADS + tid;
         int b = SMP_BINS - 1;
         uint64_t q = 0;
-        if (i < hi) {
-            const float v = xr[i];
+        if (i < V) {
+            const float v = xv[j];
             b = bin_of(v);
             if (bin_mass && b < SMP_BINS - 1) q = mass(v);
         }
@@ -929,12 +941,15 @@ __device__ void cut_by_radix(const float *xr, int V, const smp_mass &mass, int t
 
 /* slice blockIdx.x of row blockIdx.y: its max part, into pm (rows x gridDim.x) */
 __global__ void __launch_bounds__(SMP_THREADS) smp_max_kernel(const float *x, long long ld, int V, smp_max_part *pm) {
-    const float *xr = x + (size_t)blockIdx.y * (size_t)ld;
-    const int lo = blockIdx.x * SMP_SLICE, hi = min(V, lo + SMP_SLICE);
+    float xv[SMP_PER];
+    slice_values(x + (size_t)blockIdx.y * (size_t)ld, V, xv);
     float m = -INFINITY;
     int bad = INT_MAX;
-    for (int i = lo + threadIdx.x; i < hi; i += SMP_THREADS) {
-        const float v = xr[i];
+#pragma unroll
+    for (int j = 0; j < SMP_PER; j++) {
+        const int i = blockIdx.x * SMP_SLICE + j * SMP_THREADS + threadIdx.x;
+        const float v = xv[j];
+        if (i >= V) break;
         if (v != v || v == INFINITY) bad = min(bad, i);
         else m = fmaxf(m, v);
     }
@@ -976,11 +991,14 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, l
     int bad;
     const smp_cut *c = cuts ? cuts + blockIdx.y : NULL;
     if (!smp_row_rule(pm + (size_t)blockIdx.y * S, S, T, qmin, mass, bad) || (c && !c->pending)) return;   /* the block */
-    const float *xr = x + (size_t)blockIdx.y * (size_t)ld;
-    const int lo = blockIdx.x * SMP_SLICE, hi = min(V, lo + SMP_SLICE);
+    float xv[SMP_PER];
+    slice_values(x + (size_t)blockIdx.y * (size_t)ld, V, xv);
     kd_u128 acc = u128_zero();
-    for (int i = lo + threadIdx.x; i < hi; i += SMP_THREADS) {
-        const float v = xr[i];
+#pragma unroll
+    for (int j = 0; j < SMP_PER; j++) {
+        const int i = blockIdx.x * SMP_SLICE + j * SMP_THREADS + threadIdx.x;
+        const float v = xv[j];
+        if (i >= V) break;
         if (smp_kept(c, i, okey(v))) acc = kd_u128_add64(acc, mass(v));
     }
     acc = warp_sum_u128(acc);

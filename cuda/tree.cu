@@ -1,5 +1,5 @@
 /* tree.cu: per-row reductions over the vocabulary: log_softmax (in place), argmax, top-k.
- * log_softmax: one block per row; argmax and top-k: several blocks per row, then a merge. Fixed
+ * log_softmax, argmax and top-k: several blocks per row, then a merge. Fixed
  * reduction orders or total orders, so a row's result never depends on the other rows. Order of
  * equal values: the lower id first (argmax and top-k), and NaN loses to everything, exactly as
  * core/cpu/cpu_elementwise.c; argmax reports a row's first NaN / +inf column as -code
@@ -30,17 +30,63 @@ constexpr int TK_CAND = 8192;                         /* most candidate slots pe
 
 __device__ __forceinline__ float ld_row(const void *x, int dt, size_t i) { return kd_ld(x, dt, i); }
 
-__global__ void __launch_bounds__(ROW_THREADS) log_softmax_kernel(void *x, int dt, long long ld, int cols) {
+/* log_softmax: each block takes LSM_SLICE ids of a row (one block's pass over a whole
+ * 163840-id row is latency-bound), LSM_PER a thread, held in registers so that their loads are
+ * in flight together: its max and its sum of exp(x - max) (lsm_part_kernel); then every block of
+ * the row merges the row's partials in slice order, the same sums in every block, and writes
+ * its slice's x - lse (lsm_apply_kernel). A slice with no value above -inf adds 0. */
+constexpr int LSM_THREADS = 256, LSM_PER = 8, LSM_SLICE = LSM_THREADS * LSM_PER;
+struct lsm_part { float m, s; };
+
+__global__ void __launch_bounds__(LSM_THREADS) lsm_part_kernel(const void *x, int dt, long long ld, int cols,
+                                                               lsm_part *part) {
     __shared__ float red[32];
-    size_t base = (size_t)blockIdx.x * ld;
-    float m = -INFINITY;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, ld_row(x, dt, base + c));
+    const size_t base = (size_t)blockIdx.y * ld;
+    const int c0 = blockIdx.x * LSM_SLICE + threadIdx.x;
+    float v[LSM_PER], m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < LSM_PER; j++) {
+        const int c = c0 + j * LSM_THREADS;
+        v[j] = c < cols ? ld_row(x, dt, base + c) : -INFINITY;
+    }
+#pragma unroll
+    for (int j = 0; j < LSM_PER; j++) m = fmaxf(m, v[j]);
     m = kd_block_max(m, red);
     float s = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += expf(ld_row(x, dt, base + c) - m);
+    if (m > -INFINITY)
+#pragma unroll
+        for (int j = 0; j < LSM_PER; j++)
+            if (c0 + j * LSM_THREADS < cols) s += expf(v[j] - m);
     s = kd_block_sum(s, red);
-    float lse = m + logf(s);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) kd_st(x, dt, base + c, ld_row(x, dt, base + c) - lse);
+    if (threadIdx.x == 0) part[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = lsm_part{ m, s };
+}
+
+__global__ void __launch_bounds__(LSM_THREADS) lsm_apply_kernel(void *x, int dt, long long ld, int cols,
+                                                                const lsm_part *part) {
+    __shared__ float s_lse;
+    const size_t base = (size_t)blockIdx.y * ld;
+    const int c0 = blockIdx.x * LSM_SLICE + threadIdx.x;
+    float v[LSM_PER];
+#pragma unroll
+    for (int j = 0; j < LSM_PER; j++) {
+        const int c = c0 + j * LSM_THREADS;
+        v[j] = c < cols ? ld_row(x, dt, base + c) : 0.0f;
+    }
+    if (threadIdx.x == 0) {
+        const lsm_part *p = part + (size_t)blockIdx.y * gridDim.x;
+        float m = -INFINITY, s = 0.0f;
+        for (int i = 0; i < (int)gridDim.x; i++) m = fmaxf(m, p[i].m);
+        for (int i = 0; i < (int)gridDim.x; i++)
+            if (p[i].m > -INFINITY) s += p[i].s * expf(p[i].m - m);
+        s_lse = m + logf(s);
+    }
+    __syncthreads();
+    const float lse = s_lse;
+#pragma unroll
+    for (int j = 0; j < LSM_PER; j++) {
+        const int c = c0 + j * LSM_THREADS;
+        if (c < cols) kd_st(x, dt, base + c, v[j] - lse);
+    }
 }
 
 /* a beats b: larger value, or equal and lower id; NaN loses to everything */
@@ -380,8 +426,18 @@ extern "C" kd_status kd_cuda_log_softmax(kd_backend *be, kd_act x) {
     kd_cuda *c = kd_cuda_of(be);
     KD_TRY(check_rows("log_softmax", x));
     if (!x.rows) return KD_OK;
-    log_softmax_kernel<<<x.rows, ROW_THREADS, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols);
-    KD_CUDA_LAUNCH("log_softmax_kernel");
+    const int nparts = (x.cols + LSM_SLICE - 1) / LSM_SLICE;
+    const int chunk = x.rows < 65535 ? x.rows : 65535;   /* rows on grid.y */
+    lsm_part *part = NULL;
+    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, (size_t)chunk * nparts * sizeof(lsm_part), (void **)&part));
+    for (int r0 = 0; r0 < x.rows; r0 += chunk) {
+        const kd_act xr = kd_act_rows(x, r0, x.rows - r0 < chunk ? x.rows - r0 : chunk);
+        const dim3 grid((unsigned)nparts, (unsigned)xr.rows);
+        lsm_part_kernel<<<grid, LSM_THREADS, 0, c->stream>>>(xr.data, xr.dtype, xr.ld, xr.cols, part);
+        KD_CUDA_LAUNCH("lsm_part_kernel");
+        lsm_apply_kernel<<<grid, LSM_THREADS, 0, c->stream>>>(xr.data, xr.dtype, xr.ld, xr.cols, part);
+        KD_CUDA_LAUNCH("lsm_apply_kernel");
+    }
     return KD_OK;
 }
 

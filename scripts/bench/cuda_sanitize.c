@@ -1,12 +1,14 @@
 /* cuda_sanitize.c: a plain C driver for compute-sanitizer (memcheck, racecheck) over the CUDA
- * backend: every op once at small and odd shapes through the op test surface, then the tiny
+ * backend: every op once at small and odd shapes through the op test surface, the tree build at
+ * two budgets (256 and the largest, 4096), then the tiny
  * K2.6 model through the public API (prefill, decode, a verified tree, accept, commit, a draft
  * and a drafted tree). Prints "sanitize: ok" when every call succeeded.
- * Build: cc -O1 -std=c11 -D_GNU_SOURCE -Icore scripts/bench/cuda_sanitize.c -Lbuild -lkdtree \
+ * Build: cc -O1 -std=c11 -D_GNU_SOURCE -Icore -Ispec/c scripts/bench/cuda_sanitize.c -Lbuild -lkdtree_test \
  *          -Wl,-rpath,$PWD/build -lm -o build/cuda_sanitize
  * Run:   compute-sanitizer --tool memcheck build/cuda_sanitize  (and --tool racecheck) */
 #include "kdtree.h"
 #include "kdtree_testing.h"
+#include "kdtree_testing_ddtree.h"
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -133,6 +135,24 @@ static void ops(void) {
     free(x); free(y); free(out);
 }
 
+/* the tree build (top-K + tree_select) at budget 256 and at 4096, tree_select's largest (a
+ * frontier of 180 KB of shared memory) */
+static void tree_builds(void) {
+    kd_test_dd *h = NULL;
+    ck(kd_test_dd_new(kind, 0, &h), "dd backend");
+    if (!h) return;
+    enum { L = 7, V = 5000, BMAX = 4096 };
+    float *lp = malloc(sizeof(float) * L * V);
+    for (int i = 0; i < L * V; i++) lp[i] = -4.0f - 2.0f * fabsf(rnd());
+    int32_t *tok = malloc(4 * (BMAX + 1)), *par = malloc(4 * (BMAX + 1)), *dep = malloc(4 * (BMAX + 1)), st[4];
+    uint64_t *vis = malloc(sizeof(uint64_t) * (BMAX + 1) * ((BMAX + 1 + 63) / 64));
+    int n = 0;
+    ck(kd_test_dd_tree(h, lp, L, V, 256, &n, tok, par, dep, vis, st), "tree build 256");
+    ck(kd_test_dd_tree(h, lp, L, V, BMAX, &n, tok, par, dep, vis, st), "tree build 4096");
+    free(lp); free(tok); free(par); free(dep); free(vis);
+    kd_test_dd_free(h);
+}
+
 static void model(void) {
     kd_model_options opt = {kind, 0, 1};
     kd_model *m = NULL;
@@ -181,6 +201,7 @@ int main(void) {
     const char *k = getenv("KDTREE_SANITIZE_BACKEND");
     if (k && !strcmp(k, "cpu")) kind = KD_BACKEND_CPU;
     ops();
+    tree_builds();
     model();
     printf("sanitize: %s (%d failed calls)\n", fails ? "FAILED" : "ok", fails);
     return fails ? 1 : 0;
