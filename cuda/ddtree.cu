@@ -19,11 +19,12 @@
  *              the same code as the host) summed exactly in 128 bits, so the parallel sums
  *              equal the host's sequential ones whatever their grouping. The passes over a
  *              whole row run over several blocks per row (SMP_SLICE ids each, a thread's loaded
- *              together), as one block's pass over a 163840-id row is latency-bound: each slice's max and first NaN /
- *              +inf id (smp_max_kernel); with top-k / top-p, each slice's histogram by distance
- *              below the row max, counts and masses for top-p (smp_bins_kernel); each slice's
- *              kept mass (smp_mass_kernel). The cut of top-k / top-p (the last kept element of
- *              the order logit descending, id ascending; sample_cut_kernel, a block per row)
+ *              together), as one block's pass over a 163840-id row is latency-bound: each
+ *              slice's max and first NaN / +inf id (smp_max_kernel); with top-k / top-p, each
+ *              slice's histogram by distance below the row max, counts and masses for top-p
+ *              (smp_bins_kernel); each slice's kept mass (smp_mass_kernel). The cut of top-k /
+ *              top-p (the last kept element of the order logit descending, id ascending;
+ *              sample_cut_kernel, a block per row)
  *              comes from the bins that can hold it (smp_plan_kernel): their ids are gathered
  *              over several blocks per row (smp_gather_kernel) and sorted in shared memory
  *              (cut_by_bins); when they start at the max every kept id
