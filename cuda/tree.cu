@@ -420,6 +420,15 @@ static kd_status check_rows(const char *op, kd_act x) {
     return KD_OK;
 }
 
+/* the row-pass launches put a row on each grid.y index, so they take at most ROWS_PER_LAUNCH
+ * rows at a time: f(xr, r0) for each such run xr of x's rows from r0, stopping at an error */
+constexpr int ROWS_PER_LAUNCH = 65535;
+template <class F> kd_status each_launch_rows(kd_act x, F f) {
+    for (int r0 = 0; r0 < x.rows; r0 += ROWS_PER_LAUNCH)
+        KD_TRY(f(kd_act_rows(x, r0, x.rows - r0 < ROWS_PER_LAUNCH ? x.rows - r0 : ROWS_PER_LAUNCH), r0));
+    return KD_OK;
+}
+
 }  // namespace
 
 extern "C" kd_status kd_cuda_log_softmax(kd_backend *be, kd_act x) {
@@ -427,18 +436,17 @@ extern "C" kd_status kd_cuda_log_softmax(kd_backend *be, kd_act x) {
     KD_TRY(check_rows("log_softmax", x));
     if (!x.rows) return KD_OK;
     const int nparts = (x.cols + LSM_SLICE - 1) / LSM_SLICE;
-    const int chunk = x.rows < 65535 ? x.rows : 65535;   /* rows on grid.y */
+    const int rows = x.rows < ROWS_PER_LAUNCH ? x.rows : ROWS_PER_LAUNCH;
     lsm_part *part = NULL;
-    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, (size_t)chunk * nparts * sizeof(lsm_part), (void **)&part));
-    for (int r0 = 0; r0 < x.rows; r0 += chunk) {
-        const kd_act xr = kd_act_rows(x, r0, x.rows - r0 < chunk ? x.rows - r0 : chunk);
+    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, (size_t)rows * nparts * sizeof(lsm_part), (void **)&part));
+    return each_launch_rows(x, [&](kd_act xr, int) {
         const dim3 grid((unsigned)nparts, (unsigned)xr.rows);
         lsm_part_kernel<<<grid, LSM_THREADS, 0, c->stream>>>(xr.data, xr.dtype, xr.ld, xr.cols, part);
         KD_CUDA_LAUNCH("lsm_part_kernel");
         lsm_apply_kernel<<<grid, LSM_THREADS, 0, c->stream>>>(xr.data, xr.dtype, xr.ld, xr.cols, part);
         KD_CUDA_LAUNCH("lsm_apply_kernel");
-    }
-    return KD_OK;
+        return KD_OK;
+    });
 }
 
 extern "C" kd_status kd_cuda_argmax(kd_backend *be, kd_act x, int32_t *out) {
@@ -447,18 +455,17 @@ extern "C" kd_status kd_cuda_argmax(kd_backend *be, kd_act x, int32_t *out) {
     if (!x.rows) return KD_OK;
     if (!out) return kd_fail(KD_ERR_ARG, "cuda argmax: out is NULL");
     const int nparts = (x.cols + AM_SLICE - 1) / AM_SLICE;
-    const int chunk = x.rows < 65535 ? x.rows : 65535;   /* rows on grid.y */
+    const int rows = x.rows < ROWS_PER_LAUNCH ? x.rows : ROWS_PER_LAUNCH;
     am_part *part = NULL;
-    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, (size_t)chunk * nparts * sizeof(am_part), (void **)&part));
-    for (int r0 = 0; r0 < x.rows; r0 += chunk) {
-        const kd_act xr = kd_act_rows(x, r0, x.rows - r0 < chunk ? x.rows - r0 : chunk);
+    KD_TRY(kd_cuda_ws(be, KD_WS_TREE, (size_t)rows * nparts * sizeof(am_part), (void **)&part));
+    return each_launch_rows(x, [&](kd_act xr, int r0) {
         argmax_part_kernel<<<dim3((unsigned)nparts, (unsigned)xr.rows), 256, 0, c->stream>>>(xr.data, xr.dtype, xr.ld,
                                                                                          xr.cols, part);
         KD_CUDA_LAUNCH("argmax_part_kernel");
         argmax_merge_kernel<<<(xr.rows + 7) / 8, 256, 0, c->stream>>>(part, nparts, xr.rows, out + r0);
         KD_CUDA_LAUNCH("argmax_merge_kernel");
-    }
-    return KD_OK;
+        return KD_OK;
+    });
 }
 
 extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, int32_t *ids) {
@@ -477,7 +484,7 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
     unsigned int *bins = NULL, *bins2 = NULL, *ncand = NULL;
     unsigned long long *gcand = NULL;
     const int slots = 4 * kp < 2048 ? 2048 : 4 * kp < TK_CAND ? 4 * kp : TK_CAND;
-    const int cap = x.rows <= 65535 && kp < TK_CAND ? slots : kp;
+    const int cap = x.rows <= ROWS_PER_LAUNCH && kp < TK_CAND ? slots : kp;
     if (cap > kp) {
         const size_t n = (size_t)x.rows * TK_BINS, ncap = (size_t)x.rows * cap;
         void *ws = NULL;   /* the slots first: 8-byte aligned */
