@@ -43,21 +43,24 @@ static int cmp_d(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* median seconds per call of fn(arg, i) */
+/* median seconds per call of fn(arg, i), each batch of n calls ended by wait() */
 typedef kd_status (*bench_fn)(void *arg, int i);
-static double time_it(bench_fn fn, void *arg, int n) {
+static double time_with(bench_fn fn, void *arg, int n, kd_status (*wait)(void)) {
     for (int i = 0; i < 3; i++) CK(fn(arg, i));
-    CK(be->ops->sync(be));
+    CK(wait());
     double t[5];
     for (int r = 0; r < 5; r++) {
         uint64_t t0 = kd_time_ns();
         for (int i = 0; i < n; i++) CK(fn(arg, i));
-        CK(be->ops->sync(be));
+        CK(wait());
         t[r] = (double)(kd_time_ns() - t0) * 1e-9 / n;
     }
     qsort(t, 5, sizeof t[0], cmp_d);
     return t[2];
 }
+static kd_status backend_wait(void) { return be->ops->sync(be); }
+/* the backend's ops, waited for on its stream */
+static double time_it(bench_fn fn, void *arg, int n) { return time_with(fn, arg, n, backend_wait); }
 
 static void *dev_random_bf16(size_t n) {
     uint16_t *h = malloc(n * 2);
@@ -77,39 +80,29 @@ static void *dev_random_bf16(size_t n) {
 }
 
 /* ---- linear ---- */
-typedef struct { kd_act x, out; kd_weight *w; int nw; } lin_arg;
+typedef struct { kd_act x, out; kd_weight *w; int nw; cublasHandle_t blas; } lin_arg;
 static kd_status lin_run(void *p, int i) {
     lin_arg *a = p;
     return be->ops->linear(be, a->x, &a->w[i % a->nw], a->out);
 }
 
 /* The same product by cuBLAS (GemmEx, bf16 in, fp32 compute, default algorithm), the rate the
- * issue holds the GEMM to; timed like time_it but synchronizing the device (cuBLAS runs on the
- * default stream, not the backend's). Not batch-invariant: a reference rate, not a kernel. */
-static double time_cublas(cublasHandle_t h, const lin_arg *a) {
+ * issue holds the GEMM to. cuBLAS runs on the default stream, not the backend's, so its batches
+ * wait for the whole device. Not batch-invariant: a reference rate, not a kernel. */
+static kd_status cublas_run(void *p, int i) {
+    const lin_arg *a = p;
     const float one = 1.0f, zero = 0.0f;
     const int M = a->x.rows, N = a->out.cols, K = a->x.cols;
     const cudaDataType ct = a->out.dtype == KD_F32 ? CUDA_R_32F : CUDA_R_16BF;
-    double t[5];
-    for (int r = -1; r < 5; r++) {   /* r = -1: warm-up */
-        const int n = r < 0 ? 3 : 20;
-        cudaDeviceSynchronize();
-        uint64_t t0 = kd_time_ns();
-        for (int i = 0; i < n; i++)
-            if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, a->w[i % a->nw].dev, CUDA_R_16BF, K,
-                             a->x.data, CUDA_R_16BF, K, &zero, a->out.data, ct, N, CUBLAS_COMPUTE_32F,
-                             CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
-                fprintf(stderr, "cublasGemmEx failed (M %d N %d K %d)\n", M, N, K);
-                exit(1);
-            }
-        if (cudaDeviceSynchronize() != cudaSuccess) {
-            fprintf(stderr, "cuBLAS: %s\n", cudaGetErrorString(cudaGetLastError()));
-            exit(1);
-        }
-        if (r >= 0) t[r] = (double)(kd_time_ns() - t0) * 1e-9 / n;
-    }
-    qsort(t, 5, sizeof t[0], cmp_d);
-    return t[2];
+    if (cublasGemmEx(a->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, a->w[i % a->nw].dev, CUDA_R_16BF, K, a->x.data,
+                     CUDA_R_16BF, K, &zero, a->out.data, ct, N, CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+        return kd_fail(KD_ERR_BACKEND, "cublasGemmEx failed (M %d N %d K %d)", M, N, K);
+    return KD_OK;
+}
+static kd_status device_wait(void) {
+    cudaError_t e = cudaDeviceSynchronize();
+    return e == cudaSuccess ? KD_OK : kd_fail(KD_ERR_BACKEND, "cuBLAS: %s", cudaGetErrorString(e));
 }
 
 static void bench_linear(const char *name, int N, int K) {
@@ -124,15 +117,15 @@ static void bench_linear(const char *name, int N, int K) {
         w[j] = (kd_weight){.name = name, .format = KD_W_BF16, .rows = N, .cols = K, .src = src};
         CK(be->ops->weight_load(be, &w[j]));
     }
-    cublasHandle_t h;
-    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+    cublasHandle_t blas;
+    if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS) {
         fprintf(stderr, "cublasCreate failed\n");
         exit(1);
     }
     int Ms[] = {1, 8, 64, 256};
     for (int mi = 0; mi < 4; mi++) {
         int M = Ms[mi];
-        lin_arg a = {.w = w, .nw = nw};
+        lin_arg a = {.w = w, .nw = nw, .blas = blas};
         a.x = (kd_act){dev_random_bf16((size_t)M * K), M, K, K, KD_BF16};
         int f32 = N > 100000;
         void *o;
@@ -140,13 +133,13 @@ static void bench_linear(const char *name, int N, int K) {
         a.out = (kd_act){o, M, N, N, f32 ? KD_F32 : KD_BF16};
         double s = time_it(lin_run, &a, 20);
         double gbs = (double)wbytes / s / 1e9, tf = 2.0 * M * N * (double)K / s / 1e12;
-        double sc = time_cublas(h, &a);
+        double sc = time_with(cublas_run, &a, 20, device_wait);
         printf("linear %-14s N=%6d K=%5d M=%3d  %8.1f us  %7.1f GB/s (weights)  %6.1f TFLOP/s  cuBLAS %8.1f us: %3.0f%% of its rate\n",
                name, N, K, M, s * 1e6, gbs, tf, sc * 1e6, 100.0 * sc / s);
         be->ops->free(be, a.x.data);
         be->ops->free(be, o);
     }
-    cublasDestroy(h);
+    cublasDestroy(blas);
     for (int j = 0; j < nw; j++) be->ops->weight_free(be, &w[j]);
     free(w);
     free(src);
