@@ -571,14 +571,14 @@ __host__ __device__ __forceinline__ bool smp_bin_mass(bool topk, bool topp, int 
     return topp && (!topk || top_k > SMP_CAP / 2);
 }
 
+/* the id of this thread's j-th value in slice blockIdx.x of a row */
+__device__ __forceinline__ int slice_id(int j) { return blockIdx.x * SMP_SLICE + j * SMP_THREADS + threadIdx.x; }
+
 /* this thread's SMP_PER values of slice blockIdx.x of row xr (0 past V), their loads in flight
  * together (a pass that waits on each load in turn is latency-bound) */
 __device__ __forceinline__ void slice_values(const float *xr, int V, float *xv) {
 #pragma unroll
-    for (int j = 0; j < SMP_PER; j++) {
-        const int i = blockIdx.x * SMP_SLICE + j * SMP_THREADS + threadIdx.x;
-        xv[j] = i < V ? xr[i] : 0.0f;
-    }
+    for (int j = 0; j < SMP_PER; j++) xv[j] = slice_id(j) < V ? xr[slice_id(j)] : 0.0f;
 }
 
 /* For a sampler with top-k / top-p: slice blockIdx.x of row blockIdx.y's counts by bin (all but
@@ -602,7 +602,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, l
     slice_values(x + (size_t)blockIdx.y * (size_t)ld, V, xv);
 #pragma unroll
     for (int j = 0; j < SMP_PER; j++) {   /* whole warps iterate together: the ballot below */
-        const int i = blockIdx.x * SMP_SLICE + j * SMP_THREADS + tid;
+        const int i = slice_id(j);
         int b = SMP_BINS - 1;
         uint64_t q = 0;
         if (i < V) {
@@ -948,7 +948,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_max_kernel(const float *x, lo
     int bad = INT_MAX;
 #pragma unroll
     for (int j = 0; j < SMP_PER; j++) {
-        const int i = blockIdx.x * SMP_SLICE + j * SMP_THREADS + threadIdx.x;
+        const int i = slice_id(j);
         const float v = xv[j];
         if (i >= V) break;
         if (v != v || v == INFINITY) bad = min(bad, i);
@@ -997,7 +997,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, l
     kd_u128 acc = u128_zero();
 #pragma unroll
     for (int j = 0; j < SMP_PER; j++) {
-        const int i = blockIdx.x * SMP_SLICE + j * SMP_THREADS + threadIdx.x;
+        const int i = slice_id(j);
         const float v = xv[j];
         if (i >= V) break;
         if (smp_kept(c, i, okey(v))) acc = kd_u128_add64(acc, mass(v));
