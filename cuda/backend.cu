@@ -100,6 +100,13 @@ kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr) {
                        "cuda: cannot allocate %zu bytes of device memory for the %s on device %d: %s", want,
                        ws_name(which), c->device, cudaGetErrorString(e));
     }
+    /* a new workspace starts zeroed: the GEMM's split-K tile counters rely on it (linear.cu) */
+    e = cudaMemsetAsync(c->ws[which], 0, want, c->stream);
+    if (e != cudaSuccess) {
+        cudaFree(c->ws[which]);
+        c->ws[which] = NULL;
+        return kd_cuda_fail(e, "cudaMemsetAsync (new workspace)", __FILE__, __LINE__);
+    }
     c->ws_bytes[which] = want;
     c->bytes_workspace += want;
     *ptr = c->ws[which];

@@ -89,6 +89,39 @@ kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr);
  * only when a kernel needs more than it was last allowed, not at every launch */
 kd_status kd_cuda_smem(kd_cuda *c, const void *fn, size_t smem);
 
+/* ---- programmatic dependent launch (sm_90 and later; no-ops before) ----
+ * A kernel launched with kd_launch_pdl may begin while the kernel before it in the stream
+ * still runs. Until its kd_griddep_wait it may only read what no kernel of a step writes (the
+ * weights) and write nothing; kd_griddep_wait returns once the grid before it has completed and
+ * its writes are visible. kd_griddep_release lets the next such launch begin early; a kernel
+ * that never calls it releases it when it ends. The gemm releases after its wait, not at entry
+ * (w4a16_skinny.cu: released at entry, a third launch's blocks crowd the two running ones). */
+__device__ __forceinline__ void kd_griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void kd_griddep_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+}
+template <typename... Params, typename... Args>
+static inline cudaError_t kd_launch_pdl(void (*fn)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t st,
+                                        Args... args) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3((unsigned)threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, fn, args...);
+}
+
 /* ---- dtype helpers (device) ---- */
 __device__ __forceinline__ float kd_ld(const void *p, int dt, size_t i) {
     if (dt == KD_BF16) return __bfloat162float(((const bf16 *)p)[i]);
@@ -160,22 +193,7 @@ void kd_cuda_graph_free(kd_backend *be, void *graph);
 uint64_t kd_cuda_graph_epoch(kd_backend *be);
 }
 
-/* ---- the GEMM core (linear.cu), shared by linear, head_matmul and the bf16 experts ----
- * C[m, n] = sum_k A[m, k] * B(n, k), fp32 accumulation in a fixed k order.
- * A: activations (bf16 or f32 elements, row stride lda), optionally through a row
- *    index list a_rows (grouped experts); B: bf16 weights, either [N, K] row-major
- *    (b_kmajor: element (n,k) at B[n*ldb + k]) or [K, N] row-major (element at B[k*ldb + n]).
- * batch z (blockIdx.z): A, B, C advance by their z strides; or, grouped (groups != NULL),
- *    z is an expert: B = b_ptrs[z], rows [row_off[z], row_off[z+1]) of the gathered list. */
-typedef struct kd_gemm_args {
-    const void *A; int a_dtype; long long lda; long long a_zstride;
-    const int32_t *a_rows;          /* grouped: source row of A for gathered row i (NULL: identity) */
-    const bf16 *B; long long ldb; long long b_zstride; bool b_kmajor;
-    const bf16 *const *b_ptrs;      /* grouped: one weight per z */
-    void *C; int c_dtype; long long ldc; long long c_zstride;
-    const int32_t *row_off;         /* grouped: z's rows are [row_off[z], row_off[z+1]) */
-    int M, N, K, batch;
-} kd_gemm_args;
+#include "gemm_args.cuh"   /* the GEMM core (linear.cu), shared by linear, head_matmul and the bf16 experts */
 kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g);
 
 #endif

@@ -20,6 +20,7 @@ namespace {
 template <typename U>
 __global__ void store_rows_kernel(U *dst, long long ldd, long long dst_rows, const int32_t *d_row0, const U *src,
                                   long long lds, int n, int cols) {
+    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
     const long long r0 = d_row0[0];
     const size_t total = (size_t)n * cols;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {

@@ -235,6 +235,7 @@ __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
 
 /* grid: x = query head, y = query within the batch; chunks merged in chunk order */
 __global__ void attn_merge_kernel(AttnArgs a, void *out, int odt, long long ldo) {
+    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
     const int h = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
     const int2 ps = past_and_rows(a);
     int nvis = n_visible(a, ps.x, ps.y, t);

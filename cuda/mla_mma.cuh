@@ -2,7 +2,7 @@
  * ldmatrix, mma.sync m16n8k16 bf16 -> fp32, cp.async, bf16 bit conversions.
  * Kept apart so scripts/bench/mla_emu/ can compile mla_tc.cuh on the CPU against a SIMT
  * emulation of exactly these functions (inc/mla_mma.cuh there); mla.cu includes this file,
- * then mla_tc.cuh. The dense GEMM (linear.cu) takes its cp.async and mma from here too.
+ * then mla_tc.cuh. The dense GEMM (gemm.cuh) takes its cp.async, ldmatrix and mma from here too.
  * Shared-memory addresses are generic pointers into __shared__ arrays. */
 #ifndef KD_MLA_MMA_CUH
 #define KD_MLA_MMA_CUH
@@ -23,6 +23,12 @@ __device__ __forceinline__ void ldsm_x4(uint32_t *r, const void *row_addr) {
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t *r, const void *row_addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(row_addr)));
+}
+/* two 8x8 b16 matrices, transposed; lanes 0-15 supply the row addresses */
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t *r, const void *row_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
                  : "r"(smem_u32(row_addr)));
 }
 /* d[4] += A[16x16] (a[4]) * B[16x8] (b[2]); bf16 inputs, fp32 accumulate */

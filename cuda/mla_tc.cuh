@@ -434,6 +434,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
 
 /* grid: x = query head, y = query within the launch; the chunks of a row in chunk order */
 __global__ void tc_merge_kernel(TcArgs a, void *out, int odt, long long ldo) {
+    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
     const int h = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
     int past, S;
     tc_past_rows(a, &past, &S);

@@ -149,6 +149,7 @@ __global__ void group_kernel(const int32_t *ids, int P, int top_k, int n, int32_
 /* out[t] = sum_j w[t,j] * y[slot(t,j)], j ascending (expert id order) */
 __global__ void combine_kernel(const float *y, int H, const int32_t *slot_of, const float *w, int top_k, void *out,
                                int odt, long long ldo, int T) {
+    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
     size_t n = (size_t)T * H;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int t = (int)(i / H), d = (int)(i % H);

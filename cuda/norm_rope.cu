@@ -49,6 +49,7 @@ __global__ void scale_add_kernel(void *x, int xdt, long long ldx, const void *y,
 
 __global__ void swiglu_kernel(const void *g, int gdt, long long ldg, const void *u, int udt, long long ldu,
                               void *o, int odt, long long ldo, int rows, int cols) {
+    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
     size_t n = (size_t)rows * cols;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int r = (int)(i / cols), c = (int)(i % cols);
@@ -60,6 +61,7 @@ __global__ void swiglu_kernel(const void *g, int gdt, long long ldg, const void 
 /* one block per (row, segment of d columns) */
 __global__ void rmsnorm_kernel(const void *x, int xdt, long long ldx, const void *w, int wdt, int d, int segs,
                                float eps, void *o, int odt, long long ldo) {
+    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
     __shared__ float red[32];
     int r = blockIdx.x / segs, s0 = (blockIdx.x % segs) * d;
     size_t xb = (size_t)r * ldx + s0, ob = (size_t)r * ldo + s0;
@@ -80,6 +82,7 @@ __global__ void rmsnorm_kernel(const void *x, int xdt, long long ldx, const void
  * the elements it wrote) */
 __global__ void add_rmsnorm_kernel(void *x, int xdt, long long ldx, const void *y, int ydt, long long ldy,
                                    const void *w, int wdt, int d, float eps, void *o, int odt, long long ldo) {
+    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
     __shared__ float red[32];
     size_t xb = (size_t)blockIdx.x * ldx, yb = (size_t)blockIdx.x * ldy, ob = (size_t)blockIdx.x * ldo;
     float ss = 0.0f;
@@ -97,6 +100,7 @@ __global__ void add_rmsnorm_kernel(void *x, int xdt, long long ldx, const void *
 /* one thread per (row, head, pair) */
 __global__ void rope_kernel(void *x, int xdt, long long ldx, int rows, int n_heads, int head_stride, int offset,
                             const int32_t *pos, const float *inv_freq, int half, bool interleaved, float amp) {
+    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
     size_t n = (size_t)rows * n_heads * half;
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
         int i = (int)(idx % half);

@@ -529,6 +529,7 @@ __global__ void moe_combine_kernel(const float *__restrict__ y, const int *__res
                                    const float *__restrict__ w, int top_k, int H, int T, void *out, long long ldo,
                                    int out_f32) {
     griddep_wait();   /* launched early (programmatic dependent launch) behind the down GEMM */
+    griddep_launch_dependents();   /* the shared expert's GEMM behind it may stream its weights */
     size_t n = (size_t)T * H;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int t = (int)(i / H), h = (int)(i % H);

@@ -153,6 +153,16 @@ local function check_projection(rc, out, md, tp)
     assert.is_true(math.abs(est - 1e3 / (ms + ar)) <= 0.05 + est * (1e-3 + 0.0005 / ms), step .. ": " .. est)
   end
   assert.are.equal(6, rows, md)
+  -- where a rank step's time goes: decode and verify B = 16 profiled op by op, the same op
+  -- sequence (T aside), at least the 4 layers' projections
+  local at = md:find("### Where a rank step's time goes", 1, true)
+  assert.is_truthy(at, md)
+  local prof = md:sub(at)
+  local dec = tonumber(prof:match("\n| decode | 64 | (%d+) | [%d.]+ |"))
+  local ver = tonumber(prof:match("\n| verify B=16 | 64 | (%d+) | [%d.]+ |"))
+  assert.is_truthy(dec and ver, md)
+  assert.are.equal(dec, ver, md)
+  assert.is_true(dec >= 4 * 5, md)
 end
 
 describe("model slice bench --k26-rank: the TP projection's program, tiny dims, CPU", function()

@@ -184,7 +184,7 @@ static const kd_backend_ops *g_real;
 static kd_backend_ops g_wrap;
 static bool g_events;                 /* CUDA events (slice_cuda.cu) rather than the host clock */
 
-enum { MAXMARK = 2048 };
+enum { MAXMARK = 8192 };   /* a profiled step of 61 layers makes about 1600 op calls, 2 marks each */
 static uint64_t g_host_mark[MAXMARK];
 static void mark(int i) {
 #ifdef KD_SLICE_EVENTS
@@ -802,6 +802,27 @@ static double g_copy_gbs, g_read_gbs;
 static kd_seq *g_seq_graph;           /* a second sequence in step-graph mode (graphs "on"), or NULL */
 static int g_fail;                    /* failed checks (exit 1 after the tables) */
 
+/* one step with every backend op between two marks (s: graphs off, so the ops run from the host),
+ * summed by kind into cat_ms; *total: the whole step, *ops: the ops' sum, *calls: ops made */
+static void profile_step(kd_seq *s, const step *st, double cat_ms[C_N], double *total, double *ops, int *calls) {
+    CK(g_real->sync(g_be));
+    g_prof = true;
+    g_nmark = 2;
+    mark(0);
+    run_step(s, st);
+    mark(1);
+    g_prof = false;
+    CK(g_real->sync(g_be));
+    *total = mark_ms(0, 1);
+    *ops = 0;
+    for (int i = 2; i < g_nmark; i += 2) {
+        double t = mark_ms(i, i + 1);
+        cat_ms[g_mark_cat[i]] += t;
+        *ops += t;
+    }
+    if (calls) *calls = (g_nmark - 2) / 2;
+}
+
 static void bench_row(kd_seq *s, const opts *o, row *r, int ctx, int B) {
     kd_model *m = S.m;
     const kd_config *c = &m->cfg;
@@ -845,20 +866,7 @@ static void bench_row(kd_seq *s, const opts *o, row *r, int ctx, int B) {
                   (double)kd_dtype_size(g_be->act_dtype);
     r->roof_ms = (r->w_bytes + r->kv_bytes) / (g_copy_gbs * 1e9) * 1e3;
     /* (2) one profiled step */
-    CK(g_real->sync(g_be));
-    g_prof = true;
-    g_nmark = 2;
-    mark(0);
-    run_step(s, st);
-    mark(1);
-    g_prof = false;
-    CK(g_real->sync(g_be));
-    r->prof_total = mark_ms(0, 1);
-    for (int i = 2; i < g_nmark; i += 2) {
-        double t = mark_ms(i, i + 1);
-        r->cat_ms[g_mark_cat[i]] += t;
-        r->prof_ops += t;
-    }
+    profile_step(s, st, r->cat_ms, &r->prof_total, &r->prof_ops, NULL);
     /* (3) warm-up, then the timed steps */
     double w0 = timed_step(s, st, NULL);
     double w1 = timed_step(s, st, NULL);
@@ -1246,6 +1254,32 @@ static void projection(const opts *o) {
             free(st->vis);
             free(st);
         }
+    /* where a rank step's time goes: one profiled step on a sequence whose ops run from the host */
+    kd_seq *sp = new_seq_mode(m, ctxs[0] + 65 + 16, KD_GRAPHS_OFF);
+    fill_cache(sp, ctxs[0]);
+    md("\n### Where a rank step's time goes (one profiled step, graphs off: %s around every backend op, ms)\n\n"
+       "An op is one backend call (a GEMM, a norm, the MoE, the attention: one or a few kernels each); the marks "
+       "add their own cost to every op, so the profiled step is longer than the graphed one above.\n\n| step | "
+       "ctx | ops |", g_events ? "CUDA events" : "host clock + sync");
+    for (int j = 0; j < C_N; j++) md(" %s |", cat_name[j]);
+    md(" between ops | profiled step |\n|---|---|---|");
+    for (int j = 0; j < C_N + 2; j++) md("---|");
+    md("\n");
+    for (int bi = 0; bi < 2; bi++) {
+        step *st = xmalloc(sizeof *st, "step");
+        make_step(st, ctxs[0], buds[bi], 7, c->vocab);
+        run_step(sp, st);   /* the shapes' workspaces, before the marks */
+        double cat[C_N] = {0}, total, ops;
+        int calls;
+        profile_step(sp, st, cat, &total, &ops, &calls);
+        if (buds[bi]) md("| verify B=%d | %d | %d |", buds[bi], st->ctx, calls);
+        else md("| decode | %d | %d |", st->ctx, calls);
+        for (int j = 0; j < C_N; j++) md(" %.3f |", cat[j]);
+        md(" %.3f | %.3f |\n", total - ops, total);
+        free(st->vis);
+        free(st);
+    }
+    kd_seq_free(sp);
     memory_table(m, 1, cap);
     if (mr.device_total) {
         CK(kd_model_memory(m, &mr));

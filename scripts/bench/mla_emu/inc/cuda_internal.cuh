@@ -21,7 +21,7 @@ extern "C" {
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 struct emu_dim { unsigned x = 0, y = 0, z = 0; };
-extern emu_dim threadIdx, blockIdx, blockDim;
+extern emu_dim threadIdx, blockIdx, blockDim, gridDim;
 
 struct emu_bar { int n = 0, count = 0; unsigned gen = 0; };
 extern emu_bar emu_block_bar, emu_warp_bars[32];
@@ -46,4 +46,6 @@ template <class T> inline T emu_exchange(T v, int src_lane) {
     return out;
 }
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_exchange(v, (threadIdx.x & 31) ^ o); }
+inline void kd_griddep_wait() {}      /* one launch at a time here: the grid before has ended */
+inline void kd_griddep_release() {}
 using std::min;

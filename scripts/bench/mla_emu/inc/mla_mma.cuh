@@ -8,6 +8,7 @@
 #include "cuda_internal.cuh"
 #include <cstdint>
 #include <cmath>
+#include <vector>
 
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
@@ -33,6 +34,7 @@ inline void ldsm_x4_any(uint32_t *r, const void *row_addr, bool trans) {
         return (const uint16_t *)(uintptr_t)((uint64_t)mla_emu_x[w][lane][0] | ((uint64_t)mla_emu_x[w][lane][1] << 32));
     };
     for (int mi = 0; mi < 4; mi++) {
+        if (!addr(mi * 8)) { r[mi] = 0; continue; }   /* x2: no matrix here */
         uint16_t e0, e1;
         if (!trans) {
             const uint16_t *row = addr(mi * 8 + (l >> 2));
@@ -47,6 +49,13 @@ inline void ldsm_x4_any(uint32_t *r, const void *row_addr, bool trans) {
     warp_sync_emu();
 }
 inline void ldsm_x4(uint32_t *r, const void *p) { ldsm_x4_any(r, p, false); }
+/* x2: the first two matrices of x4's layout (lanes 16-31 supply addresses the hardware ignores) */
+inline void ldsm_x2_trans(uint32_t *r, const void *p) {
+    uint32_t r4[4];
+    ldsm_x4_any(r4, (threadIdx.x & 31) < 16 ? p : nullptr, true);
+    r[0] = r4[0];
+    r[1] = r4[1];
+}
 inline void ldsm_x4_trans(uint32_t *r, const void *p) { ldsm_x4_any(r, p, true); }
 
 inline float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; std::memcpy(&f, &u, 4); return f; }
@@ -82,12 +91,35 @@ inline void mma16816(float *d, const uint32_t *a, const uint32_t *b) {
     for (int e = 0; e < 4; e++) d[e] = out[e];
 }
 
-inline void cp16(void *smem, const void *gmem, bool ok) {
-    if (ok) std::memcpy(smem, gmem, 16);
-    else std::memset(smem, 0, 16);
+/* cp.async as the PTX defines it, per thread: a copy lands in shared memory only when a
+ * cp.async.wait_group retires its commit group (the source is read at issue: global inputs do
+ * not change during a kernel), so a kernel that reads a stage before waiting for it reads stale
+ * bytes here too. emu_cp_reset() at each block's start. */
+struct emu_cp { void *dst; unsigned char bytes[16]; unsigned group; };
+extern std::vector<emu_cp> emu_cp_pending[1024];
+extern unsigned emu_cp_committed[1024];
+inline void emu_cp_reset() {
+    for (int t = 0; t < 1024; t++) { emu_cp_pending[t].clear(); emu_cp_committed[t] = 0; }
 }
-inline void cp_commit() {}
-template <int N> inline void cp_wait() {}
+inline void cp16(void *smem, const void *gmem, bool ok) {
+    emu_cp c;
+    c.dst = smem;
+    if (ok) std::memcpy(c.bytes, gmem, 16);
+    else std::memset(c.bytes, 0, 16);
+    c.group = emu_cp_committed[threadIdx.x];
+    emu_cp_pending[threadIdx.x].push_back(c);
+}
+inline void cp_commit() { emu_cp_committed[threadIdx.x]++; }
+template <int N> inline void cp_wait() {
+    const unsigned n = emu_cp_committed[threadIdx.x], done = n > (unsigned)N ? n - N : 0;
+    std::vector<emu_cp> &q = emu_cp_pending[threadIdx.x];
+    size_t keep = 0;
+    for (size_t i = 0; i < q.size(); i++) {
+        if (q[i].group < done) std::memcpy(q[i].dst, q[i].bytes, 16);
+        else q[keep++] = q[i];
+    }
+    q.resize(keep);
+}
 inline float shfl_xor(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
 
 }  // namespace mla

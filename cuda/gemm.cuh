@@ -1,0 +1,347 @@
+/* gemm.cuh: the dense GEMM's kernel (device side; the launch, split-K choice and ops are in
+ * linear.cu, whose top comment says why the bits do not depend on M). Included by linear.cu after
+ * cuda_internal.cuh and mla_mma.cuh; also compiled on the CPU by scripts/bench/gemm_emu/ against
+ * the SIMT emulation of those two headers. */
+#ifndef KD_GEMM_CUH
+#define KD_GEMM_CUH
+
+namespace gemm {
+using mla::cp16;
+using mla::cp_commit;
+using mla::cp_wait;
+using mla::ldsm_x2_trans;
+using mla::mma16816;
+
+/* BM: rows of A per block, 64; 16 where M <= 16 (a quarter of the mma and of the A tile,
+ * and more blocks per SM); 128 where M > 64 (each warp 64 x 32: 16 mma per 8 fragment loads
+ * where 32 x 32 makes 8 per 6, and each B tile feeds twice the rows). The bits are the same,
+ * see the top. BK: the k-tile, the unit of
+ * split-K. A pipeline stage holds KS = 2 k-tiles, so it reads 128 contiguous bytes of each
+ * weight row, not 64 (H200, the lm_head at M = 1 944 -> 606 us, at M = 64 1167 -> 923); the
+ * k16 steps are the same, in the same order, so the bits are too. */
+constexpr int BM = 64, BM_SMALL = 16, BM_LARGE = 128, BN = 64, BK = 32, KS = 2 * BK, KT_PS = KS / BK, THREADS = 128;
+constexpr int LD = KS + 8;          /* smem row stride (bf16) of A and of B [n][k]: conflict-free fragment loads */
+constexpr int BN_LD = BN + 8;       /* B stored [k][n] (ldmatrix.trans) */
+constexpr int B_STAGE = BN * LD > KS * BN_LD ? BN * LD : KS * BN_LD;
+/* pipeline stages: 4, or 3 at TBM = 128 (four would take 111 KB, over sm_120's 99 KB a block);
+ * dynamic shared memory of a block: the stages of A (TBM rows) and B (46 KB at TBM = 16, 74 KB
+ * at 64, 83 KB at 128) */
+__host__ __device__ constexpr int gemm_stages(int tbm) { return tbm == BM_LARGE ? 3 : 4; }
+__host__ __device__ constexpr size_t gemm_smem(int tbm) {
+    return (size_t)gemm_stages(tbm) * (tbm * LD + B_STAGE) * sizeof(bf16);
+}
+
+struct Tile {
+    int z, m0, n0, row_base, rows;   /* rows: valid rows of this z (grouped) or M */
+};
+
+/* The cp.async path (bf16 A, 16-byte aligned operands, K % 8 == 0). Each thread's 16-byte
+ * pieces of a stage are the same rows and columns in every stage, so their source pointers,
+ * predicates and shared-memory offsets are worked out once per block and a stage only adds
+ * k0 (recomputed per piece, they cost about 550 instructions a warp per k-tile of 4 mma at
+ * M <= 16; about 115 once hoisted, sm_90 SASS with one k-tile a stage). */
+template <int TBM, bool BKM>
+struct AsyncLoads {
+    static constexpr int A_PIECES = TBM * (KS / 8), B_PIECES = BN * KS / 8;
+    static constexpr int A_PT = (A_PIECES + THREADS - 1) / THREADS, B_PT = B_PIECES / THREADS;
+    static_assert(B_PIECES % THREADS == 0, "every thread loads the same number of B pieces");
+    const bf16 *a_src[A_PT], *b_src[B_PT];
+    int a_dst[A_PT], a_kc[A_PT], b_dst[B_PT], b_kc[B_PT];
+    bool a_ok[A_PT], b_ok[B_PT];
+    const bf16 *a_none, *b_none;   /* the (unread) source of a zero-filled piece */
+    long long b_step;              /* B elements per unit of k0 (k-major: 1) */
+
+    /* the A pieces (after the wait: a_rows and the activations are the grid before's output) */
+    __device__ __forceinline__ void init_a(const kd_gemm_args &g, const Tile &t, const char *Az) {
+        const int tid = threadIdx.x;
+        a_none = (const bf16 *)g.A;
+#pragma unroll
+        for (int j = 0; j < A_PT; j++) {
+            const int c = tid + j * THREADS, r = c / (KS / 8), kc = (c % (KS / 8)) * 8;
+            const int m = t.m0 + r;
+            a_ok[j] = c < A_PIECES && m < t.rows;
+            long long src_row = 0;
+            if (a_ok[j]) {
+                const int gi = t.row_base + m;
+                src_row = g.a_rows ? (long long)g.a_rows[gi] : (long long)gi;
+            }
+            a_src[j] = (const bf16 *)Az + src_row * g.lda + kc;
+            a_dst[j] = r * LD + kc;
+            a_kc[j] = kc;
+        }
+    }
+    /* the B pieces (weights: may run before the wait) */
+    __device__ __forceinline__ void init_b(const kd_gemm_args &g, const Tile &t, const bf16 *Bz) {
+        const int tid = threadIdx.x;
+        b_none = Bz;
+#pragma unroll
+        for (int j = 0; j < B_PT; j++) {
+            const int c = tid + j * THREADS;
+            if (BKM) {   /* B [n][k]: BN rows x KS cols */
+                const int r = c / (KS / 8), kc = (c % (KS / 8)) * 8, n = t.n0 + r;
+                b_ok[j] = n < g.N;
+                b_src[j] = Bz + (long long)(b_ok[j] ? n : 0) * g.ldb + kc;
+                b_dst[j] = r * LD + kc;
+                b_kc[j] = kc;
+            } else {     /* B [k][n]: KS rows x BN cols */
+                const int r = c / (BN / 8), nc = (c % (BN / 8)) * 8, n = t.n0 + nc;
+                b_ok[j] = n < g.N;
+                b_src[j] = Bz + (long long)r * g.ldb + (b_ok[j] ? n : 0);
+                b_dst[j] = r * BN_LD + nc;
+                b_kc[j] = r;
+            }
+        }
+        b_step = BKM ? 1 : g.ldb;
+    }
+    /* the stage starting at k0 into the buffers As, Bs; k from kend on is zero-filled (past K,
+     * or past the split's last k-tile: never multiplied) */
+    __device__ __forceinline__ void load_a(bf16 *As, int k0, int kend) const {
+#pragma unroll
+        for (int j = 0; j < A_PT; j++) {
+            const bool v = a_ok[j] && k0 + a_kc[j] < kend;
+            if (A_PIECES % THREADS == 0 || threadIdx.x + j * THREADS < A_PIECES)
+                cp16(As + a_dst[j], v ? (const void *)(a_src[j] + k0) : (const void *)a_none, v);
+        }
+    }
+    __device__ __forceinline__ void load_b(bf16 *Bs, int k0, int kend) const {
+        const long long boff = (long long)k0 * b_step;
+#pragma unroll
+        for (int j = 0; j < B_PT; j++) {
+            const bool v = b_ok[j] && k0 + b_kc[j] < kend;
+            cp16(Bs + b_dst[j], v ? (const void *)(b_src[j] + boff) : (const void *)b_none, v);
+        }
+    }
+};
+
+/* The plain-load path (f32 activations, odd leading dims): the stage of KS k at k0 of A (TBM
+ * rows) and B into the same shared tiles, so both paths feed identical MMAs. */
+template <int TBM, bool BKM>
+__device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Tile &t, bf16 *As, bf16 *Bs, int k0,
+                                                const bf16 *Bz, const char *Az) {
+    const int tid = threadIdx.x;
+    /* A: TBM rows x KS cols, in chunks of 8 */
+    for (int c = tid; c < TBM * (KS / 8); c += THREADS) {
+        int r = c / (KS / 8), kc = (c % (KS / 8)) * 8;
+        int m = t.m0 + r, k = k0 + kc;
+        bool ok = m < t.rows;
+        long long src_row = 0;
+        if (ok) {
+            int gi = t.row_base + m;
+            src_row = g.a_rows ? (long long)g.a_rows[gi] : (long long)gi;
+        }
+        bf16 *dst = As + r * LD + kc;
+        for (int i = 0; i < 8; i++) {
+            float v = 0.0f;
+            if (ok && k + i < g.K) {
+                size_t idx = (size_t)(src_row * g.lda + k + i);
+                v = g.a_dtype == KD_F32 ? ((const float *)Az)[idx] : __bfloat162float(((const bf16 *)Az)[idx]);
+            }
+            dst[i] = __float2bfloat16(v);
+        }
+    }
+    if (BKM) {   /* B [n][k]: BN rows x KS cols */
+        for (int c = tid; c < BN * (KS / 8); c += THREADS) {
+            int r = c / (KS / 8), kc = (c % (KS / 8)) * 8;
+            int n = t.n0 + r, k = k0 + kc;
+            bf16 *dst = Bs + r * LD + kc;
+            bool ok = n < g.N;
+            for (int i = 0; i < 8; i++)
+                dst[i] = (ok && k + i < g.K) ? Bz[(long long)n * g.ldb + k + i] : __float2bfloat16(0.0f);
+        }
+    } else {     /* B [k][n]: KS rows x BN cols */
+        for (int c = tid; c < KS * (BN / 8); c += THREADS) {
+            int r = c / (BN / 8), nc = (c % (BN / 8)) * 8;
+            int k = k0 + r, n = t.n0 + nc;
+            bf16 *dst = Bs + r * BN_LD + nc;
+            bool ok = k < g.K;
+            for (int i = 0; i < 8; i++)
+                dst[i] = (ok && n + i < g.N) ? Bz[(long long)k * g.ldb + n + i] : __float2bfloat16(0.0f);
+        }
+    }
+}
+
+/* Split-K's sums: every block of the tile has stored its split's partial sums; the one that
+ * arrives last (the tile's counter, which it resets for the next launch) adds them in split
+ * order and stores C. The fence orders each block's stores before its arrival, the loads
+ * bypass L1 (other SMs wrote them). */
+template <int TBM>
+__device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, int splits, const float *partial,
+                               int *tile_count) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(&tile_count[tile], 1) == splits - 1;
+        if (last) tile_count[tile] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const size_t split_stride = (size_t)g.batch * g.M * g.N;
+    for (int i = threadIdx.x; i < TBM * BN; i += THREADS) {
+        const int m = t.m0 + i / BN, n = t.n0 + i % BN;
+        if (m >= t.rows || n >= g.N) continue;
+        const int out_row = t.row_base + m;
+        const float *p = partial + ((size_t)t.z * g.M + out_row) * g.N + n;
+        float s = 0.0f;
+        for (int sp = 0; sp < splits; sp++) s += __ldcg(p + (size_t)sp * split_stride);
+        kd_st(g.C, g.c_dtype, (size_t)((long long)t.z * g.c_zstride + (long long)out_row * g.ldc + n), s);
+    }
+}
+
+/* grid: x = m tiles of TBM rows, y = n_tiles * splits, z = batch (or expert). The m tiles vary
+ * fastest so that the blocks sharing a strip of B run together and read it from HBM once (with
+ * the n tiles fastest, M = 256 read a 2.35 GB lm_head four times). Warps: 2 x 2 of 64 x 32
+ * (TBM = 128) or of 32 x 32 (TBM = 64), or 1 x 4 of 16 x 16 (TBM = 16). */
+template <int TBM, bool ASYNC, bool BKM>
+__global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_tiles, int splits,
+                                                       int kts_per_split, float *partial, int *tile_count) {
+    static_assert(TBM == BM_LARGE || TBM == BM || TBM == BM_SMALL, "the warp layout below covers these three");
+    constexpr int MI = TBM == BM_SMALL ? 1 : TBM / 32, NI = TBM == BM_SMALL ? 2 : 4;   /* m16 / n8 fragments a warp */
+#ifdef KD_GEMM_EMU
+    unsigned char *gemm_smem_buf = gemm_emu_smem();
+#else
+    extern __shared__ __align__(16) unsigned char gemm_smem_buf[];
+#endif
+    constexpr int STAGES = gemm_stages(TBM);
+    bf16 *const As0 = (bf16 *)gemm_smem_buf, *const Bs0 = As0 + STAGES * TBM * LD;
+
+    Tile t;
+    t.z = blockIdx.z;
+    int nt = blockIdx.y % n_tiles, split = blockIdx.y / n_tiles;
+    t.n0 = nt * BN;
+    t.m0 = blockIdx.x * TBM;
+    const int kt_total = (g.K + BK - 1) / BK;
+    const int kt0 = split * kts_per_split;
+    const int kt1 = min(kt_total, kt0 + kts_per_split);
+    /* stages of KT_PS k-tiles over [kt0, kt1); the split's last stage may hold fewer */
+    const int kend = min(g.K, kt1 * BK), n_stages = (kt1 - kt0 + KT_PS - 1) / KT_PS;
+    auto stage_k0 = [&](int st) { return (kt0 + st * KT_PS) * BK; };
+    auto stage_a = [&](int st) { return As0 + (st % STAGES) * TBM * LD; };
+    auto stage_b = [&](int st) { return Bs0 + (st % STAGES) * B_STAGE; };
+
+    /* Launched behind the grid before (kd_launch_pdl): a plain linear's first weight stages are
+     * requested before the wait, so they stream in while that grid finishes. They join the
+     * first stage's cp.async group, which every later wait covers. Grouped launches read their
+     * row ranges and weight pointers from the device, so they wait first. */
+    AsyncLoads<TBM, BKM> loads;
+    const bool early_b = ASYNC && !g.row_off && !g.b_ptrs;
+    const bf16 *Bz = g.B + (long long)t.z * g.b_zstride;
+    if (early_b) {
+        loads.init_b(g, t, Bz);
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; s++)
+            if (s < n_stages) loads.load_b(stage_b(s), stage_k0(s), kend);
+    }
+    kd_griddep_wait();
+    kd_griddep_release();
+
+    if (g.row_off) {
+        t.row_base = g.row_off[t.z];
+        t.rows = g.row_off[t.z + 1] - t.row_base;
+    } else {
+        t.row_base = 0;
+        t.rows = g.M;
+    }
+    if (t.m0 >= t.rows) return;
+    if (g.b_ptrs) Bz = g.b_ptrs[t.z];
+    const char *Az = (const char *)g.A +
+                     (size_t)((long long)t.z * g.a_zstride) * (g.a_dtype == KD_F32 ? 4 : 2);
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wm = TBM == BM_SMALL ? 0 : (warp >> 1) * (TBM / 2), wn = TBM == BM_SMALL ? warp * 16 : (warp & 1) * 32;
+    const int gq = lane >> 2, tq = lane & 3;
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
+
+    if (ASYNC) {
+        loads.init_a(g, t, Az);
+        if (!early_b) loads.init_b(g, t, Bz);
+    }
+    auto load_stage = [&](int st, bool with_b) {
+        if (!ASYNC) {
+            load_tile_plain<TBM, BKM>(g, t, stage_a(st), stage_b(st), stage_k0(st), Bz, Az);
+            return;
+        }
+        loads.load_a(stage_a(st), stage_k0(st), kend);
+        if (with_b) loads.load_b(stage_b(st), stage_k0(st), kend);
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < n_stages) load_stage(s, !early_b);
+        if (ASYNC) cp_commit();
+    }
+    for (int st = 0; st < n_stages; st++) {
+        if (ASYNC) cp_wait<STAGES - 2>();
+        __syncthreads();
+        if (st + STAGES - 1 < n_stages) load_stage(st + STAGES - 1, true);
+        if (ASYNC) cp_commit();
+        const bf16 *as = stage_a(st), *bs = stage_b(st);
+        const int ks_valid = min(KS, (kt1 - kt0 - st * KT_PS) * BK);   /* whole k-tiles of the split */
+#pragma unroll
+        for (int kk = 0; kk < KS; kk += 16) {
+            if (kk >= ks_valid) break;
+            uint32_t af[MI][4], bfr[NI][2];
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++) {
+                const bf16 *p = as + (wm + mi * 16 + gq) * LD + kk + 2 * tq;
+                af[mi][0] = *(const uint32_t *)(p);
+                af[mi][1] = *(const uint32_t *)(p + 8 * LD);
+                af[mi][2] = *(const uint32_t *)(p + 8);
+                af[mi][3] = *(const uint32_t *)(p + 8 * LD + 8);
+            }
+#pragma unroll
+            for (int ni = 0; ni < NI; ni++) {
+                if (BKM) {
+                    const bf16 *p = bs + (wn + ni * 8 + gq) * LD + kk + 2 * tq;
+                    bfr[ni][0] = *(const uint32_t *)(p);
+                    bfr[ni][1] = *(const uint32_t *)(p + 8);
+                } else {
+                    ldsm_x2_trans(bfr[ni], bs + (kk + (lane & 15)) * BN_LD + wn + ni * 8);
+                }
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) mma16816(acc[mi][ni], af[mi], bfr[ni]);
+        }
+    }
+    if (ASYNC) cp_wait<0>();
+
+    /* epilogue: fragment c0,c1 -> row gq, cols 2tq,2tq+1; c2,c3 -> row gq+8 */
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int m = t.m0 + wm + mi * 16 + gq + h * 8;
+                if (m >= t.rows) continue;
+                int out_row = t.row_base + m;
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    int n = t.n0 + wn + ni * 8 + 2 * tq + e;
+                    if (n >= g.N) continue;
+                    float v = acc[mi][ni][h * 2 + e];
+                    if (splits > 1) {
+                        partial[(((size_t)split * g.batch + t.z) * g.M + out_row) * g.N + n] = v;
+                    } else {
+                        size_t idx = (size_t)((long long)t.z * g.c_zstride + (long long)out_row * g.ldc + n);
+                        kd_st(g.C, g.c_dtype, idx, v);
+                    }
+                }
+            }
+    if (splits > 1) gemm_split_sum<TBM>(g, t, (t.z * n_tiles + nt) * (int)gridDim.x + (int)blockIdx.x, splits, partial,
+                                        tile_count);
+}
+
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+}  // namespace gemm
+#endif

@@ -1,0 +1,25 @@
+/* gemm_args.cuh: the arguments of the dense GEMM (linear.cu launches it, gemm.cuh is its kernel).
+ * Apart from cuda_internal.cuh so that scripts/bench/gemm_emu/ can compile the kernel on the CPU;
+ * bf16 must be a type before this is included. */
+#ifndef KD_GEMM_ARGS_CUH
+#define KD_GEMM_ARGS_CUH
+#include <stdint.h>
+
+/* ---- the GEMM core (linear.cu), shared by linear, head_matmul and the bf16 experts ----
+ * C[m, n] = sum_k A[m, k] * B(n, k), fp32 accumulation in a fixed k order.
+ * A: activations (bf16 or f32 elements, row stride lda), optionally through a row
+ *    index list a_rows (grouped experts); B: bf16 weights, either [N, K] row-major
+ *    (b_kmajor: element (n,k) at B[n*ldb + k]) or [K, N] row-major (element at B[k*ldb + n]).
+ * batch z (blockIdx.z): A, B, C advance by their z strides; or, grouped (groups != NULL),
+ *    z is an expert: B = b_ptrs[z], rows [row_off[z], row_off[z+1]) of the gathered list. */
+typedef struct kd_gemm_args {
+    const void *A; int a_dtype; long long lda; long long a_zstride;
+    const int32_t *a_rows;          /* grouped: source row of A for gathered row i (NULL: identity) */
+    const bf16 *B; long long ldb; long long b_zstride; bool b_kmajor;
+    const bf16 *const *b_ptrs;      /* grouped: one weight per z */
+    void *C; int c_dtype; long long ldc; long long c_zstride;
+    const int32_t *row_off;         /* grouped: z's rows are [row_off[z], row_off[z+1]) */
+    int M, N, K, batch;
+} kd_gemm_args;
+
+#endif

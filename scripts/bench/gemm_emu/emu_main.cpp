@@ -1,0 +1,233 @@
+/* emu_main.cpp: runs cuda/gemm.cuh's dense GEMM kernel on the CPU under the fiber SIMT emulation
+ * of ../mla_emu/inc (ldmatrix, mma.sync, and cp.async whose copies land only when a wait retires
+ * their group) and checks, bit for bit:
+ *  - every output element against a CPU sum with the emulated mma's rounding: each split an mma
+ *    chain over its k16 steps from zero, the splits added in split order (what the last block of
+ *    a tile adds), rounded to C's dtype;
+ *  - batch invariance: rows of M = 1 equal to the same rows inside M = 37 and M = 130 (tiles of
+ *    16, 64 and 128 rows);
+ *  - every tile counter back at zero after a launch (the next launch relies on it);
+ * over k-major and [K, N] weights, batched (head_matmul) and grouped (experts) launches, the
+ * cp.async and plain-load paths, and 1 to 7 splits. The emulated mma adds its 16 products in
+ * double (the tensor core's own order differs), so this checks the kernel's indexing, pipeline,
+ * split-K sums and launch logic, not the GPU's bits. Usage: run.sh (builds and runs this). */
+#include "mla_mma.cuh"
+#include "emu_fibers.h"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+/* the CUDA pieces gemm.cuh uses beyond the attention's (one fiber runs at a time: no races) */
+struct bf16 { uint16_t x; };
+inline float __bfloat162float(bf16 b) { return mla::bf2f(b.x); }
+inline bf16 __float2bfloat16(float f) { return bf16{mla::f2bf(f)}; }
+template <class T> inline T __ldcg(const T *p) { return *p; }
+inline void __threadfence() {}
+inline int atomicAdd(int *p, int v) { const int o = *p; *p = o + v; return o; }
+#define __shared__ static
+#define __align__(n)
+unsigned char *gemm_emu_smem() { return emu_smem_buf; }
+#define KD_GEMM_EMU 1
+#include "../../../cuda/gemm_args.cuh"
+#include "../../../cuda/gemm.cuh"
+
+using namespace gemm;
+
+static uint64_t rs = 0x9E3779B97F4A7C15ull;
+static double urand() { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (rs >> 11) * 0x1.0p-53; }
+static float rval() { return (float)((urand() * 2 - 1) * 1.5); }
+
+/* one GEMM: A [batch][rows][K] (bf16 or f32; gathered through a_rows when grouped), B per z
+ * ([N][K] when kmajor, else [K][N]), C [batch][M][N] */
+struct Case {
+    const char *name;
+    int M, N, K, batch, splits_asked;
+    bool kmajor, a_f32, c_f32;
+    std::vector<int> group_rows;   /* grouped: rows of each expert (z), else empty */
+};
+
+struct Data {
+    std::vector<float> a32;        /* A as stored (f32 path) */
+    std::vector<uint16_t> a16, b16;
+    std::vector<int32_t> a_rows, row_off;
+    std::vector<const bf16 *> b_ptrs;
+    int a_total_rows = 0;
+};
+
+static int tbm_of(int M) { return M <= BM_SMALL ? BM_SMALL : M <= BM ? BM : BM_LARGE; }
+
+/* kd_cuda_gemm's launch (one M chunk): tile height, splits, grid, partials and counters */
+static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *counters_zero) {
+    const int M = c.M, N = c.N, K = c.K, Z = c.batch;
+    kd_gemm_args g;
+    std::memset(&g, 0, sizeof g);
+    g.a_dtype = c.a_f32 ? KD_F32 : KD_BF16;
+    g.A = c.a_f32 ? (const void *)d.a32.data() : (const void *)d.a16.data();
+    g.lda = K;
+    g.b_kmajor = c.kmajor;
+    g.ldb = c.kmajor ? K : N;
+    g.M = M; g.N = N; g.K = K; g.batch = Z;
+    std::vector<float> out((size_t)Z * M * N, NAN);
+    g.C = out.data();
+    g.c_dtype = c.c_f32 ? KD_F32 : KD_BF16;
+    std::vector<uint16_t> out16(c.c_f32 ? 0 : out.size(), 0x7fc0);
+    if (!c.c_f32) g.C = out16.data();
+    g.ldc = N;
+    if (!c.group_rows.empty()) {
+        g.a_rows = d.a_rows.data();
+        g.row_off = d.row_off.data();
+        g.b_ptrs = d.b_ptrs.data();
+        g.c_zstride = 0;
+    } else {
+        g.B = (const bf16 *)d.b16.data();
+        g.b_zstride = (long long)N * K;
+        g.a_zstride = (long long)M * K;
+        g.c_zstride = (long long)M * N;
+    }
+    const int kt_total = (K + BK - 1) / BK;
+    int per = (kt_total + c.splits_asked - 1) / c.splits_asked;
+    const int splits = (kt_total + per - 1) / per;
+    *splits_out = splits;
+    const int n_tiles = (N + BN - 1) / BN, tbm = tbm_of(M), m_tiles = (M + tbm - 1) / tbm;
+    std::vector<float> partial((size_t)splits * Z * M * N, NAN);
+    std::vector<int> counters((size_t)m_tiles * n_tiles * Z, 0);
+    const bool async = !c.a_f32 && K % 8 == 0 && (c.kmajor || N % 8 == 0);
+    auto go = [&](auto kernel) {
+        launch(m_tiles, n_tiles * splits, Z, THREADS,
+               [&] { kernel(g, n_tiles, splits, per, partial.data(), counters.data()); });
+    };
+    if (tbm == BM_SMALL) {
+        if (async) { if (c.kmajor) go(gemm_kernel<BM_SMALL, true, true>); else go(gemm_kernel<BM_SMALL, true, false>); }
+        else { if (c.kmajor) go(gemm_kernel<BM_SMALL, false, true>); else go(gemm_kernel<BM_SMALL, false, false>); }
+    } else if (tbm == BM) {
+        if (async) { if (c.kmajor) go(gemm_kernel<BM, true, true>); else go(gemm_kernel<BM, true, false>); }
+        else { if (c.kmajor) go(gemm_kernel<BM, false, true>); else go(gemm_kernel<BM, false, false>); }
+    } else {
+        if (async) { if (c.kmajor) go(gemm_kernel<BM_LARGE, true, true>); else go(gemm_kernel<BM_LARGE, true, false>); }
+        else { if (c.kmajor) go(gemm_kernel<BM_LARGE, false, true>); else go(gemm_kernel<BM_LARGE, false, false>); }
+    }
+    *counters_zero = true;
+    for (int v : counters) *counters_zero = *counters_zero && v == 0;
+    if (!c.c_f32)
+        for (size_t i = 0; i < out.size(); i++) out[i] = mla::bf2f(out16[i]);
+    return out;
+}
+
+/* the reference: row r of z, column n */
+static float ref_elem(const Case &c, const Data &d, int z, int r, int n, int splits) {
+    const int K = c.K, N = c.N, kt_total = (K + BK - 1) / BK, per = (kt_total + splits - 1) / splits;
+    const bool grouped = !c.group_rows.empty();
+    const long long arow = grouped ? d.a_rows[r] : (long long)z * c.M + r;
+    const uint16_t *B = grouped ? (const uint16_t *)d.b_ptrs[z] : d.b16.data() + (size_t)z * N * K;
+    auto a = [&](int k) {
+        return c.a_f32 ? mla::bf2f(mla::f2bf(d.a32[(size_t)arow * K + k])) : mla::bf2f(d.a16[(size_t)arow * K + k]);
+    };
+    auto b = [&](int k) { return mla::bf2f(c.kmajor ? B[(size_t)n * K + k] : B[(size_t)k * N + n]); };
+    float sum = 0.0f;
+    for (int sp = 0; sp < splits; sp++) {
+        const int k0 = sp * per * BK, k1 = std::min(kt_total, (sp + 1) * per) * BK;
+        float acc = 0.0f;
+        for (int k16 = k0; k16 < k1; k16 += 16) {
+            double p = 0.0;
+            for (int i = 0; i < 16; i++) {
+                const int k = k16 + i;
+                if (k < K) p += (double)a(k) * (double)b(k);
+            }
+            acc = (float)(p + (double)acc);
+        }
+        sum = splits > 1 ? sum + acc : acc;
+    }
+    return c.c_f32 ? sum : mla::bf2f(mla::f2bf(sum));
+}
+
+static Data make_data(const Case &c) {
+    Data d;
+    const bool grouped = !c.group_rows.empty();
+    d.a_total_rows = grouped ? c.M + 3 : c.batch * c.M;
+    const size_t na = (size_t)d.a_total_rows * c.K;
+    d.a32.resize(na);
+    d.a16.resize(na);
+    for (size_t i = 0; i < na; i++) { d.a32[i] = rval(); d.a16[i] = mla::f2bf(rval()); }
+    d.b16.resize((size_t)c.batch * c.N * c.K);
+    for (auto &v : d.b16) v = mla::f2bf(rval());
+    if (grouped) {
+        d.row_off.push_back(0);
+        for (int n : c.group_rows) d.row_off.push_back(d.row_off.back() + n);
+        for (int i = 0; i < c.M; i++) d.a_rows.push_back((i * 7 + 2) % d.a_total_rows);   /* a gather */
+        for (int z = 0; z < c.batch; z++) d.b_ptrs.push_back((const bf16 *)d.b16.data() + (size_t)z * c.N * c.K);
+    }
+    return d;
+}
+
+static int fails = 0, checks = 0;
+static void report(bool ok, const char *what, const char *name) {
+    checks++;
+    if (!ok) fails++;
+    std::printf("%s %s: %s\n", ok ? "ok  " : "FAIL", name, what);
+}
+
+static void check_case(const Case &c) {
+    Data d = make_data(c);
+    int splits;
+    bool zero;
+    std::vector<float> out = run(c, d, &splits, &zero);
+    const bool grouped = !c.group_rows.empty();
+    long long bad = 0, first = -1;
+    for (int z = 0; z < c.batch; z++)
+        for (int m = 0; m < c.M; m++) {
+            if (grouped && (m < d.row_off[z] || m >= d.row_off[z + 1])) continue;
+            for (int n = 0; n < c.N; n++) {
+                const size_t i = grouped ? (size_t)m * c.N + n : ((size_t)z * c.M + m) * c.N + n;
+                const float r = ref_elem(c, d, z, m, n, splits);
+                if (std::memcmp(&r, &out[i], 4) != 0) { if (first < 0) first = (long long)i; bad++; }
+            }
+        }
+    char what[160];
+    std::snprintf(what, sizeof what, "M %d N %d K %d batch %d, %d split(s): %lld elements differ from the reference%s",
+                  c.M, c.N, c.K, c.batch, splits, bad, first >= 0 ? " (first at " : "");
+    if (first >= 0) std::snprintf(what + std::strlen(what), sizeof what - std::strlen(what), "%lld)", first);
+    report(bad == 0, what, c.name);
+    report(zero, "every tile counter back at 0", c.name);
+}
+
+/* rows of M = 1 and of M = 37 within M = 130: the same bits (k-major bf16, the engine's linear) */
+static void check_invariance(int splits) {
+    const Case big{"invariance", 130, 136, 328, 1, splits, true, false, false, {}};
+    const Data d = make_data(big);
+    int s_big, s_part;
+    bool zero;
+    const std::vector<float> out_big = run(big, *const_cast<Data *>(&d), &s_big, &zero);
+    struct { int M, r0, row; } parts[] = {{37, 0, 0}, {37, 0, 36}, {1, 0, 0}, {1, 77, 0}, {1, 129, 0}};
+    for (const auto &p : parts) {   /* A rows [r0, r0 + M) of the big one; compare row `row` */
+        Case c = big;
+        c.M = p.M;
+        Data dp = d;
+        dp.a16.assign(d.a16.begin() + (size_t)p.r0 * big.K, d.a16.begin() + (size_t)(p.r0 + p.M) * big.K);
+        const std::vector<float> out = run(c, dp, &s_part, &zero);
+        const int r = p.r0 + p.row;
+        const bool same = std::memcmp(&out[(size_t)p.row * big.N], &out_big[(size_t)r * big.N], big.N * 4) == 0;
+        char what[120];
+        std::snprintf(what, sizeof what, "row %d of M = %d == row %d of M = 130 (%d split(s))", p.row, p.M, r, s_big);
+        report(same && s_part == s_big, what, "invariance");
+    }
+}
+
+int main() {
+    const Case cases[] = {
+        {"linear", 1, 136, 328, 1, 5, true, false, false, {}},
+        {"linear", 5, 200, 264, 1, 3, true, false, true, {}},
+        {"linear", 37, 136, 328, 1, 7, true, false, false, {}},
+        {"linear", 130, 72, 200, 1, 2, true, false, true, {}},
+        {"linear", 64, 64, 64, 1, 1, true, false, false, {}},
+        {"linear f32 A (plain loads)", 20, 72, 100, 1, 3, true, true, true, {}},
+        {"head_matmul [K, N]", 3, 72, 96, 3, 2, false, false, false, {}},
+        {"head_matmul [K, N]", 70, 136, 64, 2, 1, false, false, true, {}},
+        {"head_matmul k-major", 17, 64, 160, 4, 4, true, false, true, {}},
+        {"grouped experts", 25, 72, 96, 3, 1, true, false, true, {5, 0, 20}},
+    };
+    for (const Case &c : cases) check_case(c);
+    check_invariance(1);
+    check_invariance(4);
+    std::printf("%d checks, %d failed\n", checks, fails);
+    return fails ? 1 : 0;
+}
