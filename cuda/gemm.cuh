@@ -9,27 +9,39 @@ namespace gemm {
 using mla::cp16;
 using mla::cp_commit;
 using mla::cp_wait;
-using mla::ldsm_x2_trans;
+using mla::ldsm_x4;
+using mla::ldsm_x4_trans;
 using mla::mma16816;
 
-/* BM: rows of A per block, 64; 16 where M <= 16 (a quarter of the mma and of the A tile,
- * and more blocks per SM); 128 where M > 64 (each warp 64 x 32: 16 mma per 8 fragment loads
- * where 32 x 32 makes 8 per 6, and each B tile feeds twice the rows). The bits are the same,
- * see the top. BK: the k-tile, the unit of
- * split-K. A pipeline stage holds KS = 2 k-tiles, so it reads 128 contiguous bytes of each
- * weight row, not 64 (H200, the lm_head at M = 1 944 -> 606 us, at M = 64 1167 -> 923); the
- * k16 steps are the same, in the same order, so the bits are too. */
-constexpr int BM = 64, BM_SMALL = 16, BM_LARGE = 128, BN = 64, BK = 32, KS = 2 * BK, KT_PS = KS / BK, THREADS = 128;
-constexpr int LD = KS + 8;          /* smem row stride (bf16) of A and of B [n][k]: conflict-free fragment loads */
-constexpr int BN_LD = BN + 8;       /* B stored [k][n] (ldmatrix.trans) */
-constexpr int B_STAGE = BN * LD > KS * BN_LD ? BN * LD : KS * BN_LD;
-/* pipeline stages: 4, or 3 at TBM = 128 (four would take 111 KB, over sm_120's 99 KB a block);
- * dynamic shared memory of a block: the stages of A (TBM rows) and B (46 KB at TBM = 16, 74 KB
- * at 64, 83 KB at 128) */
-__host__ __device__ constexpr int gemm_stages(int tbm) { return tbm == BM_LARGE ? 3 : 4; }
-__host__ __device__ constexpr size_t gemm_smem(int tbm) {
-    return (size_t)gemm_stages(tbm) * (tbm * LD + B_STAGE) * sizeof(bf16);
+/* Block shapes, by the rows of A a block takes (TBM, from M): 16 where M <= 16 (a quarter of the
+ * mma and of the A tile, more blocks per SM), 64 up to 64, 128 above. TBM = 128 takes 128
+ * columns of B too, and its 4 warps 64 x 64 each: a k16 step loads 4 A and 4 B fragments by
+ * ldmatrix for 32 mma (2 KB + 2 KB of shared memory, 128 bytes an mma), and a block reads its
+ * rows of A once for 128 columns (128 x 64 tiles read the lm_head's 3.7 MB of A at M = 256 once
+ * per 64 columns: 9.4 GB from L2 in a call that took 2.8 ms, 35% of cuBLAS's rate, on an H100;
+ * 4.7 GB now). BK: the k-tile, the unit of split-K. A
+ * pipeline stage holds KS of k: 2 k-tiles at TBM <= 64, so it reads 128 contiguous bytes of each
+ * weight row, not 64 (H200, the lm_head at M = 1 944 -> 606 us, at M = 64 1167 -> 923); 1 at
+ * TBM = 128, so 4 stages fit sm_120's 99 KB. None of this changes an output element's k16 steps
+ * or their order, so the bits are the same for every shape (see linear.cu's top). */
+constexpr int BM = 64, BM_SMALL = 16, BM_LARGE = 128, BK = 32, THREADS = 128, STAGES = 4;
+constexpr int SPLIT_BN = 64;   /* the column tile split-K is chosen by (linear.cu): fixed, not TBN */
+template <int TBM> struct Shape {
+    static_assert(TBM == BM_LARGE || TBM == BM || TBM == BM_SMALL, "the warp layouts cover these three");
+    static constexpr int TBN = TBM == BM_LARGE ? 128 : 64;           /* columns of B a block takes */
+    static constexpr int KS = TBM == BM_LARGE ? BK : 2 * BK, KT_PS = KS / BK;
+    static constexpr int LD = KS + 8;                              /* A and B [n][k] row stride: conflict-free ldmatrix */
+    static constexpr int BN_LD = TBN + 8;                          /* B stored [k][n] (ldmatrix.trans) */
+    static constexpr int B_STAGE = TBN * LD > KS * BN_LD ? TBN * LD : KS * BN_LD;
+    /* warps: 1 x 4 of 16 x 16 (TBM = 16), 2 x 2 of 32 x 32 (64) or of 64 x 64 (128) */
+    static constexpr int MI = TBM == BM_SMALL ? 1 : TBM / 32, NI = TBM == BM_SMALL ? 2 : TBN / 16;
+};
+/* dynamic shared memory of a block: the stages of A and B (46 KB at TBM = 16, 74 KB at 64, 80 KB
+ * at 128) */
+template <int TBM> __host__ __device__ constexpr size_t gemm_smem() {
+    return (size_t)STAGES * (TBM * Shape<TBM>::LD + Shape<TBM>::B_STAGE) * sizeof(bf16);
 }
+__host__ __device__ constexpr int gemm_tbn(int tbm) { return tbm == BM_LARGE ? Shape<BM_LARGE>::TBN : Shape<BM>::TBN; }
 
 struct Tile {
     int z, m0, n0, row_base, rows;   /* rows: valid rows of this z (grouped) or M */
@@ -42,6 +54,7 @@ struct Tile {
  * M <= 16; about 115 once hoisted, sm_90 SASS with one k-tile a stage). */
 template <int TBM, bool BKM>
 struct AsyncLoads {
+    static constexpr int KS = Shape<TBM>::KS, LD = Shape<TBM>::LD, BN = Shape<TBM>::TBN, BN_LD = Shape<TBM>::BN_LD;
     static constexpr int A_PIECES = TBM * (KS / 8), B_PIECES = BN * KS / 8;
     static constexpr int A_PT = (A_PIECES + THREADS - 1) / THREADS, B_PT = B_PIECES / THREADS;
     static_assert(B_PIECES % THREADS == 0, "every thread loads the same number of B pieces");
@@ -118,6 +131,7 @@ struct AsyncLoads {
 template <int TBM, bool BKM>
 __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Tile &t, bf16 *As, bf16 *Bs, int k0,
                                                 const bf16 *Bz, const char *Az) {
+    constexpr int KS = Shape<TBM>::KS, LD = Shape<TBM>::LD, BN = Shape<TBM>::TBN, BN_LD = Shape<TBM>::BN_LD;
     const int tid = threadIdx.x;
     /* A: TBM rows x KS cols, in chunks of 8 */
     for (int c = tid; c < TBM * (KS / 8); c += THREADS) {
@@ -177,6 +191,7 @@ __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, i
     __syncthreads();
     if (!last) return;
     __threadfence();
+    constexpr int BN = Shape<TBM>::TBN;
     const size_t split_stride = (size_t)g.batch * g.M * g.N;
     for (int i = threadIdx.x; i < TBM * BN; i += THREADS) {
         const int m = t.m0 + i / BN, n = t.n0 + i % BN;
@@ -189,21 +204,20 @@ __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, i
     }
 }
 
-/* grid: x = m tiles of TBM rows, y = n_tiles * splits, z = batch (or expert). The m tiles vary
- * fastest so that the blocks sharing a strip of B run together and read it from HBM once (with
- * the n tiles fastest, M = 256 read a 2.35 GB lm_head four times). Warps: 2 x 2 of 64 x 32
- * (TBM = 128) or of 32 x 32 (TBM = 64), or 1 x 4 of 16 x 16 (TBM = 16). */
+/* grid: x = m tiles of TBM rows, y = n_tiles (of TBN columns) * splits, z = batch (or expert).
+ * The m tiles vary fastest so that the blocks sharing a strip of B run together and read it from
+ * HBM once (with the n tiles fastest, M = 256 read a 2.35 GB lm_head four times). */
 template <int TBM, bool ASYNC, bool BKM>
 __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_tiles, int splits,
                                                        int kts_per_split, float *partial, int *tile_count) {
-    static_assert(TBM == BM_LARGE || TBM == BM || TBM == BM_SMALL, "the warp layout below covers these three");
-    constexpr int MI = TBM == BM_SMALL ? 1 : TBM / 32, NI = TBM == BM_SMALL ? 2 : 4;   /* m16 / n8 fragments a warp */
+    using S = Shape<TBM>;
+    constexpr int MI = S::MI, NI = S::NI, KS = S::KS, KT_PS = S::KT_PS, LD = S::LD, BN = S::TBN, BN_LD = S::BN_LD;
+    constexpr int B_STAGE = S::B_STAGE;
 #ifdef KD_GEMM_EMU
     unsigned char *gemm_smem_buf = gemm_emu_smem();
 #else
     extern __shared__ __align__(16) unsigned char gemm_smem_buf[];
 #endif
-    constexpr int STAGES = gemm_stages(TBM);
     bf16 *const As0 = (bf16 *)gemm_smem_buf, *const Bs0 = As0 + STAGES * TBM * LD;
 
     Tile t;
@@ -249,8 +263,12 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
                      (size_t)((long long)t.z * g.a_zstride) * (g.a_dtype == KD_F32 ? 4 : 2);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int wm = TBM == BM_SMALL ? 0 : (warp >> 1) * (TBM / 2), wn = TBM == BM_SMALL ? warp * 16 : (warp & 1) * 32;
+    const int wm = TBM == BM_SMALL ? 0 : (warp >> 1) * (TBM / 2), wn = TBM == BM_SMALL ? warp * 16 : (warp & 1) * (BN / 2);
     const int gq = lane >> 2, tq = lane & 3;
+    /* ldmatrix row addresses: A, 16 rows x 16 k a fragment; B, 16 columns x 16 k (two n8 fragments) */
+    const int a_row = wm + (lane & 15), a_col = (lane >> 4) * 8;
+    const int b_row = BKM ? wn + (lane & 7) + ((lane >> 4) << 3) : (lane & 15);
+    const int b_col = BKM ? ((lane >> 3) & 1) * 8 : wn + (lane >> 4) * 8;
 
     float acc[MI][NI][4];
 #pragma unroll
@@ -289,22 +307,16 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
             if (kk >= ks_valid) break;
             uint32_t af[MI][4], bfr[NI][2];
 #pragma unroll
-            for (int mi = 0; mi < MI; mi++) {
-                const bf16 *p = as + (wm + mi * 16 + gq) * LD + kk + 2 * tq;
-                af[mi][0] = *(const uint32_t *)(p);
-                af[mi][1] = *(const uint32_t *)(p + 8 * LD);
-                af[mi][2] = *(const uint32_t *)(p + 8);
-                af[mi][3] = *(const uint32_t *)(p + 8 * LD + 8);
-            }
+            for (int mi = 0; mi < MI; mi++) ldsm_x4(af[mi], as + (a_row + mi * 16) * LD + kk + a_col);
 #pragma unroll
-            for (int ni = 0; ni < NI; ni++) {
-                if (BKM) {
-                    const bf16 *p = bs + (wn + ni * 8 + gq) * LD + kk + 2 * tq;
-                    bfr[ni][0] = *(const uint32_t *)(p);
-                    bfr[ni][1] = *(const uint32_t *)(p + 8);
-                } else {
-                    ldsm_x2_trans(bfr[ni], bs + (kk + (lane & 15)) * BN_LD + wn + ni * 8);
-                }
+            for (int np = 0; np < NI / 2; np++) {
+                uint32_t r[4];
+                if (BKM) ldsm_x4(r, bs + (b_row + np * 16) * LD + kk + b_col);
+                else ldsm_x4_trans(r, bs + (kk + b_row) * BN_LD + b_col + np * 16);
+                bfr[2 * np][0] = r[0];
+                bfr[2 * np][1] = r[1];
+                bfr[2 * np + 1][0] = r[2];
+                bfr[2 * np + 1][1] = r[3];
             }
 #pragma unroll
             for (int mi = 0; mi < MI; mi++)

@@ -28,7 +28,7 @@ kd_status launch_gemm(kd_cuda *c, bool async, bool kmajor, dim3 grid, const kd_g
     void (*fn)(kd_gemm_args, int, int, int, float *, int *) =
         async ? (kmajor ? gemm_kernel<TBM, true, true> : gemm_kernel<TBM, true, false>)
               : (kmajor ? gemm_kernel<TBM, false, true> : gemm_kernel<TBM, false, false>);
-    const size_t smem = gemm_smem(TBM);
+    const size_t smem = gemm_smem<TBM>();
     KD_TRY(kd_cuda_smem(c, (const void *)fn, smem));
     KD_CUDA(kd_launch_pdl(fn, grid, THREADS, smem, c->stream, s, n_tiles, splits, kts, partial, tile_count));
     return KD_OK;
@@ -36,10 +36,11 @@ kd_status launch_gemm(kd_cuda *c, bool async, bool kmajor, dim3 grid, const kd_g
 
 }  // namespace
 
-/* Split-K choice: from N, K, batch and the SM count only (never M, see top). */
+/* Split-K choice: from N, K, batch and the SM count only (never M, see top; the column tiles it
+ * counts are SPLIT_BN wide whatever width the launch's blocks take). */
 static int gemm_splits(const kd_cuda *c, const kd_gemm_args *g, int *kts_per_split) {
     int kt_total = (g->K + BK - 1) / BK;
-    int blocks = ((g->N + BN - 1) / BN) * g->batch;
+    int blocks = ((g->N + SPLIT_BN - 1) / SPLIT_BN) * g->batch;
     int target = 3 * c->n_sms;
     int splits = 1;
     if (!g->row_off && blocks < target) {
@@ -62,7 +63,6 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
     if (g.K <= 0) return kd_fail(KD_ERR_ARG, "cuda gemm: K must be positive, got %d", g.K);
     int kts;
     int splits = gemm_splits(c, &g, &kts);
-    int n_tiles = (g.N + BN - 1) / BN;
 
     bool async = g.a_dtype == KD_BF16 && g.K % 8 == 0 && g.lda % 8 == 0 && g.ldb % 8 == 0 &&
                  g.a_zstride % 8 == 0 && g.b_zstride % 8 == 0 && aligned16(g.A) &&
@@ -81,8 +81,9 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
         m_chunk = (int)(cap / per_row);
         if (m_chunk < BM) m_chunk = BM;
         if (m_chunk > g.M) m_chunk = g.M;
-        const size_t counters = ((size_t)((m_chunk + BM_SMALL - 1) / BM_SMALL) * n_tiles * g.batch * sizeof(int) + 255) &
-                                ~(size_t)255;
+        /* at most: the 16-row, 64-column tiles of the shapes below */
+        const size_t counters = ((size_t)((m_chunk + BM_SMALL - 1) / BM_SMALL) * ((g.N + SPLIT_BN - 1) / SPLIT_BN) *
+                                     g.batch * sizeof(int) + 255) & ~(size_t)255;
         void *ws;
         KD_TRY(kd_cuda_ws(be, KD_WS_GEMM, counters + per_row * m_chunk, &ws));
         tile_count = (int *)ws;
@@ -100,6 +101,7 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
         /* rows per block: 16 when M is at most 16, 64 up to 64, else 128 (grouped launches: no
          * group has more rows than M) */
         const int tbm = s.M <= BM_SMALL ? BM_SMALL : s.M <= BM ? BM : BM_LARGE;
+        const int n_tiles = (g.N + gemm_tbn(tbm) - 1) / gemm_tbn(tbm);
         dim3 grid((s.M + tbm - 1) / tbm, n_tiles * splits, s.batch);
         if (grid.y > 65535 || grid.z > 65535)
             return kd_fail(KD_ERR_ARG, "cuda gemm: grid too large (N=%d: %d column tiles x %d splits, batch=%d; at most 65535 each)",

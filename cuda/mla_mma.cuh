@@ -25,12 +25,6 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t *r, const void *row_addr)
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_u32(row_addr)));
 }
-/* two 8x8 b16 matrices, transposed; lanes 0-15 supply the row addresses */
-__device__ __forceinline__ void ldsm_x2_trans(uint32_t *r, const void *row_addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                 : "=r"(r[0]), "=r"(r[1])
-                 : "r"(smem_u32(row_addr)));
-}
 /* d[4] += A[16x16] (a[4]) * B[16x8] (b[2]); bf16 inputs, fp32 accumulate */
 __device__ __forceinline__ void mma16816(float *d, const uint32_t *a, const uint32_t *b) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "

@@ -14,7 +14,7 @@ describe("the dense GEMM kernel under emulation", function()
     assert.are.equal(0, rc, out)
     local ok = 0
     for _ in out:gmatch("\nok ") do ok = ok + 1 end
-    assert.are.equal(30, ok, out)
-    assert.truthy(out:find("\n30 checks, 0 failed", 1, true), out)
+    assert.are.equal(34, ok, out)
+    assert.truthy(out:find("\n34 checks, 0 failed", 1, true), out)
   end)
 end)

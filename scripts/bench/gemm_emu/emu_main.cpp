@@ -88,7 +88,7 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
     int per = (kt_total + c.splits_asked - 1) / c.splits_asked;
     const int splits = (kt_total + per - 1) / per;
     *splits_out = splits;
-    const int n_tiles = (N + BN - 1) / BN, tbm = tbm_of(M), m_tiles = (M + tbm - 1) / tbm;
+    const int tbm = tbm_of(M), n_tiles = (N + gemm_tbn(tbm) - 1) / gemm_tbn(tbm), m_tiles = (M + tbm - 1) / tbm;
     std::vector<float> partial((size_t)splits * Z * M * N, NAN);
     std::vector<int> counters((size_t)m_tiles * n_tiles * Z, 0);
     const bool async = !c.a_f32 && K % 8 == 0 && (c.kmajor || N % 8 == 0);
@@ -220,10 +220,12 @@ int main() {
         {"linear", 130, 72, 200, 1, 2, true, false, true, {}},
         {"linear", 64, 64, 64, 1, 1, true, false, false, {}},
         {"linear f32 A (plain loads)", 20, 72, 100, 1, 3, true, true, true, {}},
+        {"linear f32 A (plain loads)", 100, 200, 72, 1, 2, true, true, false, {}},
         {"head_matmul [K, N]", 3, 72, 96, 3, 2, false, false, false, {}},
         {"head_matmul [K, N]", 70, 136, 64, 2, 1, false, false, true, {}},
         {"head_matmul k-major", 17, 64, 160, 4, 4, true, false, true, {}},
         {"grouped experts", 25, 72, 96, 3, 1, true, false, true, {5, 0, 20}},
+        {"grouped experts", 90, 136, 64, 2, 1, true, false, true, {60, 30}},
     };
     for (const Case &c : cases) check_case(c);
     check_invariance(1);

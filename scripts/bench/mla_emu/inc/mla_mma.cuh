@@ -34,7 +34,6 @@ inline void ldsm_x4_any(uint32_t *r, const void *row_addr, bool trans) {
         return (const uint16_t *)(uintptr_t)((uint64_t)mla_emu_x[w][lane][0] | ((uint64_t)mla_emu_x[w][lane][1] << 32));
     };
     for (int mi = 0; mi < 4; mi++) {
-        if (!addr(mi * 8)) { r[mi] = 0; continue; }   /* x2: no matrix here */
         uint16_t e0, e1;
         if (!trans) {
             const uint16_t *row = addr(mi * 8 + (l >> 2));
@@ -49,13 +48,6 @@ inline void ldsm_x4_any(uint32_t *r, const void *row_addr, bool trans) {
     warp_sync_emu();
 }
 inline void ldsm_x4(uint32_t *r, const void *p) { ldsm_x4_any(r, p, false); }
-/* x2: the first two matrices of x4's layout (lanes 16-31 supply addresses the hardware ignores) */
-inline void ldsm_x2_trans(uint32_t *r, const void *p) {
-    uint32_t r4[4];
-    ldsm_x4_any(r4, (threadIdx.x & 31) < 16 ? p : nullptr, true);
-    r[0] = r4[0];
-    r[1] = r4[1];
-}
 inline void ldsm_x4_trans(uint32_t *r, const void *p) { ldsm_x4_any(r, p, true); }
 
 inline float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; std::memcpy(&f, &u, 4); return f; }
