@@ -90,12 +90,14 @@ kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr);
 kd_status kd_cuda_smem(kd_cuda *c, const void *fn, size_t smem);
 
 /* ---- programmatic dependent launch (sm_90 and later; no-ops before) ----
- * A kernel launched with kd_launch_pdl may begin while the kernel before it in the stream
- * still runs. Until its kd_griddep_wait it may only read what no kernel of a step writes (the
- * weights) and write nothing; kd_griddep_wait returns once the grid before it has completed and
- * its writes are visible. kd_griddep_release lets the next such launch begin early; a kernel
- * that never calls it releases it when it ends. The gemm releases after its wait, not at entry
- * (w4a16_skinny.cu: released at entry, a third launch's blocks crowd the two running ones). */
+ * The forward's kernels are launched with kd_launch_pdl: each may begin while the kernel before
+ * it in the stream still runs, so its launch and block set-up overlap that kernel's tail. Until
+ * its kd_griddep_wait a kernel may only read what no kernel of a step writes (the weights) and
+ * write nothing; kd_griddep_wait returns once the grid before it has completed and its writes are
+ * visible. kd_griddep_release lets the next launch begin; it comes after the wait, never before
+ * (released at entry, a third launch's blocks crowd the two running ones: w4a16_skinny.cu), so at
+ * most one grid waits behind the running one. A kernel that never calls it releases at its end.
+ * Most kernels start with kd_griddep_enter; the GEMM requests its first weight stages first. */
 __device__ __forceinline__ void kd_griddep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -106,9 +108,15 @@ __device__ __forceinline__ void kd_griddep_release() {
     asm volatile("griddepcontrol.launch_dependents;\n" :::);
 #endif
 }
+__device__ __forceinline__ void kd_griddep_enter() {
+    kd_griddep_wait();
+    kd_griddep_release();
+}
+/* fn<<<grid, threads, smem, st>>>(args...) with programmatic stream serialization; `what` names
+ * the kernel in the error (the arguments convert to fn's parameter types, as with <<< >>>) */
 template <typename... Params, typename... Args>
-static inline cudaError_t kd_launch_pdl(void (*fn)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t st,
-                                        Args... args) {
+static inline kd_status kd_launch_pdl(const char *what, void (*fn)(Params...), dim3 grid, int threads, size_t smem,
+                                      cudaStream_t st, Args... args) {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -119,7 +127,8 @@ static inline cudaError_t kd_launch_pdl(void (*fn)(Params...), dim3 grid, int th
     cfg.stream = st;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, fn, args...);
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, fn, args...);
+    return e == cudaSuccess ? KD_OK : kd_cuda_fail(e, what, __FILE__, __LINE__);
 }
 
 /* ---- dtype helpers (device) ---- */

@@ -20,7 +20,7 @@ namespace {
 template <typename U>
 __global__ void store_rows_kernel(U *dst, long long ldd, long long dst_rows, const int32_t *d_row0, const U *src,
                                   long long lds, int n, int cols) {
-    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
+    kd_griddep_enter();
     const long long r0 = d_row0[0];
     const size_t total = (size_t)n * cols;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
@@ -47,17 +47,16 @@ extern "C" kd_status kd_cuda_store_rows_at(kd_backend *be, kd_act dst, const int
     size_t b = (n + threads - 1) / threads, cap = (size_t)c->n_sms * 16;
     int blocks = (int)(b > cap ? cap : b < 1 ? 1 : b);
     if (es == 2)
-        store_rows_kernel<uint16_t><<<blocks, threads, 0, c->stream>>>((uint16_t *)dst.data, dst.ld, dst.rows, d_len,
-                                                                       (const uint16_t *)src.data, src.ld, src.rows,
-                                                                       src.cols);
+        KD_TRY(kd_launch_pdl("store_rows_kernel", store_rows_kernel<uint16_t>, blocks, threads, 0, c->stream,
+                             (uint16_t *)dst.data, dst.ld, dst.rows, d_len, (const uint16_t *)src.data, src.ld,
+                             src.rows, src.cols));
     else if (es == 4)
-        store_rows_kernel<uint32_t><<<blocks, threads, 0, c->stream>>>((uint32_t *)dst.data, dst.ld, dst.rows, d_len,
-                                                                       (const uint32_t *)src.data, src.ld, src.rows,
-                                                                       src.cols);
+        KD_TRY(kd_launch_pdl("store_rows_kernel", store_rows_kernel<uint32_t>, blocks, threads, 0, c->stream,
+                             (uint32_t *)dst.data, dst.ld, dst.rows, d_len, (const uint32_t *)src.data, src.ld,
+                             src.rows, src.cols));
     else
         return kd_fail(KD_ERR_ARG, "cuda store_rows_at: dtype %s: expected 2- or 4-byte elements",
                        kd_dtype_name(src.dtype));
-    KD_CUDA_LAUNCH("store_rows_kernel");
     return KD_OK;
 }
 

@@ -30,8 +30,7 @@ kd_status launch_gemm(kd_cuda *c, bool async, bool kmajor, dim3 grid, const kd_g
               : (kmajor ? gemm_kernel<TBM, false, true> : gemm_kernel<TBM, false, false>);
     const size_t smem = gemm_smem<TBM>();
     KD_TRY(kd_cuda_smem(c, (const void *)fn, smem));
-    KD_CUDA(kd_launch_pdl(fn, grid, THREADS, smem, c->stream, s, n_tiles, splits, kts, partial, tile_count));
-    return KD_OK;
+    return kd_launch_pdl("gemm_kernel", fn, grid, THREADS, smem, c->stream, s, n_tiles, splits, kts, partial, tile_count);
 }
 
 }  // namespace
@@ -111,7 +110,6 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
         else if (tbm == BM)
             KD_TRY(launch_gemm<BM>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial, tile_count));
         else KD_TRY(launch_gemm<BM_LARGE>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial, tile_count));
-        KD_CUDA_LAUNCH("gemm_kernel");
     }
     return KD_OK;
 }
@@ -119,6 +117,7 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
 /* ---- fp32 weights: a plain CUDA-core product, one warp per output, fixed order ---- */
 __global__ void linear_f32w_kernel(const void *x, int xdt, long long ldx, const float *w, long long ldw,
                                    void *out, int odt, long long ldo, int M, int N, int K) {
+    kd_griddep_enter();
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (warp >= M * N) return;
     int m = warp / N, n = warp % N;
@@ -150,10 +149,9 @@ extern "C" kd_status kd_cuda_linear(kd_backend *be, kd_act x, const kd_weight *w
     if (w->format == KD_W_F32) {
         long long warps = (long long)x.rows * w->rows;
         int blocks = (int)((warps * 32 + 255) / 256);
-        linear_f32w_kernel<<<blocks, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, (const float *)w->dev, w->cols,
-                                                          out.data, out.dtype, out.ld, x.rows, (int)w->rows, (int)w->cols);
-        KD_CUDA_LAUNCH("linear_f32w_kernel");
-        return KD_OK;
+        return kd_launch_pdl("linear_f32w_kernel", linear_f32w_kernel, blocks, 256, 0, c->stream, x.data, x.dtype, x.ld,
+                             (const float *)w->dev, w->cols, out.data, out.dtype, out.ld, x.rows, (int)w->rows,
+                             (int)w->cols);
     }
     if (x.dtype == KD_F16) return kd_fail(KD_ERR_ARG, "cuda linear '%s': f16 activations are not supported", name);
     kd_gemm_args g = {};

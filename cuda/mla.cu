@@ -102,6 +102,7 @@ __device__ __forceinline__ void load_tile(bf16 *dst, int kld, const bf16 *base, 
 /* grid: x = chunk, y = query within the batch, z = kv head * n_tiles + head tile */
 template <bool ASYNC, int KTT>
 __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
+    kd_griddep_enter();
     extern __shared__ __align__(16) unsigned char smem[];
     const int c = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
     const int g = blockIdx.z / a.n_tiles, h0 = g * a.G + (blockIdx.z % a.n_tiles) * a.HT;
@@ -235,7 +236,7 @@ __global__ void __launch_bounds__(THREADS) attn_chunk_kernel(AttnArgs a) {
 
 /* grid: x = query head, y = query within the batch; chunks merged in chunk order */
 __global__ void attn_merge_kernel(AttnArgs a, void *out, int odt, long long ldo) {
-    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
+    kd_griddep_enter();
     const int h = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
     const int2 ps = past_and_rows(a);
     int nvis = n_visible(a, ps.x, ps.y, t);
@@ -255,6 +256,7 @@ __global__ void attn_merge_kernel(AttnArgs a, void *out, int odt, long long ldo)
 
 /* bitmask -> ordered list of visible new rows per query (one warp per query) */
 __global__ void vis_list_kernel(const uint64_t *visible, int T, int32_t *list, int32_t *cnt) {
+    kd_griddep_enter();
     int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= T) return;
     int words = (T + 63) / 64, n = 0;
@@ -294,8 +296,8 @@ static kd_status attn_work(kd_backend *be, const uint64_t *visible, int T, int n
     w->vis_list = w->vis_cnt = NULL;
     if (visible) {
         int32_t *list = (int32_t *)p, *cnt = list + (size_t)T * T;
-        vis_list_kernel<<<(T + 7) / 8, 256, 0, c->stream>>>(visible, T, list, cnt);
-        KD_CUDA_LAUNCH("vis_list_kernel");
+        KD_TRY(kd_launch_pdl("vis_list_kernel", vis_list_kernel, (T + 7) / 8, 256, 0, c->stream, visible, T, list,
+                             cnt));
         w->vis_list = list;
         w->vis_cnt = cnt;
     }
@@ -381,19 +383,17 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
         if (nsh > 0) {
             a.tail = 0;
             dim3 grid(nsh, (tb * G + rows - 1) / rows, n_kv_heads * sh.vs);
-            fn<<<grid, nth, smem, c->stream>>>(a);
-            KD_CUDA_LAUNCH("tc_chunk_kernel (shared)");
+            KD_TRY(kd_launch_pdl("tc_chunk_kernel (shared)", fn, grid, nth, smem, c->stream, a));
         }
         /* tail launch (tree mask): chunks reaching into the new rows, one query per block */
         if (visible) {
             a.tail = 1;
             dim3 grid((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, n_kv_heads * sh.vs);
-            fn<<<grid, nth, smem, c->stream>>>(a);
-            KD_CUDA_LAUNCH("tc_chunk_kernel (tail)");
+            KD_TRY(kd_launch_pdl("tc_chunk_kernel (tail)", fn, grid, nth, smem, c->stream, a));
         }
         int mt = dv < 256 ? ((dv + 31) / 32) * 32 : 256;
-        tc_merge_kernel<<<dim3(n_heads, tb), mt, 0, c->stream>>>(a, out.data, out.dtype, out.ld);
-        KD_CUDA_LAUNCH("tc_merge_kernel");
+        KD_TRY(kd_launch_pdl("tc_merge_kernel", tc_merge_kernel, dim3(n_heads, tb), mt, 0, c->stream, a, out.data,
+                             out.dtype, out.ld));
     }
     return KD_OK;
 }
@@ -481,11 +481,10 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
         int nc = (max_vis + CHUNK - 1) / CHUNK;
         if (nc < 1) nc = 1;
         dim3 grid(nc, tb, n_kv_heads * a.n_tiles);
-        chunk_fn<<<grid, THREADS, smem, c->stream>>>(a);
-        KD_CUDA_LAUNCH("attn_chunk_kernel");
+        KD_TRY(kd_launch_pdl("attn_chunk_kernel", chunk_fn, grid, THREADS, smem, c->stream, a));
         int mt = dv < 256 ? ((dv + 31) / 32) * 32 : 256;
-        attn_merge_kernel<<<dim3(n_heads, tb), mt, 0, c->stream>>>(a, out.data, out.dtype, out.ld);
-        KD_CUDA_LAUNCH("attn_merge_kernel");
+        KD_TRY(kd_launch_pdl("attn_merge_kernel", attn_merge_kernel, dim3(n_heads, tb), mt, 0, c->stream, a, out.data,
+                             out.dtype, out.ld));
     }
     return KD_OK;
 }

@@ -195,6 +195,7 @@ static inline size_t tc_smem_bytes(int HDP, int rg, int kw = 2) {
  *    and whether its phase-2 slab holds 16 or 16 * VS keys. */
 template <int DVP, bool ASYNC, int RG, int KW = 2, int VS = 1>
 __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
+    kd_griddep_enter();
 #ifdef KD_MLA_EMU
     unsigned char *smem = mla_emu_smem();
 #else
@@ -434,7 +435,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
 
 /* grid: x = query head, y = query within the launch; the chunks of a row in chunk order */
 __global__ void tc_merge_kernel(TcArgs a, void *out, int odt, long long ldo) {
-    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
+    kd_griddep_enter();
     const int h = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
     int past, S;
     tc_past_rows(a, &past, &S);

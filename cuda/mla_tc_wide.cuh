@@ -83,6 +83,7 @@ static inline bool tc_wide_offsets_fit(long long rows, long long ldk, long long 
 /* grid as tc_chunk_kernel with RG = 4, VS = 1: x = chunk, y = 64-row block, z = kv head */
 template <int DVP>
 __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
+    kd_griddep_enter();
 #ifdef KD_MLA_EMU
     unsigned char *smem = mla_emu_smem();
 #else

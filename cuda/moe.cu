@@ -65,6 +65,7 @@ __device__ int block_best(const float *v, const unsigned char *taken, int n, flo
 __global__ void __launch_bounds__(ROUTE_THREADS) route_kernel(const float *logits, int n, const float *bias, int n_group,
                                                               int topk_group, int top_k, bool norm, float scaling,
                                                               int32_t *ids, float *weights) {
+    kd_griddep_enter();
     extern __shared__ float sm[];
     float *score = sm, *choice = sm + n, *gscore = choice + n;
     unsigned char *taken = (unsigned char *)(gscore + (n_group > 1 ? n_group : 1));
@@ -131,6 +132,7 @@ __global__ void __launch_bounds__(ROUTE_THREADS) route_kernel(const float *logit
 /* counts per expert, offsets, a slot per (token, j), the source token per slot (one block) */
 __global__ void group_kernel(const int32_t *ids, int P, int top_k, int n, int32_t *off, int32_t *cursor,
                              int32_t *slot_of, int32_t *src_tok) {
+    kd_griddep_enter();
     for (int e = threadIdx.x; e <= n; e += blockDim.x) { off[e] = 0; if (e < n) cursor[e] = 0; }
     __syncthreads();
     for (int p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&off[ids[p] + 1], 1);
@@ -149,7 +151,7 @@ __global__ void group_kernel(const int32_t *ids, int P, int top_k, int n, int32_
 /* out[t] = sum_j w[t,j] * y[slot(t,j)], j ascending (expert id order) */
 __global__ void combine_kernel(const float *y, int H, const int32_t *slot_of, const float *w, int top_k, void *out,
                                int odt, long long ldo, int T) {
-    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
+    kd_griddep_enter();
     size_t n = (size_t)T * H;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int t = (int)(i / H), d = (int)(i % H);
@@ -167,6 +169,7 @@ __global__ void combine_kernel(const float *y, int H, const int32_t *slot_of, co
 namespace {
 /* acc[tok[i]] += w[i] * y[i] (rows of H); tokens are distinct within one expert */
 __global__ void scatter_add_kernel(float *acc, int H, const int32_t *tok, const float *w, const float *y, int m) {
+    kd_griddep_enter();
     size_t n = (size_t)m * H;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int r = (int)(i / H), d = (int)(i % H);
@@ -222,9 +225,8 @@ static kd_status moe_mixed(kd_backend *be, kd_act x, const kd_experts *e, const 
         if (st == KD_OK) st = kd_cuda_linear(be, g, &e->down[ex], y);
         if (st == KD_OK) {
             int blocks = (int)(((size_t)m * H + 255) / 256);
-            scatter_add_kernel<<<blocks, 256, 0, c->stream>>>((float *)(b + o_acc), H, dtok, dtw, (float *)y.data, m);
-            cudaError_t err = cudaGetLastError();
-            if (err != cudaSuccess) st = kd_cuda_fail(err, "scatter_add_kernel", __FILE__, __LINE__);
+            st = kd_launch_pdl("scatter_add_kernel", scatter_add_kernel, blocks, 256, 0, c->stream,
+                               (float *)(b + o_acc), H, dtok, dtw, (float *)y.data, m);
         }
     }
     if (st == KD_OK) {
@@ -349,9 +351,8 @@ extern "C" kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, 
     int ng = e->n_group > 1 ? e->n_group : 1;
     size_t smem = (size_t)(2 * n + ng) * sizeof(float) + (size_t)(n > ng ? n : ng) + 16;
     KD_TRY(kd_cuda_smem(c, (const void *)route_kernel, smem));
-    route_kernel<<<T, ROUTE_THREADS, smem, c->stream>>>(logits, n, e->bias, e->n_group, e->topk_group, K,
-                                                        e->norm_topk_prob, e->routed_scaling_factor, ids, wsel);
-    KD_CUDA_LAUNCH("route_kernel");
+    KD_TRY(kd_launch_pdl("route_kernel", route_kernel, T, ROUTE_THREADS, smem, c->stream, logits, n, e->bias,
+                         e->n_group, e->topk_group, K, e->norm_topk_prob, e->routed_scaling_factor, ids, wsel));
 
     if (t->mixed) return moe_mixed(be, x, e, ids, wsel, out);
     if (t->int4) {
@@ -362,8 +363,8 @@ extern "C" kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, 
 #endif
     }
 
-    group_kernel<<<1, 1024, 0, c->stream>>>(ids, (int)P, K, n, off, cursor, slot_of, src_tok);
-    KD_CUDA_LAUNCH("group_kernel");
+    KD_TRY(kd_launch_pdl("group_kernel", group_kernel, 1, 1024, 0, c->stream, ids, (int)P, K, n, off, cursor, slot_of,
+                         src_tok));
 
     /* expert activations: gate [P,I] | up [P,I] (act dtype) | y [P,H] f32 */
     size_t asz = 2;
@@ -393,7 +394,7 @@ extern "C" kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, 
     size_t tot = (size_t)T * H;
     int blocks = (int)((tot + 255) / 256);
     if (blocks > 16 * c->n_sms) blocks = 16 * c->n_sms;
-    combine_kernel<<<blocks, 256, 0, c->stream>>>(y, H, slot_of, wsel, K, out.data, out.dtype, out.ld, T);
-    KD_CUDA_LAUNCH("combine_kernel");
+    KD_TRY(kd_launch_pdl("combine_kernel", combine_kernel, blocks, 256, 0, c->stream, y, H, slot_of, wsel, K, out.data,
+                         out.dtype, out.ld, T));
     return KD_OK;
 }

@@ -18,6 +18,7 @@ static int ew_blocks(const kd_cuda *c, size_t n) {
 
 __global__ void convert_kernel(void *dst, int ddt, long long ldd, const void *src, int sdt, long long lds,
                                int rows, int cols) {
+    kd_griddep_enter();
     size_t n = (size_t)rows * cols;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int r = (int)(i / cols), c = (int)(i % cols);
@@ -27,6 +28,7 @@ __global__ void convert_kernel(void *dst, int ddt, long long ldd, const void *sr
 
 __global__ void embed_kernel(const void *table, int tdt, long long V, int H, const int32_t *ids,
                              void *out, int odt, long long ldo, int rows) {
+    kd_griddep_enter();
     size_t n = (size_t)rows * H;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int r = (int)(i / H), c = (int)(i % H);
@@ -38,6 +40,7 @@ __global__ void embed_kernel(const void *table, int tdt, long long V, int H, con
 
 __global__ void scale_add_kernel(void *x, int xdt, long long ldx, const void *y, int ydt, long long ldy,
                                  float s, int rows, int cols) {
+    kd_griddep_enter();
     size_t n = (size_t)rows * cols;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int r = (int)(i / cols), c = (int)(i % cols);
@@ -49,7 +52,7 @@ __global__ void scale_add_kernel(void *x, int xdt, long long ldx, const void *y,
 
 __global__ void swiglu_kernel(const void *g, int gdt, long long ldg, const void *u, int udt, long long ldu,
                               void *o, int odt, long long ldo, int rows, int cols) {
-    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
+    kd_griddep_enter();
     size_t n = (size_t)rows * cols;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int r = (int)(i / cols), c = (int)(i % cols);
@@ -61,7 +64,7 @@ __global__ void swiglu_kernel(const void *g, int gdt, long long ldg, const void 
 /* one block per (row, segment of d columns) */
 __global__ void rmsnorm_kernel(const void *x, int xdt, long long ldx, const void *w, int wdt, int d, int segs,
                                float eps, void *o, int odt, long long ldo) {
-    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
+    kd_griddep_enter();
     __shared__ float red[32];
     int r = blockIdx.x / segs, s0 = (blockIdx.x % segs) * d;
     size_t xb = (size_t)r * ldx + s0, ob = (size_t)r * ldo + s0;
@@ -82,7 +85,7 @@ __global__ void rmsnorm_kernel(const void *x, int xdt, long long ldx, const void
  * the elements it wrote) */
 __global__ void add_rmsnorm_kernel(void *x, int xdt, long long ldx, const void *y, int ydt, long long ldy,
                                    const void *w, int wdt, int d, float eps, void *o, int odt, long long ldo) {
-    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
+    kd_griddep_enter();
     __shared__ float red[32];
     size_t xb = (size_t)blockIdx.x * ldx, yb = (size_t)blockIdx.x * ldy, ob = (size_t)blockIdx.x * ldo;
     float ss = 0.0f;
@@ -100,7 +103,7 @@ __global__ void add_rmsnorm_kernel(void *x, int xdt, long long ldx, const void *
 /* one thread per (row, head, pair) */
 __global__ void rope_kernel(void *x, int xdt, long long ldx, int rows, int n_heads, int head_stride, int offset,
                             const int32_t *pos, const float *inv_freq, int half, bool interleaved, float amp) {
-    kd_griddep_release();   /* the GEMM behind may start streaming its weights */
+    kd_griddep_enter();
     size_t n = (size_t)rows * n_heads * half;
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
         int i = (int)(idx % half);
@@ -120,6 +123,7 @@ __global__ void rope_kernel(void *x, int xdt, long long ldx, int rows, int n_hea
 
 __global__ void gather_kernel(void *dst, int ddt, long long ldd, const void *src, int sdt, long long lds,
                               long long src_rows, const int32_t *rows, int n, int cols) {
+    kd_griddep_enter();
     size_t total = (size_t)n * cols;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         int r = (int)(i / cols), c = (int)(i % cols);
@@ -132,6 +136,7 @@ __global__ void gather_kernel(void *dst, int ddt, long long ldd, const void *src
 /* same-dtype gather of raw bytes (also for integer views), 4-byte words when possible */
 __global__ void gather_bytes_kernel(char *dst, long long ldd_b, const char *src, long long lds_b, long long src_rows,
                                     const int32_t *rows, int n, long long row_bytes) {
+    kd_griddep_enter();
     size_t total = (size_t)n * row_bytes;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         int r = (int)(i / row_bytes);
@@ -173,9 +178,8 @@ extern "C" kd_status kd_cuda_copy(kd_backend *be, kd_act dst, kd_act src) {
     KD_TRY(check_view("copy", "dst", dst));
     KD_TRY(check_view("copy", "src", src));
     size_t n = (size_t)src.rows * src.cols;
-    convert_kernel<<<ew_blocks(c, n), EW_THREADS, 0, c->stream>>>(dst.data, dst.dtype, dst.ld, src.data, src.dtype,
-                                                                  src.ld, src.rows, src.cols);
-    KD_CUDA_LAUNCH("convert_kernel");
+    KD_TRY(kd_launch_pdl("convert_kernel", convert_kernel, ew_blocks(c, n), EW_THREADS, 0, c->stream, dst.data,
+                         dst.dtype, dst.ld, src.data, src.dtype, src.ld, src.rows, src.cols));
     return KD_OK;
 }
 
@@ -191,10 +195,8 @@ extern "C" kd_status kd_cuda_embed(kd_backend *be, const kd_weight *table, const
     /* ids are device memory: the model validates them on the host (kd_forward); an id out of
      * range here gives a zero row rather than a wild read */
     size_t n = (size_t)out.rows * out.cols;
-    embed_kernel<<<ew_blocks(c, n), EW_THREADS, 0, c->stream>>>(table->dev, wdtype(table), table->rows,
-                                                                (int)table->cols, ids, out.data, out.dtype, out.ld,
-                                                                out.rows);
-    KD_CUDA_LAUNCH("embed_kernel");
+    KD_TRY(kd_launch_pdl("embed_kernel", embed_kernel, ew_blocks(c, n), EW_THREADS, 0, c->stream, table->dev,
+                         wdtype(table), table->rows, (int)table->cols, ids, out.data, out.dtype, out.ld, out.rows));
     return KD_OK;
 }
 
@@ -205,9 +207,8 @@ extern "C" kd_status kd_cuda_scale_add(kd_backend *be, kd_act x, kd_act y, float
     KD_TRY(check_shape("add", "y", y, x.rows, x.cols));
     size_t n = (size_t)x.rows * x.cols;
     if (!n) return KD_OK;
-    scale_add_kernel<<<ew_blocks(c, n), EW_THREADS, 0, c->stream>>>(x.data, x.dtype, x.ld, y.data, y.dtype, y.ld, s,
-                                                                    x.rows, x.cols);
-    KD_CUDA_LAUNCH("scale_add_kernel");
+    KD_TRY(kd_launch_pdl("scale_add_kernel", scale_add_kernel, ew_blocks(c, n), EW_THREADS, 0, c->stream, x.data,
+                         x.dtype, x.ld, y.data, y.dtype, y.ld, s, x.rows, x.cols));
     return KD_OK;
 }
 
@@ -222,10 +223,9 @@ extern "C" kd_status kd_cuda_swiglu(kd_backend *be, kd_act gate, kd_act up, kd_a
     KD_TRY(check_shape("swiglu", "out", out, gate.rows, gate.cols));
     size_t n = (size_t)gate.rows * gate.cols;
     if (!n) return KD_OK;
-    swiglu_kernel<<<ew_blocks(c, n), EW_THREADS, 0, c->stream>>>(gate.data, gate.dtype, gate.ld, up.data, up.dtype,
-                                                                 up.ld, out.data, out.dtype, out.ld, gate.rows,
-                                                                 gate.cols);
-    KD_CUDA_LAUNCH("swiglu_kernel");
+    KD_TRY(kd_launch_pdl("swiglu_kernel", swiglu_kernel, ew_blocks(c, n), EW_THREADS, 0, c->stream, gate.data,
+                         gate.dtype, gate.ld, up.data, up.dtype, up.ld, out.data, out.dtype, out.ld, gate.rows,
+                         gate.cols));
     return KD_OK;
 }
 
@@ -246,9 +246,9 @@ extern "C" kd_status kd_cuda_add_rmsnorm(kd_backend *be, kd_act x, kd_act y, con
         return kd_fail(KD_ERR_ARG, "cuda add_rmsnorm: weight '%s' has %lld entries, expected the %d cols of a row", name,
                        (long long)(w->rows * w->cols), x.cols);
     if (x.rows == 0) return KD_OK;
-    add_rmsnorm_kernel<<<(unsigned)x.rows, norm_threads(x.cols), 0, c->stream>>>(
-        x.data, x.dtype, x.ld, y.data, y.dtype, y.ld, w->dev, wdtype(w), x.cols, eps, out.data, out.dtype, out.ld);
-    KD_CUDA_LAUNCH("add_rmsnorm_kernel");
+    KD_TRY(kd_launch_pdl("add_rmsnorm_kernel", add_rmsnorm_kernel, (unsigned)x.rows, norm_threads(x.cols), 0, c->stream,
+                         x.data, x.dtype, x.ld, y.data, y.dtype, y.ld, w->dev, wdtype(w), x.cols, eps, out.data,
+                         out.dtype, out.ld));
     return KD_OK;
 }
 
@@ -267,9 +267,8 @@ extern "C" kd_status kd_cuda_rmsnorm(kd_backend *be, kd_act x, const kd_weight *
     int segs = (int)(x.cols / d);
     long long blocks = (long long)x.rows * segs;
     if (blocks > 0x7fffffff) return kd_fail(KD_ERR_ARG, "cuda rmsnorm: too many rows (%d x %d segments)", x.rows, segs);
-    rmsnorm_kernel<<<(unsigned)blocks, norm_threads(d), 0, c->stream>>>(x.data, x.dtype, x.ld, w->dev, wdtype(w), (int)d, segs,
-                                                                eps, out.data, out.dtype, out.ld);
-    KD_CUDA_LAUNCH("rmsnorm_kernel");
+    KD_TRY(kd_launch_pdl("rmsnorm_kernel", rmsnorm_kernel, (unsigned)blocks, norm_threads(d), 0, c->stream, x.data,
+                         x.dtype, x.ld, w->dev, wdtype(w), (int)d, segs, eps, out.data, out.dtype, out.ld));
     return KD_OK;
 }
 
@@ -284,10 +283,9 @@ extern "C" kd_status kd_cuda_rope(kd_backend *be, kd_act x, int n_heads, int hea
     if (!pos && x.rows > 0) return kd_fail(KD_ERR_ARG, "cuda rope: positions are NULL");
     size_t n = (size_t)x.rows * n_heads * (r->dim / 2);
     if (!n) return KD_OK;
-    rope_kernel<<<ew_blocks(c, n), EW_THREADS, 0, c->stream>>>(x.data, x.dtype, x.ld, x.rows, n_heads, head_stride,
-                                                               offset, pos, r->inv_freq, r->dim / 2, r->interleaved,
-                                                               r->attn_factor);
-    KD_CUDA_LAUNCH("rope_kernel");
+    KD_TRY(kd_launch_pdl("rope_kernel", rope_kernel, ew_blocks(c, n), EW_THREADS, 0, c->stream, x.data, x.dtype, x.ld,
+                         x.rows, n_heads, head_stride, offset, pos, r->inv_freq, r->dim / 2, r->interleaved,
+                         r->attn_factor));
     return KD_OK;
 }
 
@@ -314,16 +312,14 @@ extern "C" kd_status kd_cuda_gather_rows(kd_backend *be, kd_act dst, kd_act src,
     }
     size_t total = (size_t)n * src.cols;
     if (src.dtype == dst.dtype) {
-        gather_bytes_kernel<<<ew_blocks(c, total * ses), EW_THREADS, 0, c->stream>>>(
-            (char *)out.data, (long long)out.ld * des, (const char *)src.data, (long long)src.ld * ses, src.rows, rows, n,
-            (long long)src.cols * ses);
-        KD_CUDA_LAUNCH("gather_bytes_kernel");
+        KD_TRY(kd_launch_pdl("gather_bytes_kernel", gather_bytes_kernel, ew_blocks(c, total * ses), EW_THREADS, 0,
+                             c->stream, (char *)out.data, (long long)out.ld * des, (const char *)src.data,
+                             (long long)src.ld * ses, src.rows, rows, n, (long long)src.cols * ses));
     } else {
         KD_TRY(check_view("gather_rows", "dst", dst));
         KD_TRY(check_view("gather_rows", "src", src));
-        gather_kernel<<<ew_blocks(c, total), EW_THREADS, 0, c->stream>>>(out.data, out.dtype, out.ld, src.data,
-                                                                         src.dtype, src.ld, src.rows, rows, n, src.cols);
-        KD_CUDA_LAUNCH("gather_kernel");
+        KD_TRY(kd_launch_pdl("gather_kernel", gather_kernel, ew_blocks(c, total), EW_THREADS, 0, c->stream, out.data,
+                             out.dtype, out.ld, src.data, src.dtype, src.ld, src.rows, rows, n, src.cols));
     }
     if (overlap) {
         kd_act staged = out;

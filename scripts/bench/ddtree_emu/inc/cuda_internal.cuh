@@ -78,3 +78,4 @@ inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_bar[threadIdx.x >> 5]-
 /* programmatic dependent launch: one launch at a time here, so the grid before has ended */
 inline void kd_griddep_wait() {}
 inline void kd_griddep_release() {}
+inline void kd_griddep_enter() {}

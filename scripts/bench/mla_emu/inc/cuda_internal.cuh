@@ -48,4 +48,5 @@ template <class T> inline T emu_exchange(T v, int src_lane) {
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_exchange(v, (threadIdx.x & 31) ^ o); }
 inline void kd_griddep_wait() {}      /* one launch at a time here: the grid before has ended */
 inline void kd_griddep_release() {}
+inline void kd_griddep_enter() {}
 using std::min;
