@@ -121,6 +121,7 @@ __device__ int first_of_ties(const sel_front &h, int fn, int lane) {
 }
 
 __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, int L, int K, int budget) {
+    kd_griddep_enter();
     extern __shared__ double sel_smem[];
     __shared__ int s_bad, s_n;
     const int H = 2 * budget + 1;
@@ -218,6 +219,7 @@ __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, in
 
 __global__ void tree_stage_kernel(kd_dtree t, int n, int32_t root, int32_t pos0, int32_t *ids, int32_t *pos_out,
                                   uint64_t *vis_out) {
+    kd_griddep_enter();
     const size_t stride = (size_t)gridDim.x * blockDim.x, first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     for (size_t i = first; i <= (size_t)n; i += stride) {
         int32_t tok = i == 0 ? root : t.token[i];
@@ -242,6 +244,7 @@ __global__ void tree_stage_kernel(kd_dtree t, int n, int32_t root, int32_t pos0,
 /* ------------------------------------------------------------------ tree_walk */
 
 __global__ void __launch_bounds__(WALK_THREADS) tree_walk_kernel(kd_dtree t, int n, int sampled) {
+    kd_griddep_enter();
     /* three child slots: step k finds its child in slot k % 3 while thread 0 clears slot
      * (k + 1) % 3 for the next step (last read two steps ago, before the previous barrier) */
     __shared__ int s_child[3];
@@ -589,6 +592,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, l
                                                                uint64_t qmin, bool bin_mass, const smp_max_part *pm,
                                                                unsigned int *gcnt, unsigned long long *glo,
                                                                unsigned long long *ghi) {
+    kd_griddep_enter();
     __shared__ unsigned int bcnt[SMP_BINS];
     __shared__ unsigned long long blo[SMP_BINS], bhi[SMP_BINS];
     const int tid = threadIdx.x, lane = tid & 31, S = gridDim.x;
@@ -654,6 +658,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_plan_kernel(int V, double T, 
                                                                const smp_max_part *pm, int S, const unsigned int *gcnt,
                                                                const unsigned long long *glo,
                                                                const unsigned long long *ghi, smp_plan *plans) {
+    kd_griddep_enter();
     extern __shared__ double sel_smem[];
     smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, row = blockIdx.x;
@@ -713,6 +718,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_plan_kernel(int V, double T, 
  * [lo, hi] into the row's SMP_CAP slots of cand (in no set order: cut_by_bins sorts them) */
 __global__ void __launch_bounds__(SMP_THREADS) smp_gather_kernel(const float *x, long long ld, int V, double T,
                                                                  smp_plan *plans, unsigned long long *cand) {
+    kd_griddep_enter();
     constexpr int PER = SMP_SLICE / SMP_THREADS;
     smp_plan *p = plans + blockIdx.y;
     if (!p->fast) return;   /* the whole block */
@@ -942,6 +948,7 @@ __device__ void cut_by_radix(const float *xr, int V, const smp_mass &mass, int t
 
 /* slice blockIdx.x of row blockIdx.y: its max part, into pm (rows x gridDim.x) */
 __global__ void __launch_bounds__(SMP_THREADS) smp_max_kernel(const float *x, long long ld, int V, smp_max_part *pm) {
+    kd_griddep_enter();
     float xv[SMP_PER];
     slice_values(x + (size_t)blockIdx.y * (size_t)ld, V, xv);
     float m = -INFINITY;
@@ -986,6 +993,7 @@ __device__ void smp_report_bad(const float *xr, int bad, int row, int32_t *out, 
 __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, long long ld, int V, double T,
                                                                uint64_t qmin, const smp_max_part *pm,
                                                                const smp_cut *cuts, kd_u128 *pw) {
+    kd_griddep_enter();
     __shared__ unsigned long long wlo[SMP_WARPS], whi[SMP_WARPS];
     const int S = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     smp_mass mass;
@@ -1022,6 +1030,7 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_cut_kernel(const float *x,
                                                                   const unsigned long long *cand,
                                                                   const int32_t *pos, int pos_offset, smp_cut *cuts,
                                                                   int32_t *out, int32_t *code) {
+    kd_griddep_enter();
     extern __shared__ double sel_smem[];
     smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
     const int tid = threadIdx.x, row = blockIdx.x;
@@ -1057,6 +1066,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_draw_kernel(const float *x, l
                                                                 const smp_cut *cuts, const kd_u128 *pw,
                                                                 int S, const int32_t *pos, int pos_offset,
                                                                 int32_t *out, int32_t *code) {
+    kd_griddep_enter();
     extern __shared__ double sel_smem[];
     smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
     const int tid = threadIdx.x, row = blockIdx.x;
@@ -1120,8 +1130,7 @@ extern "C" kd_status kd_cuda_tree_select(kd_backend *be, const kd_dtree *t, int 
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda tree_select: budget %d needs %zu bytes of shared memory (at most %d "
                        "nodes, %zu bytes here)", budget, smem, SEL_MAX_BUDGET, c->smem_optin);
     KD_TRY(kd_cuda_smem(c, (const void *)tree_select_kernel, smem));
-    tree_select_kernel<<<1, SEL_THREADS, smem, c->stream>>>(*t, L, K, budget);
-    KD_CUDA_LAUNCH("tree_select_kernel");
+    KD_TRY(kd_launch_pdl("tree_select_kernel", tree_select_kernel, 1, SEL_THREADS, smem, c->stream, *t, L, K, budget));
     return KD_OK;
 }
 
@@ -1133,8 +1142,8 @@ extern "C" kd_status kd_cuda_tree_stage(kd_backend *be, const kd_dtree *t, int n
     size_t words = (size_t)(n + 1 + 63) / 64, work = ids ? (size_t)(n + 1) * words : (size_t)n + 1;
     int blocks = (int)((work + 255) / 256);
     if (blocks > 1024) blocks = 1024;
-    tree_stage_kernel<<<blocks, 256, 0, c->stream>>>(*t, n, root, pos0, ids, pos_out, ids ? vis_out : NULL);
-    KD_CUDA_LAUNCH("tree_stage_kernel");
+    KD_TRY(kd_launch_pdl("tree_stage_kernel", tree_stage_kernel, blocks, 256, 0, c->stream, *t, n, root, pos0, ids,
+                         pos_out, ids ? vis_out : NULL));
     return KD_OK;
 }
 
@@ -1176,29 +1185,24 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
         const kd_act xr = kd_act_rows(x, r0, x.rows - r0 < chunk ? x.rows - r0 : chunk);
         const float *xd = (const float *)xr.data;
         const dim3 grid((unsigned)S, (unsigned)xr.rows);
-        smp_max_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, pm);
-        KD_CUDA_LAUNCH("smp_max_kernel");
+        KD_TRY(kd_launch_pdl("smp_max_kernel", smp_max_kernel, grid, SMP_THREADS, 0, c->stream, xd, xr.ld, xr.cols,
+                             pm));
         if (cut) {
             KD_CUDA(cudaMemsetAsync(glo, 0, hist_bytes, c->stream));
-            smp_bins_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, T, qmin,
-                                                                 smp_bin_mass(topk, topp, sp->top_k), pm, gcnt, glo, ghi);
-            KD_CUDA_LAUNCH("smp_bins_kernel");
-            smp_plan_kernel<<<xr.rows, SMP_THREADS, SMP_SMEM, c->stream>>>(xr.cols, T, sp->top_k, sp->top_p, qmin, pm, S,
-                                                                           gcnt, glo, ghi, plans);
-            KD_CUDA_LAUNCH("smp_plan_kernel");
-            smp_gather_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, T, plans, cand);
-            KD_CUDA_LAUNCH("smp_gather_kernel");
-            sample_cut_kernel<<<xr.rows, SMP_THREADS, SMP_SMEM, c->stream>>>(xd, xr.ld, xr.cols, T, sp->top_k, sp->top_p,
-                                                                             qmin, sp->seed, pm, S, plans, cand,
-                                                                             pos + r0, pos_offset, cuts, out + r0,
-                                                                             code + r0);
-            KD_CUDA_LAUNCH("sample_cut_kernel");
+            KD_TRY(kd_launch_pdl("smp_bins_kernel", smp_bins_kernel, grid, SMP_THREADS, 0, c->stream, xd, xr.ld,
+                                 xr.cols, T, qmin, smp_bin_mass(topk, topp, sp->top_k), pm, gcnt, glo, ghi));
+            KD_TRY(kd_launch_pdl("smp_plan_kernel", smp_plan_kernel, xr.rows, SMP_THREADS, SMP_SMEM, c->stream, xr.cols,
+                                 T, sp->top_k, sp->top_p, qmin, pm, S, gcnt, glo, ghi, plans));
+            KD_TRY(kd_launch_pdl("smp_gather_kernel", smp_gather_kernel, grid, SMP_THREADS, 0, c->stream, xd, xr.ld,
+                                 xr.cols, T, plans, cand));
+            KD_TRY(kd_launch_pdl("sample_cut_kernel", sample_cut_kernel, xr.rows, SMP_THREADS, SMP_SMEM, c->stream, xd,
+                                 xr.ld, xr.cols, T, sp->top_k, sp->top_p, qmin, sp->seed, pm, S, plans, cand, pos + r0,
+                                 pos_offset, cuts, out + r0, code + r0));
         }
-        smp_mass_kernel<<<grid, SMP_THREADS, 0, c->stream>>>(xd, xr.ld, xr.cols, T, qmin, pm, cuts, pw);
-        KD_CUDA_LAUNCH("smp_mass_kernel");
-        smp_draw_kernel<<<xr.rows, SMP_THREADS, SMP_SMEM, c->stream>>>(xd, xr.ld, xr.cols, T, qmin, sp->seed, pm, cuts, pw,
-                                                                       S, pos + r0, pos_offset, out + r0, code + r0);
-        KD_CUDA_LAUNCH("smp_draw_kernel");
+        KD_TRY(kd_launch_pdl("smp_mass_kernel", smp_mass_kernel, grid, SMP_THREADS, 0, c->stream, xd, xr.ld, xr.cols, T,
+                             qmin, pm, cuts, pw));
+        KD_TRY(kd_launch_pdl("smp_draw_kernel", smp_draw_kernel, xr.rows, SMP_THREADS, SMP_SMEM, c->stream, xd, xr.ld,
+                             xr.cols, T, qmin, sp->seed, pm, cuts, pw, S, pos + r0, pos_offset, out + r0, code + r0));
     }
     return KD_OK;
 }
@@ -1206,7 +1210,6 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
 extern "C" kd_status kd_cuda_tree_walk(kd_backend *be, const kd_dtree *t, int n, int sampled) {
     kd_cuda *c = kd_cuda_of(be);
     if (!t || n < 0 || n > t->cap) return kd_fail(KD_ERR_ARG, "cuda tree_walk: %d nodes in a tree of %d", n, t ? t->cap : 0);
-    tree_walk_kernel<<<1, WALK_THREADS, 0, c->stream>>>(*t, n, sampled);
-    KD_CUDA_LAUNCH("tree_walk_kernel");
+    KD_TRY(kd_launch_pdl("tree_walk_kernel", tree_walk_kernel, 1, WALK_THREADS, 0, c->stream, *t, n, sampled));
     return KD_OK;
 }

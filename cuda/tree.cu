@@ -40,6 +40,7 @@ struct lsm_part { float m, s; };
 
 __global__ void __launch_bounds__(LSM_THREADS) lsm_part_kernel(const void *x, int dt, long long ld, int cols,
                                                                lsm_part *part) {
+    kd_griddep_enter();
     __shared__ float red[32];
     const size_t base = (size_t)blockIdx.y * ld;
     const int c0 = blockIdx.x * LSM_SLICE + threadIdx.x;
@@ -63,6 +64,7 @@ __global__ void __launch_bounds__(LSM_THREADS) lsm_part_kernel(const void *x, in
 
 __global__ void __launch_bounds__(LSM_THREADS) lsm_apply_kernel(void *x, int dt, long long ld, int cols,
                                                                 const lsm_part *part) {
+    kd_griddep_enter();
     __shared__ float s_lse;
     const size_t base = (size_t)blockIdx.y * ld;
     const int c0 = blockIdx.x * LSM_SLICE + threadIdx.x;
@@ -120,6 +122,7 @@ __device__ __forceinline__ am_part am_warp_merge(am_part p) {
 
 /* the partial of row blockIdx.y's ids [blockIdx.x * AM_SLICE, + AM_SLICE), into part (rows x gridDim.x) */
 __global__ void __launch_bounds__(256) argmax_part_kernel(const void *x, int dt, long long ld, int cols, am_part *part) {
+    kd_griddep_enter();
     __shared__ am_part sp[8];
     const size_t base = (size_t)blockIdx.y * ld;
     const int lo = blockIdx.x * AM_SLICE, hi = min(cols, lo + AM_SLICE);
@@ -143,6 +146,7 @@ __global__ void __launch_bounds__(256) argmax_part_kernel(const void *x, int dt,
 
 /* one warp per row: the row's argmax, or -code of its first NaN / +inf column (sample_rule.h) */
 __global__ void argmax_merge_kernel(const am_part *part, int nparts, int rows, int32_t *out) {
+    kd_griddep_enter();
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= rows) return;   /* whole warps */
     am_part p = {NAN, AM_NONE, AM_NONE};
@@ -162,6 +166,7 @@ __device__ __forceinline__ uint32_t fkey(float v) {
 /* the row histogram of the keys' top TK_BITS bits, TK_SLICE ids per block, rows on grid.y */
 __global__ void __launch_bounds__(256) topk_hist_kernel(const void *x, int dt, long long ld, int cols,
                                                         unsigned int *hist) {
+    kd_griddep_enter();
     __shared__ unsigned int h[TK_BINS];
     for (int i = threadIdx.x; i < TK_BINS; i += blockDim.x) h[i] = 0;
     __syncthreads();
@@ -183,6 +188,7 @@ __device__ __forceinline__ top_bin find_top_bin(const unsigned int *h, unsigned 
  * block, into hist2; other rows' blocks return at once */
 __global__ void __launch_bounds__(256) topk_hist2_kernel(const void *x, int dt, long long ld, int cols, int k, int wide,
                                                          const unsigned int *hist, unsigned int *hist2) {
+    kd_griddep_enter();
     __shared__ unsigned int h[TK_BINS];
     __shared__ int s_tb;
     __shared__ bool s_wide;
@@ -261,6 +267,7 @@ __device__ __forceinline__ top_cut find_cut(const unsigned int *h, const unsigne
 __global__ void __launch_bounds__(256) topk_gather_kernel(const void *x, int dt, long long ld, int cols, int k, int wide,
                                                           int cap, const unsigned int *hist, const unsigned int *hist2,
                                                           unsigned int *ncand, unsigned long long *cand) {
+    kd_griddep_enter();
     __shared__ uint32_t s_cut;
     __shared__ bool s_fits;
     const int tid = threadIdx.x, lane = tid & 31;
@@ -297,6 +304,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
                                                            int kpow2, int cap, const unsigned int *ncand,
                                                            const unsigned long long *gcand, float *vals,
                                                            int32_t *ids) {
+    kd_griddep_enter();
     extern __shared__ unsigned long long cand[];     /* max(cap, kpow2) composite keys */
     __shared__ unsigned int hist[256];
     __shared__ unsigned int s_sel[3];
@@ -441,10 +449,10 @@ extern "C" kd_status kd_cuda_log_softmax(kd_backend *be, kd_act x) {
     KD_TRY(kd_cuda_ws(be, KD_WS_TREE, (size_t)rows * nparts * sizeof(lsm_part), (void **)&part));
     return each_launch_rows(x, [&](kd_act xr, int) {
         const dim3 grid((unsigned)nparts, (unsigned)xr.rows);
-        lsm_part_kernel<<<grid, LSM_THREADS, 0, c->stream>>>(xr.data, xr.dtype, xr.ld, xr.cols, part);
-        KD_CUDA_LAUNCH("lsm_part_kernel");
-        lsm_apply_kernel<<<grid, LSM_THREADS, 0, c->stream>>>(xr.data, xr.dtype, xr.ld, xr.cols, part);
-        KD_CUDA_LAUNCH("lsm_apply_kernel");
+        KD_TRY(kd_launch_pdl("lsm_part_kernel", lsm_part_kernel, grid, LSM_THREADS, 0, c->stream, xr.data, xr.dtype,
+                             xr.ld, xr.cols, part));
+        KD_TRY(kd_launch_pdl("lsm_apply_kernel", lsm_apply_kernel, grid, LSM_THREADS, 0, c->stream, xr.data, xr.dtype,
+                             xr.ld, xr.cols, part));
         return KD_OK;
     });
 }
@@ -459,11 +467,10 @@ extern "C" kd_status kd_cuda_argmax(kd_backend *be, kd_act x, int32_t *out) {
     am_part *part = NULL;
     KD_TRY(kd_cuda_ws(be, KD_WS_TREE, (size_t)rows * nparts * sizeof(am_part), (void **)&part));
     return each_launch_rows(x, [&](kd_act xr, int r0) {
-        argmax_part_kernel<<<dim3((unsigned)nparts, (unsigned)xr.rows), 256, 0, c->stream>>>(xr.data, xr.dtype, xr.ld,
-                                                                                         xr.cols, part);
-        KD_CUDA_LAUNCH("argmax_part_kernel");
-        argmax_merge_kernel<<<(xr.rows + 7) / 8, 256, 0, c->stream>>>(part, nparts, xr.rows, out + r0);
-        KD_CUDA_LAUNCH("argmax_merge_kernel");
+        KD_TRY(kd_launch_pdl("argmax_part_kernel", argmax_part_kernel, dim3((unsigned)nparts, (unsigned)xr.rows), 256,
+                             0, c->stream, xr.data, xr.dtype, xr.ld, xr.cols, part));
+        KD_TRY(kd_launch_pdl("argmax_merge_kernel", argmax_merge_kernel, (xr.rows + 7) / 8, 256, 0, c->stream, part,
+                             nparts, xr.rows, out + r0));
         return KD_OK;
     });
 }
@@ -496,18 +503,16 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
         ncand = bins2 + n;
         KD_CUDA(cudaMemsetAsync(bins, 0, counts, c->stream));
         const dim3 grid((unsigned)((x.cols + TK_SLICE - 1) / TK_SLICE), (unsigned)x.rows);
-        topk_hist_kernel<<<grid, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, bins);
-        KD_CUDA_LAUNCH("topk_hist_kernel");
-        topk_hist2_kernel<<<grid, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, 2 * kp, bins, bins2);
-        KD_CUDA_LAUNCH("topk_hist2_kernel");
-        topk_gather_kernel<<<grid, 256, 0, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, 2 * kp, cap, bins, bins2,
-                                                         ncand, gcand);
-        KD_CUDA_LAUNCH("topk_gather_kernel");
+        KD_TRY(kd_launch_pdl("topk_hist_kernel", topk_hist_kernel, grid, 256, 0, c->stream, x.data, x.dtype, x.ld,
+                             x.cols, bins));
+        KD_TRY(kd_launch_pdl("topk_hist2_kernel", topk_hist2_kernel, grid, 256, 0, c->stream, x.data, x.dtype, x.ld,
+                             x.cols, k, 2 * kp, bins, bins2));
+        KD_TRY(kd_launch_pdl("topk_gather_kernel", topk_gather_kernel, grid, 256, 0, c->stream, x.data, x.dtype, x.ld,
+                             x.cols, k, 2 * kp, cap, bins, bins2, ncand, gcand));
     }
     size_t smem = (size_t)cap * sizeof(unsigned long long);
     KD_TRY(kd_cuda_smem(c, (const void *)topk_kernel, smem));
-    topk_kernel<<<x.rows, ROW_THREADS, smem, c->stream>>>(x.data, x.dtype, x.ld, x.cols, k, kp, cap, ncand, gcand, vals,
-                                                          ids);
-    KD_CUDA_LAUNCH("topk_kernel");
+    KD_TRY(kd_launch_pdl("topk_kernel", topk_kernel, x.rows, ROW_THREADS, smem, c->stream, x.data, x.dtype, x.ld,
+                         x.cols, k, kp, cap, ncand, gcand, vals, ids));
     return KD_OK;
 }
