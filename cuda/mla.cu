@@ -392,7 +392,9 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
             KD_TRY(kd_launch_pdl("tc_chunk_kernel (tail)", fn, grid, nth, smem, c->stream, a));
         }
         int mt = dv < 256 ? ((dv + 31) / 32) * 32 : 256;
-        KD_TRY(kd_launch_pdl("tc_merge_kernel", tc_merge_kernel, dim3(n_heads, tb), mt, 0, c->stream, a, out.data,
+        const size_t msm = tc_merge_smem(a.nc_max);
+        KD_TRY(kd_cuda_smem(c, (const void *)tc_merge_kernel, msm));
+        KD_TRY(kd_launch_pdl("tc_merge_kernel", tc_merge_kernel, dim3(n_heads, tb), mt, msm, c->stream, a, out.data,
                              out.dtype, out.ld));
     }
     return KD_OK;

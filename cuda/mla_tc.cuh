@@ -433,24 +433,50 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
     }
 }
 
-/* grid: x = query head, y = query within the launch; the chunks of a row in chunk order */
+/* grid: x = query head, y = query within the launch; the chunks of a row in chunk order. The
+ * chunks' maxima, masses and weights 2^(m_c - M) are staged in shared memory by all threads at
+ * once (tc_merge_smem), and each value dim reads its partials MERGE_BATCH chunks at a time: one
+ * at a time, every addition waited for its own load (64 for a row at 32K). Every sum keeps its
+ * chunk order and its operands, so the bits are the same. */
+constexpr int MERGE_BATCH = 8;
+static inline size_t tc_merge_smem(int nc_max) { return (size_t)3 * nc_max * sizeof(float); }
 __global__ void tc_merge_kernel(TcArgs a, void *out, int odt, long long ldo) {
     kd_griddep_enter();
+#ifdef KD_MLA_EMU
+    float *pm_s = (float *)mla_emu_smem();
+#else
+    extern __shared__ float pm_s[];
+#endif
+    float *pl_s = pm_s + a.nc_max, *w_s = pl_s + a.nc_max;   /* w_s: 2^(m_c - M), -1 for an empty chunk */
     const int h = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
     int past, S;
     tc_past_rows(a, &past, &S);
     const int nvis = tc_nvis(a, past, S, t);
     const int nc = (nvis + TC_CHUNK - 1) / TC_CHUNK;
     const size_t base = ((size_t)tb * a.Hq + h) * a.nc_max;
+    for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+        pm_s[c] = a.pm[base + c];
+        pl_s[c] = a.pl[base + c];
+    }
+    __syncthreads();
     float M = -INFINITY;
-    for (int c = 0; c < nc; c++) M = fmaxf(M, a.pm[base + c]);
+    for (int c = 0; c < nc; c++) M = fmaxf(M, pm_s[c]);
+    for (int c = threadIdx.x; c < nc; c += blockDim.x) w_s[c] = pm_s[c] != -INFINITY ? exp2f(pm_s[c] - M) : -1.0f;
+    __syncthreads();
     float L = 0.0f;
     for (int c = 0; c < nc; c++)
-        if (a.pm[base + c] != -INFINITY) L += a.pl[base + c] * exp2f(a.pm[base + c] - M);
+        if (w_s[c] >= 0.0f) L += pl_s[c] * w_s[c];
     for (int d = threadIdx.x; d < a.dv; d += blockDim.x) {
+        const float *po = a.po + base * a.dv + d;
         float o = 0.0f;
-        for (int c = 0; c < nc; c++)
-            if (a.pm[base + c] != -INFINITY) o += a.po[(base + c) * a.dv + d] * exp2f(a.pm[base + c] - M);
+        for (int c0 = 0; c0 < nc; c0 += MERGE_BATCH) {
+            float v[MERGE_BATCH];
+#pragma unroll
+            for (int j = 0; j < MERGE_BATCH; j++) v[j] = c0 + j < nc ? po[(size_t)(c0 + j) * a.dv] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < MERGE_BATCH; j++)
+                if (c0 + j < nc && w_s[c0 + j] >= 0.0f) o += v[j] * w_s[c0 + j];
+        }
         kd_st(out, odt, (size_t)t * ldo + (size_t)h * a.dv + d, M == -INFINITY || L == 0.0f ? 0.0f : o / L);
     }
 }

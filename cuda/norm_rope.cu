@@ -61,6 +61,46 @@ __global__ void swiglu_kernel(const void *g, int gdt, long long ldg, const void 
     }
 }
 
+/* The norms' row passes: thread t takes the columns t, t + blockDim, t + 2 blockDim, ... in that
+ * order (the order of its partial sum of squares), ROW_BATCH at a time: the batch's loads are all
+ * issued, then used in order. One at a time, every addition waited for its own load, and a
+ * one-block row of 7168 (a decode step's norm, 256 threads) paid 28 load latencies a pass. The
+ * order of every sum is the same, so the bits are too. */
+constexpr int ROW_BATCH = 8;
+
+/* sum of x[i]^2 over this thread's columns of [0, d) */
+__device__ __forceinline__ float row_sum_squares(const void *x, int xdt, size_t xb, int d) {
+    const int step = (int)blockDim.x;
+    float ss = 0.0f;
+    for (int i0 = threadIdx.x; i0 < d; i0 += ROW_BATCH * step) {
+        float v[ROW_BATCH];
+#pragma unroll
+        for (int j = 0; j < ROW_BATCH; j++) v[j] = i0 + j * step < d ? kd_ld(x, xdt, xb + i0 + j * step) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < ROW_BATCH; j++)
+            if (i0 + j * step < d) ss += v[j] * v[j];
+    }
+    return ss;
+}
+
+/* o[i] = w[i] * (x[i] * inv) over this thread's columns */
+__device__ __forceinline__ void row_scale(const void *x, int xdt, size_t xb, const void *w, int wdt, int d, float inv,
+                                          void *o, int odt, size_t ob) {
+    const int step = (int)blockDim.x;
+    for (int i0 = threadIdx.x; i0 < d; i0 += ROW_BATCH * step) {
+        float xv[ROW_BATCH], wv[ROW_BATCH];
+#pragma unroll
+        for (int j = 0; j < ROW_BATCH; j++) {
+            const bool in = i0 + j * step < d;
+            xv[j] = in ? kd_ld(x, xdt, xb + i0 + j * step) : 0.0f;
+            wv[j] = in ? kd_ld(w, wdt, i0 + j * step) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < ROW_BATCH; j++)
+            if (i0 + j * step < d) kd_st(o, odt, ob + i0 + j * step, wv[j] * (xv[j] * inv));
+    }
+}
+
 /* one block per (row, segment of d columns) */
 __global__ void rmsnorm_kernel(const void *x, int xdt, long long ldx, const void *w, int wdt, int d, int segs,
                                float eps, void *o, int odt, long long ldo) {
@@ -68,36 +108,42 @@ __global__ void rmsnorm_kernel(const void *x, int xdt, long long ldx, const void
     __shared__ float red[32];
     int r = blockIdx.x / segs, s0 = (blockIdx.x % segs) * d;
     size_t xb = (size_t)r * ldx + s0, ob = (size_t)r * ldo + s0;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float v = kd_ld(x, xdt, xb + i);
-        ss += v * v;
-    }
-    ss = kd_block_sum(ss, red);
+    float ss = kd_block_sum(row_sum_squares(x, xdt, xb, d), red);
     float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int i = threadIdx.x; i < d; i += blockDim.x)
-        kd_st(o, odt, ob + i, kd_ld(w, wdt, i) * (kd_ld(x, xdt, xb + i) * inv));
+    row_scale(x, xdt, xb, w, wdt, d, inv, o, odt, ob);
 }
 
 /* one block per row: x += y, then out = rmsnorm(x) * w. The stored x (rounded to its dtype) is what
- * the norm reads, and the thread count, striding and block sum are rmsnorm_kernel's at one segment,
- * so the bits are those of scale_add_kernel followed by rmsnorm_kernel (each thread reads back only
- * the elements it wrote) */
+ * the norm reads, and the thread count, column order and block sum are rmsnorm_kernel's at one
+ * segment, so the bits are those of scale_add_kernel followed by rmsnorm_kernel (each thread reads
+ * back only the elements it wrote) */
 __global__ void add_rmsnorm_kernel(void *x, int xdt, long long ldx, const void *y, int ydt, long long ldy,
                                    const void *w, int wdt, int d, float eps, void *o, int odt, long long ldo) {
     kd_griddep_enter();
     __shared__ float red[32];
     size_t xb = (size_t)blockIdx.x * ldx, yb = (size_t)blockIdx.x * ldy, ob = (size_t)blockIdx.x * ldo;
+    const int step = (int)blockDim.x;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        kd_st(x, xdt, xb + i, kd_ld(x, xdt, xb + i) + kd_ld(y, ydt, yb + i));
-        float v = kd_ld(x, xdt, xb + i);
-        ss += v * v;
+    for (int i0 = threadIdx.x; i0 < d; i0 += ROW_BATCH * step) {
+        float xv[ROW_BATCH], yv[ROW_BATCH];
+#pragma unroll
+        for (int j = 0; j < ROW_BATCH; j++) {
+            const bool in = i0 + j * step < d;
+            xv[j] = in ? kd_ld(x, xdt, xb + i0 + j * step) : 0.0f;
+            yv[j] = in ? kd_ld(y, ydt, yb + i0 + j * step) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < ROW_BATCH; j++) {
+            if (i0 + j * step >= d) continue;
+            const size_t i = xb + i0 + j * step;
+            kd_st(x, xdt, i, xv[j] + yv[j]);
+            const float v = kd_ld(x, xdt, i);
+            ss += v * v;
+        }
     }
     ss = kd_block_sum(ss, red);
     float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int i = threadIdx.x; i < d; i += blockDim.x)
-        kd_st(o, odt, ob + i, kd_ld(w, wdt, i) * (kd_ld(x, xdt, xb + i) * inv));
+    row_scale(x, xdt, xb, w, wdt, d, inv, o, odt, ob);
 }
 
 /* one thread per (row, head, pair) */
