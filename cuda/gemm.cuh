@@ -177,7 +177,9 @@ __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Til
 /* Split-K's sums: every block of the tile has stored its split's partial sums; the one that
  * arrives last (the tile's counter, which it resets for the next launch) adds them in split
  * order and stores C. The fence orders each block's stores before its arrival, the loads
- * bypass L1 (other SMs wrote them). */
+ * bypass L1 (other SMs wrote them) and go out SUM_BATCH at a time (one at a time, the 32 splits
+ * of a decode step's kv_a were 32 load latencies). */
+constexpr int SUM_BATCH = 8;
 template <int TBM>
 __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, int splits, const float *partial,
                                int *tile_count) {
@@ -199,7 +201,14 @@ __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, i
         const int out_row = t.row_base + m;
         const float *p = partial + ((size_t)t.z * g.M + out_row) * g.N + n;
         float s = 0.0f;
-        for (int sp = 0; sp < splits; sp++) s += __ldcg(p + (size_t)sp * split_stride);
+        for (int sp0 = 0; sp0 < splits; sp0 += SUM_BATCH) {   /* the loads of a batch in flight together */
+            float v[SUM_BATCH];
+#pragma unroll
+            for (int j = 0; j < SUM_BATCH; j++) v[j] = sp0 + j < splits ? __ldcg(p + (size_t)(sp0 + j) * split_stride) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < SUM_BATCH; j++)
+                if (sp0 + j < splits) s += v[j];
+        }
         kd_st(g.C, g.c_dtype, (size_t)((long long)t.z * g.c_zstride + (long long)out_row * g.ldc + n), s);
     }
 }

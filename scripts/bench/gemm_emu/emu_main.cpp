@@ -8,7 +8,7 @@
  *    16, 64 and 128 rows);
  *  - every tile counter back at zero after a launch (the next launch relies on it);
  * over k-major and [K, N] weights, batched (head_matmul) and grouped (experts) launches, the
- * cp.async and plain-load paths, and 1 to 7 splits. The emulated mma adds its 16 products in
+ * cp.async and plain-load paths, and 1 to 11 splits. The emulated mma adds its 16 products in
  * double (the tensor core's own order differs), so this checks the kernel's indexing, pipeline,
  * split-K sums and launch logic, not the GPU's bits. Usage: run.sh (builds and runs this). */
 #include "mla_mma.cuh"
@@ -219,6 +219,7 @@ int main() {
         {"linear", 37, 136, 328, 1, 7, true, false, false, {}},
         {"linear", 130, 72, 200, 1, 2, true, false, true, {}},
         {"linear", 64, 64, 64, 1, 1, true, false, false, {}},
+        {"linear", 3, 72, 704, 1, 11, true, false, true, {}},
         {"linear f32 A (plain loads)", 20, 72, 100, 1, 3, true, true, true, {}},
         {"linear f32 A (plain loads)", 100, 200, 72, 1, 2, true, true, false, {}},
         {"head_matmul [K, N]", 3, 72, 96, 3, 2, false, false, false, {}},
