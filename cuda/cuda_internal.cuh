@@ -90,7 +90,8 @@ kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr);
 kd_status kd_cuda_smem(kd_cuda *c, const void *fn, size_t smem);
 
 /* ---- programmatic dependent launch (sm_90 and later; no-ops before) ----
- * The forward's kernels are launched with kd_launch_pdl: each may begin while the kernel before
+ * The forward's and the DDTree round's kernels are launched with kd_launch_pdl (the W4A16 ones
+ * with their own launch, w4a16.cu): each may begin while the kernel before
  * it in the stream still runs, so its launch and block set-up overlap that kernel's tail. Until
  * its kd_griddep_wait a kernel may only read what no kernel of a step writes (the weights) and
  * write nothing; kd_griddep_wait returns once the grid before it has completed and its writes are

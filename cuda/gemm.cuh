@@ -30,8 +30,8 @@ template <int TBM> struct Shape {
     static_assert(TBM == BM_LARGE || TBM == BM || TBM == BM_SMALL, "the warp layouts cover these three");
     static constexpr int TBN = TBM == BM_LARGE ? 128 : 64;           /* columns of B a block takes */
     static constexpr int KS = TBM == BM_LARGE ? BK : 2 * BK, KT_PS = KS / BK;
-    static constexpr int LD = KS + 8;                              /* A and B [n][k] row stride: conflict-free ldmatrix */
-    static constexpr int BN_LD = TBN + 8;                          /* B stored [k][n] (ldmatrix.trans) */
+    static constexpr int LD = KS + 8;       /* A and B [n][k] row stride: conflict-free ldmatrix */
+    static constexpr int BN_LD = TBN + 8;   /* B stored [k][n] (ldmatrix.trans) */
     static constexpr int B_STAGE = TBN * LD > KS * BN_LD ? TBN * LD : KS * BN_LD;
     /* warps: 1 x 4 of 16 x 16 (TBM = 16), 2 x 2 of 32 x 32 (64) or of 64 x 64 (128) */
     static constexpr int MI = TBM == BM_SMALL ? 1 : TBM / 32, NI = TBM == BM_SMALL ? 2 : TBN / 16;
@@ -204,7 +204,8 @@ __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, i
         for (int sp0 = 0; sp0 < splits; sp0 += SUM_BATCH) {   /* the loads of a batch in flight together */
             float v[SUM_BATCH];
 #pragma unroll
-            for (int j = 0; j < SUM_BATCH; j++) v[j] = sp0 + j < splits ? __ldcg(p + (size_t)(sp0 + j) * split_stride) : 0.0f;
+            for (int j = 0; j < SUM_BATCH; j++)
+                v[j] = sp0 + j < splits ? __ldcg(p + (size_t)(sp0 + j) * split_stride) : 0.0f;
 #pragma unroll
             for (int j = 0; j < SUM_BATCH; j++)
                 if (sp0 + j < splits) s += v[j];
@@ -272,7 +273,8 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
                      (size_t)((long long)t.z * g.a_zstride) * (g.a_dtype == KD_F32 ? 4 : 2);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int wm = TBM == BM_SMALL ? 0 : (warp >> 1) * (TBM / 2), wn = TBM == BM_SMALL ? warp * 16 : (warp & 1) * (BN / 2);
+    const int wm = TBM == BM_SMALL ? 0 : (warp >> 1) * (TBM / 2);
+    const int wn = TBM == BM_SMALL ? warp * 16 : (warp & 1) * (BN / 2);
     const int gq = lane >> 2, tq = lane & 3;
     /* ldmatrix row addresses: A, 16 rows x 16 k a fragment; B, 16 columns x 16 k (two n8 fragments) */
     const int a_row = wm + (lane & 15), a_col = (lane >> 4) * 8;

@@ -10,5 +10,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../.." && pwd)
 out=${EMU_BUILD:-/tmp/kd_gemm_emu}
 mkdir -p "$out"
-g++ -std=c++20 -O2 -Wno-unknown-pragmas -I"$root/scripts/bench/mla_emu/inc" -I"$root/core" -o "$out/emu" "$here/emu_main.cpp"
+g++ -std=c++20 -O2 -Wno-unknown-pragmas -I"$root/scripts/bench/mla_emu/inc" -I"$root/core" -o "$out/emu" \
+  "$here/emu_main.cpp"
 "$out/emu"

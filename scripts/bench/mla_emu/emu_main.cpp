@@ -299,7 +299,8 @@ int main(int argc, char **argv) {
     accuracy("MLA dims H=16 576/512 causal T=5 past=509 (straddles)", {5, 514, 509, 16, 1, 576, 512, true, 0, 0.1447f, nullptr, 0, 0}, true);
     accuracy("tiny MLA H=4 40/32 causal T=20 past=3", {20, 23, 3, 4, 1, 40, 32, true, 0, 0.25f, nullptr, 0, 0}, true);
     /* 11 chunks: the merge's batches of 8 chunks and a remainder */
-    accuracy("tiny MLA H=4 40/32 decode T=1 past=5300 (11 chunks)", {1, 5301, 5300, 4, 1, 40, 32, true, 0, 0.25f, nullptr, 0, 0}, true);
+    accuracy("tiny MLA H=4 40/32 decode T=1 past=5300 (11 chunks)",
+             {1, 5301, 5300, 4, 1, 40, 32, true, 0, 0.25f, nullptr, 0, 0}, true);
     accuracy("GQA full Hq=4 Hkv=2 d=32 T=8 past=20", {8, 28, 20, 4, 2, 32, 32, false, 0, 0.1767767f, nullptr, 0, 0}, false);
     accuracy("GQA window=5 causal Hq=4 Hkv=2 d=32 T=6 past=10", {6, 16, 10, 4, 2, 32, 32, true, 5, 0.1767767f, nullptr, 0, 0}, false);
     accuracy("GQA odd dims Hq=3 Hkv=1 d=36 (plain loads) T=5 past=7", {5, 12, 7, 3, 1, 36, 36, true, 0, 0.1666667f, nullptr, 0, 0}, false, true);
