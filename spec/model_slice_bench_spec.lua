@@ -73,6 +73,11 @@ local function check_draft_rows(md, second)
   assert.are.equal(4, rows, md)
   assert.is_truthy(md:find("- ok: the draft pass's log-probs with graphs off and " .. second
     .. ", bit for bit at every context", 1, true), md)
+  -- one profiled pass at ctx 64: the backend calls it makes (2 layers' projections, attention, MLP)
+  local at = md:find("#### Where a draft pass's time goes", 1, true)
+  assert.is_truthy(at, md)
+  local ops = tonumber(md:sub(at):match("\n| 64 | (%d+) | [%d.]+ |"))
+  assert.is_true(ops ~= nil and ops >= 2 * 5, md)
 end
 
 local function check_output(second, rc, out, md)

@@ -39,7 +39,8 @@
  * docs/performance.md's ceilings).
  *
  * Draft rows (slice_draft.c, --no-draft skips them): the DFlash draft pass of a random drafter at
- * the K2.6 drafter's dims, loaded from a checkpoint the run writes, against its roofline.
+ * the K2.6 drafter's dims, loaded from a checkpoint the run writes, against its roofline, and one
+ * pass profiled op by op as (2) below.
  *
  * MLA rows: the backend's attention op alone (absorbed: key 576, value 512, one latent KV
  * head), 64 and 8 heads, contexts 1K..64K, 1 and 64 queries (causal), events around each
@@ -802,14 +803,15 @@ static double g_copy_gbs, g_read_gbs;
 static kd_seq *g_seq_graph;           /* a second sequence in step-graph mode (graphs "on"), or NULL */
 static int g_fail;                    /* failed checks (exit 1 after the tables) */
 
-/* one step with every backend op between two marks (s: graphs off, so the ops run from the host),
- * summed by kind into cat_ms; *total: the whole step, *ops: the ops' sum, *calls: ops made */
-static void profile_step(kd_seq *s, const step *st, double cat_ms[C_N], double *total, double *ops, int *calls) {
+/* A profiled run: every backend op between two marks (the ops must run from the host: graphs
+ * off), summed by kind into cat_ms; *total: the whole run, *ops: the ops' sum, *calls: ops made */
+static void prof_start(void) {
     CK(g_real->sync(g_be));
     g_prof = true;
     g_nmark = 2;
     mark(0);
-    run_step(s, st);
+}
+static void prof_finish(double cat_ms[C_N], double *total, double *ops, int *calls) {
     mark(1);
     g_prof = false;
     CK(g_real->sync(g_be));
@@ -821,6 +823,24 @@ static void profile_step(kd_seq *s, const step *st, double cat_ms[C_N], double *
         *ops += t;
     }
     if (calls) *calls = (g_nmark - 2) / 2;
+}
+static void profile_step(kd_seq *s, const step *st, double cat_ms[C_N], double *total, double *ops, int *calls) {
+    prof_start();
+    run_step(s, st);
+    prof_finish(cat_ms, total, ops, calls);
+}
+/* the profile table's header (the n_first leading columns named in first_cols, then the op kinds,
+ * the gaps, the total) and the rest of a row after its leading columns */
+static void prof_header(const char *first_cols, int n_first) {
+    md("| %s |", first_cols);
+    for (int j = 0; j < C_N; j++) md(" %s |", cat_name[j]);
+    md(" between ops | profiled run |\n|");
+    for (int j = 0; j < n_first + C_N + 2; j++) md("---|");
+    md("\n");
+}
+static void prof_row(const double cat_ms[C_N], double total, double ops) {
+    for (int j = 0; j < C_N; j++) md(" %.3f |", cat_ms[j]);
+    md(" %.3f | %.3f |\n", total - ops, total);
 }
 
 static void bench_row(kd_seq *s, const opts *o, row *r, int ctx, int B) {
@@ -1259,12 +1279,9 @@ static void projection(const opts *o) {
     fill_cache(sp, ctxs[0]);
     md("\n### Where a rank step's time goes (one profiled step, graphs off: %s around every backend op, ms)\n\n"
        "An op is one backend call (a GEMM, a norm, the MoE, the attention: one or a few kernels each); the marks "
-       "add their own cost to every op, so the profiled step is longer than the graphed one above.\n\n| step | "
-       "ctx | ops |", g_events ? "CUDA events" : "host clock + sync");
-    for (int j = 0; j < C_N; j++) md(" %s |", cat_name[j]);
-    md(" between ops | profiled step |\n|---|---|---|");
-    for (int j = 0; j < C_N + 2; j++) md("---|");
-    md("\n");
+       "add their own cost to every op, so the profiled step is longer than the graphed one above.\n\n",
+       g_events ? "CUDA events" : "host clock + sync");
+    prof_header("step | ctx | ops", 3);
     for (int bi = 0; bi < 2; bi++) {
         step *st = xmalloc(sizeof *st, "step");
         make_step(st, ctxs[0], buds[bi], 7, c->vocab);
@@ -1274,8 +1291,7 @@ static void projection(const opts *o) {
         profile_step(sp, st, cat, &total, &ops, &calls);
         if (buds[bi]) md("| verify B=%d | %d | %d |", buds[bi], st->ctx, calls);
         else md("| decode | %d | %d |", st->ctx, calls);
-        for (int j = 0; j < C_N; j++) md(" %.3f |", cat[j]);
-        md(" %.3f | %.3f |\n", total - ops, total);
+        prof_row(cat, total, ops);
         free(st->vis);
         free(st);
     }
@@ -1372,17 +1388,12 @@ static void slice_run(const opts *o, const dims *d) {
     }
     md("\n### Where a step's time goes (one profiled step per row: %s around every backend op, ms)\n\n",
        g_events ? "CUDA events" : "host clock + sync");
-    md("| step | ctx |");
-    for (int j = 0; j < C_N; j++) md(" %s |", cat_name[j]);
-    md(" between ops | profiled step |\n|---|---|");
-    for (int j = 0; j < C_N + 2; j++) md("---|");
-    md("\n");
+    prof_header("step | ctx", 2);
     for (int i = 0; i < nrows; i++) {
         row *r = &rows[i];
         if (r->B) md("| verify B=%d | %d |", r->B, r->ctx);
         else md("| decode | %d |", r->ctx);
-        for (int j = 0; j < C_N; j++) md(" %.3f |", r->cat_ms[j]);
-        md(" %.3f | %.3f |\n", r->prof_total - r->prof_ops, r->prof_total);
+        prof_row(r->cat_ms, r->prof_total, r->prof_ops);
     }
     free(rows);
     memory_table(m, g_seq_graph ? 2 : 1, ctxs[nctx - 1] + maxT + 16);

@@ -229,6 +229,23 @@ static void draft_rows(const opts *o, kd_model *m) {
     }
     if (!differ) md("\n- ok: the draft pass's log-probs with graphs off and %s, bit for bit at every context\n", second_name);
     g_fail += differ;
+    /* where a pass's time goes: one profiled pass at the first context (graphs off) */
+    int32_t *tok = xmalloc((size_t)ctxs[0] * sizeof(int32_t), "prompt");
+    for (int i = 0; i < ctxs[0]; i++) tok[i] = irand(c->vocab);
+    kd_seq *s = draft_seq(m, dr, ctxs[0] + d->block + 16, tok, ctxs[0], KD_GRAPHS_OFF);
+    CK(kd_draft(s, 7, NULL));   /* the workspaces, before the marks */
+    double cat[C_N] = {0}, total, ops;
+    int calls;
+    prof_start();
+    CK(kd_draft(s, 7, NULL));
+    prof_finish(cat, &total, &ops, &calls);
+    md("\n#### Where a draft pass's time goes (one profiled pass, graphs off: %s around every backend op, ms)\n\n",
+       g_events ? "CUDA events" : "host clock + sync");
+    prof_header("ctx | ops", 2);
+    md("| %d | %d |", ctxs[0], calls);
+    prof_row(cat, total, ops);
+    kd_seq_free(s);
+    free(tok);
     free(lp[0]);
     free(lp[1]);
     kd_drafter_close(dr);
