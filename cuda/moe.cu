@@ -28,6 +28,7 @@ namespace {
 
 constexpr int ROUTE_THREADS = 256;
 constexpr int TOPK_MAX = 32;
+constexpr int ROUTE_LANE_MAX = 16;   /* the one-warp top-k: up to 512 experts (K2.6: 384) */
 
 __device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {
     return va > vb || (va == vb && ia < ib);
@@ -100,12 +101,47 @@ __global__ void __launch_bounds__(ROUTE_THREADS) route_kernel(const float *logit
             if (!taken[i / per]) choice[i] = -INFINITY;
         __syncthreads();
     }
-    for (int i = threadIdx.x; i < n; i += blockDim.x) taken[i] = 0;
-    __syncthreads();
-    for (int j = 0; j < top_k; j++) {
-        int b = block_best(choice, taken, n, rv, ri);
-        if (threadIdx.x == 0) { taken[b] = 1; sel[j] = b; }
+    if (n <= 32 * ROUTE_LANE_MAX) {
+        /* one warp: lane l holds the choices of experts l + 32 j in registers, and each round's best
+         * is a shuffle tree over the lanes' bests (a block-wide round took four barriers, eight
+         * rounds a token). The best under `better` is unique, so the experts are block_best's. */
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            float v[ROUTE_LANE_MAX];
+            unsigned out = 0;   /* bit j: expert lane + 32 j taken or past n */
+#pragma unroll
+            for (int j = 0; j < ROUTE_LANE_MAX; j++) {
+                const int i = lane + 32 * j;
+                v[j] = i < n ? choice[i] : -INFINITY;
+                if (i >= n) out |= 1u << j;
+            }
+            for (int r = 0; r < top_k; r++) {
+                float bv = -INFINITY;
+                int bi = -1;
+#pragma unroll
+                for (int j = 0; j < ROUTE_LANE_MAX; j++)
+                    if (!((out >> j) & 1u) && (bi < 0 || better(v[j], lane + 32 * j, bv, bi))) {
+                        bv = v[j];
+                        bi = lane + 32 * j;
+                    }
+                for (int o = 16; o > 0; o >>= 1) {
+                    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                    if (oi >= 0 && (bi < 0 || better(ov, oi, bv, bi))) { bv = ov; bi = oi; }
+                }
+                if (bi >= 0 && (bi & 31) == lane) out |= 1u << (bi >> 5);
+                if (lane == 0) sel[r] = bi;
+            }
+        }
         __syncthreads();
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) taken[i] = 0;
+        __syncthreads();
+        for (int j = 0; j < top_k; j++) {
+            int b = block_best(choice, taken, n, rv, ri);
+            if (threadIdx.x == 0) { taken[b] = 1; sel[j] = b; }
+            __syncthreads();
+        }
     }
     if (threadIdx.x == 0) {
         float w[TOPK_MAX], sum = 0.0f;
