@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # run.sh: run cuda/mla_tc.cuh's tensor-core attention kernels on the CPU under a SIMT emulation
-# (one fiber per CUDA thread; ldmatrix / mma.sync / cp.async emulated from their PTX
-# fragment layouts in inc/mla_mma.cuh, barriers in inc/cuda_internal.cuh) and check them
+# (one fiber per CUDA thread; ldmatrix / mma.sync emulated from their PTX fragment layouts and
+# cp.async from its commit groups in inc/mla_mma.cuh, barriers in inc/cuda_internal.cuh, the
+# launcher in inc/emu_fibers.h, which ../gemm_emu shares) and check them
 # against a float64 reference and for batch invariance (emu_main.cpp). No GPU needed; this
 # checks the kernel's indexing, fragment layouts, masking, pipeline order and launch logic,
 # not nvcc's code generation or the tensor cores' own rounding.

@@ -3,7 +3,7 @@
  * are emulated from the PTX fragment layouts: each lane publishes its operands, the warp
  * meets at a barrier, each lane assembles its own result. mma: D = C + sum_k A B with the
  * 16 exact bf16 products summed in double and rounded once (the hardware's internal order
- * differs: this checks layouts, indexing and masking, not the GPU's bits). */
+ * differs: this checks layouts, indexing and masking, not the GPU's bits). cp.async: below. */
 #pragma once
 #include "cuda_internal.cuh"
 #include <cstdint>
