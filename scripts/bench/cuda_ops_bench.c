@@ -122,8 +122,8 @@ static void bench_linear(const char *name, int N, int K) {
         fprintf(stderr, "cublasCreate failed\n");
         exit(1);
     }
-    int Ms[] = {1, 8, 64, 256};
-    for (int mi = 0; mi < 4; mi++) {
+    int Ms[] = {1, 8, 17, 64, 65, 256};   /* 17 and 65: verify at B = 16 and 64 */
+    for (int mi = 0; mi < (int)(sizeof Ms / sizeof Ms[0]); mi++) {
         int M = Ms[mi];
         lin_arg a = {.w = w, .nw = nw, .blas = blas};
         a.x = (kd_act){dev_random_bf16((size_t)M * K), M, K, K, KD_BF16};
