@@ -174,11 +174,12 @@ __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Til
     }
 }
 
-/* Split-K's sums: every block of the tile has stored its split's partial sums; the one that
- * arrives last (the tile's counter, which it resets for the next launch) adds them in split
- * order and stores C. The fence orders each block's stores before its arrival, the loads
- * bypass L1 (other SMs wrote them) and go out SUM_BATCH at a time (one at a time, the 32 splits
- * of a decode step's kv_a were 32 load latencies). */
+/* Split-K's sums, in the GEMM (a few rows: linear.cu, gemm_sum_in_kernel): every block of the tile
+ * has stored its split's partial sums; the one that arrives last (the tile's counter, which it
+ * resets for the next launch) adds them in split order and stores C. The fence orders each
+ * block's stores before its arrival, the loads bypass L1 (other SMs wrote them) and go out
+ * SUM_BATCH at a time (one at a time, the 32 splits of a decode step's kv_a were 32 load
+ * latencies). */
 constexpr int SUM_BATCH = 8;
 template <int TBM>
 __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, int splits, const float *partial,
@@ -360,8 +361,31 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
                     }
                 }
             }
-    if (splits > 1) gemm_split_sum<TBM>(g, t, (t.z * n_tiles + nt) * (int)gridDim.x + (int)blockIdx.x, splits, partial,
-                                        tile_count);
+    if (splits > 1 && tile_count)
+        gemm_split_sum<TBM>(g, t, (t.z * n_tiles + nt) * (int)gridDim.x + (int)blockIdx.x, splits, partial,
+                            tile_count);
+}
+
+/* C = the splits' partial sums added in split order, over the whole grid: when a tile has too
+ * many sums for its last block to add alone (linear.cu, gemm_sum_in_kernel) */
+__global__ void gemm_reduce_kernel(kd_gemm_args g, int splits, const float *partial) {
+    kd_griddep_enter();
+    const size_t total = (size_t)g.batch * g.M * g.N;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        const int n = (int)(i % g.N);
+        const size_t r = i / g.N;
+        const int m = (int)(r % g.M), z = (int)(r / g.M);
+        float s = 0.0f;
+        for (int sp0 = 0; sp0 < splits; sp0 += SUM_BATCH) {
+            float v[SUM_BATCH];
+#pragma unroll
+            for (int j = 0; j < SUM_BATCH; j++) v[j] = sp0 + j < splits ? partial[(size_t)(sp0 + j) * total + i] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < SUM_BATCH; j++)
+                if (sp0 + j < splits) s += v[j];
+        }
+        kd_st(g.C, g.c_dtype, (size_t)((long long)z * g.c_zstride + (long long)m * g.ldc + n), s);
+    }
 }
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }

@@ -7,9 +7,9 @@
  * row's position in its tile nor the tile's height (16, 64 or 128 rows, by M) changes
  * anything (an MMA row depends only on that row of A). Split-K, used to give small-M
  * launches enough blocks, is chosen from (N, K, batch, SM count) only, never from M, and
- * its partial sums are added in split order by the last block of the tile to finish (one
- * launch a linear, not two: a decode step of K2.6 runs several hundred split GEMMs, and a
- * second kernel each cost a launch and its gap). So a row's result is bit-identical for any M.
+ * its partial sums are added in split order, by the last block of each tile to finish when the
+ * tile has few of them (a decode step's linears: one launch each, not two) or else by a second
+ * kernel (gemm_sum_in_kernel). So a row's result is bit-identical for any M.
  *
  * Loads: cp.async 16-byte copies through a 3- or 4-stage shared-memory pipeline when the
  * operands are 16-byte aligned; otherwise (odd leading dims, f32 activations) plain
@@ -35,6 +35,12 @@ kd_status launch_gemm(kd_cuda *c, bool async, bool kmajor, dim3 grid, const kd_g
 }
 
 }  // namespace
+
+/* Where split-K's sums are added: by each tile's last block when a thread of it has at most 32 to
+ * load (rows x 64 columns x splits <= 4096: one row at 32 splits, four at 16; a decode step's
+ * GEMMs), else by gemm_reduce_kernel over the whole GPU (at 17 rows and 32 splits one block would
+ * wait out some 34 rounds of 8 loads; at a 128 x 128 tile, hundreds). The same order either way. */
+static bool gemm_sum_in_kernel(int tile_rows, int splits) { return (long long)tile_rows * SPLIT_BN * splits <= 4096; }
 
 /* Split-K choice: from N, K, batch and the SM count only (never M, see top; the column tiles it
  * counts are SPLIT_BN wide whatever width the launch's blocks take). */
@@ -102,15 +108,24 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
          * group has more rows than M) */
         const int tbm = s.M <= BM_SMALL ? BM_SMALL : s.M <= BM ? BM : BM_LARGE;
         const int n_tiles = (g.N + gemm_tbn(tbm) - 1) / gemm_tbn(tbm);
+        const bool in_kernel = splits > 1 && gemm_sum_in_kernel(s.M < tbm ? s.M : tbm, splits);
         dim3 grid((s.M + tbm - 1) / tbm, n_tiles * splits, s.batch);
         if (grid.y > 65535 || grid.z > 65535)
             return kd_fail(KD_ERR_ARG, "cuda gemm: grid too large (N=%d: %d column tiles x %d splits, batch=%d; at most 65535 each)",
                            s.N, n_tiles, splits, s.batch);
+        int *counts = in_kernel ? tile_count : NULL;
         if (tbm == BM_SMALL)
-            KD_TRY(launch_gemm<BM_SMALL>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial, tile_count));
+            KD_TRY(launch_gemm<BM_SMALL>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial, counts));
         else if (tbm == BM)
-            KD_TRY(launch_gemm<BM>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial, tile_count));
-        else KD_TRY(launch_gemm<BM_LARGE>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial, tile_count));
+            KD_TRY(launch_gemm<BM>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial, counts));
+        else KD_TRY(launch_gemm<BM_LARGE>(c, async_s, g.b_kmajor, grid, s, n_tiles, splits, kts, partial, counts));
+        if (splits > 1 && !in_kernel) {
+            const size_t total = (size_t)s.batch * s.M * s.N;
+            int blocks = (int)((total + 255) / 256);
+            if (blocks > 8 * c->n_sms) blocks = 8 * c->n_sms;
+            KD_TRY(kd_launch_pdl("gemm_reduce_kernel", gemm_reduce_kernel, blocks, 256, 0, c->stream, s, splits,
+                                 partial));
+        }
     }
     return KD_OK;
 }

@@ -8,7 +8,8 @@
  *    16, 64 and 128 rows);
  *  - every tile counter back at zero after a launch (the next launch relies on it);
  * over k-major and [K, N] weights, batched (head_matmul) and grouped (experts) launches, the
- * cp.async and plain-load paths, and 1 to 11 splits. The emulated mma adds its 16 products in
+ * cp.async and plain-load paths, and 1 to 11 splits added by the GEMM's last blocks or by the
+ * second kernel (kd_cuda_gemm's rule, and each forced). The emulated mma adds its 16 products in
  * double (the tensor core's own order differs), so this checks the kernel's indexing, pipeline,
  * split-K sums and launch logic, not the GPU's bits. Usage: run.sh (builds and runs this). */
 #include "mla_mma.cuh"
@@ -56,8 +57,12 @@ struct Data {
 
 static int tbm_of(int M) { return M <= BM_SMALL ? BM_SMALL : M <= BM ? BM : BM_LARGE; }
 
-/* kd_cuda_gemm's launch (one M chunk): tile height, splits, grid, partials and counters */
-static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *counters_zero) {
+/* where split-K's sums are added: kd_cuda_gemm's rule, or forced */
+enum SumPath { SUM_RULE, SUM_IN_KERNEL, SUM_SECOND_KERNEL };
+
+/* kd_cuda_gemm's launch (one M chunk): tile height, splits, grid, partials and counters, and the
+ * second kernel when the sums are not added in the GEMM */
+static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *counters_zero, SumPath path = SUM_RULE) {
     const int M = c.M, N = c.N, K = c.K, Z = c.batch;
     kd_gemm_args g;
     std::memset(&g, 0, sizeof g);
@@ -92,9 +97,13 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
     std::vector<float> partial((size_t)splits * Z * M * N, NAN);
     std::vector<int> counters((size_t)m_tiles * n_tiles * Z, 0);
     const bool async = !c.a_f32 && K % 8 == 0 && (c.kmajor || N % 8 == 0);
+    const int tile_rows = M < tbm ? M : tbm;
+    const bool in_kernel = path == SUM_RULE ? (long long)tile_rows * SPLIT_BN * splits <= 4096 : path == SUM_IN_KERNEL;
+    int *counts = splits > 1 && in_kernel ? counters.data() : nullptr;
     auto go = [&](auto kernel) {
-        launch(m_tiles, n_tiles * splits, Z, THREADS,
-               [&] { kernel(g, n_tiles, splits, per, partial.data(), counters.data()); });
+        launch(m_tiles, n_tiles * splits, Z, THREADS, [&] { kernel(g, n_tiles, splits, per, partial.data(), counts); });
+        if (splits > 1 && !in_kernel)
+            launch(3, 64, 1, 64, [&] { gemm_reduce_kernel(g, splits, partial.data()); });   /* a strided grid */
     };
     if (tbm == BM_SMALL) {
         if (async) { if (c.kmajor) go(gemm_kernel<BM_SMALL, true, true>); else go(gemm_kernel<BM_SMALL, true, false>); }
@@ -166,11 +175,11 @@ static void report(bool ok, const char *what, const char *name) {
     std::printf("%s %s: %s\n", ok ? "ok  " : "FAIL", name, what);
 }
 
-static void check_case(const Case &c) {
+static void check_case(const Case &c, SumPath path = SUM_RULE) {
     Data d = make_data(c);
     int splits;
     bool zero;
-    std::vector<float> out = run(c, d, &splits, &zero);
+    std::vector<float> out = run(c, d, &splits, &zero, path);
     const bool grouped = !c.group_rows.empty();
     long long bad = 0, first = -1;
     for (int z = 0; z < c.batch; z++)
@@ -182,9 +191,11 @@ static void check_case(const Case &c) {
                 if (std::memcmp(&r, &out[i], 4) != 0) { if (first < 0) first = (long long)i; bad++; }
             }
         }
-    char what[160];
-    std::snprintf(what, sizeof what, "M %d N %d K %d batch %d, %d split(s): %lld elements differ from the reference%s",
-                  c.M, c.N, c.K, c.batch, splits, bad, first >= 0 ? " (first at " : "");
+    char what[200];
+    const char *how = splits == 1 ? "" : path == SUM_IN_KERNEL ? " summed in the GEMM (forced)"
+                                       : path == SUM_SECOND_KERNEL ? " summed by the second kernel (forced)" : "";
+    std::snprintf(what, sizeof what, "M %d N %d K %d batch %d, %d split(s)%s: %lld elements differ from the "
+                  "reference%s", c.M, c.N, c.K, c.batch, splits, how, bad, first >= 0 ? " (first at " : "");
     if (first >= 0) std::snprintf(what + std::strlen(what), sizeof what - std::strlen(what), "%lld)", first);
     report(bad == 0, what, c.name);
     report(zero, "every tile counter back at 0", c.name);
@@ -229,6 +240,16 @@ int main() {
         {"grouped experts", 90, 136, 64, 2, 1, true, false, true, {60, 30}},
     };
     for (const Case &c : cases) check_case(c);
+    /* both places that add the splits, whichever the rule picks for the shape */
+    const Case both[] = {
+        {"linear", 1, 136, 328, 1, 5, true, false, false, {}},
+        {"linear", 37, 136, 328, 1, 7, true, false, false, {}},
+        {"head_matmul [K, N]", 3, 72, 96, 3, 2, false, false, false, {}},
+    };
+    for (const Case &c : both) {
+        check_case(c, SUM_IN_KERNEL);
+        check_case(c, SUM_SECOND_KERNEL);
+    }
     check_invariance(1);
     check_invariance(4);
     std::printf("%d checks, %d failed\n", checks, fails);
