@@ -75,21 +75,22 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
                  (g.b_ptrs || aligned16(g.B)) && (g.b_kmajor || g.N % 8 == 0);
     /* grouped weights: their pointers are checked at experts_load (16-byte aligned allocations) */
 
-    /* split-K: the tiles' arrival counters (zero between launches: a new workspace starts zeroed,
-     * and each tile's last block resets its own), then the partial sums; bound the workspace by
-     * running M in chunks (rows are independent) */
+    /* split-K: the tiles' arrival counters, then the partial sums; bound the workspace by running
+     * M in chunks (rows are independent). The counters sit in the same bytes in every call, which
+     * no call's partial sums overlap: they must be zero at each launch (a new workspace starts
+     * zeroed, and each tile's last block resets its own), and a launch that sums in the GEMM has
+     * one m tile (gemm_sum_in_kernel: at most 32 rows) and fewer column tiles than split-K's
+     * target of 3 blocks an SM, so 3 counters an SM hold it. */
     int m_chunk = g.M;
     float *partial = NULL;
     int *tile_count = NULL;
+    const size_t counters = ((size_t)3 * c->n_sms * sizeof(int) + 255) & ~(size_t)255;
     if (splits > 1) {
         size_t per_row = (size_t)splits * g.batch * g.N * sizeof(float);
         size_t cap = (size_t)255 << 20;
         m_chunk = (int)(cap / per_row);
         if (m_chunk < BM) m_chunk = BM;
         if (m_chunk > g.M) m_chunk = g.M;
-        /* at most: the 16-row, 64-column tiles of the shapes below */
-        const size_t counters = ((size_t)((m_chunk + BM_SMALL - 1) / BM_SMALL) * ((g.N + SPLIT_BN - 1) / SPLIT_BN) *
-                                     g.batch * sizeof(int) + 255) & ~(size_t)255;
         void *ws;
         KD_TRY(kd_cuda_ws(be, KD_WS_GEMM, counters + per_row * m_chunk, &ws));
         tile_count = (int *)ws;
@@ -108,8 +109,9 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
          * group has more rows than M) */
         const int tbm = s.M <= BM_SMALL ? BM_SMALL : s.M <= BM ? BM : BM_LARGE;
         const int n_tiles = (g.N + gemm_tbn(tbm) - 1) / gemm_tbn(tbm);
-        const bool in_kernel = splits > 1 && gemm_sum_in_kernel(s.M < tbm ? s.M : tbm, splits);
         dim3 grid((s.M + tbm - 1) / tbm, n_tiles * splits, s.batch);
+        const bool in_kernel = splits > 1 && gemm_sum_in_kernel(s.M < tbm ? s.M : tbm, splits) &&
+                               (size_t)grid.x * n_tiles * s.batch * sizeof(int) <= counters;
         if (grid.y > 65535 || grid.z > 65535)
             return kd_fail(KD_ERR_ARG, "cuda gemm: grid too large (N=%d: %d column tiles x %d splits, batch=%d; at most 65535 each)",
                            s.N, n_tiles, splits, s.batch);

@@ -60,6 +60,13 @@ static int tbm_of(int M) { return M <= BM_SMALL ? BM_SMALL : M <= BM ? BM : BM_L
 /* where split-K's sums are added: kd_cuda_gemm's rule, or forced */
 enum SumPath { SUM_RULE, SUM_IN_KERNEL, SUM_SECOND_KERNEL };
 
+/* The GEMM workspace, kept from launch to launch as the backend keeps it: the tile counters in
+ * its first bytes (3 an SM of a 132-SM part), every launch's partial sums after them. Zeroed
+ * once, as a new workspace is; the counters must be zero again after every launch. */
+constexpr int EMU_SMS = 132;
+constexpr size_t WS_COUNTERS = ((size_t)3 * EMU_SMS * sizeof(int) + 255) & ~(size_t)255;
+static std::vector<unsigned char> g_ws(WS_COUNTERS + ((size_t)64 << 20), 0);
+
 /* kd_cuda_gemm's launch (one M chunk): tile height, splits, grid, partials and counters, and the
  * second kernel when the sums are not added in the GEMM */
 static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *counters_zero, SumPath path = SUM_RULE) {
@@ -94,16 +101,21 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
     const int splits = (kt_total + per - 1) / per;
     *splits_out = splits;
     const int tbm = tbm_of(M), n_tiles = (N + gemm_tbn(tbm) - 1) / gemm_tbn(tbm), m_tiles = (M + tbm - 1) / tbm;
-    std::vector<float> partial((size_t)splits * Z * M * N, NAN);
-    std::vector<int> counters((size_t)m_tiles * n_tiles * Z, 0);
+    const size_t n_partial = (size_t)splits * Z * M * N;
+    if (WS_COUNTERS + n_partial * sizeof(float) > g_ws.size()) { std::printf("FATAL: workspace too small\n"); std::exit(2); }
+    int *counters = (int *)g_ws.data();
+    float *partial = (float *)(g_ws.data() + WS_COUNTERS);
+    for (size_t i = 0; i < n_partial; i++) partial[i] = NAN;   /* the bytes every split must overwrite */
     const bool async = !c.a_f32 && K % 8 == 0 && (c.kmajor || N % 8 == 0);
     const int tile_rows = M < tbm ? M : tbm;
-    const bool in_kernel = path == SUM_RULE ? (long long)tile_rows * SPLIT_BN * splits <= 4096 : path == SUM_IN_KERNEL;
-    int *counts = splits > 1 && in_kernel ? counters.data() : nullptr;
+    const bool fits = (size_t)m_tiles * n_tiles * Z * sizeof(int) <= WS_COUNTERS;
+    const bool in_kernel = path == SUM_RULE ? (long long)tile_rows * SPLIT_BN * splits <= 4096 && fits
+                                            : path == SUM_IN_KERNEL;
+    int *counts = splits > 1 && in_kernel ? counters : nullptr;
     auto go = [&](auto kernel) {
-        launch(m_tiles, n_tiles * splits, Z, THREADS, [&] { kernel(g, n_tiles, splits, per, partial.data(), counts); });
+        launch(m_tiles, n_tiles * splits, Z, THREADS, [&] { kernel(g, n_tiles, splits, per, partial, counts); });
         if (splits > 1 && !in_kernel)
-            launch(3, 64, 1, 64, [&] { gemm_reduce_kernel(g, splits, partial.data()); });   /* a strided grid */
+            launch(3, 64, 1, 64, [&] { gemm_reduce_kernel(g, splits, partial); });   /* a strided grid */
     };
     if (tbm == BM_SMALL) {
         if (async) { if (c.kmajor) go(gemm_kernel<BM_SMALL, true, true>); else go(gemm_kernel<BM_SMALL, true, false>); }
@@ -116,7 +128,7 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
         else { if (c.kmajor) go(gemm_kernel<BM_LARGE, false, true>); else go(gemm_kernel<BM_LARGE, false, false>); }
     }
     *counters_zero = true;
-    for (int v : counters) *counters_zero = *counters_zero && v == 0;
+    for (size_t i = 0; i < WS_COUNTERS / sizeof(int); i++) *counters_zero = *counters_zero && counters[i] == 0;
     if (!c.c_f32)
         for (size_t i = 0; i < out.size(); i++) out[i] = mla::bf2f(out16[i]);
     return out;
