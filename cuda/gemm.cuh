@@ -13,17 +13,16 @@ using mla::ldsm_x4;
 using mla::ldsm_x4_trans;
 using mla::mma16816;
 
-/* Block shapes, by the rows of A a block takes (TBM, from M): 16 where M <= 16 (a quarter of the
- * mma and of the A tile, more blocks per SM), 64 up to 64, 128 above. TBM = 128 takes 128
- * columns of B too, and its 4 warps 64 x 64 each: a k16 step loads 4 A and 4 B fragments by
- * ldmatrix for 32 mma (2 KB + 2 KB of shared memory, 128 bytes an mma), and a block reads its
- * rows of A once for 128 columns (128 x 64 tiles read the lm_head's 3.7 MB of A at M = 256 once
- * per 64 columns: 9.4 GB from L2 in a call that took 2.8 ms, 35% of cuBLAS's rate, on an H100;
- * 4.7 GB now). BK: the k-tile, the unit of split-K. A
- * pipeline stage holds KS of k: 2 k-tiles at TBM <= 64, so it reads 128 contiguous bytes of each
- * weight row, not 64 (H200, the lm_head at M = 1 944 -> 606 us, at M = 64 1167 -> 923); 1 at
- * TBM = 128, so 4 stages fit sm_120's 99 KB. None of this changes an output element's k16 steps
- * or their order, so the bits are the same for every shape (see linear.cu's top). */
+/* Block shapes, by the rows of A a block takes (TBM, from M: linear.cu): 16 where M <= 16 (a
+ * quarter of the mma and of the A tile, more blocks per SM), 64 up to 128, 128 above. TBM = 128
+ * takes 128 columns of B too, and its 4 warps 64 x 64 each: a k16 step loads 4 A and 4 B
+ * fragments by ldmatrix for 32 mma (2 KB + 2 KB of shared memory, 128 bytes an mma), and a block
+ * reads its rows of A once for 128 columns, not 64 (H100, the lm_head at M = 256: 2815 -> 2421 us,
+ * 35% -> 41% of cuBLAS's rate). BK: the k-tile, the unit of split-K. A pipeline stage holds KS of
+ * k: 2 k-tiles at TBM <= 64, so it reads 128 contiguous bytes of each weight row, not 64 (H200, the
+ * lm_head at M = 1 944 -> 606 us, at M = 64 1167 -> 923); 1 at TBM = 128, so 4 stages fit sm_120's
+ * 99 KB. None of this changes an output element's k16 steps or their order, so the bits are the
+ * same for every shape (see linear.cu's top). */
 constexpr int BM = 64, BM_SMALL = 16, BM_LARGE = 128, BK = 32, THREADS = 128, STAGES = 4;
 constexpr int SPLIT_BN = 64;   /* the column tile split-K is chosen by (linear.cu): fixed, not TBN */
 template <int TBM> struct Shape {

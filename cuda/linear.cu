@@ -105,9 +105,10 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
             s.C = (char *)g.C + (size_t)m0 * g.ldc * csz;
         }
         bool async_s = async && aligned16(s.A);
-        /* rows per block: 16 when M is at most 16, 64 up to 64, else 128 (grouped launches: no
-         * group has more rows than M) */
-        const int tbm = s.M <= BM_SMALL ? BM_SMALL : s.M <= BM ? BM : BM_LARGE;
+        /* rows per block: 16 when M is at most 16, 64 up to 128, else 128 (grouped launches: no
+         * group has more rows than M). At 65 rows (a B = 64 verify) the 128 x 128 tile's 64-byte
+         * weight rows cost the memory-bound shapes (H100: lm_head 1035 us at M = 64, 1309 at 65) */
+        const int tbm = s.M <= BM_SMALL ? BM_SMALL : s.M <= 2 * BM ? BM : BM_LARGE;
         const int n_tiles = (g.N + gemm_tbn(tbm) - 1) / gemm_tbn(tbm);
         dim3 grid((s.M + tbm - 1) / tbm, n_tiles * splits, s.batch);
         const bool in_kernel = splits > 1 && gemm_sum_in_kernel(s.M < tbm ? s.M : tbm, splits) &&
