@@ -89,30 +89,8 @@ kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr);
  * only when a kernel needs more than it was last allowed, not at every launch */
 kd_status kd_cuda_smem(kd_cuda *c, const void *fn, size_t smem);
 
-/* ---- programmatic dependent launch (sm_90 and later; no-ops before) ----
- * The forward's and the DDTree round's kernels are launched with kd_launch_pdl (the W4A16 ones
- * with their own launch, w4a16.cu): each may begin while the kernel before
- * it in the stream still runs, so its launch and block set-up overlap that kernel's tail. Until
- * its kd_griddep_wait a kernel may only read what no kernel of a step writes (the weights) and
- * write nothing; kd_griddep_wait returns once the grid before it has completed and its writes are
- * visible. kd_griddep_release lets the next launch begin; it comes after the wait, never before
- * (released at entry, a third launch's blocks crowd the two running ones: w4a16_skinny.cu), so at
- * most one grid waits behind the running one. A kernel that never calls it releases at its end.
- * Most kernels start with kd_griddep_enter; the GEMM requests its first weight stages first. */
-__device__ __forceinline__ void kd_griddep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void kd_griddep_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" :::);
-#endif
-}
-__device__ __forceinline__ void kd_griddep_enter() {
-    kd_griddep_wait();
-    kd_griddep_release();
-}
+/* ---- programmatic dependent launch: the kernels' side in griddep.cuh ---- */
+#include "griddep.cuh"
 /* fn<<<grid, threads, smem, st>>>(args...) with programmatic stream serialization; `what` names
  * the kernel in the error (the arguments convert to fn's parameter types, as with <<< >>>) */
 template <typename... Params, typename... Args>

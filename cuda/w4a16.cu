@@ -230,10 +230,10 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
      * up finds the plan complete and streams its first weights while gate + up finishes. */
     bool waited = false;
     if (moe && !a.tiles_ready) {
-        griddep_wait();
+        kd_griddep_wait();
         waited = true;
     }
-    griddep_launch_dependents();
+    kd_griddep_release();
     const int tiles_m = moe ? *a.n_tiles_dev : (a.m + BM - 1) / BM;
     const long long total = (long long)tiles_m * a.nb;
     const int gshift = GSHIFT ? GSHIFT : a.gshift, gmask = (1 << gshift) - 1;
@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(WN * 32, (W4MinBlocks<MT8, NT, WN>::value)) w4
         for (int s = 0; s < STAGES - 1; s++)
             if (s < nstages) load_w(s, s);
         if (!waited) {
-            griddep_wait();
+            kd_griddep_wait();
             waited = true;
         }
 #pragma unroll
@@ -465,7 +465,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_kernel(const int32_t *_
     __shared__ int2 warp_sums[PLAN_WARPS];
     int *tot = cnt + PLAN_WARPS * E, *ntile = tot + E;   /* per expert: entries, token tiles */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    griddep_launch_dependents();
+    kd_griddep_release();
     for (int i = tid; i < PLAN_WARPS * E; i += PLAN_THREADS) cnt[i] = 0;
     __syncthreads();
     const int per = (n_entries + PLAN_WARPS - 1) / PLAN_WARPS;
@@ -528,8 +528,8 @@ __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_kernel(const int32_t *_
 __global__ void moe_combine_kernel(const float *__restrict__ y, const int *__restrict__ slot_of,
                                    const float *__restrict__ w, int top_k, int H, int T, void *out, long long ldo,
                                    int out_f32) {
-    griddep_wait();   /* launched early (programmatic dependent launch) behind the down GEMM */
-    griddep_launch_dependents();   /* the shared expert's GEMM behind it may stream its weights */
+    kd_griddep_wait();   /* launched early (programmatic dependent launch) behind the down GEMM */
+    kd_griddep_release();   /* the shared expert's GEMM behind it may stream its weights */
     size_t n = (size_t)T * H;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int t = (int)(i / H), h = (int)(i % H);

@@ -6,6 +6,7 @@
 #ifndef KD_W4A16_DEVICE_CUH
 #define KD_W4A16_DEVICE_CUH
 #include "w4a16.cuh"
+#include "griddep.cuh"   /* kd_griddep_wait / kd_griddep_release */
 #include <cuda_bf16.h>
 
 typedef __nv_bfloat16 bf16;
@@ -50,16 +51,6 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
     uint32_t d;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
-}
-__device__ __forceinline__ void griddep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" :::);
-#endif
 }
 
 /* One packed word -> the four A registers of one m16n8k16 step (see repack_codes_kernel):

@@ -169,9 +169,9 @@ __global__ void __launch_bounds__(256, (SkinnyMinBlocks<NCH>::value)) w4a16_skin
         cluster_arrive_relaxed();
     }
 
-    griddep_wait();
+    kd_griddep_wait();
     SKINNY_TRACE(1);
-    griddep_launch_dependents();   /* see the file comment: after the wait, not at entry */
+    kd_griddep_release();   /* see the file comment: after the wait, not at entry */
     {   /* the activation slice; rows past M are never staged (their mma columns are not stored) */
         const int pieces = nch * (CHUNK_K / 8);
         for (int e = tid; e < a.m * pieces; e += blockDim.x) {
