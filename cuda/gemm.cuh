@@ -41,6 +41,25 @@ template <int TBM> __host__ __device__ constexpr size_t gemm_smem() {
     return (size_t)STAGES * (TBM * Shape<TBM>::LD + Shape<TBM>::B_STAGE) * sizeof(bf16);
 }
 __host__ __device__ constexpr int gemm_tbn(int tbm) { return tbm == BM_LARGE ? Shape<BM_LARGE>::TBN : Shape<BM>::TBN; }
+/* the rows of A a block takes for a launch of M rows: 16 up to 16, 64 up to 128, else 128. At 65
+ * rows (a B = 64 verify) the 128 x 128 tile's 64-byte weight rows cost the memory-bound shapes
+ * (H100: lm_head 1035 us at M = 64 on 64-row tiles, 1309 at 65 on 128-row ones) */
+__host__ __device__ constexpr int gemm_tbm(int M) { return M <= BM_SMALL ? BM_SMALL : M <= 2 * BM ? BM : BM_LARGE; }
+
+/* Where split-K's sums are added: by each tile's last block when a thread of it has at most 32 to
+ * load (rows x 64 columns x splits <= 4096: one row at 32 splits, four at 16; a decode step's
+ * GEMMs), else by gemm_reduce_kernel over the whole GPU (at 17 rows and 32 splits one block would
+ * wait out some 34 rounds of 8 loads; at a 128 x 128 tile, hundreds). The same order either way. */
+__host__ __device__ constexpr bool gemm_sum_in_kernel(int tile_rows, int splits) {
+    return (long long)tile_rows * SPLIT_BN * splits <= 4096;
+}
+/* The tile counters' bytes at the start of the GEMM workspace, the same in every call, so no call's
+ * partial sums (after them) overlap them: they must be zero at each launch (a new workspace starts
+ * zeroed, and each tile's last block resets its own). A launch that sums in the GEMM has one m tile
+ * (at most 32 rows) and fewer column tiles than split-K's target of 3 blocks an SM: 3 an SM. */
+__host__ __device__ constexpr size_t gemm_counter_bytes(int n_sms) {
+    return ((size_t)3 * n_sms * sizeof(int) + 255) & ~(size_t)255;
+}
 
 struct Tile {
     int z, m0, n0, row_base, rows;   /* rows: valid rows of this z (grouped) or M */
@@ -173,13 +192,26 @@ __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Til
     }
 }
 
-/* Split-K's sums, in the GEMM (a few rows: linear.cu, gemm_sum_in_kernel): every block of the tile
+/* Split-K's sums, in the GEMM (a few rows: gemm_sum_in_kernel): every block of the tile
  * has stored its split's partial sums; the one that arrives last (the tile's counter, which it
  * resets for the next launch) adds them in split order and stores C. The fence orders each
  * block's stores before its arrival, the loads bypass L1 (other SMs wrote them) and go out
  * SUM_BATCH at a time (one at a time, the 32 splits of a decode step's kv_a were 32 load
  * latencies). */
 constexpr int SUM_BATCH = 8;
+__device__ __forceinline__ float sum_splits(const float *p, size_t split_stride, int splits) {
+    float s = 0.0f;
+    for (int sp0 = 0; sp0 < splits; sp0 += SUM_BATCH) {   /* the loads of a batch in flight together */
+        float v[SUM_BATCH];
+#pragma unroll
+        for (int j = 0; j < SUM_BATCH; j++)
+            v[j] = sp0 + j < splits ? __ldcg(p + (size_t)(sp0 + j) * split_stride) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < SUM_BATCH; j++)
+            if (sp0 + j < splits) s += v[j];
+    }
+    return s;
+}
 template <int TBM>
 __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, int splits, const float *partial,
                                int *tile_count) {
@@ -199,17 +231,7 @@ __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, i
         const int m = t.m0 + i / BN, n = t.n0 + i % BN;
         if (m >= t.rows || n >= g.N) continue;
         const int out_row = t.row_base + m;
-        const float *p = partial + ((size_t)t.z * g.M + out_row) * g.N + n;
-        float s = 0.0f;
-        for (int sp0 = 0; sp0 < splits; sp0 += SUM_BATCH) {   /* the loads of a batch in flight together */
-            float v[SUM_BATCH];
-#pragma unroll
-            for (int j = 0; j < SUM_BATCH; j++)
-                v[j] = sp0 + j < splits ? __ldcg(p + (size_t)(sp0 + j) * split_stride) : 0.0f;
-#pragma unroll
-            for (int j = 0; j < SUM_BATCH; j++)
-                if (sp0 + j < splits) s += v[j];
-        }
+        const float s = sum_splits(partial + ((size_t)t.z * g.M + out_row) * g.N + n, split_stride, splits);
         kd_st(g.C, g.c_dtype, (size_t)((long long)t.z * g.c_zstride + (long long)out_row * g.ldc + n), s);
     }
 }
@@ -366,7 +388,7 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
 }
 
 /* C = the splits' partial sums added in split order, over the whole grid: when a tile has too
- * many sums for its last block to add alone (linear.cu, gemm_sum_in_kernel) */
+ * many sums for its last block to add alone (gemm_sum_in_kernel) */
 __global__ void gemm_reduce_kernel(kd_gemm_args g, int splits, const float *partial) {
     kd_griddep_enter();
     const size_t total = (size_t)g.batch * g.M * g.N;
@@ -374,16 +396,8 @@ __global__ void gemm_reduce_kernel(kd_gemm_args g, int splits, const float *part
         const int n = (int)(i % g.N);
         const size_t r = i / g.N;
         const int m = (int)(r % g.M), z = (int)(r / g.M);
-        float s = 0.0f;
-        for (int sp0 = 0; sp0 < splits; sp0 += SUM_BATCH) {
-            float v[SUM_BATCH];
-#pragma unroll
-            for (int j = 0; j < SUM_BATCH; j++) v[j] = sp0 + j < splits ? partial[(size_t)(sp0 + j) * total + i] : 0.0f;
-#pragma unroll
-            for (int j = 0; j < SUM_BATCH; j++)
-                if (sp0 + j < splits) s += v[j];
-        }
-        kd_st(g.C, g.c_dtype, (size_t)((long long)z * g.c_zstride + (long long)m * g.ldc + n), s);
+        kd_st(g.C, g.c_dtype, (size_t)((long long)z * g.c_zstride + (long long)m * g.ldc + n),
+              sum_splits(partial + i, total, splits));
     }
 }
 

@@ -36,12 +36,6 @@ kd_status launch_gemm(kd_cuda *c, bool async, bool kmajor, dim3 grid, const kd_g
 
 }  // namespace
 
-/* Where split-K's sums are added: by each tile's last block when a thread of it has at most 32 to
- * load (rows x 64 columns x splits <= 4096: one row at 32 splits, four at 16; a decode step's
- * GEMMs), else by gemm_reduce_kernel over the whole GPU (at 17 rows and 32 splits one block would
- * wait out some 34 rounds of 8 loads; at a 128 x 128 tile, hundreds). The same order either way. */
-static bool gemm_sum_in_kernel(int tile_rows, int splits) { return (long long)tile_rows * SPLIT_BN * splits <= 4096; }
-
 /* Split-K choice: from N, K, batch and the SM count only (never M, see top; the column tiles it
  * counts are SPLIT_BN wide whatever width the launch's blocks take). */
 static int gemm_splits(const kd_cuda *c, const kd_gemm_args *g, int *kts_per_split) {
@@ -75,16 +69,12 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
                  (g.b_ptrs || aligned16(g.B)) && (g.b_kmajor || g.N % 8 == 0);
     /* grouped weights: their pointers are checked at experts_load (16-byte aligned allocations) */
 
-    /* split-K: the tiles' arrival counters, then the partial sums; bound the workspace by running
-     * M in chunks (rows are independent). The counters sit in the same bytes in every call, which
-     * no call's partial sums overlap: they must be zero at each launch (a new workspace starts
-     * zeroed, and each tile's last block resets its own), and a launch that sums in the GEMM has
-     * one m tile (gemm_sum_in_kernel: at most 32 rows) and fewer column tiles than split-K's
-     * target of 3 blocks an SM, so 3 counters an SM hold it. */
+    /* split-K: the tiles' arrival counters (gemm_counter_bytes), then the partial sums; bound the
+     * workspace by running M in chunks (rows are independent) */
     int m_chunk = g.M;
     float *partial = NULL;
     int *tile_count = NULL;
-    const size_t counters = ((size_t)3 * c->n_sms * sizeof(int) + 255) & ~(size_t)255;
+    const size_t counters = gemm_counter_bytes(c->n_sms);
     if (splits > 1) {
         size_t per_row = (size_t)splits * g.batch * g.N * sizeof(float);
         size_t cap = (size_t)255 << 20;
@@ -105,10 +95,8 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
             s.C = (char *)g.C + (size_t)m0 * g.ldc * csz;
         }
         bool async_s = async && aligned16(s.A);
-        /* rows per block: 16 when M is at most 16, 64 up to 128, else 128 (grouped launches: no
-         * group has more rows than M). At 65 rows (a B = 64 verify) the 128 x 128 tile's 64-byte
-         * weight rows cost the memory-bound shapes (H100: lm_head 1035 us at M = 64, 1309 at 65) */
-        const int tbm = s.M <= BM_SMALL ? BM_SMALL : s.M <= 2 * BM ? BM : BM_LARGE;
+        /* rows per block (grouped launches: no group has more rows than M) */
+        const int tbm = gemm_tbm(s.M);
         const int n_tiles = (g.N + gemm_tbn(tbm) - 1) / gemm_tbn(tbm);
         dim3 grid((s.M + tbm - 1) / tbm, n_tiles * splits, s.batch);
         const bool in_kernel = splits > 1 && gemm_sum_in_kernel(s.M < tbm ? s.M : tbm, splits) &&

@@ -55,16 +55,14 @@ struct Data {
     int a_total_rows = 0;
 };
 
-static int tbm_of(int M) { return M <= BM_SMALL ? BM_SMALL : M <= 2 * BM ? BM : BM_LARGE; }
 
 /* where split-K's sums are added: kd_cuda_gemm's rule, or forced */
 enum SumPath { SUM_RULE, SUM_IN_KERNEL, SUM_SECOND_KERNEL };
 
 /* The GEMM workspace, kept from launch to launch as the backend keeps it: the tile counters in
- * its first bytes (3 an SM of a 132-SM part), every launch's partial sums after them. Zeroed
- * once, as a new workspace is; the counters must be zero again after every launch. */
-constexpr int EMU_SMS = 132;
-constexpr size_t WS_COUNTERS = ((size_t)3 * EMU_SMS * sizeof(int) + 255) & ~(size_t)255;
+ * its first bytes (gemm_counter_bytes of a 132-SM part), every launch's partial sums after them.
+ * Zeroed once, as a new workspace is; the counters must be zero again after every launch. */
+constexpr size_t WS_COUNTERS = gemm_counter_bytes(132);
 static std::vector<unsigned char> g_ws(WS_COUNTERS + ((size_t)64 << 20), 0);
 
 /* kd_cuda_gemm's launch (one M chunk): tile height, splits, grid, partials and counters, and the
@@ -100,7 +98,7 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
     int per = (kt_total + c.splits_asked - 1) / c.splits_asked;
     const int splits = (kt_total + per - 1) / per;
     *splits_out = splits;
-    const int tbm = tbm_of(M), n_tiles = (N + gemm_tbn(tbm) - 1) / gemm_tbn(tbm), m_tiles = (M + tbm - 1) / tbm;
+    const int tbm = gemm_tbm(M), n_tiles = (N + gemm_tbn(tbm) - 1) / gemm_tbn(tbm), m_tiles = (M + tbm - 1) / tbm;
     const size_t n_partial = (size_t)splits * Z * M * N;
     if (WS_COUNTERS + n_partial * sizeof(float) > g_ws.size()) {
         std::printf("FATAL: workspace too small\n");
@@ -112,8 +110,7 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
     const bool async = !c.a_f32 && K % 8 == 0 && (c.kmajor || N % 8 == 0);
     const int tile_rows = M < tbm ? M : tbm;
     const bool fits = (size_t)m_tiles * n_tiles * Z * sizeof(int) <= WS_COUNTERS;
-    const bool in_kernel = path == SUM_RULE ? (long long)tile_rows * SPLIT_BN * splits <= 4096 && fits
-                                            : path == SUM_IN_KERNEL;
+    const bool in_kernel = path == SUM_RULE ? gemm_sum_in_kernel(tile_rows, splits) && fits : path == SUM_IN_KERNEL;
     int *counts = splits > 1 && in_kernel ? counters : nullptr;
     auto go = [&](auto kernel) {
         launch(m_tiles, n_tiles * splits, Z, THREADS, [&] { kernel(g, n_tiles, splits, per, partial, counts); });
