@@ -14,15 +14,8 @@
 # spec/ddtree_emu_spec.lua runs the slices form in CI.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-root=$(cd "$here/../../.." && pwd)
-out=${EMU_BUILD:-/tmp/kd_ddtree_emu}
-mkdir -p "$out"
-# the engine's objects (the host definitions are internal: libkdtree.so exports only kdtree.h)
-lib=${EMU_LIB:-$out/lib}
-[ -n "${EMU_LIB:-}" ] || make -s -C "$root" BUILD="$lib" CUDA=0 "$lib/libkdtree_internal.a"
-# the kernels: the anonymous namespace of ddtree.cu, dynamic shared memory from a host buffer
-sed -n '/^namespace {/,/^}  \/\/ namespace/p' "$root/cuda/ddtree.cu" |
-  sed 's/extern __shared__ double sel_smem\[\];/double *sel_smem = emu_dyn_smem;/' > "$out/kernels.inc"
-g++ -std=c++20 -O1 -pthread -I"$here/inc" -I"$out" -I"$root/core" -o "$out/emu" "$here/emu_main.cpp" \
-  "$lib/libkdtree_internal.a" $(cat "$lib/engine.flags")
+. "$here/emu_build.sh"
+emu_init ddtree
+emu_kernels ddtree.cu 's/extern __shared__ double sel_smem\[\];/double *sel_smem = emu_dyn_smem;/'
+emu_build
 "$out/emu" "${1:-}"

@@ -11,18 +11,9 @@
 # objects of a build there (libkdtree_internal.a, engine.flags) instead of building its own.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-root=$(cd "$here/../../.." && pwd)
-out=${EMU_BUILD:-/tmp/kd_norm_emu}
-mkdir -p "$out"
-# the engine's objects (the CPU twin and the 16-bit conversions are internal)
-lib=${EMU_LIB:-$out/lib}
-[ -n "${EMU_LIB:-}" ] || make -s -C "$root" BUILD="$lib" CUDA=0 "$lib/libkdtree_internal.a"
-# the device helpers of cuda/cuda_internal.cuh (kd_ld .. kd_block_sum) and norm_rope.cu's kernels
-# (its anonymous namespace without ew_blocks, which needs the real kd_cuda)
-sed -n '/^__device__ __forceinline__ float kd_ld/,/^__device__ __forceinline__ float kd_block_max/p' \
-  "$root/cuda/cuda_internal.cuh" | sed '$d' > "$out/helpers.inc"
-sed -n '/^namespace {/,/^}  \/\/ namespace/p' "$root/cuda/norm_rope.cu" | sed '/^static int ew_blocks/,/^}/d' \
-  > "$out/kernels.inc"
-g++ -std=c++20 -O1 -pthread -I"$root/scripts/bench/ddtree_emu/inc" -I"$out" -I"$root/core" -o "$out/emu" \
-  "$here/emu_main.cpp" "$lib/libkdtree_internal.a" $(cat "$lib/engine.flags")
+. "$here/../ddtree_emu/emu_build.sh"
+emu_init norm
+emu_helpers
+emu_kernels norm_rope.cu '/^static int ew_blocks/,/^}/d'   # ew_blocks needs the real kd_cuda
+emu_build
 "$out/emu"

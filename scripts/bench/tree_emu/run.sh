@@ -11,18 +11,10 @@
 # there (libkdtree_internal.a, engine.flags) instead of building its own.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-root=$(cd "$here/../../.." && pwd)
-out=${EMU_BUILD:-/tmp/kd_tree_emu}
-mkdir -p "$out"
-lib=${EMU_LIB:-$out/lib}
-[ -n "${EMU_LIB:-}" ] || make -s -C "$root" BUILD="$lib" CUDA=0 "$lib/libkdtree_internal.a"
-# the device helpers of cuda/cuda_internal.cuh (kd_ld .. kd_block_max) and tree.cu's kernels (its
-# anonymous namespace), dynamic shared memory from a host buffer
-sed -n '/^__device__ __forceinline__ float kd_ld/,/^\/\* ---- entry points shared/p' "$root/cuda/cuda_internal.cuh" |
-  sed '$d' > "$out/helpers.inc"
-sed -n '/^namespace {/,/^}  \/\/ namespace/p' "$root/cuda/tree.cu" |
-  sed 's/extern __shared__ unsigned long long cand\[\];/unsigned long long *cand = (unsigned long long *)emu_dyn_smem;/' \
-  > "$out/kernels.inc"
-g++ -std=c++20 -O1 -pthread -I"$here/../ddtree_emu/inc" -I"$out" -I"$root/core" -o "$out/emu" "$here/emu_main.cpp" \
-  "$lib/libkdtree_internal.a" $(cat "$lib/engine.flags")
+. "$here/../ddtree_emu/emu_build.sh"
+emu_init tree
+emu_helpers
+emu_kernels tree.cu \
+  's/extern __shared__ unsigned long long cand\[\];/unsigned long long *cand = (unsigned long long *)emu_dyn_smem;/'
+emu_build
 "$out/emu" "${1:-quick}"
