@@ -134,6 +134,16 @@ typedef struct kd_backend kd_backend;
     /* in place on dims [offset, offset+r->dim) of each of n_heads blocks of head_stride cols */             \
     X(rope, (kd_backend *be, kd_act x, int n_heads, int head_stride, int offset, const int32_t *pos,          \
              const kd_rope *r), (be, x, n_heads, head_stride, offset, pos, r))                               \
+    /* MLA's rope parts and its new latent rows, in one pass after q_b and kv_a (model.c): with d = r->dim,  \
+     * qs = q.cols / n_heads and fs = qfull.cols / n_heads, qfull[t, h*fs + fs-d ..] = rope(q[t, h*qs + qs-d  \
+     * ..]) (the query's rope part beside its absorbed latent; qfull's other columns are left as they are),   \
+     * and cache row row0 + (d_len ? *d_len : 0) + t = [rmsnorm(kva[t, :c]) * w | rope(kva[t, c:])] with      \
+     * c = kva.cols - d. The bits of rope and rmsnorm each alone (what it replaces: two ropes, a norm, the    \
+     * copies and the store) */                                                                              \
+    X(mla_rope_store, (kd_backend *be, kd_act q, kd_act qfull, int n_heads, kd_act kva, const kd_weight *w,     \
+                       float eps, const int32_t *pos, const kd_rope *r, kd_act cache, int row0,             \
+                       const int32_t *d_len),                                                                \
+      (be, q, qfull, n_heads, kva, w, eps, pos, r, cache, row0, d_len))                                       \
     /* rows[i] of src -> rows dst_row0+i of dst (KV compaction gathers) */                                   \
     X(gather_rows, (kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n), (be, dst, src, rows, n)) \
     /* src rows i -> dst rows *d_len + i (same dtype; dst spans the whole cache; d_len in backend memory) */ \
@@ -141,12 +151,13 @@ typedef struct kd_backend kd_backend;
                                                                                                              \
     /* matrix products */                                                                                    \
     X(linear, (kd_backend *be, kd_act x, const kd_weight *w, kd_act out), (be, x, w, out))   /* out = x w^T */ \
-    /* per head h: out[:, h*ocols:(h+1)*ocols] = x[:, h*xstride : h*xstride+k] @ W_h, where W_h is rows     \
-     * [h*wstride + wrow0, +k) of w (transposed = false: W_h is k x ocols, out = x W_h) or (transposed =     \
-     * true: W_h is ocols x k rows, out = x W_h^T). MLA absorption uses both. */                            \
+    /* per head h: out[:, h*ostride : h*ostride+ocols] = x[:, h*xstride : h*xstride+k] @ W_h, where W_h is  \
+     * rows [h*wstride + wrow0, +k) of w (transposed = false: W_h is k x ocols, out = x W_h) or (transposed   \
+     * = true: W_h is ocols x k rows, out = x W_h^T). MLA absorption uses both; ostride > ocols writes the   \
+     * absorbed query beside its rope part (out's other columns are left as they are). */                  \
     X(head_matmul, (kd_backend *be, kd_act x, int n_heads, int xstride, int k, const kd_weight *w, int wstride, \
-                    int wrow0, bool transposed, kd_act out, int ocols),                                      \
-      (be, x, n_heads, xstride, k, w, wstride, wrow0, transposed, out, ocols))                               \
+                    int wrow0, bool transposed, kd_act out, int ocols, int ostride),                         \
+      (be, x, n_heads, xstride, k, w, wstride, wrow0, transposed, out, ocols, ostride))                      \
                                                                                                              \
     /* attention. q: [T, Hq*dq]; keys/values: kv rows [0, S), key = first dk cols, value = first dv cols of  \
      * the value view; Hkv groups (Hq % Hkv == 0). Query t sits at cache row past+t. visible: NULL with      \

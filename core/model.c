@@ -92,14 +92,6 @@ kd_act kd_fwd_act(void *scratch, size_t off, int rows, int cols, kd_dtype dt) {
     return v;
 }
 
-/* [T, H*c] (contiguous) seen as [T*H, c]: one row per (token, head) */
-static kd_act heads_as_rows(kd_act a, int H) {
-    kd_act v = a;
-    v.rows = a.rows * H;
-    v.cols = a.cols / H;
-    v.ld = a.ld / H;
-    return v;
-}
 
 /* what one rank's forward works on */
 typedef struct rank_fwd {
@@ -154,8 +146,8 @@ static kd_status mlp(const rank_fwd *f, kd_act x, const kd_weight *gate, const k
 /* MLA attention of layer l over this rank's heads: writes the layer's cache rows [len, len+T),
  * x += attn(h) (after the all-reduce of o_proj's partial sums) and h = rmsnorm(x; ffn_norm).
  * d_len NULL: len is the host's s->len; else the device int32 holding it (graph steps:
- * the new latent rows are finished in kva and stored at rows *d_len.., and attention reads
- * the length on the device; the same kernels on the same values, so the same bits). */
+ * mla_rope_store puts the new latent rows at rows *d_len.., and attention reads the length on
+ * the device; the same kernels on the same values, so the same bits). */
 static kd_status attention_block(const rank_fwd *f, int l, kd_act h, kd_act x, const int32_t *pos,
                                  const uint64_t *vis, const int32_t *d_len) {
     const kd_fwd_plan *p = f->p;
@@ -177,31 +169,20 @@ static kd_status attention_block(const rank_fwd *f, int l, kd_act h, kd_act x, c
     } else {
         KD_TRY(be->ops->linear(be, h, &L->q_proj, q));
     }
-    KD_TRY(be->ops->rope(be, q, H, dn + dr, dn, pos, rope));
 
-    /* the latent of the new tokens goes straight into the cache: [c_kv | roped k_pe] */
+    /* the latent of the new tokens: c_kv = kv_a's first r columns, k_pe its last dr */
     kd_act kva = act(f, p->kva, T, r + dr);
     KD_TRY(be->ops->linear(be, h, &L->kv_a, kva));
-    if (d_len) {
-        KD_TRY(be->ops->rmsnorm(be, kd_act_cols(kva, 0, r), &L->kv_a_norm, c->kv_a_norm_eps, kd_act_cols(kva, 0, r)));
-        KD_TRY(be->ops->rope(be, kva, 1, r + dr, r, pos, rope));
-        KD_TRY(be->ops->store_rows_at(be, cache[l], d_len, kva));
-    } else {
-        kd_act rows = kd_act_rows(cache[l], len, T);
-        KD_TRY(be->ops->rmsnorm(be, kd_act_cols(kva, 0, r), &L->kv_a_norm, c->kv_a_norm_eps, kd_act_cols(rows, 0, r)));
-        KD_TRY(be->ops->copy(be, kd_act_cols(rows, r, dr), kd_act_cols(kva, r, dr)));
-        KD_TRY(be->ops->rope(be, rows, 1, r + dr, r, pos, rope));
-    }
 
-    /* absorbed query per head: [q_nope W_UK | q_pe] */
-    kd_act lat = act(f, p->lat, T, H * r);
+    /* the absorbed query per head, [q_nope W_UK | roped q_pe]; the new rows into the cache,
+     * [rmsnorm(c_kv) | roped k_pe], at rows len.. (host length) or *d_len.. (graph steps) */
     kd_act qfull = act(f, p->qfull, T, H * (r + dr));
-    KD_TRY(be->ops->head_matmul(be, q, H, dn + dr, dn, &L->kv_b, dn + dv, 0, false, lat, r));
-    kd_act qf_rows = heads_as_rows(qfull, H);
-    KD_TRY(be->ops->copy(be, kd_act_cols(qf_rows, 0, r), heads_as_rows(lat, H)));
-    KD_TRY(be->ops->copy(be, kd_act_cols(qf_rows, r, dr), kd_act_cols(heads_as_rows(q, H), dn, dr)));
+    KD_TRY(be->ops->head_matmul(be, q, H, dn + dr, dn, &L->kv_b, dn + dv, 0, false, qfull, r, r + dr));
+    KD_TRY(be->ops->mla_rope_store(be, q, qfull, H, kva, &L->kv_a_norm, c->kv_a_norm_eps, pos, rope, cache[l],
+                                   d_len ? 0 : len, d_len));
 
     /* one latent KV head (MQA) over the cache rows [0, len+T) */
+    kd_act lat = act(f, p->lat, T, H * r);
     if (d_len) {
         kd_act kv = cache[l];      /* all rows: the bound; the kernels read len */
         KD_TRY(be->ops->attention_at(be, qfull, H, r + dr, kv, kd_act_cols(kv, 0, r), 1, d_len, vis == NULL, vis, 0,
@@ -214,7 +195,7 @@ static kd_status attention_block(const rank_fwd *f, int l, kd_act h, kd_act x, c
 
     /* back to per-head values, output projection (this rank's heads: a partial sum), residual */
     kd_act o = act(f, p->o, T, H * dv);
-    KD_TRY(be->ops->head_matmul(be, lat, H, r, r, &L->kv_b, dn + dv, dn, true, o, dv));
+    KD_TRY(be->ops->head_matmul(be, lat, H, r, r, &L->kv_b, dn + dv, dn, true, o, dv, dv));
     kd_act t1 = partial(f, p->t1, T);
     KD_TRY(be->ops->linear(be, o, &L->o_proj, t1));
     return add_reduced(f, t1, x, &L->ffn_norm, h);

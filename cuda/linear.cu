@@ -171,16 +171,19 @@ extern "C" kd_status kd_cuda_linear(kd_backend *be, kd_act x, const kd_weight *w
 
 extern "C" kd_status kd_cuda_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
                                          const kd_weight *w, int wstride, int wrow0, bool transposed,
-                                         kd_act out, int ocols) {
+                                         kd_act out, int ocols, int ostride) {
     const char *name = w && w->name ? w->name : "?";
     if (!w || !w->dev) return kd_fail(KD_ERR_STATE, "cuda head_matmul: weight '%s' is not loaded", name);
     if (w->format != KD_W_BF16)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda head_matmul: weight '%s' must be bf16 (got format %d)", name, (int)w->format);
-    if (n_heads <= 0 || k <= 0 || ocols <= 0)
-        return kd_fail(KD_ERR_ARG, "cuda head_matmul '%s': heads %d, k %d, ocols %d must be positive", name, n_heads, k, ocols);
-    if ((long long)(n_heads - 1) * xstride + k > x.cols || (long long)n_heads * ocols > out.cols || x.rows != out.rows)
+    if (n_heads <= 0 || k <= 0 || ocols <= 0 || ostride < ocols)
+        return kd_fail(KD_ERR_ARG, "cuda head_matmul '%s': heads %d, k %d, ocols %d must be positive, ostride %d >= ocols",
+                       name, n_heads, k, ocols, ostride);
+    if ((long long)(n_heads - 1) * xstride + k > x.cols || (long long)(n_heads - 1) * ostride + ocols > out.cols ||
+        x.rows != out.rows)
         return kd_fail(KD_ERR_ARG, "cuda head_matmul '%s': x [%d, %d] / out [%d, %d] too small for %d heads (xstride %d, "
-                       "k %d, ocols %d)", name, x.rows, x.cols, out.rows, out.cols, n_heads, xstride, k, ocols);
+                       "k %d, ocols %d, ostride %d)", name, x.rows, x.cols, out.rows, out.cols, n_heads, xstride, k, ocols,
+                       ostride);
     long long last_row = (long long)(n_heads - 1) * wstride + wrow0 + (transposed ? ocols : k);
     if (last_row > w->rows || (transposed ? k > w->cols : ocols > w->cols))
         return kd_fail(KD_ERR_ARG, "cuda head_matmul '%s' [%lld, %lld]: heads need rows up to %lld and %d cols", name,
@@ -191,7 +194,7 @@ extern "C" kd_status kd_cuda_head_matmul(kd_backend *be, kd_act x, int n_heads, 
     g.A = x.data; g.a_dtype = x.dtype; g.lda = x.ld; g.a_zstride = xstride;
     g.B = (const bf16 *)w->dev + (size_t)wrow0 * w->cols; g.ldb = w->cols;
     g.b_zstride = (long long)wstride * w->cols; g.b_kmajor = transposed;
-    g.C = out.data; g.c_dtype = out.dtype; g.ldc = out.ld; g.c_zstride = ocols;
+    g.C = out.data; g.c_dtype = out.dtype; g.ldc = out.ld; g.c_zstride = ostride;
     g.M = x.rows; g.N = ocols; g.K = k; g.batch = n_heads;
     return kd_cuda_gemm(be, &g);
 }

@@ -26,6 +26,19 @@ __global__ void convert_kernel(void *dst, int ddt, long long ldd, const void *sr
     }
 }
 
+/* same-dtype rows, in units U (16, 8, 4 or 2 bytes: the widest that every row start and the row
+ * width allow). A kernel rather than cudaMemcpy2DAsync: in a step graph a memcpy node ends the
+ * chain of programmatic dependent launches (the kernel after it cannot start early) */
+template <typename U>
+__global__ void copy_rows_kernel(U *dst, long long ldd, const U *src, long long lds, int rows, int cols) {
+    kd_griddep_enter();
+    size_t n = (size_t)rows * cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        int r = (int)(i / cols), c = (int)(i % cols);
+        dst[(size_t)r * ldd + c] = src[(size_t)r * lds + c];
+    }
+}
+
 __global__ void embed_kernel(const void *table, int tdt, long long V, int H, const int32_t *ids,
                              void *out, int odt, long long ldo, int rows) {
     kd_griddep_enter();
@@ -146,6 +159,23 @@ __global__ void add_rmsnorm_kernel(void *x, int xdt, long long ldx, const void *
     row_scale(x, xdt, xb, w, wdt, d, inv, o, odt, ob);
 }
 
+/* RoPE of pair i at position p: the angle in fp32 (as HF), its cos and sin in double, rounded */
+__device__ __forceinline__ void rope_cos_sin(int p, const float *inv_freq, int i, float amp, float *c, float *s) {
+    float ang = (float)p * inv_freq[i];
+    double sd, cd;
+    sincos((double)ang, &sd, &cd);
+    *c = (float)cd * amp;
+    *s = (float)sd * amp;
+}
+/* pair i of the rope dims at src + sb, rotated, to dst + db (may be the same place) */
+__device__ __forceinline__ void rope_pair(const void *src, int sdt, size_t sb, void *dst, int ddt, size_t db, int i,
+                                          int half, bool interleaved, float c, float s) {
+    int ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+    float a = kd_ld(src, sdt, sb + ia), b = kd_ld(src, sdt, sb + ib);
+    kd_st(dst, ddt, db + ia, a * c - b * s);
+    kd_st(dst, ddt, db + ib, b * c + a * s);
+}
+
 /* one thread per (row, head, pair) */
 __global__ void rope_kernel(void *x, int xdt, long long ldx, int rows, int n_heads, int head_stride, int offset,
                             const int32_t *pos, const float *inv_freq, int half, bool interleaved, float amp) {
@@ -155,15 +185,50 @@ __global__ void rope_kernel(void *x, int xdt, long long ldx, int rows, int n_hea
         int i = (int)(idx % half);
         size_t rest = idx / half;
         int h = (int)(rest % n_heads), t = (int)(rest / n_heads);
-        float ang = (float)pos[t] * inv_freq[i];
-        double sd, cd;
-        sincos((double)ang, &sd, &cd);
-        float c = (float)cd * amp, s = (float)sd * amp;
+        float c, s;
+        rope_cos_sin(pos[t], inv_freq, i, amp, &c, &s);
         size_t base = (size_t)t * ldx + (size_t)h * head_stride + offset;
-        int ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
-        float a = kd_ld(x, xdt, base + ia), b = kd_ld(x, xdt, base + ib);
-        kd_st(x, xdt, base + ia, a * c - b * s);
-        kd_st(x, xdt, base + ib, b * c + a * s);
+        rope_pair(x, xdt, base, x, xdt, base, i, half, interleaved, c, s);
+    }
+}
+
+/* mla_rope_store: grid (T, 1 + query blocks). Block (t, 0) writes cache row start + t: the latent's
+ * norm by rmsnorm_kernel's passes (this block has its thread count, norm_threads(c)), then the rope
+ * pairs; blocks (t, y >= 1) rope the query's pairs (y - 1) * blockDim + tid of row t. Each value is
+ * rmsnorm_kernel's or rope_kernel's, so the bits are those of the ops it replaces. */
+struct MlaRopeStore {
+    const void *q; int qdt; long long ldq; int qs;
+    void *qf; int fdt; long long ldf; int fs;
+    int n_heads;
+    const void *kva; int kdt; long long ldk; int c;
+    const void *w; int wdt; float eps;
+    const int32_t *pos; const float *inv_freq; int half; bool interleaved; float amp;
+    void *cache; int cdt; long long ldc; long long cache_rows; int row0; const int32_t *d_len;
+};
+__global__ void mla_rope_store_kernel(MlaRopeStore a) {
+    kd_griddep_enter();
+    __shared__ float red[32];
+    const int t = blockIdx.x, p = a.pos[t], d = 2 * a.half;
+    if (blockIdx.y > 0) {
+        const int j = (int)(blockIdx.y - 1) * (int)blockDim.x + threadIdx.x;
+        if (j >= a.n_heads * a.half) return;
+        const int h = j / a.half, i = j % a.half;
+        float c, s;
+        rope_cos_sin(p, a.inv_freq, i, a.amp, &c, &s);
+        rope_pair(a.q, a.qdt, (size_t)t * a.ldq + (size_t)h * a.qs + a.qs - d, a.qf, a.fdt,
+                  (size_t)t * a.ldf + (size_t)h * a.fs + a.fs - d, i, a.half, a.interleaved, c, s);
+        return;
+    }
+    const long long row = (long long)a.row0 + (a.d_len ? a.d_len[0] : 0) + t;
+    if (row < 0 || row >= a.cache_rows) return;   /* a defensive bound: the model checks len + T <= capacity */
+    const size_t xb = (size_t)t * a.ldk, ob = (size_t)row * a.ldc;
+    float ss = kd_block_sum(row_sum_squares(a.kva, a.kdt, xb, a.c), red);
+    float inv = 1.0f / sqrtf(ss / (float)a.c + a.eps);
+    row_scale(a.kva, a.kdt, xb, a.w, a.wdt, a.c, inv, a.cache, a.cdt, ob);
+    for (int i = threadIdx.x; i < a.half; i += blockDim.x) {
+        float c, s;
+        rope_cos_sin(p, a.inv_freq, i, a.amp, &c, &s);
+        rope_pair(a.kva, a.kdt, xb + a.c, a.cache, a.cdt, ob + a.c, i, a.half, a.interleaved, c, s);
     }
 }
 
@@ -215,11 +280,31 @@ extern "C" kd_status kd_cuda_copy(kd_backend *be, kd_act dst, kd_act src) {
     KD_TRY(check_shape("copy", "dst", dst, src.rows, src.cols));
     if (src.rows == 0 || src.cols == 0) return KD_OK;
     if (src.dtype == dst.dtype) {
-        size_t es = kd_dtype_size(src.dtype);
-        KD_CUDA(cudaMemcpy2DAsync(dst.data, (size_t)(dst.rows > 1 ? dst.ld : dst.cols) * es, src.data,
-                                  (size_t)(src.rows > 1 ? src.ld : src.cols) * es, (size_t)src.cols * es,
-                                  src.rows, cudaMemcpyDeviceToDevice, c->stream));
-        return KD_OK;
+        if (!src.data || !dst.data) return kd_fail(KD_ERR_ARG, "cuda copy: NULL data");
+        if ((src.rows > 1 && src.ld < src.cols) || (dst.rows > 1 && dst.ld < dst.cols))
+            return kd_fail(KD_ERR_ARG, "cuda copy: bad view (src ld %d, dst ld %d for %d cols)", src.ld, dst.ld, src.cols);
+        const size_t es = kd_dtype_size(src.dtype), row = (size_t)src.cols * es;
+        const size_t lds = (size_t)(src.rows > 1 ? src.ld : src.cols) * es;
+        const size_t ldd = (size_t)(dst.rows > 1 ? dst.ld : dst.cols) * es;
+        const size_t bits = (uintptr_t)src.data | (uintptr_t)dst.data | lds | ldd | row;
+        const size_t u = (bits & 15) == 0 ? 16 : (bits & 7) == 0 ? 8 : (bits & 3) == 0 ? 4 : 2;
+        const int cols = (int)(row / u);
+        const size_t n = (size_t)src.rows * cols;
+        if (u == 16)
+            return kd_launch_pdl("copy_rows_kernel", copy_rows_kernel<uint4>, ew_blocks(c, n), EW_THREADS, 0, c->stream,
+                                 (uint4 *)dst.data, (long long)(ldd / u), (const uint4 *)src.data, (long long)(lds / u),
+                                 src.rows, cols);
+        if (u == 8)
+            return kd_launch_pdl("copy_rows_kernel", copy_rows_kernel<uint2>, ew_blocks(c, n), EW_THREADS, 0, c->stream,
+                                 (uint2 *)dst.data, (long long)(ldd / u), (const uint2 *)src.data, (long long)(lds / u),
+                                 src.rows, cols);
+        if (u == 4)
+            return kd_launch_pdl("copy_rows_kernel", copy_rows_kernel<uint32_t>, ew_blocks(c, n), EW_THREADS, 0,
+                                 c->stream, (uint32_t *)dst.data, (long long)(ldd / u), (const uint32_t *)src.data,
+                                 (long long)(lds / u), src.rows, cols);
+        return kd_launch_pdl("copy_rows_kernel", copy_rows_kernel<uint16_t>, ew_blocks(c, n), EW_THREADS, 0, c->stream,
+                             (uint16_t *)dst.data, (long long)(ldd / u), (const uint16_t *)src.data, (long long)(lds / u),
+                             src.rows, cols);
     }
     KD_TRY(check_view("copy", "dst", dst));
     KD_TRY(check_view("copy", "src", src));
@@ -333,6 +418,45 @@ extern "C" kd_status kd_cuda_rope(kd_backend *be, kd_act x, int n_heads, int hea
                          x.rows, n_heads, head_stride, offset, pos, r->inv_freq, r->dim / 2, r->interleaved,
                          r->attn_factor));
     return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_mla_rope_store(kd_backend *be, kd_act q, kd_act qfull, int n_heads, kd_act kva,
+                                            const kd_weight *w, float eps, const int32_t *pos, const kd_rope *r,
+                                            kd_act cache, int row0, const int32_t *d_len) {
+    kd_cuda *c = kd_cuda_of(be);
+    const char *name = w && w->name ? w->name : "?";
+    KD_TRY(check_view("mla_rope_store", "q", q));
+    KD_TRY(check_view("mla_rope_store", "qfull", qfull));
+    KD_TRY(check_view("mla_rope_store", "kva", kva));
+    KD_TRY(check_view("mla_rope_store", "cache", cache));
+    if (!w || !w->dev) return kd_fail(KD_ERR_STATE, "cuda mla_rope_store: weight '%s' is not loaded", name);
+    int d = r && r->inv_freq ? r->dim : 0;
+    if (d <= 0 || d % 2 || n_heads <= 0 || q.cols % n_heads || qfull.cols % n_heads || q.cols / n_heads < d ||
+        qfull.cols / n_heads < d || kva.cols <= d || cache.cols != kva.cols || w->format == KD_W_INT4 ||
+        w->rows * w->cols != kva.cols - d || q.rows != kva.rows || qfull.rows != kva.rows || (kva.rows > 0 && !pos))
+        return kd_fail(KD_ERR_ARG, "cuda mla_rope_store: rope dim %d, %d heads: q %d x %d, qfull %d x %d, kva %d x %d, "
+                       "cache %d cols, norm '%s' %lld entries (expected heads wider than the rope dim, kva's cols "
+                       "= the cache's = norm + rope dim, one row of each per position)", d, n_heads, q.rows, q.cols,
+                       qfull.rows, qfull.cols, kva.rows, kva.cols, cache.cols, name, (long long)(w->rows * w->cols));
+    if (!d_len && (row0 < 0 || (long long)row0 + kva.rows > cache.rows))
+        return kd_fail(KD_ERR_ARG, "cuda mla_rope_store: rows [%d, %lld) outside the %d cache rows", row0,
+                       (long long)row0 + kva.rows, cache.rows);
+    if (kva.rows == 0) return KD_OK;
+    if (kva.rows > 0x7fffffff / 2) return kd_fail(KD_ERR_ARG, "cuda mla_rope_store: %d rows", kva.rows);
+    MlaRopeStore a;
+    a.q = q.data; a.qdt = q.dtype; a.ldq = q.ld; a.qs = q.cols / n_heads;
+    a.qf = qfull.data; a.fdt = qfull.dtype; a.ldf = qfull.ld; a.fs = qfull.cols / n_heads;
+    a.n_heads = n_heads;
+    a.kva = kva.data; a.kdt = kva.dtype; a.ldk = kva.ld; a.c = kva.cols - d;
+    a.w = w->dev; a.wdt = wdtype(w); a.eps = eps;
+    a.pos = pos; a.inv_freq = r->inv_freq; a.half = d / 2; a.interleaved = r->interleaved; a.amp = r->attn_factor;
+    a.cache = cache.data; a.cdt = cache.dtype; a.ldc = cache.ld; a.cache_rows = cache.rows; a.row0 = row0;
+    a.d_len = d_len;
+    const int threads = norm_threads(a.c);
+    const long long qblocks = ((long long)n_heads * a.half + threads - 1) / threads;
+    if (qblocks >= 65535) return kd_fail(KD_ERR_ARG, "cuda mla_rope_store: %d heads is too many", n_heads);
+    return kd_launch_pdl("mla_rope_store_kernel", mla_rope_store_kernel, dim3((unsigned)kva.rows, (unsigned)(1 + qblocks)),
+                         threads, 0, c->stream, a);
 }
 
 extern "C" kd_status kd_cuda_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n) {

@@ -453,8 +453,9 @@ __device__ __forceinline__ int2 plan_block_scan(int2 v, int2 *warp_sums, int2 *t
 /* One block. Entries i = t*top_k + j. Per expert: count, exclusive offsets, and a
  * deterministic slot for each entry (entry order within an expert), the token row of each
  * slot, and the list of token tiles (expert, first slot, rows) of at most bm rows.
- * Ids outside [0, E) get slot -1. Launched after the router with a plain dependency; the
- * gate + up GEMM after it may start early (programmatic dependent launch) and waits for it.
+ * Ids outside [0, E) get slot -1. Launched early behind the router (programmatic dependent
+ * launch: its set-up overlaps the router's tail) and waits for it before reading ids; the
+ * gate + up GEMM after it may start early in turn and waits for it.
  * Every thread takes a run of experts for the totals and scans (one warp doing it all took
  * 5.6 us at 384 experts on the H200). */
 __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_kernel(const int32_t *__restrict__ ids, int n_entries, int top_k,
@@ -465,8 +466,8 @@ __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_kernel(const int32_t *_
     __shared__ int2 warp_sums[PLAN_WARPS];
     int *tot = cnt + PLAN_WARPS * E, *ntile = tot + E;   /* per expert: entries, token tiles */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    kd_griddep_release();
-    for (int i = tid; i < PLAN_WARPS * E; i += PLAN_THREADS) cnt[i] = 0;
+    for (int i = tid; i < PLAN_WARPS * E; i += PLAN_THREADS) cnt[i] = 0;   /* shared memory: before the wait */
+    kd_griddep_enter();
     __syncthreads();
     const int per = (n_entries + PLAN_WARPS - 1) / PLAN_WARPS;
     const int beg = warp * per, end = min(n_entries, beg + per);
@@ -936,9 +937,11 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     const Launch &gu = L.gu, &dn = L.dn;
     if (plan_smem > 48 * 1024)
         W4_CUDA(cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan_smem));
-    moe_plan_kernel<<<1, PLAN_THREADS, plan_smem, st>>>(ids, L.tk, s->top_k, s->n_experts, gu.bm, slot_of, row_tok,
-                                                         tiles, n_tiles);
-    W4_LAUNCH("moe_plan_kernel");
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr[2];
+    fill_config(&cfg, attr, 1, PLAN_THREADS, (int)plan_smem, 1, true, st);
+    W4_CUDA(cudaLaunchKernelEx(&cfg, moe_plan_kernel, ids, L.tk, s->top_k, s->n_experts, gu.bm, slot_of, row_tok, tiles,
+                               n_tiles));
 
     /* gate + up and the combine are launched with programmatic dependent launch: each waits
      * for the kernel before it (griddepcontrol.wait) before its first read, so its launch and
@@ -948,7 +951,7 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
      * it then reads the tile list and streams its first weights before its wait (gate + up
      * releases it only after waiting for the plan). When gate + up's blocks loop over items,
      * down's blocks launched early took the SM slots gate + up's blocks left and T = 4 ran 4%
-     * slower. The plan waits for the router as usual. */
+     * slower. */
 
     /* gate + up, fused SwiGLU: act[slot] = silu(x W_gate^T) * (x W_up^T), bf16 */
     W4Args a = {};
@@ -987,8 +990,6 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     int cblocks = (int)((n + 255) / 256);
     const int sms = sm_count();
     if (cblocks > sms * 16) cblocks = sms * 16;
-    cudaLaunchConfig_t cfg;
-    cudaLaunchAttribute attr[2];
     fill_config(&cfg, attr, cblocks, 256, 0, 1, true, st);
     W4_CUDA(cudaLaunchKernelEx(&cfg, moe_combine_kernel, (const float *)yv, (const int *)slot_of, weights, s->top_k,
                                s->hidden, T, out, ldo, out_f32));

@@ -155,33 +155,45 @@ describe("cpu backend ops", function()
     assert.matches("up_proj", ffi.string(C.kd_last_error()))
   end)
 
-  it("head_matmul, plain and transposed, matches per-head products", function()
+  it("head_matmul, plain (heads strided in out) and transposed, matches per-head products", function()
     local T, H, k, oc, wstride = 3, 3, 5, 7, 12
+    local os = oc + 3   -- the plain product's head stride in out: the 3 columns after each head stay as they were
     -- weight rows: per head wstride rows; plain uses rows [h*wstride+2, +k) (k x oc),
     -- transposed uses rows [h*wstride+2, +oc) of k cols
     local Wp = B.bf16_weight("kv_b", H * wstride, oc, function() return randn() end)
     local Wt = B.bf16_weight("kv_bt", H * wstride, k, function() return randn() end)
     local xstride = k + 2
     local x, xt = rand_act(T, H * xstride)
-    local out = ffi.new("float[?]", T * H * oc)
+    local out = ffi.new("float[?]", T * H * os)
+    for i = 0, T * H * os - 1 do out[i] = 7.5 end
     ok(be, be.ops.head_matmul(be, B.act(x, T, H * xstride), H, xstride, k, Wp.w, wstride, 2, false,
-      B.act(out, T, H * oc), oc))
+      B.act(out, T, H * os), oc, os))
     local ref = {}
     for t = 1, T do
       ref[t] = {}
       for h = 0, H - 1 do
-        for c = 1, oc do
-          local s = 0
-          for i = 1, k do s = s + xt[t][h * xstride + i] * Wp.vals[h * wstride + 2 + i][c] end
-          ref[t][h * oc + c] = s
+        for c = 1, os do
+          local s = 7.5
+          if c <= oc then
+            s = 0
+            for i = 1, k do s = s + xt[t][h * xstride + i] * Wp.vals[h * wstride + 2 + i][c] end
+          end
+          ref[t][h * os + c] = s
         end
       end
     end
-    local e = rel_err(out, H * oc, ref)
+    local e = rel_err(out, H * os, ref)
     assert.is_true(e < TOL, "plain: relative error " .. e)
+    for t = 0, T - 1 do
+      for h = 0, H - 1 do
+        for c = oc, os - 1 do assert.are.equal(7.5, out[t * H * os + h * os + c]) end
+      end
+    end
     ok(be, be.ops.head_matmul(be, B.act(x, T, H * xstride), H, xstride, k, Wt.w, wstride, 2, true,
-      B.act(out, T, H * oc), oc))
+      B.act(out, T, H * oc), oc, oc))
+    ref = {}
     for t = 1, T do
+      ref[t] = {}
       for h = 0, H - 1 do
         for c = 1, oc do
           local s = 0
@@ -285,6 +297,77 @@ describe("cpu backend ops", function()
       local e = rel_err(x, H * stride, ref)
       assert.is_true(e < TOL, (interleaved and "interleaved" or "rotate-half") .. ": relative error " .. e)
     end
+  end)
+
+  it("mla_rope_store: the query's roped part beside its latent, the normed and roped latent rows in the cache", function()
+    -- 2 heads of q [qnope 3 | qpe 4], qfull heads [lat 5 | pe 4], kva [c_kv 6 | k_pe 4], 9 cache rows
+    local T, H, dn, r, c, d, rows = 3, 2, 3, 5, 6, 4, 9
+    local qs, fs, kc = dn + d, r + d, c + d
+    local inv = floats(d / 2, function(i) return 1 / (10000 ^ (2 * i / d)) end)
+    local W = B.bf16_weight("kv_a_norm", c, 1, function() return 0.5 + math.random() end)
+    local pos = ffi.new("int32_t[3]", { 5, 6, 6 })
+    local rp = ffi.new("kd_rope")
+    rp.dim, rp.interleaved, rp.attn_factor, rp.inv_freq = d, true, 1.1, inv
+    local eps = 1e-6
+    local function rot(src, i, p)   -- rope pair i of src (a Lua row slice table, 1-based) at position p
+      local ang = B.f32(p * inv[i])
+      local cs, sn = math.cos(ang) * 1.1, math.sin(ang) * 1.1
+      local a, b = src[2 * i + 1], src[2 * i + 2]
+      return a * cs - b * sn, b * cs + a * sn
+    end
+    for _, dev_len in ipairs({ false, true }) do
+      local q, qt = rand_act(T, H * qs)
+      local kva, kt = rand_act(T, kc, 2)
+      local qfull = floats(T * H * fs, function() return 7.5 end)
+      local cache = floats(rows * kc, function() return -3.25 end)
+      local len = ffi.new("int32_t[1]", 4)
+      local row0 = dev_len and 1 or 5      -- the rows start at 1 + *len = 5 either way
+      ok(be, be.ops.mla_rope_store(be, B.act(q, T, H * qs), B.act(qfull, T, H * fs), H, B.act(kva, T, kc), W.w, eps,
+        pos, rp, B.act(cache, rows, kc), row0, dev_len and len or nil))
+      local qref, cref = {}, {}
+      for t = 1, T do
+        qref[t] = {}
+        for h = 0, H - 1 do
+          for j = 1, r do qref[t][h * fs + j] = 7.5 end
+          local pe = {}
+          for j = 1, d do pe[j] = qt[t][h * qs + dn + j] end
+          for i = 0, d / 2 - 1 do
+            qref[t][h * fs + r + 2 * i + 1], qref[t][h * fs + r + 2 * i + 2] = rot(pe, i, pos[t - 1])
+          end
+        end
+      end
+      for row = 1, rows do
+        cref[row] = {}
+        for j = 1, kc do cref[row][j] = -3.25 end
+      end
+      for t = 1, T do
+        local row, ss = cref[5 + t], 0
+        for j = 1, c do ss = ss + kt[t][j] ^ 2 end
+        local invn = 1 / math.sqrt(ss / c + eps)
+        for j = 1, c do row[j] = W.vals[j][1] * kt[t][j] * invn end
+        local pe = {}
+        for j = 1, d do pe[j] = kt[t][c + j] end
+        for i = 0, d / 2 - 1 do row[c + 2 * i + 1], row[c + 2 * i + 2] = rot(pe, i, pos[t - 1]) end
+      end
+      local what = dev_len and "device length" or "host length"
+      local e = rel_err(qfull, H * fs, qref)
+      assert.is_true(e < TOL, what .. ": qfull relative error " .. e)
+      e = rel_err(cache, kc, cref)
+      assert.is_true(e < TOL, what .. ": cache relative error " .. e)
+      for i = 0, 4 * kc - 1 do assert.are.equal(-3.25, cache[i]) end          -- rows before the new ones
+      for i = 8 * kc, 9 * kc - 1 do assert.are.equal(-3.25, cache[i]) end    -- the row after them
+    end
+    -- rows past the cache: an error naming the op and the rows, nothing written
+    local q = floats(T * H * qs, function() return 1 end)
+    local kva = floats(T * kc, function() return 1 end)
+    local qfull = floats(T * H * fs, function() return 7.5 end)
+    local cache = floats(rows * kc, function() return -3.25 end)
+    local st = be.ops.mla_rope_store(be, B.act(q, T, H * qs), B.act(qfull, T, H * fs), H, B.act(kva, T, kc), W.w, eps,
+      pos, rp, B.act(cache, rows, kc), 7, nil)
+    assert.are_not.equal(0, tonumber(st))
+    assert.matches("mla_rope_store: rows %[7, 10%) outside the 9 cache rows", ffi.string(C.kd_last_error()))
+    for i = 0, T * H * fs - 1 do assert.are.equal(7.5, qfull[i]) end
+    for i = 0, rows * kc - 1 do assert.are.equal(-3.25, cache[i]) end
   end)
 
   -- attention reference: visibility exactly as backend.h states it

@@ -144,6 +144,55 @@ describe("CUDA ops against the CPU twins #gpu", function()
     end
   end)
 
+  it("mla_rope_store: MLA's rope parts and new latent rows, with rope's and rmsnorm's bits", function()
+    O.seed(15)
+    -- name, T, heads, q_nope, latent, rope dim, cache rows, first new row
+    local cases = { { "K2.6 decode", 1, 64, 128, 512, 64, 40, 9 }, { "K2.6 TP-8 verify", 17, 8, 128, 512, 64, 64, 30 },
+                    { "tiny", 5, 4, 16, 32, 8, 12, 2 } }
+    for _, cs in ipairs(cases) do
+      local name, T, H, dn, r, d, rows, start = unpack(cs)
+      local qs, fs, kc = dn + d, r + d, r + d
+      local q, kva = O.rand_floats(T * H * qs), O.rand_floats(T * kc, 2)
+      local qf0, cache0 = O.rand_floats(T * H * fs), O.rand_floats(rows * kc)
+      local w = O.bf16_weight(r, 1)
+      local pos = O.ints(T, function(i) return start + 1000 * i end)
+      local inv = ffi.new("float[?]", d / 2)
+      for i = 0, d / 2 - 1 do inv[i] = 50000 ^ (-2 * i / d) end
+      local nq, n = T * H * fs, T * H * fs + rows * kc
+      for _, dev_len in ipairs({ -1, start - 2 }) do
+        local row0 = dev_len < 0 and start or 2
+        local run = function(tb, out)
+          ffi.copy(out, qf0, nq * 4)
+          ffi.copy(out + nq, cache0, rows * kc * 4)
+          return C.kd_test_mla_rope_store(tb, q, T, H * qs, H, out, H * fs, kva, kc, w, 1e-6, pos, d, 1, 1.0, inv,
+            out + nq, rows, row0, dev_len)
+        end
+        local label = string.format("mla_rope_store %s T=%d (%s length)", name, T, dev_len < 0 and "host" or "device")
+        local _, g = close(label, n, run, TOL_BF16)
+        -- on CUDA the bits of the ops it replaces: rope of q and of k_pe, rmsnorm of c_kv
+        local rq, lat = ffi.new("float[?]", T * H * qs), ffi.new("float[?]", T * r)
+        local nrm, rk = ffi.new("float[?]", T * r), ffi.new("float[?]", T * kc)
+        O.check(C.kd_test_rope(gpu, q, T, H * qs, H, qs, dn, pos, d, 1, 1.0, inv, rq), "cuda rope q")
+        for t = 0, T - 1 do ffi.copy(lat + t * r, kva + t * kc, r * 4) end
+        O.check(C.kd_test_rmsnorm(gpu, lat, T, r, w, 1e-6, nrm), "cuda rmsnorm c_kv")
+        O.check(C.kd_test_rope(gpu, kva, T, kc, 1, kc, r, pos, d, 1, 1.0, inv, rk), "cuda rope k_pe")
+        for t = 0, T - 1 do
+          for h = 0, H - 1 do
+            assert.is_true(O.same_bits(g + t * H * fs + h * fs + r, rq + t * H * qs + h * qs + dn, d),
+              label .. ": q_pe not rope's bits")
+            assert.is_true(O.same_bits(g + t * H * fs + h * fs, qf0 + t * H * fs + h * fs, r), label .. ": q_lat moved")
+          end
+          local row = g + nq + (start + t) * kc
+          assert.is_true(O.same_bits(row, nrm + t * r, r), label .. ": c_kv not rmsnorm's bits")
+          assert.is_true(O.same_bits(row + r, rk + t * kc + r, d), label .. ": k_pe not rope's bits")
+        end
+        assert.is_true(O.same_bits(g + nq, cache0, start * kc), label .. ": rows before the new ones moved")
+        assert.is_true(O.same_bits(g + nq + (start + T) * kc, cache0 + (start + T) * kc, (rows - start - T) * kc),
+          label .. ": rows after the new ones moved")
+      end
+    end
+  end)
+
   it("gather_rows, also in place (KV compaction)", function()
     O.seed(6)
     local S, c = 30, 576
@@ -210,23 +259,24 @@ describe("CUDA ops against the CPU twins #gpu", function()
     if SMALL then H = 2 end
     local kvb = O.bf16_weight(H * (dn + dv), r, 1 / math.sqrt(r))
     local q = O.rand_floats(T * H * (dn + dr))
-    close("head_matmul K2.6 q_nope W_UK (64 heads, 128 -> 512)", T * H * r,
-      function(tb, out) return C.kd_test_head_matmul(tb, q, T, H * (dn + dr), H, dn + dr, dn, kvb, dn + dv, 0, 0, r, H * r, out) end,
+    -- written into the absorbed query's layout: head h at columns h*(r+dr) + [0, r), the rope part untouched
+    close("head_matmul K2.6 q_nope W_UK (64 heads, 128 -> 512, head stride 576)", T * H * (r + dr),
+      function(tb, out) return C.kd_test_head_matmul(tb, q, T, H * (dn + dr), H, dn + dr, dn, kvb, dn + dv, 0, 0, r, r + dr, H * (r + dr), out) end,
       TOL_BF16)
     local lat = O.rand_floats(T * H * r)
     close("head_matmul K2.6 o_lat W_UV^T (64 heads, 512 -> 128)", T * H * dv,
-      function(tb, out) return C.kd_test_head_matmul(tb, lat, T, H * r, H, r, r, kvb, dn + dv, dn, 1, dv, H * dv, out) end,
+      function(tb, out) return C.kd_test_head_matmul(tb, lat, T, H * r, H, r, r, kvb, dn + dv, dn, 1, dv, dv, H * dv, out) end,
       TOL_BF16)
     -- tiny: H 4, dn 16, dr 8, r 32, dv 16, odd T
     local h2, dn2, dr2, r2, dv2, T2 = 4, 16, 8, 32, 16, 7
     local kvb2 = O.bf16_weight(h2 * (dn2 + dv2), r2, 0.3)
     local q2 = O.rand_floats(T2 * h2 * (dn2 + dr2))
     close("head_matmul tiny plain (4 heads, 16 -> 32), T=7", T2 * h2 * r2,
-      function(tb, out) return C.kd_test_head_matmul(tb, q2, T2, h2 * (dn2 + dr2), h2, dn2 + dr2, dn2, kvb2, dn2 + dv2, 0, 0, r2, h2 * r2, out) end,
+      function(tb, out) return C.kd_test_head_matmul(tb, q2, T2, h2 * (dn2 + dr2), h2, dn2 + dr2, dn2, kvb2, dn2 + dv2, 0, 0, r2, r2, h2 * r2, out) end,
       TOL_BF16)
     local lat2 = O.rand_floats(T2 * h2 * r2)
     close("head_matmul tiny transposed (4 heads, 32 -> 16), T=7", T2 * h2 * dv2,
-      function(tb, out) return C.kd_test_head_matmul(tb, lat2, T2, h2 * r2, h2, r2, r2, kvb2, dn2 + dv2, dn2, 1, dv2, h2 * dv2, out) end,
+      function(tb, out) return C.kd_test_head_matmul(tb, lat2, T2, h2 * r2, h2, r2, r2, kvb2, dn2 + dv2, dn2, 1, dv2, dv2, h2 * dv2, out) end,
       TOL_BF16)
   end)
 

@@ -19,6 +19,7 @@ local WHERE = {
   rmsnorm = { OPS_SPEC, "C.kd_test_rmsnorm(" },
   add_rmsnorm = { OPS_SPEC, "C.kd_test_add_rmsnorm(" },
   rope = { OPS_SPEC, "C.kd_test_rope(" },
+  mla_rope_store = { OPS_SPEC, "C.kd_test_mla_rope_store(" },
   gather_rows = { OPS_SPEC, "C.kd_test_gather_rows(" },
   linear = { OPS_SPEC, "C.kd_test_linear(" },
   head_matmul = { OPS_SPEC, "C.kd_test_head_matmul(" },

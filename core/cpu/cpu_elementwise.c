@@ -169,6 +169,40 @@ kd_status kd_cpu_store_rows_at(kd_backend *be, kd_act dst, const int32_t *d_len,
     return kd_cpu_copy(be, kd_act_rows(dst, row0, src.rows), src);
 }
 
+/* the definition: the query's rope part copied beside its latent and roped there; the latent
+ * normed into its cache rows, its rope part copied after it and roped there. Every check comes
+ * before the first write. */
+kd_status kd_cpu_mla_rope_store(kd_backend *be, kd_act q, kd_act qfull, int n_heads, kd_act kva, const kd_weight *w,
+                                float eps, const int32_t *pos, const kd_rope *r, kd_act cache, int row0,
+                                const int32_t *d_len) {
+    KD_TRY(kd_cpu_check_f32("mla_rope_store", "q", q));
+    KD_TRY(kd_cpu_check_f32("mla_rope_store", "qfull", qfull));
+    KD_TRY(kd_cpu_check_f32("mla_rope_store", "kva", kva));
+    KD_TRY(kd_cpu_check_f32("mla_rope_store", "cache", cache));
+    KD_TRY(kd_cpu_check_weight("mla_rope_store", w));
+    int d = r && r->inv_freq ? r->dim : 0;
+    if (d <= 0 || d % 2 || n_heads <= 0 || q.cols % n_heads || qfull.cols % n_heads || q.cols / n_heads < d ||
+        qfull.cols / n_heads < d || kva.cols <= d || cache.cols != kva.cols || w->rows * w->cols != kva.cols - d ||
+        q.rows != kva.rows || qfull.rows != kva.rows || (kva.rows > 0 && !pos))
+        return kd_fail(KD_ERR_ARG, "cpu mla_rope_store: rope dim %d, %d heads: q %d x %d, qfull %d x %d, kva %d x %d, "
+                       "cache %d cols, norm '%s' %lld entries (expected heads wider than the rope dim, kva's cols "
+                       "= the cache's = norm + rope dim, one row of each per position)", d, n_heads, q.rows, q.cols,
+                       qfull.rows, qfull.cols, kva.rows, kva.cols, cache.cols, w->name ? w->name : "?",
+                       (long long)(w->rows * w->cols));
+    long long start = (long long)row0 + (d_len ? *d_len : 0);
+    if (start < 0 || start + kva.rows > cache.rows)
+        return kd_fail(KD_ERR_ARG, "cpu mla_rope_store: rows [%lld, %lld) outside the %d cache rows", start,
+                       start + kva.rows, cache.rows);
+    int qs = q.cols / n_heads, fs = qfull.cols / n_heads, c = kva.cols - d;
+    for (int h = 0; h < n_heads; h++)
+        KD_TRY(kd_cpu_copy(be, kd_act_cols(qfull, h * fs + fs - d, d), kd_act_cols(q, h * qs + qs - d, d)));
+    KD_TRY(kd_cpu_rope(be, qfull, n_heads, fs, fs - d, pos, r));
+    kd_act rows = kd_act_rows(cache, (int)start, kva.rows);
+    KD_TRY(kd_cpu_rmsnorm(be, kd_act_cols(kva, 0, c), w, eps, kd_act_cols(rows, 0, c)));
+    KD_TRY(kd_cpu_copy(be, kd_act_cols(rows, c, d), kd_act_cols(kva, c, d)));
+    return kd_cpu_rope(be, rows, 1, kva.cols, c, pos, r);
+}
+
 kd_status kd_cpu_log_softmax(kd_backend *be, kd_act x) {
     KD_TRY(kd_cpu_check_f32("log_softmax", "x", x));
     for (int r = 0; r < x.rows; r++) {

@@ -18,17 +18,17 @@ kd_status kd_cpu_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act out
  * out_h = out[:, h*ocols : (h+1)*ocols]. */
 kd_status kd_cpu_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
                              const kd_weight *w, int wstride, int wrow0, bool transposed,
-                             kd_act out, int ocols) {
+                             kd_act out, int ocols, int ostride) {
     KD_TRY(kd_cpu_check_weight("head_matmul", w));
     KD_TRY(kd_cpu_check_f32("head_matmul", "x", x));
     KD_TRY(kd_cpu_check_f32("head_matmul", "out", out));
     int64_t wrows_h = transposed ? ocols : k;
-    if (n_heads <= 0 || k <= 0 || ocols <= 0 || (n_heads - 1) * xstride + k > x.cols ||
-        out.rows != x.rows || out.cols < n_heads * ocols || (transposed ? k : ocols) != w->cols ||
+    if (n_heads <= 0 || k <= 0 || ocols <= 0 || ostride < ocols || (n_heads - 1) * xstride + k > x.cols ||
+        out.rows != x.rows || (int64_t)(n_heads - 1) * ostride + ocols > out.cols || (transposed ? k : ocols) != w->cols ||
         (int64_t)(n_heads - 1) * wstride + wrow0 + wrows_h > w->rows || wrow0 < 0)
-        return kd_fail(KD_ERR_ARG, "cpu head_matmul: %d heads, k %d, ocols %d, x %d x %d (stride %d), out %d x %d, "
-                       "weight '%s' [%lld, %lld] rows h*%d+%d (%s)", n_heads, k, ocols, x.rows, x.cols, xstride,
-                       out.rows, out.cols, w->name ? w->name : "?", (long long)w->rows, (long long)w->cols,
+        return kd_fail(KD_ERR_ARG, "cpu head_matmul: %d heads, k %d, ocols %d (stride %d), x %d x %d (stride %d), "
+                       "out %d x %d, weight '%s' [%lld, %lld] rows h*%d+%d (%s)", n_heads, k, ocols, ostride, x.rows,
+                       x.cols, xstride, out.rows, out.cols, w->name ? w->name : "?", (long long)w->rows, (long long)w->cols,
                        wstride, wrow0, transposed ? "transposed" : "plain");
     const float *xd = x.data;
     float *od = out.data;
@@ -36,18 +36,18 @@ kd_status kd_cpu_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride,
         int64_t r0 = (int64_t)h * wstride + wrow0;
         if (transposed) {
             KD_TRY(kd_cpu_matmul_wt(be, xd + (size_t)h * xstride, x.rows, x.ld, k, w, r0, 0, ocols,
-                                    od + (size_t)h * ocols, out.ld));
+                                    od + (size_t)h * ostride, out.ld));
             continue;
         }
         /* out_h[t, :] = sum_i x_h[t, i] * W_h[i, :], i ascending (same order for every T) */
         float *row;
         KD_TRY(kd_cpu_work(be, (size_t)ocols, &row));
-        for (int t = 0; t < x.rows; t++) memset(od + (size_t)t * out.ld + (size_t)h * ocols, 0, ocols * sizeof(float));
+        for (int t = 0; t < x.rows; t++) memset(od + (size_t)t * out.ld + (size_t)h * ostride, 0, ocols * sizeof(float));
         for (int i = 0; i < k; i++) {
             kd_cpu_weight_row(w, r0 + i, 0, ocols, row);
             for (int t = 0; t < x.rows; t++) {
                 float xi = xd[(size_t)t * x.ld + (size_t)h * xstride + i];
-                float *o = od + (size_t)t * out.ld + (size_t)h * ocols;
+                float *o = od + (size_t)t * out.ld + (size_t)h * ostride;
                 for (int c = 0; c < ocols; c++) o[c] += xi * row[c];
             }
         }

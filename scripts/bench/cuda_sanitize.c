@@ -70,6 +70,16 @@ static void ops(void) {
     for (int i = 0; i < 32; i++) inv[i] = powf(50000.0f, -2.0f * i / 64);
     ck(kd_test_rope(tb, x, 4, 4 * 24, 4, 24, 16, pos, 8, 1, 1.0f, inv, out), "rope interleaved");
     ck(kd_test_rope(tb, x, 4, 4 * 32, 4, 32, 0, pos, 32, 0, 1.0f, inv, out), "rope rotate-half");
+    {   /* tiny MLA: 4 heads [16 | 8] into [32 | 8], latent 32 + 8, rows 3.. of 12 (host and device length) */
+        kd_test_weight kn = bf16w(32, 1);
+        float *qf = calloc(4 * 4 * 40, sizeof(float)), *cache = calloc(12 * 40, sizeof(float));
+        ck(kd_test_mla_rope_store(tb, x, 4, 4 * 24, 4, qf, 4 * 40, y, 40, &kn, 1e-6f, pos, 8, 1, 1.0f, inv, cache, 12, 3,
+                                  -1), "mla_rope_store");
+        ck(kd_test_mla_rope_store(tb, x, 4, 4 * 24, 4, qf, 4 * 40, y, 40, &kn, 1e-6f, pos, 8, 1, 1.0f, inv, cache, 12, 1,
+                                  7), "mla_rope_store at a device length");
+        free(qf);
+        free(cache);
+    }
     int32_t keep[4] = {2, 5, 6, 9};
     ck(kd_test_gather_rows(tb, x, 12, 40, keep, 4, 1, 2, out), "gather in place");
     ck(kd_test_gather_rows(tb, x, 12, 40, keep, 4, 0, 0, out), "gather");
@@ -78,8 +88,8 @@ static void ops(void) {
     ck(kd_test_linear(tb, x, 70, &lw2, 0, out), "linear");
     ck(kd_test_linear(tb, x, 9, &l4, 0, out), "linear int4");
     kd_test_weight kvb = bf16w(4 * 32, 32);
-    ck(kd_test_head_matmul(tb, x, 3, 4 * 24, 4, 24, 16, &kvb, 32, 0, 0, 32, 4 * 32, out), "head_matmul");
-    ck(kd_test_head_matmul(tb, x, 3, 4 * 32, 4, 32, 32, &kvb, 32, 16, 1, 16, 4 * 16, out), "head_matmul T");
+    ck(kd_test_head_matmul(tb, x, 3, 4 * 24, 4, 24, 16, &kvb, 32, 0, 0, 32, 32, 4 * 32, out), "head_matmul");
+    ck(kd_test_head_matmul(tb, x, 3, 4 * 32, 4, 32, 32, &kvb, 32, 16, 1, 16, 16, 4 * 16, out), "head_matmul T");
     uint64_t vis[9];
     int par[9] = {-1, 0, 0, 1, 1, 2, 3, 6, 0};
     for (int i = 0; i < 9; i++) {

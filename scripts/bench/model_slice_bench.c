@@ -254,11 +254,16 @@ WRAP(add_rmsnorm, C_NORM, (kd_backend *be, kd_act x, kd_act y, const kd_weight *
      (be, x, y, w, eps, o))
 WRAP(rope, C_NORM, (kd_backend *be, kd_act x, int nh, int hs, int off, const int32_t *pos, const kd_rope *r),
      (be, x, nh, hs, off, pos, r))
+WRAP(mla_rope_store, C_NORM,
+     (kd_backend *be, kd_act q, kd_act qf, int nh, kd_act kva, const kd_weight *w, float eps, const int32_t *pos,
+      const kd_rope *r, kd_act cache, int row0, const int32_t *d_len),
+     (be, q, qf, nh, kva, w, eps, pos, r, cache, row0, d_len))
 WRAP(gather_rows, C_ELEM, (kd_backend *be, kd_act d, kd_act s, const int32_t *rows, int n), (be, d, s, rows, n))
 WRAP(linear, weight_cat(w), (kd_backend *be, kd_act x, const kd_weight *w, kd_act o), (be, x, w, o))
 WRAP(head_matmul, C_ABSORB,
-     (kd_backend *be, kd_act x, int nh, int xs, int k, const kd_weight *w, int ws, int wr0, bool tr, kd_act o, int oc),
-     (be, x, nh, xs, k, w, ws, wr0, tr, o, oc))
+     (kd_backend *be, kd_act x, int nh, int xs, int k, const kd_weight *w, int ws, int wr0, bool tr, kd_act o, int oc,
+      int os),
+     (be, x, nh, xs, k, w, ws, wr0, tr, o, oc, os))
 WRAP(attention, C_ATTN,
      (kd_backend *be, kd_act q, int nh, int hd, kd_act k, kd_act v, int nkv, int past, bool causal, const uint64_t *vis,
       int window, float scale, kd_act o),
@@ -706,6 +711,7 @@ static void wrap_backend(void) {
     g_wrap.rmsnorm = w_rmsnorm;
     g_wrap.add_rmsnorm = w_add_rmsnorm;
     g_wrap.rope = w_rope;
+    g_wrap.mla_rope_store = w_mla_rope_store;
     g_wrap.gather_rows = w_gather_rows;
     g_wrap.linear = w_linear;
     g_wrap.head_matmul = w_head_matmul;

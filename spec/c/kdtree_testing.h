@@ -66,6 +66,13 @@ kd_status kd_test_add_rmsnorm(kd_test_backend *tb, const float *x, const float *
 kd_status kd_test_rope(kd_test_backend *tb, const float *x, int rows, int cols, int n_heads, int head_stride,
                        int offset, const int32_t *pos, int dim, int interleaved, float attn_factor,
                        const float *inv_freq, float *out);
+/* mla_rope_store: q [rows, q_cols]; qfull [rows, f_cols] and cache [cache_rows, kv_cols] go in with
+ * their starting values and come back after the op; kva [rows, kv_cols]; w the latent's norm
+ * (kv_cols - dim entries); the rows start at row0 (dev_len < 0) or at the device length dev_len */
+kd_status kd_test_mla_rope_store(kd_test_backend *tb, const float *q, int rows, int q_cols, int n_heads, float *qfull,
+                                 int f_cols, const float *kva, int kv_cols, const kd_test_weight *w, float eps,
+                                 const int32_t *pos, int dim, int interleaved, float attn_factor,
+                                 const float *inv_freq, float *cache, int cache_rows, int row0, int dev_len);
 /* inplace = 0: out [n, cols] = src rows idx[i]; inplace = 1: dst is rows [dst_row0, dst_row0+n) of the
  * source buffer itself (KV compaction) and out receives the whole buffer [src_rows, cols] afterwards */
 kd_status kd_test_gather_rows(kd_test_backend *tb, const float *src, int src_rows, int cols, const int32_t *idx,
@@ -80,7 +87,7 @@ kd_status kd_test_cpu_decode_forms(const kd_test_weight *w, float *out_c, float 
 /* x [rows, xcols]; out [rows, out_cols] (starts zeroed); see backend.h head_matmul */
 kd_status kd_test_head_matmul(kd_test_backend *tb, const float *x, int rows, int xcols, int n_heads, int xstride,
                               int k, const kd_test_weight *w, int wstride, int wrow0, int transposed, int ocols,
-                              int out_cols, float *out);
+                              int ostride, int out_cols, float *out);
 /* q [T, q_cols]; k [S, k_cols]; v [S, v_cols] (v_from_k = 1: the value view is the first v_cols
  * columns of the k buffer, as MLA uses the cache); visible: NULL or T x ceil(T/64) words;
  * out [T, out_cols] */

@@ -292,6 +292,34 @@ done:
     return st;
 }
 
+kd_status kd_test_mla_rope_store(kd_test_backend *tb, const float *q, int rows, int q_cols, int n_heads, float *qfull,
+                                 int f_cols, const float *kva, int kv_cols, const kd_test_weight *w, float eps,
+                                 const int32_t *pos, int dim, int interleaved, float attn_factor,
+                                 const float *inv_freq, float *cache, int cache_rows, int row0, int dev_len) {
+    KD_TRY(check_tb(tb, "mla_rope_store"));
+    kd_backend *be = tb->be;
+    arena a = {.be = be};
+    kd_status st;
+    kd_act dq, dqf, dkva, dc;
+    kd_weight dw;
+    void *d_pos, *d_if, *d_len = NULL;
+    RUN(up_weight(&a, w, "test.kv_a_norm", &dw));
+    RUN(up_act(&a, q, rows, q_cols, be->act_dtype, &dq));
+    RUN(up_act(&a, qfull, rows, f_cols, be->act_dtype, &dqf));
+    RUN(up_act(&a, kva, rows, kv_cols, be->act_dtype, &dkva));
+    RUN(up_act(&a, cache, cache_rows, kv_cols, be->act_dtype, &dc));
+    RUN(dev_copy_in(&a, pos, sizeof(int32_t) * (size_t)rows, &d_pos));
+    RUN(dev_copy_in(&a, inv_freq, sizeof(float) * (size_t)(dim > 0 ? dim / 2 : 0), &d_if));
+    if (dev_len >= 0) RUN(dev_copy_in(&a, &dev_len, sizeof(int32_t), &d_len));
+    kd_rope r = {.dim = dim, .interleaved = interleaved != 0, .attn_factor = attn_factor, .inv_freq = d_if};
+    RUN(be->ops->mla_rope_store(be, dq, dqf, n_heads, dkva, &dw, eps, d_pos, &r, dc, row0, d_len));
+    RUN(down_act(&a, dqf, qfull));
+    RUN(down_act(&a, dc, cache));
+done:
+    arena_free(&a);
+    return st;
+}
+
 kd_status kd_test_gather_rows(kd_test_backend *tb, const float *src, int src_rows, int cols, const int32_t *idx, int n,
                               int inplace, int dst_row0, float *out) {
     KD_TRY(check_tb(tb, "gather_rows"));
@@ -370,7 +398,7 @@ kd_status kd_test_cpu_decode_forms(const kd_test_weight *w, float *out_c, float 
 
 kd_status kd_test_head_matmul(kd_test_backend *tb, const float *x, int rows, int xcols, int n_heads, int xstride,
                               int k, const kd_test_weight *w, int wstride, int wrow0, int transposed, int ocols,
-                              int out_cols, float *out) {
+                              int ostride, int out_cols, float *out) {
     KD_TRY(check_tb(tb, "head_matmul"));
     kd_backend *be = tb->be;
     arena a = {.be = be};
@@ -380,7 +408,7 @@ kd_status kd_test_head_matmul(kd_test_backend *tb, const float *x, int rows, int
     RUN(up_weight(&a, w, "test.head_matmul", &dw));
     RUN(up_act(&a, x, rows, xcols, be->act_dtype, &dx));
     RUN(up_act(&a, NULL, rows, out_cols, be->act_dtype, &o));
-    RUN(be->ops->head_matmul(be, dx, n_heads, xstride, k, &dw, wstride, wrow0, transposed != 0, o, ocols));
+    RUN(be->ops->head_matmul(be, dx, n_heads, xstride, k, &dw, wstride, wrow0, transposed != 0, o, ocols, ostride));
     RUN(down_act(&a, o, out));
 done:
     arena_free(&a);

@@ -7,14 +7,14 @@
 #include <string.h>
 
 enum { OP_COPY, OP_EMBED, OP_ADD, OP_SCALE_ADD, OP_SWIGLU, OP_RMSNORM, OP_ADD_RMSNORM, OP_ROPE, OP_LINEAR,
-       OP_HEAD_MATMUL, OP_ATTENTION, OP_MOE, OP_STORE_AT, OP_ATTENTION_AT, OP_LOG_SOFTMAX };
+       OP_HEAD_MATMUL, OP_ATTENTION, OP_MOE, OP_STORE_AT, OP_ATTENTION_AT, OP_LOG_SOFTMAX, OP_MLA_ROPE_STORE };
 
 /* one recorded op call: its arguments by value (pointers stay pointers, as in a CUDA graph) */
 typedef struct rec {
     int op;
     kd_act a[4];
-    const void *p[3];
-    int i[6];
+    const void *p[4];
+    int i[7];
     float f;
     bool b;
 } rec;
@@ -67,7 +67,7 @@ static kd_status replay(kd_backend *be, const rec *r) {
     case OP_ROPE: return o->rope(be, r->a[0], r->i[0], r->i[1], r->i[2], r->p[0], r->p[1]);
     case OP_LINEAR: return o->linear(be, r->a[0], r->p[0], r->a[1]);
     case OP_HEAD_MATMUL:
-        return o->head_matmul(be, r->a[0], r->i[0], r->i[1], r->i[2], r->p[0], r->i[3], r->i[4], r->b, r->a[1], r->i[5]);
+        return o->head_matmul(be, r->a[0], r->i[0], r->i[1], r->i[2], r->p[0], r->i[3], r->i[4], r->b, r->a[1], r->i[5], r->i[6]);
     case OP_ATTENTION:
         return o->attention(be, r->a[0], r->i[0], r->i[1], r->a[1], r->a[2], r->i[2], r->i[3], r->b, r->p[0], r->i[4],
                             r->f, r->a[3]);
@@ -77,6 +77,9 @@ static kd_status replay(kd_backend *be, const rec *r) {
         return o->attention_at(be, r->a[0], r->i[0], r->i[1], r->a[1], r->a[2], r->i[2], r->p[1], r->b, r->p[0],
                                r->i[4], r->f, r->a[3]);
     case OP_LOG_SOFTMAX: return o->log_softmax(be, r->a[0]);
+    case OP_MLA_ROPE_STORE:
+        return o->mla_rope_store(be, r->a[0], r->a[1], r->i[0], r->a[2], r->p[0], r->f, r->p[1], r->p[2], r->a[3],
+                                 r->i[1], r->p[3]);
     }
     return kd_fail(KD_ERR_STATE, "emulated graph: unknown op %d", r->op);
 }
@@ -121,8 +124,8 @@ static kd_status w_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act o
     return issue(be, &r);
 }
 static kd_status w_head_matmul(kd_backend *be, kd_act x, int nh, int xs, int k, const kd_weight *w, int ws, int wr0,
-                               bool tr, kd_act out, int oc) {
-    rec r = {.op = OP_HEAD_MATMUL, .a = {x, out}, .i = {nh, xs, k, ws, wr0, oc}, .p = {w}, .b = tr};
+                               bool tr, kd_act out, int oc, int os) {
+    rec r = {.op = OP_HEAD_MATMUL, .a = {x, out}, .i = {nh, xs, k, ws, wr0, oc, os}, .p = {w}, .b = tr};
     return issue(be, &r);
 }
 static kd_status w_attention(kd_backend *be, kd_act q, int nh, int hd, kd_act k, kd_act v, int nkv, int past,
@@ -144,6 +147,13 @@ static kd_status w_attention_at(kd_backend *be, kd_act q, int nh, int hd, kd_act
                                 kd_act out) {
     rec r = {.op = OP_ATTENTION_AT, .a = {q, k, v, out}, .i = {nh, hd, nkv, 0, window}, .p = {vis, d_len},
              .b = causal, .f = scale};
+    return issue(be, &r);
+}
+static kd_status w_mla_rope_store(kd_backend *be, kd_act q, kd_act qfull, int nh, kd_act kva, const kd_weight *w,
+                                  float eps, const int32_t *pos, const kd_rope *rp, kd_act cache, int row0,
+                                  const int32_t *d_len) {
+    rec r = {.op = OP_MLA_ROPE_STORE, .a = {q, qfull, kva, cache}, .i = {nh, row0}, .p = {w, pos, rp, d_len},
+             .f = eps};
     return issue(be, &r);
 }
 
@@ -258,6 +268,7 @@ kd_status kd_testing_emulate_graphs(kd_model *m) {
     g.ops.moe = w_moe;
     g.ops.log_softmax = w_log_softmax;
     g.ops.store_rows_at = w_store_at;
+    g.ops.mla_rope_store = w_mla_rope_store;
     g.ops.attention_at = w_attention_at;
     g.ops.graph_begin = w_graph_begin;
     g.ops.graph_end = w_graph_end;
