@@ -277,14 +277,15 @@ __global__ void vis_list_kernel(const uint64_t *visible, int T, int32_t *list, i
 struct AttnWork {
     const int32_t *vis_list, *vis_cnt;
     float *pm, *pl, *po;
+    float *ps;   /* score_cols floats a partial slot after po (the split path's S), or NULL */
     int tbatch;
 };
 static kd_status attn_work(kd_backend *be, const uint64_t *visible, int T, int n_heads, int nc_max, int dv,
-                           int max_batch, AttnWork *w) {
+                           int score_cols, int max_batch, AttnWork *w) {
     kd_cuda *c = kd_cuda_of(be);
     size_t list_bytes = visible ? ((size_t)T * T + T) * sizeof(int32_t) : 0;
     list_bytes = (list_bytes + 255) & ~(size_t)255;
-    size_t per_q = (size_t)n_heads * nc_max * (dv + 2) * sizeof(float);
+    size_t per_q = (size_t)n_heads * nc_max * (dv + 2 + score_cols) * sizeof(float);
     size_t cap = (size_t)512 << 20;
     int tbatch = (int)(cap / per_q);
     if (tbatch < 1) tbatch = 1;
@@ -304,6 +305,7 @@ static kd_status attn_work(kd_backend *be, const uint64_t *visible, int T, int n
     w->pm = (float *)(p + list_bytes);
     w->pl = w->pm + (size_t)tbatch * n_heads * nc_max;
     w->po = w->pl + (size_t)tbatch * n_heads * nc_max;
+    w->ps = score_cols ? w->po + (size_t)tbatch * n_heads * nc_max * dv : NULL;
     w->tbatch = tbatch;
     return KD_OK;
 }
@@ -368,11 +370,15 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     const TcKernel fn = tc_kernel(DVP, async, sh);
     if (!fn) return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: no tensor-core kernel for value dim %d (padded %d)", dv, DVP);
     KD_TRY(kd_cuda_smem(c, (const void *)fn, smem));
+    const bool split = tc_split(sh);
+    const size_t ssmem = tc_scores_smem_bytes(a.HDP);
+    if (split) KD_TRY(kd_cuda_smem(c, (const void *)tc_scores_kernel, ssmem));
     AttnWork w;
-    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, 65535 / ((G + 15) / 16), &w));   /* grid y: 16-row blocks */
+    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, split ? TC_CHUNK : 0, 65535 / ((G + 15) / 16),
+                     &w));   /* grid y: 16-row blocks */
     const int tbatch = w.tbatch;
     a.vis_list = w.vis_list; a.vis_cnt = w.vis_cnt;
-    a.pm = w.pm; a.pl = w.pl; a.po = w.po;
+    a.pm = w.pm; a.pl = w.pl; a.po = w.po; a.ps = w.ps;
 
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         const int tb = T - t0 < tbatch ? T - t0 : tbatch;
@@ -383,12 +389,18 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
         if (nsh > 0) {
             a.tail = 0;
             dim3 grid(nsh, (tb * G + rows - 1) / rows, n_kv_heads * sh.vs);
+            if (split)
+                KD_TRY(kd_launch_pdl("tc_scores_kernel (shared)", tc_scores_kernel, dim3(grid.x * TS_KB, grid.y, n_kv_heads),
+                                     TS_NTH, ssmem, c->stream, a));
             KD_TRY(kd_launch_pdl("tc_chunk_kernel (shared)", fn, grid, nth, smem, c->stream, a));
         }
         /* tail launch (tree mask): chunks reaching into the new rows, one query per block */
         if (visible) {
             a.tail = 1;
             dim3 grid((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, n_kv_heads * sh.vs);
+            if (split)
+                KD_TRY(kd_launch_pdl("tc_scores_kernel (tail)", tc_scores_kernel, dim3(grid.x * TS_KB, grid.y, n_kv_heads),
+                                     TS_NTH, ssmem, c->stream, a));
             KD_TRY(kd_launch_pdl("tc_chunk_kernel (tail)", fn, grid, nth, smem, c->stream, a));
         }
         int mt = dv < 256 ? ((dv + 31) / 32) * 32 : 256;
@@ -469,7 +481,7 @@ static kd_status attention_impl(kd_backend *be, kd_act q, int n_heads, int head_
 
     /* the workspace and the visibility lists once the launch is known to fit */
     AttnWork w;
-    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, 65535, &w));
+    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, 0, 65535, &w));
     const int tbatch = w.tbatch;
     a.vis_list = w.vis_list; a.vis_cnt = w.vis_cnt;
     a.pm = w.pm; a.pl = w.pl; a.po = w.po;

@@ -19,7 +19,9 @@
  * shared memory allow, else 2 warps per 16 rows (tc_chunk_kernel). When few blocks would run (decode, small T at short context): 16 rows
  * of 8 warps, and the value dims split over up to 4 blocks ("value slices": each block
  * computes the chunk's S and softmax, and its DVP / VS value dims of O), so a decode step at 1K
- * runs 32 blocks of 8 warps instead of 8 blocks of 2.
+ * runs 32 blocks of 8 warps instead of 8 blocks of 2. Those 16-row blocks take S = Q K^T from
+ * tc_scores_kernel (mla_tc_scores.cuh: 64 keys a block, so a chunk's keys are read by 8 blocks,
+ * not by every value slice of it whole) and run only the softmax and O = P V (SPLIT).
  * Rows are (query, head) pairs: 64 heads of one query for MLA, 8 queries x 8 heads for
  * 8 heads, etc. All rows of a block share one staged key/value tile when their ordinals
  * map to the same cache rows: causal or full attention (ordinal = row), and in tree mode
@@ -62,6 +64,7 @@ constexpr int TC_PLD = TC_CHUNK + 8;       /* P row stride (bf16): 65 x 16 bytes
 constexpr int TC_KSTEPS = TC_CHUNK / 16;   /* phase 2: 16-key steps a chunk (a slab: VS steps x DVP / VS dims) */
 constexpr int TC_HD_MAX = 576, TC_DV_MAX = 512;
 constexpr int TC_STAGE_BYTES = TC_KSLAB * TC_P1LD * 2;   /* phase 1's slab; phase 2's fit (tc_chunk_kernel) */
+constexpr int TC_SKEYS = 64;               /* keys of a tc_scores_kernel block (8 a chunk) */
 
 struct TcArgs {
     const uint16_t *q; long long ldq;
@@ -74,6 +77,7 @@ struct TcArgs {
     const int32_t *d_past;                        /* attention_at: past on the device */
     int nc_max;                                   /* chunk slots per (query, head) in the partials */
     float *pm, *pl, *po;                          /* partials [tb][Hq][nc_max] (+ [dv] for po) */
+    float *ps;                                    /* split path: S [tb][Hq][nc_max][TC_CHUNK] (tc_scores_kernel) */
     int tail, rb_per_q;                           /* tail launch; row blocks per query there */
     bool qvec;                                    /* q rows may be read 16 bytes at a time */
 };
@@ -192,8 +196,11 @@ static inline size_t tc_smem_bytes(int HDP, int rg, int kw = 2) {
  *    memory in that exact order;
  *  - an O element is one mma accumulator over the 32 16-key steps in ascending order, with the
  *    same A fragment (P rows) and B column whichever warp (KW) or block (VS) holds its value dim,
- *    and whether its phase-2 slab holds 16 or 16 * VS keys. */
-template <int DVP, bool ASYNC, int RG, int KW = 2, int VS = 1>
+ *    and whether its phase-2 slab holds 16 or 16 * VS keys.
+ * SPLIT (RG 1, KW 8): phase 1 is tc_scores_kernel's, launched before on the same grid rows; this
+ * block reads each S element it owns from a.ps instead (the same accumulator, computed there in
+ * the same 16-dim steps) and runs from the softmax on. */
+template <int DVP, bool ASYNC, int RG, int KW = 2, int VS = 1, bool SPLIT = false>
 __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
     kd_griddep_enter();
 #ifdef KD_MLA_EMU
@@ -203,6 +210,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
 #endif
     static_assert(KW == 2 || KW == 8, "KW: 2 or 8 warps per row group");
     static_assert(VS == 1 || VS == 2 || VS == 4, "VS: 1, 2 or 4 value slices");
+    static_assert(!SPLIT || (RG == 1 && KW == 8 && ASYNC), "SPLIT: the 16-row blocks of 8 warps");
     constexpr int DVS = DVP / VS;                  /* value dims of this block's slice */
     constexpr int DW = DVS / KW;                   /* phase 2: value dims per warp */
     static_assert(DW >= 16, "a warp's phase-2 tile is at least two n-tiles");
@@ -246,7 +254,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
 
     for (int j = tid; j < TC_CHUNK; j += NTH)
         row_s[j] = j < n_load ? (a.tail ? tc_ordinal_row(a, past, a.t0 + tq, o0 + j) : o0 + j) : -1;
-    for (int i = tid; i < ROWS * (HDP / 8); i += NTH) {
+    for (int i = tid; i < (SPLIT ? 0 : ROWS * (HDP / 8)); i += NTH) {
         int r = i / (HDP / 8), d0 = (i % (HDP / 8)) * 8, t = t_s[r];
         uint16_t *dst = q_s + r * QLD + d0;
         if (a.qvec) {
@@ -261,7 +269,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
     __syncthreads();
 
     const int kg_n = (n_load + TC_KSLAB - 1) / TC_KSLAB;
-    const int ns1 = kg_n * nds, ns = ns1 + KS2;
+    const int ns1 = SPLIT ? 0 : kg_n * nds, ns = ns1 + KS2;
 #define TC_STAGE(i) ((uint16_t *)(st_s + (size_t)((i) % TC_STAGES) * TC_STAGE_BYTES))
 #define TC_LOAD(i) tc_load_slab<DVP, ASYNC, NTH, VS>(a, TC_STAGE(i), (i), ns1, nds, row_s, n_load, g, sl)
     for (int s0 = 0; s0 < TC_STAGES - 1; s0++) {
@@ -280,9 +288,25 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
     int s = 0;
     const uint16_t *qa = q_s + (rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * QLD + (lane >> 4) * 8;
     const int kb_off = (kw * KPW + ((lane >> 4) << 3) + (lane & 7)) * TC_P1LD + ((lane >> 3) & 1) * 8;
+    if (SPLIT) {   /* S from tc_scores_kernel: where its 64-key block was loaded (else 0, as unloaded keys) */
+#pragma unroll
+        for (int kg = 0; kg < 4; kg++)
+#pragma unroll
+            for (int nt = 0; nt < NT1; nt++)
+#pragma unroll
+                for (int hr = 0; hr < 2; hr++) {
+                    const int row = rg * 16 + (lane >> 2) + hr * 8, t = t_s[row];
+                    const int j = kg * TC_KSLAB + kw * KPW + nt * 8 + 2 * (lane & 3);
+                    const size_t slot = ((size_t)(t - a.t0) * a.Hq + h_s[row]) * a.nc_max + c;
+                    float2 v = make_float2(0.0f, 0.0f);
+                    if (t >= 0 && j / TC_SKEYS * TC_SKEYS < n_load) v = *(const float2 *)(a.ps + slot * TC_CHUNK + j);
+                    sc[kg][nt][2 * hr] = v.x;
+                    sc[kg][nt][2 * hr + 1] = v.y;
+                }
+    }
 #pragma unroll
     for (int kg = 0; kg < 4; kg++) {
-        if (kg < kg_n) {
+        if (!SPLIT && kg < kg_n) {
             for (int ds = 0; ds < nds; ds++, s++) {
                 cp_wait<TC_STAGES - 2>();
                 __syncthreads();
@@ -483,6 +507,7 @@ __global__ void tc_merge_kernel(TcArgs a, void *out, int odt, long long ldo) {
 
 }  // namespace mla
 #include "mla_tc_wide.cuh"
+#include "mla_tc_scores.cuh"
 namespace mla {
 
 /* ---- the launch plan (host): attention_tc in mla.cu and scripts/bench/mla_emu both take it from here ---- */
@@ -501,8 +526,9 @@ static inline long long tc_max_chunks(int S, int past, int T, bool causal, bool 
  * rows) where it applies (async, DVP >= 128, its shared memory fits, wide_fits:
  * tc_wide_offsets_fit), else kw = 2. 16-row blocks, when async and vs_mode allow, take kw = 8
  * warps split into vs value slices (up to DVP / 128; more while the grid has fewer than two
- * blocks per SM). rg_forced: 1 or 4, else 0 (the rule); vs_mode: 0 off, 1, 2 or 4 forced, 8 the
- * rule. The bits depend on none of these (above). */
+ * blocks per SM), which take S from tc_scores_kernel (its shared memory is less than theirs).
+ * rg_forced: 1 or 4, else 0 (the rule); vs_mode: 0 off, 1, 2 or 4 forced, 8 the rule. The bits
+ * depend on none of these (above). */
 struct TcShape { int rg, kw, vs; };
 static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int DVP, int HDP, bool async,
                                bool wide_fits, int n_sms, size_t smem_optin, int rg_forced, int vs_mode) {
@@ -518,7 +544,8 @@ static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int 
         return s;
     }
     if (s.rg == 4 && tc_smem_bytes(HDP, 4) > smem_optin) s.rg = 1;   /* e.g. sm_120's 99 KB */
-    if (s.rg == 1 && vs_mode != 0 && async && DVP >= 128 && tc_smem_bytes(HDP, 1, 8) <= smem_optin) {
+    if (s.rg == 1 && vs_mode != 0 && async && DVP >= 128 && tc_smem_bytes(HDP, 1, 8) <= smem_optin &&
+        tc_scores_smem_bytes(HDP) <= smem_optin) {
         s.kw = 8;
         const int vs_max = DVP / 128;
         if (vs_mode != 8) s.vs = vs_mode;
@@ -532,18 +559,21 @@ static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int 
 }
 /* threads of a block of that shape */
 static inline int tc_threads(TcShape s) { return s.rg == 4 && s.kw == 8 ? TW_NTH : s.rg * 32 * s.kw; }
+/* whether the shape's values kernel takes S from tc_scores_kernel, launched before it */
+static inline bool tc_split(TcShape s) { return s.rg == 1 && s.kw == 8; }
 
 /* the kernel instance of a shape, or NULL (no instance for that DVP) */
 typedef void (*TcKernel)(TcArgs);
 static inline TcKernel tc_kernel(int DVP, bool async, TcShape s) {
     if (s.rg == 4 && s.kw == 8)   /* async, DVP >= 128 (tc_shape) */
         return DVP == 128 ? tc_wide_kernel<128> : DVP == 256 ? tc_wide_kernel<256> : DVP == 512 ? tc_wide_kernel<512> : NULL;
-    if (s.kw == 8) {   /* async, rg 1, DVP >= 128 * vs (tc_shape) */
-        if (DVP == 128) return tc_chunk_kernel<128, true, 1, 8, 1>;
-        if (DVP == 256) return s.vs == 1 ? tc_chunk_kernel<256, true, 1, 8, 1> : tc_chunk_kernel<256, true, 1, 8, 2>;
+    if (s.kw == 8) {   /* async, rg 1, DVP >= 128 * vs (tc_shape); S from tc_scores_kernel */
+        if (DVP == 128) return tc_chunk_kernel<128, true, 1, 8, 1, true>;
+        if (DVP == 256)
+            return s.vs == 1 ? tc_chunk_kernel<256, true, 1, 8, 1, true> : tc_chunk_kernel<256, true, 1, 8, 2, true>;
         if (DVP == 512)
-            return s.vs == 1 ? tc_chunk_kernel<512, true, 1, 8, 1>
-                 : s.vs == 2 ? tc_chunk_kernel<512, true, 1, 8, 2> : tc_chunk_kernel<512, true, 1, 8, 4>;
+            return s.vs == 1 ? tc_chunk_kernel<512, true, 1, 8, 1, true>
+                 : s.vs == 2 ? tc_chunk_kernel<512, true, 1, 8, 2, true> : tc_chunk_kernel<512, true, 1, 8, 4, true>;
         return NULL;
     }
 #define TC_PICK(D)                                                                                  \

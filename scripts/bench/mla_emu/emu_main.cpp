@@ -78,7 +78,9 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
     }
     int tbatch = c.tbatch > 0 ? c.tbatch : T;
     std::vector<float> pm((size_t)tbatch * c.Hq * a.nc_max, NAN), pl(pm.size(), NAN), po(pm.size() * c.dv, NAN);
-    a.pm = pm.data(); a.pl = pl.data(); a.po = po.data();
+    const bool split = tc_split(sh);
+    std::vector<float> ps(split ? pm.size() * TC_CHUNK : 0, NAN);   /* NaN: a score read before it is written shows */
+    a.pm = pm.data(); a.pl = pl.data(); a.po = po.data(); a.ps = split ? ps.data() : nullptr;
     std::vector<float> out((size_t)T * c.Hq * c.dv, NAN);
     const TcKernel fn = tc_kernel(DVP, async, sh);
     /* a forced row-group count must be the one that ran (tc_shape takes 1 where 4 does not fit):
@@ -91,12 +93,15 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
         if (nsh > 0) {
             a.tail = 0;
             TcArgs aa = a;
+            if (split) launch(nsh * TS_KB, (tb * G + rows - 1) / rows, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
             launch(nsh, (tb * G + rows - 1) / rows, c.Hkv * sh.vs, nth, [&] { fn(aa); });
         }
         if (c.vis) {
             a.tail = 1;
             TcArgs aa = a;
-            launch((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, c.Hkv * sh.vs, nth, [&] { fn(aa); });
+            const int ncx = (T + TC_CHUNK - 1) / TC_CHUNK + 1;
+            if (split) launch(ncx * TS_KB, tb * a.rb_per_q, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
+            launch(ncx, tb * a.rb_per_q, c.Hkv * sh.vs, nth, [&] { fn(aa); });
         }
         TcArgs aa = a;
         launch(c.Hq, tb, 1, 32, [&] {
