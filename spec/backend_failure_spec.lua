@@ -144,9 +144,9 @@ describe("after a failed backend op", function()
 
   it("a forward that fails in a middle layer leaves the sequence as it was; the same forward again is exact", function()
     local s, fresh = twins()
-    -- copy runs a few times in every layer (the absorbed query; the cache row on the CPU path):
-    -- the third call is in layer 0 or 1, with layer 0's cache rows already written
-    fail("copy", 3)
+    -- mla_rope_store runs once a layer (it writes the layer's new cache rows): its second call is
+    -- in layer 1, with layer 0's cache rows already written
+    fail("mla_rope_store", 1)
     assert.matches("injected by kd_test_fail_op", err_of(s.forward, s, { 9, 8, 7 }))
     assert.are.equal(#PROMPT, s:len())
     heal()
@@ -164,7 +164,7 @@ describe("after a failed backend op", function()
     local s = m:new_seq(64)
     s:forward(PROMPT)
     local t = true_chain()
-    fail("copy", 3)
+    fail("mla_rope_store", 1)
     assert.matches("injected by kd_test_fail_op", err_of(s.verify, s, t))
     heal()
     assert.are.equal(#PROMPT, s:len())
@@ -203,7 +203,7 @@ describe("after a failed backend op", function()
   end)
 
   it("names the op it was given, and only the ops it can fail", function()
-    assert.matches("expected upload, copy, gather_rows or tree_walk",
+    assert.matches("expected upload, copy, mla_rope_store, gather_rows or tree_walk",
       err_of(O.check, O.C.kd_test_fail_op(m:handle(), "linear", 0), "kd_test_fail_op"))
   end)
 

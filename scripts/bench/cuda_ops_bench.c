@@ -337,7 +337,7 @@ int main(int argc, char **argv) {
         be->ops->destroy(be);
         return 0;
     }
-    if (attention_only) {   /* the step's attention: MLA, 64 heads; decode and the verify trees */
+    if (attention_only) {   /* the step's attention: MLA, 64 heads (one GPU) and 8 (a TP-8 rank); decode, verify trees */
         printf("# attention rows (--mla-row-groups %d --mla-value-slices %d)\n", rg, vs);
         if (one_ctx > 0 && one_T > 0) {
             bench_attention(64, one_ctx, one_T, one_T > 1);
@@ -347,6 +347,8 @@ int main(int argc, char **argv) {
         static const int actx[] = {1024, 8192, 32768}, aT[] = {1, 17, 65, 257};
         for (int c = 0; c < 3; c++)
             for (int t = 0; t < 4; t++) bench_attention(64, actx[c], aT[t], aT[t] > 1);
+        for (int c = 0; c < 3; c++)
+            for (int t = 0; t < 3; t++) bench_attention(8, actx[c], aT[t], aT[t] > 1);
         be->ops->destroy(be);
         return 0;
     }

@@ -123,8 +123,9 @@ kd_status kd_test_comm_cpu(int n_ranks, int rows, int cols, int ld, float *bufs,
 kd_status kd_test_rope_inv_freq(const char *dir, int dim, float *inv_freq);
 
 /* Fault injection (spec/c/testing_faults.c): from now on the backend op `op` of the model's
- * backend ("upload", "copy" or "gather_rows") fails with KD_ERR_BACKEND once `after` more calls
- * of it have succeeded ("tree_walk": returns a path that does not start at the root instead);
+ * backend ("upload", "copy", "mla_rope_store" or "gather_rows") fails with KD_ERR_BACKEND once
+ * `after` more calls of it have succeeded ("tree_walk": returns a path that does not start at the
+ * root instead);
  * after < 0 ends the injection (one at a time; a new call moves it; closing the model ends it too). */
 kd_status kd_test_fail_op(kd_model *m, const char *op, int after);
 /* 1 while an injection is on for the model's backend. Both this and the graph emulation

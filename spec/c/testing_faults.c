@@ -37,6 +37,12 @@ static kd_status fault_copy(kd_backend *be, kd_act dst, kd_act src) {
     KD_TRY(fault_check());
     return g_fault.orig->copy(be, dst, src);
 }
+static kd_status fault_mla_rope_store(kd_backend *be, kd_act q, kd_act qfull, int n_heads, kd_act kva,
+                                     const kd_weight *w, float eps, const int32_t *pos, const kd_rope *r, kd_act cache,
+                                     int row0, const int32_t *d_len) {
+    KD_TRY(fault_check());
+    return g_fault.orig->mla_rope_store(be, q, qfull, n_heads, kva, w, eps, pos, r, cache, row0, d_len);
+}
 static kd_status fault_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n) {
     KD_TRY(fault_check());
     return g_fault.orig->gather_rows(be, dst, src, rows, n);
@@ -80,6 +86,9 @@ kd_status kd_test_fail_op(kd_model *m, const char *op, int after) {
     } else if (!strcmp(op, "copy")) {
         ops.copy = fault_copy;
         name = "copy";
+    } else if (!strcmp(op, "mla_rope_store")) {
+        ops.mla_rope_store = fault_mla_rope_store;
+        name = "mla_rope_store";
     } else if (!strcmp(op, "gather_rows")) {
         ops.gather_rows = fault_gather_rows;
         name = "gather_rows";
@@ -87,7 +96,8 @@ kd_status kd_test_fail_op(kd_model *m, const char *op, int after) {
         ops.tree_walk = fault_tree_walk;
         name = "tree_walk";
     } else {
-        return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op '%s': expected upload, copy, gather_rows or tree_walk", op);
+        return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op '%s': expected upload, copy, mla_rope_store, gather_rows or "
+                       "tree_walk", op);
     }
     g_fault.be = m->be;
     g_fault.orig = m->be->ops;
