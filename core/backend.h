@@ -151,6 +151,10 @@ typedef struct kd_backend kd_backend;
                                                                                                              \
     /* matrix products */                                                                                    \
     X(linear, (kd_backend *be, kd_act x, const kd_weight *w, kd_act out), (be, x, w, out))   /* out = x w^T */ \
+    /* out = x [w0; w1]^T: two weights of the same input width stacked by rows, out's first w0->rows      \
+     * columns from w0 (one launch on CUDA: q_a with kv_a, an MLP's gate with its up) */                   \
+    X(linear_pair, (kd_backend *be, kd_act x, const kd_weight *w0, const kd_weight *w1, kd_act out),        \
+      (be, x, w0, w1, out))                                                                                  \
     /* per head h: out[:, h*ostride : h*ostride+ocols] = x[:, h*xstride : h*xstride+k] @ W_h, where W_h is  \
      * rows [h*wstride + wrow0, +k) of w (transposed = false: W_h is k x ocols, out = x W_h) or (transposed   \
      * = true: W_h is ocols x k rows, out = x W_h^T). MLA absorption uses both; ostride > ocols writes the   \

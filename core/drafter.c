@@ -75,7 +75,7 @@ struct kd_draft_state {
     int ctx_len, cap;           /* committed context rows, capacity of the context */
     kd_act *k, *v;              /* per layer [cap + bs, n_kv_heads*head_dim], act dtype */
     void *scratch;              /* backend memory, carved into the views below */
-    kd_act x, h, q, kt, att, o, g, u, m;   /* block activations */
+    kd_act x, h, q, kt, att, o, gu, g, u, m;   /* block activations (g, u: gu's halves) */
     kd_act f, fn;               /* context fusion, KD_DRAFT_CHUNK rows */
     kd_act kn, vt;              /* device-length path: the block's normed+roped K and its V */
     int32_t *in;                /* backend memory: [dlen | pad | ids | pos], see IN_* */
@@ -560,8 +560,9 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
     ds->q = act_at(ds->scratch, &off, bs, qd, dt);
     ds->att = act_at(ds->scratch, &off, bs, qd, dt);
     ds->kt = act_at(ds->scratch, &off, bs > ch ? bs : ch, kvd, dt);
-    ds->g = act_at(ds->scratch, &off, bs, c->intermediate, dt);
-    ds->u = act_at(ds->scratch, &off, bs, c->intermediate, dt);
+    ds->gu = act_at(ds->scratch, &off, bs, 2 * c->intermediate, dt);   /* gate's columns, then up's */
+    ds->g = kd_act_cols(ds->gu, 0, c->intermediate);
+    ds->u = kd_act_cols(ds->gu, c->intermediate, c->intermediate);
     ds->m = act_at(ds->scratch, &off, bs, c->intermediate, dt);
     ds->f = act_at(ds->scratch, &off, ch, H, dt);
     ds->fn = act_at(ds->scratch, &off, ch, H, dt);
@@ -751,8 +752,7 @@ static kd_status draft_body(kd_seq *s, int p0, const int32_t *d_len) {
         }
         T(op->linear(be, ds->att, &L->o_proj, ds->o), "o_proj");
         T(op->add_rmsnorm(be, ds->x, ds->o, &L->ffn_norm, c->eps, ds->h), "residual + post_attention_layernorm");
-        T(op->linear(be, ds->h, &L->gate, ds->g), "gate_proj");
-        T(op->linear(be, ds->h, &L->up, ds->u), "up_proj");
+        T(op->linear_pair(be, ds->h, &L->gate, &L->up, ds->gu), "gate_proj + up_proj");
         T(op->swiglu(be, ds->g, ds->u, ds->m), "swiglu");
         T(op->linear(be, ds->m, &L->down, ds->o), "down_proj");
         if (l + 1 < c->n_layers)

@@ -21,13 +21,12 @@ typedef struct kd_fwd_plan {
     size_t x, h, t1, t2;                  /* [rows, hidden]: residual, normed input, two block outputs
                                            * (fp32 partial sums at tp > 1) */
     size_t sum;                           /* [rows, hidden] at tp > 1: the all-reduced block output */
-    size_t qa;                            /* [rows, q_lora_rank] (q_lora only) */
+    size_t qkva;                          /* [rows, q_lora_rank + r+dr]: q_a's output (q_lora only), kv_a's */
     size_t q;                             /* [rows, H*(dn+dr)] */
-    size_t kva;                           /* [rows, r+dr] */
     size_t qfull;                         /* [rows, H*(r+dr)]: per head [q_lat | q_pe], the MQA query */
     size_t lat;                           /* [rows, H*r]: q_lat, then reused for o_lat */
     size_t o;                             /* [rows, H*dv] */
-    size_t gate, up;                      /* [rows, max(intermediate, shared width)] */
+    size_t gate_up;                       /* [rows, 2 * max(intermediate, shared width)]: gate's, then up's */
     size_t tmp;                           /* [rows, r+dr] fp32-sized: compaction and read_cache staging */
     size_t bytes;
 } kd_fwd_plan;

@@ -74,14 +74,12 @@ void kd_fwd_plan_of(const kd_config *c, const kd_widths *w, size_t a, int rows, 
     REGION(t1, R * c->hidden * part);
     REGION(t2, R * c->hidden * part);
     REGION(sum, w->tp > 1 ? R * c->hidden * a : 0);
-    REGION(qa, R * (size_t)(c->q_lora_rank > 0 ? c->q_lora_rank : 0) * a);
+    REGION(qkva, R * (size_t)((c->q_lora_rank > 0 ? c->q_lora_rank : 0) + r + dr) * a);
     REGION(q, R * (size_t)H * (dn + dr) * a);
-    REGION(kva, R * (size_t)(r + dr) * a);
     REGION(qfull, R * (size_t)H * (r + dr) * a);
     REGION(lat, R * (size_t)H * r * a);
     REGION(o, R * (size_t)H * dv * a);
-    REGION(gate, R * (size_t)inter * a);
-    REGION(up, R * (size_t)inter * a);
+    REGION(gate_up, R * (size_t)2 * inter * a);
     REGION(tmp, R * (size_t)(r + dr) * (a > 4 ? a : 4));
 #undef REGION
     p->bytes = off;
@@ -131,14 +129,14 @@ static kd_status add_reduced(const rank_fwd *f, kd_act part, kd_act x, const kd_
     return be->ops->add_rmsnorm(be, x, part, norm, f->s->model->cfg.rms_norm_eps, h);
 }
 
-/* out = down(silu(gate x) * up x): this rank's part of the intermediate dim (a partial sum) */
+/* out = down(silu(gate x) * up x): this rank's part of the intermediate dim (a partial sum);
+ * gate and up in one launch, side by side in gate_up */
 static kd_status mlp(const rank_fwd *f, kd_act x, const kd_weight *gate, const kd_weight *up,
                      const kd_weight *down, kd_act out) {
     kd_backend *be = f->be;
     int T = x.rows, I = (int)gate->rows;
-    kd_act g = act(f, f->p->gate, T, I), u = act(f, f->p->up, T, I);
-    KD_TRY(be->ops->linear(be, x, gate, g));
-    KD_TRY(be->ops->linear(be, x, up, u));
+    kd_act gu = act(f, f->p->gate_up, T, 2 * I), g = kd_act_cols(gu, 0, I), u = kd_act_cols(gu, I, I);
+    KD_TRY(be->ops->linear_pair(be, x, gate, up, gu));
     KD_TRY(be->ops->swiglu(be, g, u, g));
     return be->ops->linear(be, g, down, out);
 }
@@ -159,20 +157,20 @@ static kd_status attention_block(const rank_fwd *f, int l, kd_act h, kd_act x, c
     int T = h.rows, H = f->s->model->split.heads, r = c->kv_lora_rank, dr = c->qk_rope_dim, dn = c->qk_nope_dim,
         dv = c->v_head_dim, len = f->s->len;
 
-    /* queries */
+    /* queries, and the latent of the new tokens (c_kv = kv_a's first r columns, k_pe its last dr):
+     * q_a and kv_a read h in one launch, side by side in qkva */
+    int ql = c->q_lora_rank > 0 ? c->q_lora_rank : 0;
     kd_act q = act(f, p->q, T, H * (dn + dr));
-    if (c->q_lora_rank > 0) {
-        kd_act qa = act(f, p->qa, T, c->q_lora_rank);
-        KD_TRY(be->ops->linear(be, h, &L->q_a, qa));
+    kd_act qkva = act(f, p->qkva, T, ql + r + dr), kva = kd_act_cols(qkva, ql, r + dr);
+    if (ql > 0) {
+        kd_act qa = kd_act_cols(qkva, 0, ql);
+        KD_TRY(be->ops->linear_pair(be, h, &L->q_a, &L->kv_a, qkva));
         KD_TRY(be->ops->rmsnorm(be, qa, &L->q_a_norm, c->q_a_norm_eps, qa));
         KD_TRY(be->ops->linear(be, qa, &L->q_b, q));
     } else {
         KD_TRY(be->ops->linear(be, h, &L->q_proj, q));
+        KD_TRY(be->ops->linear(be, h, &L->kv_a, kva));
     }
-
-    /* the latent of the new tokens: c_kv = kv_a's first r columns, k_pe its last dr */
-    kd_act kva = act(f, p->kva, T, r + dr);
-    KD_TRY(be->ops->linear(be, h, &L->kv_a, kva));
 
     /* the absorbed query per head, [q_nope W_UK | roped q_pe]; the new rows into the cache,
      * [rmsnorm(c_kv) | roped k_pe], at rows len.. (host length) or *d_len.. (graph steps) */

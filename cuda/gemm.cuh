@@ -65,6 +65,11 @@ struct Tile {
     int z, m0, n0, row_base, rows;   /* rows: valid rows of this z (grouped) or M */
 };
 
+/* row n of a k-major B: Bz's, or the pair's second weight's from column n1 on */
+__device__ __forceinline__ const bf16 *gemm_b_row(const kd_gemm_args &g, const bf16 *Bz, int n) {
+    return g.B1 && n >= g.n1 ? g.B1 + (long long)(n - g.n1) * g.ldb : Bz + (long long)n * g.ldb;
+}
+
 /* The cp.async path (bf16 A, 16-byte aligned operands, K % 8 == 0). Each thread's 16-byte
  * pieces of a stage are the same rows and columns in every stage, so their source pointers,
  * predicates and shared-memory offsets are worked out once per block and a stage only adds
@@ -111,7 +116,7 @@ struct AsyncLoads {
             if (BKM) {   /* B [n][k]: BN rows x KS cols */
                 const int r = c / (KS / 8), kc = (c % (KS / 8)) * 8, n = t.n0 + r;
                 b_ok[j] = n < g.N;
-                b_src[j] = Bz + (long long)(b_ok[j] ? n : 0) * g.ldb + kc;
+                b_src[j] = gemm_b_row(g, Bz, b_ok[j] ? n : 0) + kc;
                 b_dst[j] = r * LD + kc;
                 b_kc[j] = kc;
             } else {     /* B [k][n]: KS rows x BN cols */
@@ -177,8 +182,8 @@ __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Til
             int n = t.n0 + r, k = k0 + kc;
             bf16 *dst = Bs + r * LD + kc;
             bool ok = n < g.N;
-            for (int i = 0; i < 8; i++)
-                dst[i] = (ok && k + i < g.K) ? Bz[(long long)n * g.ldb + k + i] : __float2bfloat16(0.0f);
+            const bf16 *row = gemm_b_row(g, Bz, ok ? n : 0);
+            for (int i = 0; i < 8; i++) dst[i] = (ok && k + i < g.K) ? row[k + i] : __float2bfloat16(0.0f);
         }
     } else {     /* B [k][n]: KS rows x BN cols */
         for (int c = tid; c < KS * (BN / 8); c += THREADS) {

@@ -11,12 +11,15 @@
  *    index list a_rows (grouped experts); B: bf16 weights, either [N, K] row-major
  *    (b_kmajor: element (n,k) at B[n*ldb + k]) or [K, N] row-major (element at B[k*ldb + n]).
  * batch z (blockIdx.z): A, B, C advance by their z strides; or, grouped (groups != NULL),
- *    z is an expert: B = b_ptrs[z], rows [row_off[z], row_off[z+1]) of the gathered list. */
+ *    z is an expert: B = b_ptrs[z], rows [row_off[z], row_off[z+1]) of the gathered list.
+ * B1 (k-major, one batch, not grouped): columns n >= n1 are B1's rows n - n1 (same ldb), so
+ *    two weights stacked by rows run as one launch (linear_pair). */
 typedef struct kd_gemm_args {
     const void *A; int a_dtype; long long lda; long long a_zstride;
     const int32_t *a_rows;          /* grouped: source row of A for gathered row i (NULL: identity) */
     const bf16 *B; long long ldb; long long b_zstride; bool b_kmajor;
     const bf16 *const *b_ptrs;      /* grouped: one weight per z */
+    const bf16 *B1; int n1;         /* the second weight of a pair and its first column (B1 NULL: none) */
     void *C; int c_dtype; long long ldc; long long c_zstride;
     const int32_t *row_off;         /* grouped: z's rows are [row_off[z], row_off[z+1]) */
     int M, N, K, batch;

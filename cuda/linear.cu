@@ -66,7 +66,7 @@ kd_status kd_cuda_gemm(kd_backend *be, const kd_gemm_args *g0) {
 
     bool async = g.a_dtype == KD_BF16 && g.K % 8 == 0 && g.lda % 8 == 0 && g.ldb % 8 == 0 &&
                  g.a_zstride % 8 == 0 && g.b_zstride % 8 == 0 && aligned16(g.A) &&
-                 (g.b_ptrs || aligned16(g.B)) && (g.b_kmajor || g.N % 8 == 0);
+                 (g.b_ptrs || aligned16(g.B)) && (!g.B1 || aligned16(g.B1)) && (g.b_kmajor || g.N % 8 == 0);
     /* grouped weights: their pointers are checked at experts_load (16-byte aligned allocations) */
 
     /* split-K: the tiles' arrival counters (gemm_counter_bytes), then the partial sums; bound the
@@ -166,6 +166,33 @@ extern "C" kd_status kd_cuda_linear(kd_backend *be, kd_act x, const kd_weight *w
     g.B = (const bf16 *)w->dev; g.ldb = w->cols; g.b_kmajor = true;
     g.C = out.data; g.c_dtype = out.dtype; g.ldc = out.ld;
     g.M = x.rows; g.N = (int)w->rows; g.K = (int)w->cols; g.batch = 1;
+    return kd_cuda_gemm(be, &g);
+}
+
+/* both bf16: one GEMM over the stacked rows (gemm_args.cuh: B1), whose split-K is chosen for
+ * their sum; else a linear each */
+extern "C" kd_status kd_cuda_linear_pair(kd_backend *be, kd_act x, const kd_weight *w0, const kd_weight *w1,
+                                         kd_act out) {
+    const char *n0 = w0 && w0->name ? w0->name : "?", *n1 = w1 && w1->name ? w1->name : "?";
+    if (!w0 || !w0->dev || !w1 || !w1->dev)
+        return kd_fail(KD_ERR_STATE, "cuda linear_pair: weights '%s' and '%s' must be loaded on the device", n0, n1);
+    if (w0->cols != w1->cols || out.cols != w0->rows + w1->rows || x.cols != w0->cols || out.rows != x.rows)
+        return kd_fail(KD_ERR_ARG, "cuda linear_pair: weights '%s' [%lld, %lld] and '%s' [%lld, %lld], x [%d, %d], "
+                       "out [%d, %d]: expected the same input width as x's cols and out's cols = the rows of both", n0,
+                       (long long)w0->rows, (long long)w0->cols, n1, (long long)w1->rows, (long long)w1->cols, x.rows,
+                       x.cols, out.rows, out.cols);
+    if (w0->format != KD_W_BF16 || w1->format != KD_W_BF16 || x.dtype == KD_F16 || !kd_cuda_float_dtype(x.dtype) ||
+        !kd_cuda_float_dtype(out.dtype)) {
+        KD_TRY(kd_cuda_linear(be, x, w0, kd_act_cols(out, 0, (int)w0->rows)));
+        return kd_cuda_linear(be, x, w1, kd_act_cols(out, (int)w0->rows, (int)w1->rows));
+    }
+    if (x.rows == 0) return KD_OK;
+    kd_gemm_args g = {};
+    g.A = x.data; g.a_dtype = x.dtype; g.lda = x.ld;
+    g.B = (const bf16 *)w0->dev; g.ldb = w0->cols; g.b_kmajor = true;
+    g.B1 = (const bf16 *)w1->dev; g.n1 = (int)w0->rows;
+    g.C = out.data; g.c_dtype = out.dtype; g.ldc = out.ld;
+    g.M = x.rows; g.N = (int)(w0->rows + w1->rows); g.K = (int)w0->cols; g.batch = 1;
     return kd_cuda_gemm(be, &g);
 }
 

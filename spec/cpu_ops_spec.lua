@@ -155,6 +155,27 @@ describe("cpu backend ops", function()
     assert.matches("up_proj", ffi.string(C.kd_last_error()))
   end)
 
+  it("linear_pair: out's columns are each weight's linear, bit for bit; a bad pair changes nothing", function()
+    local T, K, N0, N1 = 3, 10, 4, 3
+    local W0 = B.bf16_weight("gate", N0, K, function() return randn() end)
+    local W1 = B.bf16_weight("up", N1, K, function() return randn() end)
+    local x = floats(T * K, function() return randn() end)
+    local out, a, b = ffi.new("float[?]", T * (N0 + N1)), ffi.new("float[?]", T * N0), ffi.new("float[?]", T * N1)
+    ok(be, be.ops.linear_pair(be, B.act(x, T, K), W0.w, W1.w, B.act(out, T, N0 + N1)))
+    ok(be, be.ops.linear(be, B.act(x, T, K), W0.w, B.act(a, T, N0)))
+    ok(be, be.ops.linear(be, B.act(x, T, K), W1.w, B.act(b, T, N1)))
+    for t = 0, T - 1 do
+      for n = 0, N0 - 1 do assert.are.equal(a[t * N0 + n], out[t * (N0 + N1) + n]) end
+      for n = 0, N1 - 1 do assert.are.equal(b[t * N1 + n], out[t * (N0 + N1) + N0 + n]) end
+    end
+    local W2 = B.bf16_weight("wide", N1, K + 1, function() return 1 end)
+    for i = 0, T * (N0 + N1) - 1 do out[i] = 7.5 end
+    local st = be.ops.linear_pair(be, B.act(x, T, K), W0.w, W2.w, B.act(out, T, N0 + N1))
+    assert.are_not.equal(0, tonumber(st))
+    assert.matches("linear_pair: weights 'gate' %[4, 10%] and 'wide' %[3, 11%]", ffi.string(C.kd_last_error()))
+    for i = 0, T * (N0 + N1) - 1 do assert.are.equal(7.5, out[i]) end
+  end)
+
   it("head_matmul, plain (heads strided in out) and transposed, matches per-head products", function()
     local T, H, k, oc, wstride = 3, 3, 5, 7, 12
     local os = oc + 3   -- the plain product's head stride in out: the 3 columns after each head stay as they were

@@ -250,6 +250,32 @@ describe("CUDA ops against the CPU twins #gpu", function()
         note("%-58s bit-identical for M = 1, 37, 64, 65, 130", string.format("linear batch invariance N=%d K=%d", N, K))
       end
     end)
+    it("weight pairs (q_a with kv_a, gate with up): against the CPU, and a row's bits do not depend on M", function()
+      O.seed(16)
+      local pairs = SMALL and { { 96, 40, 256, "tiny" } } or
+                    { { 1536, 576, 7168, "q_a + kv_a" }, { 256, 256, 7168, "TP-8 shared gate + up" },
+                      { 100, 36, 264, "odd widths" } }
+      for _, s in ipairs(pairs) do
+        local N0, N1, K, name = unpack(s)
+        local w0, w1 = O.bf16_weight(N0, K, 1 / math.sqrt(K)), O.bf16_weight(N1, K, 1 / math.sqrt(K))
+        local Mmax = 65
+        local x = O.rand_floats(Mmax * K)
+        for _, M in ipairs({ 1, 17 }) do
+          close(string.format("linear_pair %s M=%d [%d; %d] x %d -> bf16", name, M, N0, N1, K), M * (N0 + N1),
+            function(tb, out) return C.kd_test_linear_pair(tb, x, M, w0, w1, 0, out) end, TOL_BF16)
+        end
+        local N = N0 + N1
+        local full = ffi.new("float[?]", Mmax * N)
+        O.check(C.kd_test_linear_pair(gpu, x, Mmax, w0, w1, 1, full), "linear_pair M=65")
+        for _, M in ipairs({ 1, 17, 64 }) do
+          local part = ffi.new("float[?]", M * N)
+          O.check(C.kd_test_linear_pair(gpu, x, M, w0, w1, 1, part), "linear_pair M=" .. M)
+          local same, at = O.same_bits(part, full, M * N)
+          assert.is_true(same, string.format("linear_pair %s: M=%d differs from M=65 at %s", name, M, tostring(at)))
+        end
+        note("%-58s bit-identical for M = 1, 17, 64, 65", "linear_pair batch invariance " .. name)
+      end
+    end)
   end)
 
   it("head_matmul (MLA absorption), K2.6 and tiny dims", function()

@@ -22,6 +22,7 @@ local WHERE = {
   mla_rope_store = { OPS_SPEC, "C.kd_test_mla_rope_store(" },
   gather_rows = { OPS_SPEC, "C.kd_test_gather_rows(" },
   linear = { OPS_SPEC, "C.kd_test_linear(" },
+  linear_pair = { OPS_SPEC, "C.kd_test_linear_pair(" },
   head_matmul = { OPS_SPEC, "C.kd_test_head_matmul(" },
   attention = { OPS_SPEC, "C.kd_test_attention(" },
   moe = { OPS_SPEC, "C.kd_test_moe(" },

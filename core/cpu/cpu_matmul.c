@@ -16,6 +16,19 @@ kd_status kd_cpu_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act out
  * transposed: W_h = w rows [h*wstride + wrow0, +ocols) (each k = w->cols wide), out_h = x_h W_h^T.
  * else:       W_h = w rows [h*wstride + wrow0, +k) (each ocols = w->cols wide), out_h = x_h W_h.
  * out_h = out[:, h*ocols : (h+1)*ocols]. */
+/* the definition: each weight's linear into its columns of out (every check first) */
+kd_status kd_cpu_linear_pair(kd_backend *be, kd_act x, const kd_weight *w0, const kd_weight *w1, kd_act out) {
+    KD_TRY(kd_cpu_check_weight("linear_pair", w0));
+    KD_TRY(kd_cpu_check_weight("linear_pair", w1));
+    if (w0->cols != w1->cols || out.cols != w0->rows + w1->rows || x.cols != w0->cols || out.rows != x.rows)
+        return kd_fail(KD_ERR_ARG, "cpu linear_pair: weights '%s' [%lld, %lld] and '%s' [%lld, %lld], x [%d, %d], "
+                       "out [%d, %d]: expected the same input width as x's cols and out's cols = the rows of both",
+                       w0->name ? w0->name : "?", (long long)w0->rows, (long long)w0->cols, w1->name ? w1->name : "?",
+                       (long long)w1->rows, (long long)w1->cols, x.rows, x.cols, out.rows, out.cols);
+    KD_TRY(kd_cpu_linear(be, x, w0, kd_act_cols(out, 0, (int)w0->rows)));
+    return kd_cpu_linear(be, x, w1, kd_act_cols(out, (int)w0->rows, (int)w1->rows));
+}
+
 kd_status kd_cpu_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
                              const kd_weight *w, int wstride, int wrow0, bool transposed,
                              kd_act out, int ocols, int ostride) {

@@ -260,6 +260,8 @@ WRAP(mla_rope_store, C_NORM,
      (be, q, qf, nh, kva, w, eps, pos, r, cache, row0, d_len))
 WRAP(gather_rows, C_ELEM, (kd_backend *be, kd_act d, kd_act s, const int32_t *rows, int n), (be, d, s, rows, n))
 WRAP(linear, weight_cat(w), (kd_backend *be, kd_act x, const kd_weight *w, kd_act o), (be, x, w, o))
+WRAP(linear_pair, weight_cat(w0), (kd_backend *be, kd_act x, const kd_weight *w0, const kd_weight *w1, kd_act o),
+     (be, x, w0, w1, o))
 WRAP(head_matmul, C_ABSORB,
      (kd_backend *be, kd_act x, int nh, int xs, int k, const kd_weight *w, int ws, int wr0, bool tr, kd_act o, int oc,
       int os),
@@ -714,6 +716,7 @@ static void wrap_backend(void) {
     g_wrap.mla_rope_store = w_mla_rope_store;
     g_wrap.gather_rows = w_gather_rows;
     g_wrap.linear = w_linear;
+    g_wrap.linear_pair = w_linear_pair;
     g_wrap.head_matmul = w_head_matmul;
     g_wrap.attention = w_attention;
     g_wrap.moe = w_moe;

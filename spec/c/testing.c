@@ -364,6 +364,26 @@ done:
     return st;
 }
 
+kd_status kd_test_linear_pair(kd_test_backend *tb, const float *x, int M, const kd_test_weight *w0,
+                              const kd_test_weight *w1, int out_f32, float *out) {
+    KD_TRY(check_tb(tb, "linear_pair"));
+    if (!w0 || !w1) return kd_fail(KD_ERR_ARG, "kd_test_linear_pair: a weight is NULL");
+    kd_backend *be = tb->be;
+    arena a = {.be = be};
+    kd_status st;
+    kd_weight d0, d1;
+    kd_act dx, o;
+    RUN(up_weight(&a, w0, "test.gate", &d0));
+    RUN(up_weight(&a, w1, "test.up", &d1));
+    RUN(up_act(&a, x, M, (int)w0->cols, be->act_dtype, &dx));
+    RUN(up_act(&a, NULL, M, (int)(w0->rows + w1->rows), out_f32 ? KD_F32 : be->act_dtype, &o));
+    RUN(be->ops->linear_pair(be, dx, &d0, &d1, o));
+    RUN(down_act(&a, o, out));
+done:
+    arena_free(&a);
+    return st;
+}
+
 static kd_status cpu_forms(const float *x, int T, const kd_test_weight *tw, float *out_c, float *out_simd) {
     if (!tw || !out_c || !out_simd || (x && T <= 0))
         return kd_fail(KD_ERR_ARG, "kd_test_cpu_*_forms: a NULL argument or T = %d", T);

@@ -45,6 +45,7 @@ struct Case {
     int M, N, K, batch, splits_asked;
     bool kmajor, a_f32, c_f32;
     std::vector<int> group_rows;   /* grouped: rows of each expert (z), else empty */
+    int n1 = 0;                    /* > 0: a weight pair, columns [n1, N) from a second buffer (linear_pair) */
 };
 
 struct Data {
@@ -93,6 +94,12 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
         g.b_zstride = (long long)N * K;
         g.a_zstride = (long long)M * K;
         g.c_zstride = (long long)M * N;
+    }
+    std::vector<uint16_t> b1;   /* the pair's second weight: rows [n1, N) of the stacked one, elsewhere */
+    if (c.n1 > 0) {
+        b1.assign(d.b16.begin() + (size_t)c.n1 * K, d.b16.begin() + (size_t)N * K);
+        g.B1 = (const bf16 *)b1.data();
+        g.n1 = c.n1;
     }
     const int kt_total = (K + BK - 1) / BK;
     int per = (kt_total + c.splits_asked - 1) / c.splits_asked;
@@ -251,6 +258,12 @@ int main() {
         {"head_matmul k-major", 17, 64, 160, 4, 4, true, false, true, {}},
         {"grouped experts", 25, 72, 96, 3, 1, true, false, true, {5, 0, 20}},
         {"grouped experts", 150, 136, 64, 2, 1, true, false, true, {100, 50}},
+        /* weight pairs (linear_pair): the stacked weight's bits, the second weight apart in memory;
+         * a tile across the seam (n1 = 100), one at it (n1 = 64), with split-K and plain loads */
+        {"linear pair", 1, 136, 328, 1, 5, true, false, false, {}, 100},
+        {"linear pair", 37, 200, 264, 1, 3, true, false, true, {}, 64},
+        {"linear pair", 130, 200, 72, 1, 2, true, false, false, {}, 136},
+        {"linear pair f32 A (plain loads)", 20, 72, 100, 1, 3, true, true, true, {}, 40},
     };
     for (const Case &c : cases) check_case(c);
     /* both places that add the splits, whichever the rule picks for the shape */
