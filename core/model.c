@@ -90,7 +90,6 @@ kd_act kd_fwd_act(void *scratch, size_t off, int rows, int cols, kd_dtype dt) {
     return v;
 }
 
-
 /* what one rank's forward works on */
 typedef struct rank_fwd {
     kd_seq *s;

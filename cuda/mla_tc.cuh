@@ -526,7 +526,7 @@ static inline long long tc_max_chunks(int S, int past, int T, bool causal, bool 
  * rows) where it applies (async, DVP >= 128, its shared memory fits, wide_fits:
  * tc_wide_offsets_fit), else kw = 2. 16-row blocks, when async and vs_mode allow, take kw = 8
  * warps split into vs value slices (up to DVP / 128; more while the grid has fewer than two
- * blocks per SM), which take S from tc_scores_kernel (its shared memory is less than theirs).
+ * blocks per SM), which take S from tc_scores_kernel (where its shared memory fits as well).
  * rg_forced: 1 or 4, else 0 (the rule); vs_mode: 0 off, 1, 2 or 4 forced, 8 the rule. The bits
  * depend on none of these (above). */
 struct TcShape { int rg, kw, vs; };
