@@ -1,6 +1,8 @@
-/* emu_main.cpp: see run.sh. Runs cuda/norm_rope.cu's scale_add, rmsnorm and add_rmsnorm kernels
- * (kernels.inc, extracted by run.sh) under the SIMT emulation of ddtree_emu/inc/cuda_internal.cuh:
- * add_rmsnorm_kernel must give the bits of the add followed by the norm, and the CPU twin's values. */
+/* emu_main.cpp: see run.sh. Runs cuda/norm_rope.cu's scale_add, rmsnorm, add_rmsnorm, rope and
+ * mla_rope_store kernels (kernels.inc, extracted by run.sh) under the SIMT emulation of
+ * ddtree_emu/inc/cuda_internal.cuh: add_rmsnorm_kernel must give the bits of the add followed by
+ * the norm, and the CPU twin's values; mla_rope_store_kernel the bits of rmsnorm_kernel and
+ * rope_kernel on the same rows, written where the op says. */
 #include "cuda_internal.cuh"
 #include "emu_half.h"
 #include <cstdio>
@@ -88,12 +90,62 @@ static void check(int rows, int d, int ydt, float eps) {
     be->ops->destroy(be);
 }
 
+/* mla_rope_store_kernel against rmsnorm_kernel + rope_kernel: T rows of H heads [dn | d] into
+ * qfull heads [r | d], and kva [r | d] into the cache at row0 (+ a device length dlen >= 0) */
+static void check_mla(int T, int H, int dn, int r, int d, int row0, int dlen) {
+    const int qs = dn + d, fs = r + d, kc = r + d, start = row0 + (dlen >= 0 ? dlen : 0), rows = start + T + 2;
+    const float eps = 1e-6f;
+    auto rnd = [](std::vector<uint16_t> &v, float lo, float hi) { for (auto &e : v) e = kd_f32_to_bf16(urand(lo, hi)); };
+    std::vector<uint16_t> q((size_t)T * H * qs), kva((size_t)T * kc), w(r), qf((size_t)T * H * fs), cache((size_t)rows * kc);
+    rnd(q, -2, 2); rnd(kva, -3, 3); rnd(w, 0.5f, 1.5f); rnd(qf, -1, 1); rnd(cache, -1, 1);
+    std::vector<int32_t> pos(T);
+    for (int t = 0; t < T; t++) pos[t] = 5 + 977 * t;
+    std::vector<float> inv(d / 2);
+    for (int i = 0; i < d / 2; i++) inv[i] = powf(50000.0f, -2.0f * i / d);
+    int32_t len = dlen;
+    const int th = threads_for(r), qb = (H * (d / 2) + th - 1) / th;
+    std::vector<uint16_t> qfa = qf, ca = cache;
+    MlaRopeStore a;
+    a.q = q.data(); a.qdt = KD_BF16; a.ldq = (long long)H * qs; a.qs = qs;
+    a.qf = qfa.data(); a.fdt = KD_BF16; a.ldf = (long long)H * fs; a.fs = fs;
+    a.n_heads = H;
+    a.kva = kva.data(); a.kdt = KD_BF16; a.ldk = kc; a.c = r;
+    a.w = w.data(); a.wdt = KD_BF16; a.eps = eps;
+    a.pos = pos.data(); a.inv_freq = inv.data(); a.half = d / 2; a.interleaved = true; a.amp = 1.0f;
+    a.cache = ca.data(); a.cdt = KD_BF16; a.ldc = kc; a.cache_rows = rows; a.row0 = row0;
+    a.d_len = dlen >= 0 ? &len : nullptr;
+    launch(T, th, [&] { mla_rope_store_kernel(a); }, 1 + qb);
+    /* the ops it replaces: rope of q in place, the latent's norm and k_pe's rope in place in kva */
+    std::vector<uint16_t> qr = q, kr = kva, qfb = qf, cb = cache;
+    launch(4, 256, [&] { rope_kernel(qr.data(), KD_BF16, (long long)H * qs, T, H, qs, dn, pos.data(), inv.data(), d / 2,
+                                     true, 1.0f); });
+    launch(T, th, [&] { rmsnorm_kernel(kr.data(), KD_BF16, kc, w.data(), KD_BF16, r, 1, eps, kr.data(), KD_BF16, kc); });
+    launch(4, 256, [&] { rope_kernel(kr.data(), KD_BF16, kc, T, 1, kc, r, pos.data(), inv.data(), d / 2, true, 1.0f); });
+    for (int t = 0; t < T; t++) {
+        for (int h = 0; h < H; h++)
+            for (int j = 0; j < d; j++) qfb[((size_t)t * H + h) * fs + r + j] = qr[((size_t)t * H + h) * qs + dn + j];
+        for (int j = 0; j < kc; j++) cb[(size_t)(start + t) * kc + j] = kr[(size_t)t * kc + j];
+    }
+    checks++;
+    if (qfa != qfb || ca != cb) {
+        fails++;
+        printf("FAIL mla_rope_store T %d H %d [%d | %d] -> [%d | %d] at row %d: %s differs from rmsnorm + rope\n", T, H, dn,
+               d, r, d, start, qfa != qfb ? "qfull" : "the cache");
+        return;
+    }
+    printf("ok   mla_rope_store T %d, %2d heads [%d | %d] -> [%d | %d], rows %d.. (%s length): bits of rmsnorm + rope\n",
+           T, H, dn, d, r, d, start, dlen >= 0 ? "device" : "host");
+}
+
 int main() {
     check(3, 7168, KD_BF16, 1e-6f);    /* K2.6's hidden: 256 threads */
     check(2, 7168, KD_F32, 1e-6f);     /* a rank's fp32 partial sums */
     check(5, 128, KD_BF16, 1e-5f);     /* tiny-k2.6: 64 threads */
     check(4, 100, KD_BF16, 1e-5f);     /* a width that is no multiple of the block */
     check(3, 40, KD_F32, 1e-5f);       /* 32 threads */
+    check_mla(2, 64, 128, 512, 64, 7, -1);   /* K2.6 decode + 1, host length */
+    check_mla(3, 8, 128, 512, 64, 2, 9);     /* a TP-8 rank's heads, device length */
+    check_mla(5, 4, 16, 32, 8, 0, 3);        /* tiny-k2.6's dims */
     printf("%d checks, %d failed\n", checks, fails);
     return fails ? 1 : 0;
 }
