@@ -87,6 +87,8 @@ static void ops(void) {
     ck(kd_test_linear(tb, x, 5, &lw, 1, out), "linear odd");
     ck(kd_test_linear(tb, x, 70, &lw2, 0, out), "linear");
     ck(kd_test_linear(tb, x, 9, &l4, 0, out), "linear int4");
+    ck(kd_test_linear_pair(tb, x, 5, &lw, &lw, 1, out), "linear_pair odd");
+    ck(kd_test_linear_pair(tb, x, 70, &lw2, &lw2, 0, out), "linear_pair");
     kd_test_weight kvb = bf16w(4 * 32, 32);
     ck(kd_test_head_matmul(tb, x, 3, 4 * 24, 4, 24, 16, &kvb, 32, 0, 0, 32, 32, 4 * 32, out), "head_matmul");
     ck(kd_test_head_matmul(tb, x, 3, 4 * 32, 4, 32, 32, &kvb, 32, 16, 1, 16, 16, 4 * 16, out), "head_matmul T");
