@@ -122,12 +122,15 @@ typedef struct kd_backend kd_backend;
     /* elementwise and data movement */                                                                      \
     X(copy, (kd_backend *be, kd_act dst, kd_act src), (be, dst, src))          /* same shape, converts dtype */ \
     X(embed, (kd_backend *be, const kd_weight *table, const int32_t *ids, kd_act out), (be, table, ids, out))  \
+    /* x += y and x += s*y, with y first rounded to x's dtype (a rank's fp32 partial sums are added as    \
+     * the bf16 one device's GEMM would have stored: tp > 1 adds what tp = 1 adds) */                       \
     X(add, (kd_backend *be, kd_act x, kd_act y), (be, x, y))                    /* x += y */                     \
     X(scale_add, (kd_backend *be, kd_act x, kd_act y, float s), (be, x, y, s))  /* x += s*y */                   \
     X(swiglu, (kd_backend *be, kd_act gate, kd_act up, kd_act out), (be, gate, up, out))   /* silu(gate)*up */   \
     /* out = x * rsqrt(mean(x^2)+eps) * w, in fp32; rows may be heads (x viewed [rows*k, cols/k]) */          \
     X(rmsnorm, (kd_backend *be, kd_act x, const kd_weight *w, float eps, kd_act out), (be, x, w, eps, out))    \
-    /* x += y, then out = rmsnorm(x) * w over whole rows (w has x.cols entries; out must not alias x):    \
+    /* x += y (y rounded to x's dtype, as add), then out = rmsnorm(x) * w over whole rows (w has x.cols  \
+     * entries; out must not alias x):                                                                      \
      * the residual add and the next norm in one pass, the bits of add followed by rmsnorm */               \
     X(add_rmsnorm, (kd_backend *be, kd_act x, kd_act y, const kd_weight *w, float eps, kd_act out),             \
       (be, x, y, w, eps, out))                                                                               \

@@ -20,7 +20,6 @@ typedef struct kd_fwd_plan {
     size_t ids, pos, vis, idx;            /* int32 [rows], int32 [rows], uint64 [rows*words], int32 [rows] */
     size_t x, h, t1, t2;                  /* [rows, hidden]: residual, normed input, two block outputs
                                            * (fp32 partial sums at tp > 1) */
-    size_t sum;                           /* [rows, hidden] at tp > 1: the all-reduced block output */
     size_t qkva;                          /* [rows, q_lora_rank + r+dr]: q_a's output (q_lora only), kv_a's */
     size_t q;                             /* [rows, H*(dn+dr)] */
     size_t qfull;                         /* [rows, H*(r+dr)]: per head [q_lat | q_pe], the MQA query */

@@ -68,12 +68,12 @@ void kd_fwd_plan_of(const kd_config *c, const kd_widths *w, size_t a, int rows, 
     REGION(h, R * c->hidden * a);
     /* the block outputs hold partial sums at tp > 1: fp32 there, so that the all-reduce adds
      * what each rank's GEMM accumulated in fp32 and the sum is rounded to the activation type
-     * once (into sum), as one device's GEMM rounds it. Rounding every rank's part first moved a
-     * MoE router's near-tied choice on the H200 (tiny-k2.6 at tp 2: logits off by 0.37). */
+     * once (by the residual add), as one device's GEMM rounds it. Rounding every rank's part
+     * first moved a MoE router's near-tied choice on the H200 (tiny-k2.6 at tp 2: logits off by
+     * 0.37). */
     size_t part = w->tp > 1 && a < 4 ? 4 : a;
     REGION(t1, R * c->hidden * part);
     REGION(t2, R * c->hidden * part);
-    REGION(sum, w->tp > 1 ? R * c->hidden * a : 0);
     REGION(qkva, R * (size_t)((c->q_lora_rank > 0 ? c->q_lora_rank : 0) + r + dr) * a);
     REGION(q, R * (size_t)H * (dn + dr) * a);
     REGION(qfull, R * (size_t)H * (r + dr) * a);
@@ -111,19 +111,13 @@ static kd_act partial(const rank_fwd *f, size_t off, int rows) {
     return kd_fwd_act(f->S->scratch, off, rows, f->s->model->cfg.hidden, dt);
 }
 
-/* x += the sum of every rank's part (part itself on one rank), rounded once to x's type; then,
- * when norm is not NULL, h = rmsnorm(x; norm), the next block's input, in the same pass */
+/* x += the sum of every rank's part (part itself on one rank), rounded once to x's type (the
+ * add rounds its addend to x's dtype: backend.h); then, when norm is not NULL, h = rmsnorm(x;
+ * norm), the next block's input, in the same pass */
 static kd_status add_reduced(const rank_fwd *f, kd_act part, kd_act x, const kd_weight *norm, kd_act h) {
     kd_comm *c = f->s->model->comm;
     kd_backend *be = f->be;
-    if (c) {
-        KD_TRY(c->ops->all_reduce_sum(c, f->r, be, part));
-        if (part.dtype != x.dtype) {
-            kd_act sum = act(f, f->p->sum, part.rows, part.cols);
-            KD_TRY(be->ops->copy(be, sum, part));
-            part = sum;
-        }
-    }
+    if (c) KD_TRY(c->ops->all_reduce_sum(c, f->r, be, part));
     if (!norm) return be->ops->add(be, x, part);
     return be->ops->add_rmsnorm(be, x, part, norm, f->s->model->cfg.rms_norm_eps, h);
 }

@@ -121,6 +121,12 @@ __device__ __forceinline__ void kd_st(void *p, int dt, size_t i, float v) {
     else if (dt == KD_F32) ((float *)p)[i] = v;
     else ((__half *)p)[i] = __float2half(v);
 }
+/* v as a store to dtype dt leaves it (kd_st, then kd_ld) */
+__device__ __forceinline__ float kd_round(int dt, float v) {
+    if (dt == KD_BF16) return __bfloat162float(__float2bfloat16(v));
+    if (dt == KD_F32) return v;
+    return __half2float(__float2half(v));
+}
 static inline bool kd_cuda_float_dtype(kd_dtype t) { return t == KD_F32 || t == KD_BF16 || t == KD_F16; }
 
 /* Block-wide sum with a fixed order: each warp reduces with the same xor tree, then

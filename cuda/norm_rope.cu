@@ -58,7 +58,7 @@ __global__ void scale_add_kernel(void *x, int xdt, long long ldx, const void *y,
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int r = (int)(i / cols), c = (int)(i % cols);
         size_t xi = (size_t)r * ldx + c;
-        float yv = kd_ld(y, ydt, (size_t)r * ldy + c);
+        float yv = kd_round(xdt, kd_ld(y, ydt, (size_t)r * ldy + c));   /* y as x's dtype holds it (backend.h) */
         kd_st(x, xdt, xi, kd_ld(x, xdt, xi) + (s == 1.0f ? yv : s * yv));
     }
 }
@@ -143,7 +143,7 @@ __global__ void add_rmsnorm_kernel(void *x, int xdt, long long ldx, const void *
         for (int j = 0; j < ROW_BATCH; j++) {
             const bool in = i0 + j * step < d;
             xv[j] = in ? kd_ld(x, xdt, xb + i0 + j * step) : 0.0f;
-            yv[j] = in ? kd_ld(y, ydt, yb + i0 + j * step) : 0.0f;
+            yv[j] = in ? kd_round(xdt, kd_ld(y, ydt, yb + i0 + j * step)) : 0.0f;   /* as scale_add_kernel */
         }
 #pragma unroll
         for (int j = 0; j < ROW_BATCH; j++) {

@@ -50,6 +50,20 @@ static void check(int rows, int d, int ydt, float eps) {
         printf("FAIL %d x %d (y %s): add_rmsnorm differs from scale_add + rmsnorm\n", rows, d, kd_dtype_name((kd_dtype)ydt));
         return;
     }
+    if (ydt == KD_F32) {   /* an fp32 addend is added as its bf16 (a rank's partial sums: tp > 1 adds what tp = 1 adds) */
+        std::vector<uint16_t> y16(n), xc = x0, oc(n);
+        for (size_t i = 0; i < n; i++) { float v; memcpy(&v, &y[i * 4], 4); y16[i] = kd_f32_to_bf16(v); }
+        launch(rows, th, [&] {
+            add_rmsnorm_kernel(xc.data(), KD_BF16, d, y16.data(), KD_BF16, d, w.data(), KD_BF16, d, eps, oc.data(), KD_BF16, d);
+        });
+        checks++;
+        if (xc != xb || oc != ob) {
+            fails++;
+            printf("FAIL %d x %d: an fp32 addend is not added as its bf16\n", rows, d);
+            return;
+        }
+        printf("ok   %3d x %5d: an fp32 addend is added as its bf16 (the bits of a bf16 addend)\n", rows, d);
+    }
     /* the CPU twin in fp32 on the same values: within bf16 rounding (the device rounds x + y to
      * bf16 before the norm reads it, and stores the norm in bf16) */
     std::vector<float> xf(n), yf(n), of(n);
