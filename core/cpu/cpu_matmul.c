@@ -1,4 +1,4 @@
-/* cpu_matmul.c: linear (out = x W^T) and the per-head products of MLA absorption. */
+/* cpu_matmul.c: linear (out = x W^T), a pair of them, and the per-head products of MLA absorption. */
 #include "cpu.h"
 
 kd_status kd_cpu_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act out) {
@@ -12,10 +12,6 @@ kd_status kd_cpu_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act out
     return kd_cpu_matmul_wt(be, x.data, x.rows, x.ld, x.cols, w, 0, 0, out.cols, out.data, out.ld);
 }
 
-/* Per head h: x_h = x[:, h*xstride : h*xstride + k].
- * transposed: W_h = w rows [h*wstride + wrow0, +ocols) (each k = w->cols wide), out_h = x_h W_h^T.
- * else:       W_h = w rows [h*wstride + wrow0, +k) (each ocols = w->cols wide), out_h = x_h W_h.
- * out_h = out[:, h*ocols : (h+1)*ocols]. */
 /* the definition: each weight's linear into its columns of out (every check first) */
 kd_status kd_cpu_linear_pair(kd_backend *be, kd_act x, const kd_weight *w0, const kd_weight *w1, kd_act out) {
     KD_TRY(kd_cpu_check_weight("linear_pair", w0));
@@ -29,6 +25,10 @@ kd_status kd_cpu_linear_pair(kd_backend *be, kd_act x, const kd_weight *w0, cons
     return kd_cpu_linear(be, x, w1, kd_act_cols(out, (int)w0->rows, (int)w1->rows));
 }
 
+/* Per head h: x_h = x[:, h*xstride : h*xstride + k].
+ * transposed: W_h = w rows [h*wstride + wrow0, +ocols) (each k = w->cols wide), out_h = x_h W_h^T.
+ * else:       W_h = w rows [h*wstride + wrow0, +k) (each ocols = w->cols wide), out_h = x_h W_h.
+ * out_h = out[:, h*ostride : h*ostride + ocols]. */
 kd_status kd_cpu_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
                              const kd_weight *w, int wstride, int wrow0, bool transposed,
                              kd_act out, int ocols, int ostride) {
@@ -37,12 +37,13 @@ kd_status kd_cpu_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride,
     KD_TRY(kd_cpu_check_f32("head_matmul", "out", out));
     int64_t wrows_h = transposed ? ocols : k;
     if (n_heads <= 0 || k <= 0 || ocols <= 0 || ostride < ocols || (n_heads - 1) * xstride + k > x.cols ||
-        out.rows != x.rows || (int64_t)(n_heads - 1) * ostride + ocols > out.cols || (transposed ? k : ocols) != w->cols ||
-        (int64_t)(n_heads - 1) * wstride + wrow0 + wrows_h > w->rows || wrow0 < 0)
+        out.rows != x.rows || (int64_t)(n_heads - 1) * ostride + ocols > out.cols ||
+        (transposed ? k : ocols) != w->cols || (int64_t)(n_heads - 1) * wstride + wrow0 + wrows_h > w->rows ||
+        wrow0 < 0)
         return kd_fail(KD_ERR_ARG, "cpu head_matmul: %d heads, k %d, ocols %d (stride %d), x %d x %d (stride %d), "
                        "out %d x %d, weight '%s' [%lld, %lld] rows h*%d+%d (%s)", n_heads, k, ocols, ostride, x.rows,
-                       x.cols, xstride, out.rows, out.cols, w->name ? w->name : "?", (long long)w->rows, (long long)w->cols,
-                       wstride, wrow0, transposed ? "transposed" : "plain");
+                       x.cols, xstride, out.rows, out.cols, w->name ? w->name : "?", (long long)w->rows,
+                       (long long)w->cols, wstride, wrow0, transposed ? "transposed" : "plain");
     const float *xd = x.data;
     float *od = out.data;
     for (int h = 0; h < n_heads; h++) {
@@ -55,7 +56,8 @@ kd_status kd_cpu_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride,
         /* out_h[t, :] = sum_i x_h[t, i] * W_h[i, :], i ascending (same order for every T) */
         float *row;
         KD_TRY(kd_cpu_work(be, (size_t)ocols, &row));
-        for (int t = 0; t < x.rows; t++) memset(od + (size_t)t * out.ld + (size_t)h * ostride, 0, ocols * sizeof(float));
+        for (int t = 0; t < x.rows; t++)
+            memset(od + (size_t)t * out.ld + (size_t)h * ostride, 0, ocols * sizeof(float));
         for (int i = 0; i < k; i++) {
             kd_cpu_weight_row(w, r0 + i, 0, ocols, row);
             for (int t = 0; t < x.rows; t++) {

@@ -69,7 +69,8 @@ static kd_status replay(kd_backend *be, const rec *r) {
     case OP_LINEAR: return o->linear(be, r->a[0], r->p[0], r->a[1]);
     case OP_LINEAR_PAIR: return o->linear_pair(be, r->a[0], r->p[0], r->p[1], r->a[1]);
     case OP_HEAD_MATMUL:
-        return o->head_matmul(be, r->a[0], r->i[0], r->i[1], r->i[2], r->p[0], r->i[3], r->i[4], r->b, r->a[1], r->i[5], r->i[6]);
+        return o->head_matmul(be, r->a[0], r->i[0], r->i[1], r->i[2], r->p[0], r->i[3], r->i[4], r->b, r->a[1], r->i[5],
+                              r->i[6]);
     case OP_ATTENTION:
         return o->attention(be, r->a[0], r->i[0], r->i[1], r->a[1], r->a[2], r->i[2], r->i[3], r->b, r->p[0], r->i[4],
                             r->f, r->a[3]);

@@ -54,7 +54,8 @@ static void check(int rows, int d, int ydt, float eps) {
         std::vector<uint16_t> y16(n), xc = x0, oc(n);
         for (size_t i = 0; i < n; i++) { float v; memcpy(&v, &y[i * 4], 4); y16[i] = kd_f32_to_bf16(v); }
         launch(rows, th, [&] {
-            add_rmsnorm_kernel(xc.data(), KD_BF16, d, y16.data(), KD_BF16, d, w.data(), KD_BF16, d, eps, oc.data(), KD_BF16, d);
+            add_rmsnorm_kernel(xc.data(), KD_BF16, d, y16.data(), KD_BF16, d, w.data(), KD_BF16, d, eps, oc.data(),
+                               KD_BF16, d);
         });
         checks++;
         if (xc != xb || oc != ob) {
