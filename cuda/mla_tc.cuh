@@ -66,6 +66,13 @@ constexpr int TC_HD_MAX = 576, TC_DV_MAX = 512;
 constexpr int TC_STAGE_BYTES = TC_KSLAB * TC_P1LD * 2;   /* phase 1's slab; phase 2's fit (tc_chunk_kernel) */
 constexpr int TC_SKEYS = 64;               /* keys of a tc_scores_kernel block (8 a chunk) */
 
+/* the kernels' dynamic shared memory (the emulator hands out its own buffer) */
+#ifdef KD_MLA_EMU
+#define TC_DYNAMIC_SMEM(name) unsigned char *name = mla_emu_smem()
+#else
+#define TC_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 struct TcArgs {
     const uint16_t *q; long long ldq;
     const uint16_t *k; long long ldk; int kstride;
@@ -89,6 +96,26 @@ __device__ __forceinline__ void tc_past_rows(const TcArgs &a, int *past, int *S)
     p = p > a.S - a.T ? a.S - a.T : p;
     *past = p; *S = p + a.T;
 }
+/* where this block works: x is its chunk in the launch (tail: counted from past's chunk), blockIdx.y
+ * its row block (tail: query * rb_per_q + row block of `rows`). false: a shared launch's chunk that
+ * reaches into the new rows (the tail launch takes it) */
+__device__ __forceinline__ bool tc_block_place(const TcArgs &a, int past, int x, int rows, int *c, int *tq, int *rbase) {
+    const int y = (int)blockIdx.y;
+    if (a.tail) {
+        *c = past / TC_CHUNK + x;
+        *tq = y / a.rb_per_q;
+        *rbase = (y % a.rb_per_q) * rows;
+        return true;
+    }
+    *c = x;
+    *tq = 0;
+    *rbase = y * rows;
+    return !(a.vis_list && (x + 1) * TC_CHUNK > past);
+}
+/* the partials' slot of query t, head h, chunk c (pm, pl; po and ps hold dv and TC_CHUNK floats a slot) */
+__device__ __forceinline__ size_t tc_slot(const TcArgs &a, int t, int h, int c) {
+    return ((size_t)(t - a.t0) * a.Hq + h) * a.nc_max + c;
+}
 __device__ __forceinline__ int tc_nvis(const TcArgs &a, int past, int S, int t) {
     if (a.vis_list) return past + a.vis_cnt[t];
     if (a.causal) return S < past + t + 1 ? S : past + t + 1;
@@ -111,7 +138,27 @@ __device__ __forceinline__ void tc_copy8(uint16_t *dst, const uint16_t *base, in
     }
 }
 
-/* The block's rows (tc_chunk_kernel, tc_wide_kernel): row r of ROWS is query t_s[r] (-1: inert)
+/* Q rows into q_s [rows][qld] by plain loads: row r is query t_s[r] (-1: zeros) at head h_s[r], dims
+ * from hd to HDP zeros (tc_chunk_kernel, tc_scores_kernel) */
+template <int NTH>
+__device__ __forceinline__ void tc_load_q(const TcArgs &a, uint16_t *q_s, int qld, int rows, const int *t_s,
+                                          const int *h_s) {
+    const int du = a.HDP / 8;
+    for (int i = threadIdx.x; i < rows * du; i += NTH) {
+        const int r = i / du, d0 = (i % du) * 8, t = t_s[r];
+        uint16_t *dst = q_s + r * qld + d0;
+        const uint16_t *src = a.q + (size_t)(t >= 0 ? t : 0) * a.ldq + (size_t)h_s[r] * a.hd + d0;
+        if (a.qvec) {
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (t >= 0 && d0 < a.hd) v = *(const uint4 *)src;
+            *(uint4 *)dst = v;
+        } else {
+            for (int e = 0; e < 8; e++) dst[e] = (t >= 0 && d0 + e < a.hd) ? src[e] : (uint16_t)0;
+        }
+    }
+}
+
+/* The block's rows (tc_chunk_kernel, tc_wide_kernel, tc_scores_kernel): row r of ROWS is query t_s[r] (-1: inert)
  * and head h_s[r], sees nv_s[r] keys of the chunk starting at ordinal o0, and its query is cache
  * row qr_s[r]. Returns the most keys any row sees, the tile's loaded length (nl_s: its slot).
  * Two barriers. */
@@ -203,11 +250,7 @@ static inline size_t tc_smem_bytes(int HDP, int rg, int kw = 2) {
 template <int DVP, bool ASYNC, int RG, int KW = 2, int VS = 1, bool SPLIT = false>
 __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
     kd_griddep_enter();
-#ifdef KD_MLA_EMU
-    unsigned char *smem = mla_emu_smem();
-#else
-    extern __shared__ __align__(16) unsigned char smem[];
-#endif
+    TC_DYNAMIC_SMEM(smem);
     static_assert(KW == 2 || KW == 8, "KW: 2 or 8 warps per row group");
     static_assert(VS == 1 || VS == 2 || VS == 4, "VS: 1, 2 or 4 value slices");
     static_assert(!SPLIT || (RG == 1 && KW == 8 && ASYNC), "SPLIT: the 16-row blocks of 8 warps");
@@ -237,16 +280,8 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
     const int g = (int)blockIdx.z / VS, sl = (int)blockIdx.z % VS;
     int past, S;
     tc_past_rows(a, &past, &S);
-    int c, tq = 0, rbase;
-    if (a.tail) {
-        c = past / TC_CHUNK + (int)blockIdx.x;
-        tq = (int)blockIdx.y / a.rb_per_q;
-        rbase = ((int)blockIdx.y % a.rb_per_q) * ROWS;
-    } else {
-        c = blockIdx.x;
-        rbase = (int)blockIdx.y * ROWS;
-        if (a.vis_list && (c + 1) * TC_CHUNK > past) return;   /* not wholly in the prefix: tail launch */
-    }
+    int c, tq, rbase;
+    if (!tc_block_place(a, past, (int)blockIdx.x, ROWS, &c, &tq, &rbase)) return;
     const int o0 = c * TC_CHUNK;
 
     const int n_load = tc_block_rows<ROWS>(a, past, S, o0, tq, rbase, g, t_s, h_s, nv_s, qr_s, nl_s);
@@ -254,18 +289,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
 
     for (int j = tid; j < TC_CHUNK; j += NTH)
         row_s[j] = j < n_load ? (a.tail ? tc_ordinal_row(a, past, a.t0 + tq, o0 + j) : o0 + j) : -1;
-    for (int i = tid; i < (SPLIT ? 0 : ROWS * (HDP / 8)); i += NTH) {
-        int r = i / (HDP / 8), d0 = (i % (HDP / 8)) * 8, t = t_s[r];
-        uint16_t *dst = q_s + r * QLD + d0;
-        if (a.qvec) {
-            uint4 w = make_uint4(0u, 0u, 0u, 0u);
-            if (t >= 0 && d0 < a.hd) w = *(const uint4 *)(a.q + (size_t)t * a.ldq + (size_t)h_s[r] * a.hd + d0);
-            *(uint4 *)dst = w;
-        } else {
-            for (int e = 0; e < 8; e++)
-                dst[e] = (t >= 0 && d0 + e < a.hd) ? a.q[(size_t)t * a.ldq + (size_t)h_s[r] * a.hd + d0 + e] : (uint16_t)0;
-        }
-    }
+    if (!SPLIT) tc_load_q<NTH>(a, q_s, QLD, ROWS, t_s, h_s);
     __syncthreads();
 
     const int kg_n = (n_load + TC_KSLAB - 1) / TC_KSLAB;
@@ -285,6 +309,8 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
         for (int nt = 0; nt < NT1; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) sc[kg][nt][e] = 0.0f;
+    /* the first of the two keys of n-tile nt of key group kg that this thread holds */
+    auto key0 = [&](int kg, int nt) { return kg * TC_KSLAB + kw * KPW + nt * 8 + 2 * (lane & 3); };
     int s = 0;
     const uint16_t *qa = q_s + (rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * QLD + (lane >> 4) * 8;
     const int kb_off = (kw * KPW + ((lane >> 4) << 3) + (lane & 7)) * TC_P1LD + ((lane >> 3) & 1) * 8;
@@ -295,11 +321,10 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
             for (int nt = 0; nt < NT1; nt++)
 #pragma unroll
                 for (int hr = 0; hr < 2; hr++) {
-                    const int row = rg * 16 + (lane >> 2) + hr * 8, t = t_s[row];
-                    const int j = kg * TC_KSLAB + kw * KPW + nt * 8 + 2 * (lane & 3);
-                    const size_t slot = ((size_t)(t - a.t0) * a.Hq + h_s[row]) * a.nc_max + c;
+                    const int row = rg * 16 + (lane >> 2) + hr * 8, t = t_s[row], j = key0(kg, nt);
                     float2 v = make_float2(0.0f, 0.0f);
-                    if (t >= 0 && j / TC_SKEYS * TC_SKEYS < n_load) v = *(const float2 *)(a.ps + slot * TC_CHUNK + j);
+                    if (t >= 0 && j / TC_SKEYS * TC_SKEYS < n_load)
+                        v = *(const float2 *)(a.ps + tc_slot(a, t, h_s[row], c) * TC_CHUNK + j);
                     sc[kg][nt][2 * hr] = v.x;
                     sc[kg][nt][2 * hr + 1] = v.y;
                 }
@@ -339,7 +364,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int hr = e >> 1, row = r0 + hr * 8;
-                const int j = kg * TC_KSLAB + kw * KPW + nt * 8 + 2 * (lane & 3) + (e & 1);
+                const int j = key0(kg, nt) + (e & 1);
                 bool ok = j < nv_s[row] && (a.window <= 0 || qr_s[row] - row_s[j] < a.window);
                 float v = ok ? sc[kg][nt][e] * a.scale2 : -INFINITY;
                 sc[kg][nt][e] = v;
@@ -366,7 +391,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
 #pragma unroll
             for (int hr = 0; hr < 2; hr++) {
                 const int row = r0 + hr * 8;
-                const int j = kg * TC_KSLAB + kw * KPW + nt * 8 + 2 * (lane & 3);
+                const int j = key0(kg, nt);
                 float v0 = sc[kg][nt][2 * hr], v1 = sc[kg][nt][2 * hr + 1];
                 uint16_t b0 = v0 == -INFINITY ? (uint16_t)0 : f2bf(exp2f(v0 - m[hr]));
                 uint16_t b1 = v1 == -INFINITY ? (uint16_t)0 : f2bf(exp2f(v1 - m[hr]));
@@ -441,7 +466,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
     for (int hr = 0; hr < 2; hr++) {
         const int row = r0 + hr * 8, t = t_s[row];
         if (t < 0) continue;
-        const size_t slot = ((size_t)(t - a.t0) * a.Hq + h_s[row]) * a.nc_max + c;
+        const size_t slot = tc_slot(a, t, h_s[row], c);
         if (sl == 0 && kw == 0 && (lane & 3) == 0) {
             a.pm[slot] = m[hr];
             a.pl[slot] = lred_s[row] + lred_s[ROWS + row];
@@ -466,18 +491,15 @@ constexpr int MERGE_BATCH = 8;
 static inline size_t tc_merge_smem(int nc_max) { return (size_t)3 * nc_max * sizeof(float); }
 __global__ void tc_merge_kernel(TcArgs a, void *out, int odt, long long ldo) {
     kd_griddep_enter();
-#ifdef KD_MLA_EMU
-    float *pm_s = (float *)mla_emu_smem();
-#else
-    extern __shared__ float pm_s[];
-#endif
+    TC_DYNAMIC_SMEM(smem);
+    float *pm_s = (float *)smem;
     float *pl_s = pm_s + a.nc_max, *w_s = pl_s + a.nc_max;   /* w_s: 2^(m_c - M), -1 for an empty chunk */
     const int h = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
     int past, S;
     tc_past_rows(a, &past, &S);
     const int nvis = tc_nvis(a, past, S, t);
     const int nc = (nvis + TC_CHUNK - 1) / TC_CHUNK;
-    const size_t base = ((size_t)tb * a.Hq + h) * a.nc_max;
+    const size_t base = tc_slot(a, t, h, 0);
     for (int c = threadIdx.x; c < nc; c += blockDim.x) {
         pm_s[c] = a.pm[base + c];
         pl_s[c] = a.pl[base + c];

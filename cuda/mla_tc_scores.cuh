@@ -4,7 +4,7 @@
  * Why: a 16-row block of tc_chunk_kernel (decode, small T at short context) reads its chunk's
  * whole key tile (512 keys x 576 dims, 590 KB at MLA's dims) for 16 rows, and each of its value
  * slices reads it again; at K2.6's decode a handful of such blocks stream it through a handful
- * of SMs (cuda_ops_bench, H200: 38 us at 1K for 1.2 MB of cache). Here a block takes 64 keys
+ * of SMs (cuda_ops_bench, H100, 2026-12-05: 38 us at 1K for 1.2 MB of cache). Here a block takes 64 keys
  * (74 KB) of the chunk for the same 16 rows, so 8 blocks share a chunk's keys, and writes S to
  * a.ps; tc_chunk_kernel<..., SPLIT> then runs the softmax and O = P V from it.
  *
@@ -31,11 +31,7 @@ static inline size_t tc_scores_smem_bytes(int HDP) {
  * kernel's (tc_chunk_kernel with RG 1, VS slices: z = kv head here) */
 __global__ void __launch_bounds__(TS_NTH) tc_scores_kernel(TcArgs a) {
     kd_griddep_enter();
-#ifdef KD_MLA_EMU
-    unsigned char *smem = mla_emu_smem();
-#else
-    extern __shared__ __align__(16) unsigned char smem[];
-#endif
+    TC_DYNAMIC_SMEM(smem);
     const int HDP = a.HDP, LD = HDP + 8;
     uint16_t *q_s = (uint16_t *)smem;                        /* [TS_ROWS][LD] */
     uint16_t *k_s = q_s + TS_ROWS * LD;                      /* [TC_SKEYS][LD] */
@@ -47,34 +43,15 @@ __global__ void __launch_bounds__(TS_NTH) tc_scores_kernel(TcArgs a) {
     int past, S;
     tc_past_rows(a, &past, &S);
     const int kb = (int)blockIdx.x % TS_KB;
-    int c, tq = 0, rbase;
-    if (a.tail) {
-        c = past / TC_CHUNK + (int)blockIdx.x / TS_KB;
-        tq = (int)blockIdx.y / a.rb_per_q;
-        rbase = ((int)blockIdx.y % a.rb_per_q) * TS_ROWS;
-    } else {
-        c = (int)blockIdx.x / TS_KB;
-        rbase = (int)blockIdx.y * TS_ROWS;
-        if (a.vis_list && (c + 1) * TC_CHUNK > past) return;   /* not wholly in the prefix: tail launch */
-    }
+    int c, tq, rbase;
+    if (!tc_block_place(a, past, (int)blockIdx.x / TS_KB, TS_ROWS, &c, &tq, &rbase)) return;
     const int o0 = c * TC_CHUNK, j0 = kb * TC_SKEYS;
     const int n_load = tc_block_rows<TS_ROWS>(a, past, S, o0, tq, rbase, g, t_s, h_s, nv_s, qr_s, nl_s);
     if (n_load <= j0) return;
 
     for (int j = tid; j < TC_SKEYS; j += TS_NTH)
         row_s[j] = j0 + j < n_load ? (a.tail ? tc_ordinal_row(a, past, a.t0 + tq, o0 + j0 + j) : o0 + j0 + j) : -1;
-    for (int i = tid; i < TS_ROWS * (HDP / 8); i += TS_NTH) {   /* Q rows: tc_chunk_kernel's loads */
-        const int r = i / (HDP / 8), d0 = (i % (HDP / 8)) * 8, t = t_s[r];
-        uint16_t *dst = q_s + r * LD + d0;
-        if (a.qvec) {
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (t >= 0 && d0 < a.hd) v = *(const uint4 *)(a.q + (size_t)t * a.ldq + (size_t)h_s[r] * a.hd + d0);
-            *(uint4 *)dst = v;
-        } else {
-            for (int e = 0; e < 8; e++)
-                dst[e] = (t >= 0 && d0 + e < a.hd) ? a.q[(size_t)t * a.ldq + (size_t)h_s[r] * a.hd + d0 + e] : (uint16_t)0;
-        }
-    }
+    tc_load_q<TS_NTH>(a, q_s, LD, TS_ROWS, t_s, h_s);
     __syncthreads();   /* row_s */
     const uint16_t *kbase = a.k + (size_t)g * a.kstride;
     for (int i = tid; i < TC_SKEYS * (HDP / 8); i += TS_NTH) {   /* the whole key tile in one group */
@@ -100,7 +77,7 @@ __global__ void __launch_bounds__(TS_NTH) tc_scores_kernel(TcArgs a) {
     for (int hr = 0; hr < 2; hr++) {
         const int row = (lane >> 2) + hr * 8, t = t_s[row];
         if (t < 0) continue;
-        float *ps = a.ps + (((size_t)(t - a.t0) * a.Hq + h_s[row]) * a.nc_max + c) * TC_CHUNK;
+        float *ps = a.ps + tc_slot(a, t, h_s[row], c) * TC_CHUNK;
 #pragma unroll
         for (int nt = 0; nt < 2; nt++)
             *(float2 *)(ps + j0 + w * 16 + nt * 8 + 2 * (lane & 3)) = make_float2(sc[nt][2 * hr], sc[nt][2 * hr + 1]);

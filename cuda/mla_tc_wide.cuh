@@ -84,11 +84,7 @@ static inline bool tc_wide_offsets_fit(long long rows, long long ldk, long long 
 template <int DVP>
 __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
     kd_griddep_enter();
-#ifdef KD_MLA_EMU
-    unsigned char *smem = mla_emu_smem();
-#else
-    extern __shared__ __align__(16) unsigned char smem[];
-#endif
+    TC_DYNAMIC_SMEM(smem);
     static_assert(DVP >= 128 && DVP <= TC_DV_MAX, "DVP: 128..512");
     constexpr int DW = DVP / TW_WARPS, NT2 = DW / 8;       /* phase 2: value dims and n-tiles per warp */
     constexpr int KPW = TC_CHUNK / TW_WARPS, NT1 = KPW / 8; /* phase 1: keys and n-tiles per warp */
@@ -112,16 +108,8 @@ __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = blockIdx.z;
     int past, S;
     tc_past_rows(a, &past, &S);
-    int c, tq = 0, rbase;
-    if (a.tail) {
-        c = past / TC_CHUNK + (int)blockIdx.x;
-        tq = (int)blockIdx.y / a.rb_per_q;
-        rbase = ((int)blockIdx.y % a.rb_per_q) * ROWS;
-    } else {
-        c = blockIdx.x;
-        rbase = (int)blockIdx.y * ROWS;
-        if (a.vis_list && (c + 1) * TC_CHUNK > past) return;   /* not wholly in the prefix: tail launch */
-    }
+    int c, tq, rbase;
+    if (!tc_block_place(a, past, (int)blockIdx.x, ROWS, &c, &tq, &rbase)) return;
     const int o0 = c * TC_CHUNK;
 
     const int n_load = tc_block_rows<ROWS>(a, past, S, o0, tq, rbase, g, t_s, h_s, nv_s, qr_s, nl_s);
@@ -298,7 +286,7 @@ __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
         for (int hr = 0; hr < 2; hr++) {
             const int row = mt * 16 + (lane >> 2) + hr * 8, t = t_s[row];
             if (t < 0) continue;
-            const size_t slot = ((size_t)(t - a.t0) * a.Hq + h_s[row]) * a.nc_max + c;
+            const size_t slot = tc_slot(a, t, h_s[row], c);
             if (w == 0 && (lane & 3) == 0) {
                 a.pm[slot] = m_s[row];
                 a.pl[slot] = lred_s[row] + lred_s[ROWS + row];
