@@ -275,6 +275,15 @@ static int wdtype(const kd_weight *w) { return w->format == KD_W_F32 ? KD_F32 : 
 
 }  // namespace
 
+/* rows of `row` bytes, ld* bytes apart, in units U */
+template <typename U>
+static kd_status copy_rows(const kd_cuda *c, void *dst, size_t ldd, const void *src, size_t lds, int rows, size_t row) {
+    const int cols = (int)(row / sizeof(U));
+    return kd_launch_pdl("copy_rows_kernel", copy_rows_kernel<U>, ew_blocks(c, (size_t)rows * cols), EW_THREADS, 0,
+                         c->stream, (U *)dst, (long long)(ldd / sizeof(U)), (const U *)src, (long long)(lds / sizeof(U)),
+                         rows, cols);
+}
+
 extern "C" kd_status kd_cuda_copy(kd_backend *be, kd_act dst, kd_act src) {
     kd_cuda *c = kd_cuda_of(be);
     KD_TRY(check_shape("copy", "dst", dst, src.rows, src.cols));
@@ -287,24 +296,10 @@ extern "C" kd_status kd_cuda_copy(kd_backend *be, kd_act dst, kd_act src) {
         const size_t lds = (size_t)(src.rows > 1 ? src.ld : src.cols) * es;
         const size_t ldd = (size_t)(dst.rows > 1 ? dst.ld : dst.cols) * es;
         const size_t bits = (uintptr_t)src.data | (uintptr_t)dst.data | lds | ldd | row;
-        const size_t u = (bits & 15) == 0 ? 16 : (bits & 7) == 0 ? 8 : (bits & 3) == 0 ? 4 : 2;
-        const int cols = (int)(row / u);
-        const size_t n = (size_t)src.rows * cols;
-        if (u == 16)
-            return kd_launch_pdl("copy_rows_kernel", copy_rows_kernel<uint4>, ew_blocks(c, n), EW_THREADS, 0, c->stream,
-                                 (uint4 *)dst.data, (long long)(ldd / u), (const uint4 *)src.data, (long long)(lds / u),
-                                 src.rows, cols);
-        if (u == 8)
-            return kd_launch_pdl("copy_rows_kernel", copy_rows_kernel<uint2>, ew_blocks(c, n), EW_THREADS, 0, c->stream,
-                                 (uint2 *)dst.data, (long long)(ldd / u), (const uint2 *)src.data, (long long)(lds / u),
-                                 src.rows, cols);
-        if (u == 4)
-            return kd_launch_pdl("copy_rows_kernel", copy_rows_kernel<uint32_t>, ew_blocks(c, n), EW_THREADS, 0,
-                                 c->stream, (uint32_t *)dst.data, (long long)(ldd / u), (const uint32_t *)src.data,
-                                 (long long)(lds / u), src.rows, cols);
-        return kd_launch_pdl("copy_rows_kernel", copy_rows_kernel<uint16_t>, ew_blocks(c, n), EW_THREADS, 0, c->stream,
-                             (uint16_t *)dst.data, (long long)(ldd / u), (const uint16_t *)src.data, (long long)(lds / u),
-                             src.rows, cols);
+        if ((bits & 15) == 0) return copy_rows<uint4>(c, dst.data, ldd, src.data, lds, src.rows, row);
+        if ((bits & 7) == 0) return copy_rows<uint2>(c, dst.data, ldd, src.data, lds, src.rows, row);
+        if ((bits & 3) == 0) return copy_rows<uint32_t>(c, dst.data, ldd, src.data, lds, src.rows, row);
+        return copy_rows<uint16_t>(c, dst.data, ldd, src.data, lds, src.rows, row);
     }
     KD_TRY(check_view("copy", "dst", dst));
     KD_TRY(check_view("copy", "src", src));
