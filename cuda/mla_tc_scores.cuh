@@ -3,10 +3,10 @@
  *
  * Why: a 16-row block of tc_chunk_kernel (decode, small T at short context) reads its chunk's
  * whole key tile (512 keys x 576 dims, 590 KB at MLA's dims) for 16 rows, and each of its value
- * slices reads it again; at K2.6's decode a handful of such blocks stream it through a handful
- * of SMs (cuda_ops_bench, H100, 2026-12-05: 38 us at 1K for 1.2 MB of cache). Here a block takes 64 keys
- * (74 KB) of the chunk for the same 16 rows, so 8 blocks share a chunk's keys, and writes S to
- * a.ps; tc_chunk_kernel<..., SPLIT> then runs the softmax and O = P V from it.
+ * slices reads it again, one SM streaming a whole tile (cuda_ops_bench, H100, 2026-12-05: K2.6
+ * decode at 1K, 48 such blocks, 38 us for 1.2 MB of cache). Here a block takes 64 keys (74 KB) of
+ * the chunk for the same 16 rows, so 8 blocks share a chunk's keys, and writes S to a.ps;
+ * tc_chunk_kernel<..., SPLIT> then runs the softmax and O = P V from it.
  *
  * The bits are tc_chunk_kernel's: an S element is one mma accumulator, from 0, over the key
  * dims in ascending 16-dim steps up to HDP (dims past hd are zeros in both), with the same
