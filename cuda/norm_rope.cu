@@ -437,7 +437,6 @@ extern "C" kd_status kd_cuda_mla_rope_store(kd_backend *be, kd_act q, kd_act qfu
         return kd_fail(KD_ERR_ARG, "cuda mla_rope_store: rows [%d, %lld) outside the %d cache rows", row0,
                        (long long)row0 + kva.rows, cache.rows);
     if (kva.rows == 0) return KD_OK;
-    if (kva.rows > 0x7fffffff / 2) return kd_fail(KD_ERR_ARG, "cuda mla_rope_store: %d rows", kva.rows);
     MlaRopeStore a;
     a.q = q.data; a.qdt = q.dtype; a.ldq = q.ld; a.qs = q.cols / n_heads;
     a.qf = qfull.data; a.fdt = qfull.dtype; a.ldf = qfull.ld; a.fs = qfull.cols / n_heads;
