@@ -388,15 +388,18 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
         const int nsh = tc_shared_chunks(S, past, t0, tb, causal, visible != NULL, d_past != NULL);
         if (nsh > 0) {
             a.tail = 0;
-            dim3 grid(nsh, (tb * G + rows - 1) / rows, n_kv_heads * sh.vs);
+            a.rows_fastest = tc_rows_fastest(sh);
+            const int rbs = (tb * G + rows - 1) / rows;
+            dim3 grid(a.rows_fastest ? rbs : nsh, a.rows_fastest ? nsh : rbs, n_kv_heads * sh.vs);
             if (split)
-                KD_TRY(kd_launch_pdl("tc_scores_kernel (shared)", tc_scores_kernel, dim3(grid.x * TS_KB, grid.y, n_kv_heads),
+                KD_TRY(kd_launch_pdl("tc_scores_kernel (shared)", tc_scores_kernel, dim3(nsh * TS_KB, rbs, n_kv_heads),
                                      TS_NTH, ssmem, c->stream, a));
             KD_TRY(kd_launch_pdl("tc_chunk_kernel (shared)", fn, grid, nth, smem, c->stream, a));
         }
         /* tail launch (tree mask): chunks reaching into the new rows, one query per block */
         if (visible) {
             a.tail = 1;
+            a.rows_fastest = false;
             dim3 grid((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, n_kv_heads * sh.vs);
             if (split)
                 KD_TRY(kd_launch_pdl("tc_scores_kernel (tail)", tc_scores_kernel, dim3(grid.x * TS_KB, grid.y, n_kv_heads),

@@ -86,6 +86,7 @@ struct TcArgs {
     float *pm, *pl, *po;                          /* partials [tb][Hq][nc_max] (+ [dv] for po) */
     float *ps;                                    /* split path: S [tb][Hq][nc_max][TC_CHUNK] (tc_scores_kernel) */
     int tail, rb_per_q;                           /* tail launch; row blocks per query there */
+    bool rows_fastest;                            /* grid x is the row block, y the chunk (tc_rows_fastest) */
     bool qvec;                                    /* q rows may be read 16 bytes at a time */
 };
 
@@ -96,11 +97,11 @@ __device__ __forceinline__ void tc_past_rows(const TcArgs &a, int *past, int *S)
     p = p > a.S - a.T ? a.S - a.T : p;
     *past = p; *S = p + a.T;
 }
-/* where this block works: x is its chunk in the launch (tail: counted from past's chunk), blockIdx.y
- * its row block (tail: query * rb_per_q + row block of `rows`). false: a shared launch's chunk that
+/* where this block works: x is its chunk in the launch (tail: counted from past's chunk), y its
+ * row block (tail: query * rb_per_q + row block of `rows`). false: a shared launch's chunk that
  * reaches into the new rows (the tail launch takes it) */
-__device__ __forceinline__ bool tc_block_place(const TcArgs &a, int past, int x, int rows, int *c, int *tq, int *rbase) {
-    const int y = (int)blockIdx.y;
+__device__ __forceinline__ bool tc_block_place(const TcArgs &a, int past, int x, int y, int rows, int *c, int *tq,
+                                               int *rbase) {
     if (a.tail) {
         *c = past / TC_CHUNK + x;
         *tq = y / a.rb_per_q;
@@ -281,7 +282,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
     int past, S;
     tc_past_rows(a, &past, &S);
     int c, tq, rbase;
-    if (!tc_block_place(a, past, (int)blockIdx.x, ROWS, &c, &tq, &rbase)) return;
+    if (!tc_block_place(a, past, (int)blockIdx.x, (int)blockIdx.y, ROWS, &c, &tq, &rbase)) return;
     const int o0 = c * TC_CHUNK;
 
     const int n_load = tc_block_rows<ROWS>(a, past, S, o0, tq, rbase, g, t_s, h_s, nv_s, qr_s, nl_s);
@@ -583,6 +584,12 @@ static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int 
 static inline int tc_threads(TcShape s) { return s.rg == 4 && s.kw == 8 ? TW_NTH : s.rg * 32 * s.kw; }
 /* whether the shape's values kernel takes S from tc_scores_kernel, launched before it */
 static inline bool tc_split(TcShape s) { return s.rg == 1 && s.kw == 8; }
+
+/* Whether a shared launch of this shape puts the row blocks on grid x and the chunks on y: the
+ * 64-row blocks of tc_wide_kernel do, so the blocks reading one chunk's keys run together and find
+ * them in L2. With the chunks on x a wave spans all of them (the whole cache: 37 MB at 32K), and
+ * ncu counted 30% of the verify's key reads missing L2 (H100, 32K, T = 257). */
+static inline bool tc_rows_fastest(TcShape s) { return s.rg == 4 && s.kw == 8; }
 
 /* the kernel instance of a shape, or NULL (no instance for that DVP) */
 typedef void (*TcKernel)(TcArgs);

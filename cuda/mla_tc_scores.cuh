@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(TS_NTH) tc_scores_kernel(TcArgs a) {
     tc_past_rows(a, &past, &S);
     const int kb = (int)blockIdx.x % TS_KB;
     int c, tq, rbase;
-    if (!tc_block_place(a, past, (int)blockIdx.x / TS_KB, TS_ROWS, &c, &tq, &rbase)) return;
+    if (!tc_block_place(a, past, (int)blockIdx.x / TS_KB, (int)blockIdx.y, TS_ROWS, &c, &tq, &rbase)) return;
     const int o0 = c * TC_CHUNK, j0 = kb * TC_SKEYS;
     const int n_load = tc_block_rows<TS_ROWS>(a, past, S, o0, tq, rbase, g, t_s, h_s, nv_s, qr_s, nl_s);
     if (n_load <= j0) return;

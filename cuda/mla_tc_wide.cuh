@@ -80,7 +80,8 @@ static inline bool tc_wide_offsets_fit(long long rows, long long ldk, long long 
     return rows * (ldk > ldv ? ldk : ldv) / 8 < (long long)TW_NONE;
 }
 
-/* grid as tc_chunk_kernel with RG = 4, VS = 1: x = chunk, y = 64-row block, z = kv head */
+/* grid as tc_chunk_kernel with RG = 4, VS = 1: x = chunk, y = 64-row block, z = kv head; x and y
+ * swapped where a.rows_fastest (a shared launch: tc_rows_fastest) */
 template <int DVP>
 __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
     kd_griddep_enter();
@@ -109,7 +110,9 @@ __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
     int past, S;
     tc_past_rows(a, &past, &S);
     int c, tq, rbase;
-    if (!tc_block_place(a, past, (int)blockIdx.x, ROWS, &c, &tq, &rbase)) return;
+    const int bx = a.rows_fastest ? (int)blockIdx.y : (int)blockIdx.x;   /* the chunk */
+    const int by = a.rows_fastest ? (int)blockIdx.x : (int)blockIdx.y;   /* the row block */
+    if (!tc_block_place(a, past, bx, by, ROWS, &c, &tq, &rbase)) return;
     const int o0 = c * TC_CHUNK;
 
     const int n_load = tc_block_rows<ROWS>(a, past, S, o0, tq, rbase, g, t_s, h_s, nv_s, qr_s, nl_s);

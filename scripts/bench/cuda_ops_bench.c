@@ -105,7 +105,8 @@ static kd_status device_wait(void) {
     return e == cudaSuccess ? KD_OK : kd_fail(KD_ERR_BACKEND, "cuBLAS: %s", cudaGetErrorString(e));
 }
 
-static void bench_linear(const char *name, int N, int K) {
+/* only_M > 0: that row alone (for a profiler), else the rows of Ms */
+static void bench_linear(const char *name, int N, int K, int only_M) {
     size_t wbytes = (size_t)N * K * 2;
     int nw = (int)((200u << 20) / wbytes) + 1;       /* > 200 MB of weights in rotation */
     if (nw > 16) nw = 16;
@@ -124,7 +125,8 @@ static void bench_linear(const char *name, int N, int K) {
     }
     int Ms[] = {1, 8, 17, 64, 65, 256};   /* 17 and 65: verify at B = 16 and 64 */
     for (int mi = 0; mi < (int)(sizeof Ms / sizeof Ms[0]); mi++) {
-        int M = Ms[mi];
+        int M = only_M > 0 ? only_M : Ms[mi];
+        if (only_M > 0 && mi > 0) break;
         lin_arg a = {.w = w, .nw = nw, .blas = blas};
         a.x = (kd_act){dev_random_bf16((size_t)M * K), M, K, K, KD_BF16};
         int f32 = N > 100000;
@@ -308,6 +310,7 @@ static void bench_round(const char *md_path) {
 int main(int argc, char **argv) {
     const char *md_path = NULL;
     int round_only = 0, attention_only = 0, linear_only = 0, rg = 0, vs = 0, one_ctx = 0, one_T = 0;
+    int one_N = 0, one_K = 0, one_M = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--md") && i + 1 < argc) md_path = argv[++i];
         else if (!strcmp(argv[i], "--round")) round_only = 1;
@@ -318,10 +321,15 @@ int main(int argc, char **argv) {
             one_ctx = atoi(argv[++i]);
             one_T = atoi(argv[++i]);
         }
+        else if (!strcmp(argv[i], "--linear-at") && i + 3 < argc) {   /* one row (for a profiler) */
+            one_N = atoi(argv[++i]);
+            one_K = atoi(argv[++i]);
+            one_M = atoi(argv[++i]);
+        }
         else if (!strcmp(argv[i], "--mla-row-groups") && i + 1 < argc) rg = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--mla-value-slices") && i + 1 < argc) vs = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: cuda_ops_bench [--round | --linear | --attention | --attention-at CTX T] [--md FILE] [--mla-row-groups N] "
+            fprintf(stderr, "usage: cuda_ops_bench [--round | --linear | --linear-at N K M | --attention | --attention-at CTX T] [--md FILE] [--mla-row-groups N] "
                             "[--mla-value-slices N]\n");
             return 2;
         }
@@ -352,15 +360,20 @@ int main(int argc, char **argv) {
         be->ops->destroy(be);
         return 0;
     }
+    if (one_N > 0 && one_K > 0 && one_M > 0) {
+        bench_linear("linear", one_N, one_K, one_M);
+        be->ops->destroy(be);
+        return 0;
+    }
     printf("# kdtree CUDA ops bench (median of 5 batches; host clock between syncs)\n");
-    bench_linear("q_a", 1536, 7168);
-    bench_linear("kv_a", 576, 7168);
-    bench_linear("q_b", 12288, 1536);
-    bench_linear("o_proj", 7168, 8192);
-    bench_linear("shared_up", 2048, 7168);
-    bench_linear("shared_down", 7168, 2048);
-    bench_linear("dense_up", 18432, 7168);
-    bench_linear("lm_head", 163840, 7168);
+    bench_linear("q_a", 1536, 7168, 0);
+    bench_linear("kv_a", 576, 7168, 0);
+    bench_linear("q_b", 12288, 1536, 0);
+    bench_linear("o_proj", 7168, 8192, 0);
+    bench_linear("shared_up", 2048, 7168, 0);
+    bench_linear("shared_down", 7168, 2048, 0);
+    bench_linear("dense_up", 18432, 7168, 0);
+    bench_linear("lm_head", 163840, 7168, 0);
     if (linear_only) {
         be->ops->destroy(be);
         return 0;

@@ -92,12 +92,16 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
         const int nsh = tc_shared_chunks(S, a.past, t0, tb, c.causal, c.vis != nullptr, c.bound > 0);
         if (nsh > 0) {
             a.tail = 0;
+            a.rows_fastest = tc_rows_fastest(sh);
             TcArgs aa = a;
-            if (split) launch(nsh * TS_KB, (tb * G + rows - 1) / rows, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
-            launch(nsh, (tb * G + rows - 1) / rows, c.Hkv * sh.vs, nth, [&] { fn(aa); });
+            const int rbs = (tb * G + rows - 1) / rows;
+            if (split) launch(nsh * TS_KB, rbs, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
+            if (a.rows_fastest) launch(rbs, nsh, c.Hkv * sh.vs, nth, [&] { fn(aa); });
+            else launch(nsh, rbs, c.Hkv * sh.vs, nth, [&] { fn(aa); });
         }
         if (c.vis) {
             a.tail = 1;
+            a.rows_fastest = false;
             TcArgs aa = a;
             const int ncx = (T + TC_CHUNK - 1) / TC_CHUNK + 1;
             if (split) launch(ncx * TS_KB, tb * a.rb_per_q, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
