@@ -15,47 +15,45 @@ using mla::mma16816;
 
 /* Block shapes, by the rows of A a block takes (TBM, from M: linear.cu): 16 where M <= 16 (a
  * quarter of the mma and of the A tile, more blocks per SM), 64 up to 128, 128 above. TBM = 128
- * takes 256 columns of B and 8 warps of 64 x 64 (2 x 4): a k16 step loads 4 A and 4 B fragments
- * by ldmatrix for 32 mma, and a block reads its rows of A once for 256 columns and its columns of
- * B once for 128 rows. At M = 256 the GEMM is bound by the traffic between L2 and the SMs (ncu,
- * H100, lm_head with 128 x 128 tiles: L2 88% busy, tensor pipe 38%), and a tile's traffic per mma
- * falls with (TBM + TBN) / (TBM TBN): 1/64 at 128 x 128, 1/85 here. BK: the k-tile, the unit of
- * split-K. A pipeline stage holds KS of k: 2 k-tiles at TBM <= 64, so it reads 128 contiguous
- * bytes of each weight row, not 64 (H200, the lm_head at M = 1 944 -> 606 us, at M = 64 1167 ->
- * 923); 1 at TBM = 128, in 3 stages, so they fit sm_120's 99 KB. None of this changes an output
- * element's k16 steps or their order, so the bits are the same for every shape (see linear.cu's
- * top). */
-constexpr int BM = 64, BM_SMALL = 16, BM_LARGE = 128, BK = 32;
+ * takes 128 columns of B too, and its 4 warps 64 x 64 each: a k16 step loads 4 A and 4 B
+ * fragments by ldmatrix for 32 mma (2 KB + 2 KB of shared memory, 128 bytes an mma), and a block
+ * reads its rows of A once for 128 columns, not 64 (H100, the lm_head at M = 256: 2815 -> 2421 us,
+ * 35% -> 41% of cuBLAS's rate). BK: the k-tile, the unit of split-K. A pipeline stage holds KS of
+ * k: 2 k-tiles at TBM <= 64, so it reads 128 contiguous bytes of each weight row, not 64 (H200, the
+ * lm_head at M = 1 944 -> 606 us, at M = 64 1167 -> 923); 1 at TBM = 128, so 4 stages fit sm_120's
+ * 99 KB. None of this changes an output element's k16 steps or their order, so the bits are the
+ * same for every shape (see linear.cu's top). At M = 256 the kernel is bound by the traffic between
+ * L2 and the SMs (ncu, H100, lm_head: L2 88% busy, tensor pipe 38%, 2 warps a scheduler); a
+ * 128 x 256 tile of 8 warps in 3 stages (sm_120's 99 KB), which cuts that traffic by a quarter, was
+ * measured and lost: lm_head at M = 256 -4%, but at M = 257 +10% and K2.6's other weights at 200-257
+ * rows +7-15% (H100, 2026-12-06). */
+constexpr int BM = 64, BM_SMALL = 16, BM_LARGE = 128, BK = 32, THREADS = 128, STAGES = 4;
 constexpr int SPLIT_BN = 64;   /* the column tile split-K is chosen by (linear.cu): fixed, not TBN */
 template <int TBM> struct Shape {
     static_assert(TBM == BM_LARGE || TBM == BM || TBM == BM_SMALL, "the warp layouts cover these three");
-    static constexpr int TBN = TBM == BM_LARGE ? 256 : 64;           /* columns of B a block takes */
-    static constexpr int NTH = TBM == BM_LARGE ? 256 : 128;          /* threads */
-    static constexpr int STAGES = TBM == BM_LARGE ? 3 : 4;
+    static constexpr int TBN = TBM == BM_LARGE ? 128 : 64;           /* columns of B a block takes */
     static constexpr int KS = TBM == BM_LARGE ? BK : 2 * BK, KT_PS = KS / BK;
     static constexpr int LD = KS + 8;       /* A and B [n][k] row stride: conflict-free ldmatrix */
     static constexpr int BN_LD = TBN + 8;   /* B stored [k][n] (ldmatrix.trans) */
     static constexpr int B_STAGE = TBN * LD > KS * BN_LD ? TBN * LD : KS * BN_LD;
-    /* warps: 1 x 4 of 16 x 16 (TBM = 16), 2 x 2 of 32 x 32 (64), 2 x 4 of 64 x 64 (128) */
-    static constexpr int WARPS_N = TBM == BM_SMALL ? 4 : NTH / 64, WARPS_M = NTH / 32 / WARPS_N;
-    static constexpr int MI = TBM / WARPS_M / 16, NI = TBN / WARPS_N / 8;
+    /* warps: 1 x 4 of 16 x 16 (TBM = 16), 2 x 2 of 32 x 32 (64) or of 64 x 64 (128) */
+    static constexpr int MI = TBM == BM_SMALL ? 1 : TBM / 32, NI = TBM == BM_SMALL ? 2 : TBN / 16;
 };
-/* dynamic shared memory of a block: the stages of A and B (46 KB at TBM = 16, 74 KB at 64, 92 KB
+/* dynamic shared memory of a block: the stages of A and B (46 KB at TBM = 16, 74 KB at 64, 80 KB
  * at 128) */
 template <int TBM> __host__ __device__ constexpr size_t gemm_smem() {
-    return (size_t)Shape<TBM>::STAGES * (TBM * Shape<TBM>::LD + Shape<TBM>::B_STAGE) * sizeof(bf16);
+    return (size_t)STAGES * (TBM * Shape<TBM>::LD + Shape<TBM>::B_STAGE) * sizeof(bf16);
 }
-__host__ __device__ constexpr int gemm_threads(int tbm) { return tbm == BM_LARGE ? Shape<BM_LARGE>::NTH : Shape<BM>::NTH; }
 __host__ __device__ constexpr int gemm_tbn(int tbm) { return tbm == BM_LARGE ? Shape<BM_LARGE>::TBN : Shape<BM>::TBN; }
 /* the rows of A a block takes for a launch of M rows: 16 up to 16, 64 up to 128, else 128. At 65
- * rows (a B = 64 verify) the 128-row tile's 64-byte weight rows cost the memory-bound shapes
+ * rows (a B = 64 verify) the 128 x 128 tile's 64-byte weight rows cost the memory-bound shapes
  * (H100: lm_head 1035 us at M = 64 on 64-row tiles, 1309 at 65 on 128-row ones) */
 __host__ __device__ constexpr int gemm_tbm(int M) { return M <= BM_SMALL ? BM_SMALL : M <= 2 * BM ? BM : BM_LARGE; }
 
 /* Where split-K's sums are added: by each tile's last block when a thread of it has at most 32 to
  * load (rows x 64 columns x splits <= 4096: one row at 32 splits, four at 16; a decode step's
  * GEMMs), else by gemm_reduce_kernel over the whole GPU (at 17 rows and 32 splits one block would
- * wait out some 34 rounds of 8 loads; at a 128 x 256 tile, hundreds). The same order either way. */
+ * wait out some 34 rounds of 8 loads; at a 128 x 128 tile, hundreds). The same order either way. */
 __host__ __device__ constexpr bool gemm_sum_in_kernel(int tile_rows, int splits) {
     return (long long)tile_rows * SPLIT_BN * splits <= 4096;
 }
@@ -84,7 +82,6 @@ __device__ __forceinline__ const bf16 *gemm_b_row(const kd_gemm_args &g, const b
 template <int TBM, bool BKM>
 struct AsyncLoads {
     static constexpr int KS = Shape<TBM>::KS, LD = Shape<TBM>::LD, BN = Shape<TBM>::TBN, BN_LD = Shape<TBM>::BN_LD;
-    static constexpr int THREADS = Shape<TBM>::NTH;
     static constexpr int A_PIECES = TBM * (KS / 8), B_PIECES = BN * KS / 8;
     static constexpr int A_PT = (A_PIECES + THREADS - 1) / THREADS, B_PT = B_PIECES / THREADS;
     static_assert(B_PIECES % THREADS == 0, "every thread loads the same number of B pieces");
@@ -162,7 +159,6 @@ template <int TBM, bool BKM>
 __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Tile &t, bf16 *As, bf16 *Bs, int k0,
                                                 const bf16 *Bz, const char *Az) {
     constexpr int KS = Shape<TBM>::KS, LD = Shape<TBM>::LD, BN = Shape<TBM>::TBN, BN_LD = Shape<TBM>::BN_LD;
-    constexpr int THREADS = Shape<TBM>::NTH;
     const int tid = threadIdx.x;
     /* A: TBM rows x KS cols, in chunks of 8 */
     for (int c = tid; c < TBM * (KS / 8); c += THREADS) {
@@ -238,7 +234,7 @@ __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, i
     __syncthreads();
     if (!last) return;
     __threadfence();
-    constexpr int BN = Shape<TBM>::TBN, THREADS = Shape<TBM>::NTH;
+    constexpr int BN = Shape<TBM>::TBN;
     const size_t split_stride = (size_t)g.batch * g.M * g.N;
     for (int i = threadIdx.x; i < TBM * BN; i += THREADS) {
         const int m = t.m0 + i / BN, n = t.n0 + i % BN;
@@ -253,11 +249,11 @@ __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, i
  * The m tiles vary fastest so that the blocks sharing a strip of B run together and read it from
  * HBM once (with the n tiles fastest, M = 256 read a 2.35 GB lm_head four times). */
 template <int TBM, bool ASYNC, bool BKM>
-__global__ void __launch_bounds__(Shape<TBM>::NTH) gemm_kernel(kd_gemm_args g, int n_tiles, int splits,
+__global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_tiles, int splits,
                                                        int kts_per_split, float *partial, int *tile_count) {
     using S = Shape<TBM>;
     constexpr int MI = S::MI, NI = S::NI, KS = S::KS, KT_PS = S::KT_PS, LD = S::LD, BN = S::TBN, BN_LD = S::BN_LD;
-    constexpr int B_STAGE = S::B_STAGE, STAGES = S::STAGES, WARPS_N = S::WARPS_N;
+    constexpr int B_STAGE = S::B_STAGE;
 #ifdef KD_GEMM_EMU
     unsigned char *gemm_smem_buf = gemm_emu_smem();
 #else
@@ -308,7 +304,8 @@ __global__ void __launch_bounds__(Shape<TBM>::NTH) gemm_kernel(kd_gemm_args g, i
                      (size_t)((long long)t.z * g.a_zstride) * (g.a_dtype == KD_F32 ? 4 : 2);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int wm = (warp / WARPS_N) * (MI * 16), wn = (warp % WARPS_N) * (NI * 8);
+    const int wm = TBM == BM_SMALL ? 0 : (warp >> 1) * (TBM / 2);
+    const int wn = TBM == BM_SMALL ? warp * 16 : (warp & 1) * (BN / 2);
     const int gq = lane >> 2, tq = lane & 3;
     /* ldmatrix row addresses: A, 16 rows x 16 k a fragment; B, 16 columns x 16 k (two n8 fragments) */
     const int a_row = wm + (lane & 15), a_col = (lane >> 4) * 8;

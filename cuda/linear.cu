@@ -30,7 +30,7 @@ kd_status launch_gemm(kd_cuda *c, bool async, bool kmajor, dim3 grid, const kd_g
               : (kmajor ? gemm_kernel<TBM, false, true> : gemm_kernel<TBM, false, false>);
     const size_t smem = gemm_smem<TBM>();
     KD_TRY(kd_cuda_smem(c, (const void *)fn, smem));
-    return kd_launch_pdl("gemm_kernel", fn, grid, Shape<TBM>::NTH, smem, c->stream, s, n_tiles, splits, kts, partial,
+    return kd_launch_pdl("gemm_kernel", fn, grid, THREADS, smem, c->stream, s, n_tiles, splits, kts, partial,
                          tile_count);
 }
 

@@ -120,7 +120,7 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
     const bool in_kernel = path == SUM_RULE ? gemm_sum_in_kernel(tile_rows, splits) && fits : path == SUM_IN_KERNEL;
     int *counts = splits > 1 && in_kernel ? counters : nullptr;
     auto go = [&](auto kernel) {
-        launch(m_tiles, n_tiles * splits, Z, gemm_threads(tbm), [&] { kernel(g, n_tiles, splits, per, partial, counts); });
+        launch(m_tiles, n_tiles * splits, Z, THREADS, [&] { kernel(g, n_tiles, splits, per, partial, counts); });
         if (splits > 1 && !in_kernel)
             launch(3, 64, 1, 64, [&] { gemm_reduce_kernel(g, splits, partial); });   /* a strided grid */
     };
