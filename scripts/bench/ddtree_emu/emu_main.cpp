@@ -106,13 +106,22 @@ static void test_tree(int L, int V, int B, int kind) {
     kd_dtree_layout(&d, buf.data(), B, L * K);
     memcpy(d.vals, vals.data(), vals.size() * 4);
     memcpy(d.ids, ids.data(), ids.size() * 4);
-    launch(1, SEL_THREADS, [&] { tree_select_kernel(d, L, K, B); });
-    checks++;
-    bool ok = d.status[2] == n && d.status[0] == 0;
-    for (int i = 1; ok && i <= n; i++) ok = d.token[i] == tok[i] && d.parent[i] == par[i] && d.depth[i] == dep[i];
-    ok = ok && d.parent[0] == -1 && d.depth[0] == 0;
-    for (size_t i = 0; ok && i < vis.size(); i++) ok = d.vis[i] == vis[i];
-    if (!ok) { fails++; printf("TREE MISMATCH L=%d V=%d B=%d kind=%d (n host %d emu %d)\n", L, V, B, kind, n, d.status[2]); return; }
+    for (bool staged : {false, true}) {   /* the lists read from global memory, or staged in shared */
+        memset(d.vis, 0xff, vis.size() * 8);
+        for (int i = 0; i <= B; i++) d.token[i] = d.parent[i] = d.depth[i] = -7;
+        launch(1, SEL_THREADS, [&] { tree_select_kernel(d, L, K, B, staged); });
+        checks++;
+        bool ok = d.status[2] == n && d.status[0] == 0;
+        for (int i = 1; ok && i <= n; i++) ok = d.token[i] == tok[i] && d.parent[i] == par[i] && d.depth[i] == dep[i];
+        ok = ok && d.parent[0] == -1 && d.depth[0] == 0;
+        for (size_t i = 0; ok && i < vis.size(); i++) ok = d.vis[i] == vis[i];
+        if (!ok) {
+            fails++;
+            printf("TREE MISMATCH L=%d V=%d B=%d kind=%d staged=%d (n host %d emu %d)\n", L, V, B, kind, staged, n,
+                   d.status[2]);
+            return;
+        }
+    }
     /* walk: random targets */
     for (int rep = 0; rep < 3; rep++) {
         for (int i = 0; i <= n; i++) {
