@@ -182,8 +182,11 @@ typedef struct kd_backend kd_backend;
                      kd_act out),                                                                            \
       (be, q, n_heads, head_dim, k, v, n_kv_heads, d_len, causal, visible, window, scale, out))              \
                                                                                                              \
-    /* mixture of experts: out = sum_j w_j expert_{idx_j}(x) (the shared expert is separate) */             \
-    X(moe, (kd_backend *be, kd_act x, const kd_experts *e, kd_act out), (be, x, e, out))                     \
+    /* mixture of experts: out = sum_j w_j expert_{idx_j}(x); then, unless shared.data is NULL, out +=     \
+     * shared as add does (shared: out's shape and dtype, not aliasing it; the shared expert's output,       \
+     * computed before the routed ones so that their sum adds it: a launch fewer than a separate add, the    \
+     * same bits) */                                                                                         \
+    X(moe, (kd_backend *be, kd_act x, const kd_experts *e, kd_act shared, kd_act out), (be, x, e, shared, out)) \
                                                                                                              \
     /* rows of logits -> log_softmax in place (fp32) */                                                      \
     X(log_softmax, (kd_backend *be, kd_act x), (be, x))                                                      \

@@ -193,7 +193,8 @@ static kd_status attention_block(const rank_fwd *f, int l, kd_act h, kd_act x, c
 }
 
 /* x += mlp(h) (dense layer) or moe(h) + shared(h), each rank's partial sums all-reduced; then
- * h = rmsnorm(x; next) unless next is NULL */
+ * h = rmsnorm(x; next) unless next is NULL. The shared expert runs first: the routed experts'
+ * sum adds its output (HF adds the two; one fp32 or bf16 addition, the same either way round) */
 static kd_status ffn_block(const rank_fwd *f, int l, kd_act h, kd_act x, const kd_weight *next) {
     kd_model *m = f->s->model;
     kd_backend *be = f->be;
@@ -203,12 +204,12 @@ static kd_status ffn_block(const rank_fwd *f, int l, kd_act h, kd_act x, const k
     if (!L->is_moe) {
         KD_TRY(mlp(f, h, &L->mlp_gate, &L->mlp_up, &L->mlp_down, t1));
     } else {
-        KD_TRY(be->ops->moe(be, h, &L->experts, t1));
+        kd_act shared = {0};
         if (m->cfg.n_shared_experts > 0) {
-            kd_act t2 = partial(f, f->p->t2, T);
-            KD_TRY(mlp(f, h, &L->mlp_gate, &L->mlp_up, &L->mlp_down, t2));
-            KD_TRY(be->ops->add(be, t1, t2));        /* HF order: experts + shared, then the residual */
+            shared = partial(f, f->p->t2, T);
+            KD_TRY(mlp(f, h, &L->mlp_gate, &L->mlp_up, &L->mlp_down, shared));
         }
+        KD_TRY(be->ops->moe(be, h, &L->experts, shared, t1));
     }
     return add_reduced(f, t1, x, next, h);
 }

@@ -184,9 +184,10 @@ __global__ void group_kernel(const int32_t *ids, int P, int top_k, int n, int32_
     }
 }
 
-/* out[t] = sum_j w[t,j] * y[slot(t,j)], j ascending (expert id order) */
-__global__ void combine_kernel(const float *y, int H, const int32_t *slot_of, const float *w, int top_k, void *out,
-                               int odt, long long ldo, int T) {
+/* out[t] = sum_j w[t,j] * y[slot(t,j)], j ascending (expert id order); then + shared[t] (out's
+ * dtype; NULL: none) as the add op adds it: to the sum rounded to out's dtype */
+__global__ void combine_kernel(const float *y, int H, const int32_t *slot_of, const float *w, int top_k,
+                               const void *shared, long long lds, void *out, int odt, long long ldo, int T) {
     kd_griddep_enter();
     size_t n = (size_t)T * H;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -196,6 +197,7 @@ __global__ void combine_kernel(const float *y, int H, const int32_t *slot_of, co
             int p = t * top_k + j;
             s = fmaf(w[p], y[(size_t)slot_of[p] * H + d], s);
         }
+        if (shared) s = kd_round(odt, s) + kd_ld(shared, odt, (size_t)t * lds + d);
         kd_st(out, odt, (size_t)t * ldo + d, s);
     }
 }
@@ -220,7 +222,7 @@ __global__ void scatter_add_kernel(float *acc, int H, const int32_t *tok, const 
  * plain linears over its gathered tokens, in ascending expert id, adding into an fp32
  * accumulator, so every token sums its experts in the same order as the CPU twin. */
 static kd_status moe_mixed(kd_backend *be, kd_act x, const kd_experts *e, const int32_t *d_ids, const float *d_w,
-                           kd_act out) {
+                           kd_act shared, kd_act out) {
     kd_cuda *c = kd_cuda_of(be);
     int T = x.rows, H = x.cols, K = e->top_k, I = (int)e->gate[0].rows;
     size_t P = (size_t)T * K;
@@ -269,6 +271,7 @@ static kd_status moe_mixed(kd_backend *be, kd_act x, const kd_experts *e, const 
         kd_act acc = {b + o_acc, T, H, H, KD_F32};
         st = kd_cuda_copy(be, out, acc);
     }
+    if (st == KD_OK && shared.data) st = kd_cuda_add(be, out, shared);   /* the rare mixed layer keeps the add apart */
     free(ids);
     free(w);
     return st;
@@ -350,7 +353,7 @@ extern "C" void kd_cuda_experts_free(kd_backend *be, kd_experts *e) {
     e->table = NULL;
 }
 
-extern "C" kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act out) {
+extern "C" kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act shared, kd_act out) {
     kd_cuda *c = kd_cuda_of(be);
     if (!e || !e->table)
         return kd_fail(KD_ERR_STATE, "cuda moe: the expert table is not loaded (experts_load was not called)");
@@ -368,6 +371,9 @@ extern "C" kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, 
                        e->router && e->router->name ? e->router->name : "?", n, H);
     if (x.dtype != KD_BF16 && x.dtype != KD_F32)
         return kd_fail(KD_ERR_ARG, "cuda moe: x must be bf16 or f32, got %s", kd_dtype_name(x.dtype));
+    if (shared.data && (shared.rows != T || shared.cols != H || shared.dtype != out.dtype || shared.data == out.data))
+        return kd_fail(KD_ERR_ARG, "cuda moe: shared %d x %d %s must be out's shape and dtype (%d x %d %s), apart from it",
+                       shared.rows, shared.cols, kd_dtype_name(shared.dtype), T, H, kd_dtype_name(out.dtype));
     if (T == 0) return KD_OK;
 
     /* routing workspace: logits [T,n] f32 | ids [T,K] | w [T,K] | off [n+1] | cursor [n] | slot_of [T*K] | src [T*K] */
@@ -390,10 +396,10 @@ extern "C" kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, 
     KD_TRY(kd_launch_pdl("route_kernel", route_kernel, T, ROUTE_THREADS, smem, c->stream, logits, n, e->bias,
                          e->n_group, e->topk_group, K, e->norm_topk_prob, e->routed_scaling_factor, ids, wsel));
 
-    if (t->mixed) return moe_mixed(be, x, e, ids, wsel, out);
+    if (t->mixed) return moe_mixed(be, x, e, ids, wsel, shared, out);
     if (t->int4) {
 #if KD_HAVE_W4A16
-        return kd_cuda_w4a16_moe(be, x, e, ids, wsel, out);
+        return kd_cuda_w4a16_moe(be, x, e, ids, wsel, shared, out);
 #else
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda moe: INT4 experts need the W4A16 kernels (not in this build)");
 #endif
@@ -430,7 +436,7 @@ extern "C" kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, 
     size_t tot = (size_t)T * H;
     int blocks = (int)((tot + 255) / 256);
     if (blocks > 16 * c->n_sms) blocks = 16 * c->n_sms;
-    KD_TRY(kd_launch_pdl("combine_kernel", combine_kernel, blocks, 256, 0, c->stream, y, H, slot_of, wsel, K, out.data,
-                         out.dtype, out.ld, T));
+    KD_TRY(kd_launch_pdl("combine_kernel", combine_kernel, blocks, 256, 0, c->stream, y, H, slot_of, wsel, K,
+                         shared.data, shared.ld, out.data, out.dtype, out.ld, T));
     return KD_OK;
 }

@@ -525,10 +525,11 @@ __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_kernel(const int32_t *_
     }
 }
 
-/* out[t, h] = sum_j w[t, j] * y[slot(t, j), h], j in order, fp32 */
+/* out[t, h] = sum_j w[t, j] * y[slot(t, j), h], j in order, fp32; then + shared[t, h] (out's
+ * type; NULL: none) as the backend's add op adds it: to the sum rounded to out's type */
 __global__ void moe_combine_kernel(const float *__restrict__ y, const int *__restrict__ slot_of,
-                                   const float *__restrict__ w, int top_k, int H, int T, void *out, long long ldo,
-                                   int out_f32) {
+                                   const float *__restrict__ w, int top_k, int H, int T, const void *shared,
+                                   long long ld_shared, void *out, long long ldo, int out_f32) {
     kd_griddep_wait();   /* launched early (programmatic dependent launch) behind the down GEMM */
     kd_griddep_release();   /* the shared expert's GEMM behind it may stream its weights */
     size_t n = (size_t)T * H;
@@ -548,6 +549,11 @@ __global__ void moe_combine_kernel(const float *__restrict__ y, const int *__res
 #pragma unroll
             for (int j = 0; j < 8; j++)
                 if (ok[j]) s = fmaf(wj[j], v[j], s);
+        }
+        if (shared) {
+            const size_t si = (size_t)t * ld_shared + h;
+            s = out_f32 ? s + ((const float *)shared)[si]
+                        : __bfloat162float(__float2bfloat16_rn(s)) + __bfloat162float(((const bf16 *)shared)[si]);
         }
         store_out(out, out_f32, (size_t)t * ldo + h, s);
     }
@@ -908,15 +914,17 @@ extern "C" size_t kd_w4a16_moe_ws_bytes(const kd_w4a16_moe_shape *s, int T) {
 }
 
 extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_expert *table, const void *x,
-                                  long long ldx, int T, const int32_t *ids, const float *weights, void *out,
-                                  long long ldo, int out_f32, void *ws, size_t ws_bytes, cudaStream_t st) {
+                                  long long ldx, int T, const int32_t *ids, const float *weights, const void *shared,
+                                  long long ld_shared, void *out, long long ldo, int out_f32, void *ws,
+                                  size_t ws_bytes, cudaStream_t st) {
     if (!s) return kd_fail(KD_ERR_ARG, "w4a16 moe: no shape");
     if (s->n_experts <= 0 || s->top_k <= 0 || s->top_k > s->n_experts)
         return kd_fail(KD_ERR_ARG, "w4a16 moe: %d experts, top_k %d", s->n_experts, s->top_k);
     KD_TRY(kd_w4a16_check(s->inter, s->hidden, s->group, "moe gate/up"));
     KD_TRY(kd_w4a16_check(s->hidden, s->inter, s->group, "moe down"));
-    if (T < 0 || ldx < s->hidden || ldo < s->hidden)
-        return kd_fail(KD_ERR_ARG, "w4a16 moe: T %d, ldx %lld, ldo %lld (hidden %d)", T, ldx, ldo, s->hidden);
+    if (T < 0 || ldx < s->hidden || ldo < s->hidden || (shared && ld_shared < s->hidden))
+        return kd_fail(KD_ERR_ARG, "w4a16 moe: T %d, ldx %lld, ldo %lld, ld_shared %lld (hidden %d)", T, ldx, ldo,
+                       shared ? ld_shared : 0LL, s->hidden);
     if (T == 0) return KD_OK;
     if (!table || !x || !ids || !weights || !out || !ws)
         return kd_fail(KD_ERR_ARG, "w4a16 moe: a NULL pointer (table, x, ids, weights, out or workspace)");
@@ -992,6 +1000,6 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     if (cblocks > sms * 16) cblocks = sms * 16;
     fill_config(&cfg, attr, cblocks, 256, 0, 1, true, st);
     W4_CUDA(cudaLaunchKernelEx(&cfg, moe_combine_kernel, (const float *)yv, (const int *)slot_of, weights, s->top_k,
-                               s->hidden, T, out, ldo, out_f32));
+                               s->hidden, T, shared, ld_shared, out, ldo, out_f32));
     return KD_OK;
 }

@@ -86,7 +86,9 @@ typedef struct kd_w4a16_moe_shape {
 /* table: device array of n_experts kd_w4a16_expert. x: bf16 [T, hidden] (ldx);
  * ids: int32 [T, top_k] expert ids; weights: f32 [T, top_k] (the router's final weights,
  * routed_scaling_factor included); out = sum_j weights[t, j] * expert_ids[t,j](x[t]),
- * bf16 or f32 (out_f32), row stride ldo. An id outside [0, n_experts) contributes nothing.
+ * bf16 or f32 (out_f32), row stride ldo, plus shared[t] when shared is not NULL (out's type,
+ * row stride ld_shared; added to the sum rounded to out's type, as the backend's add op does).
+ * An id outside [0, n_experts) contributes nothing.
  * Grouping per expert happens on the device (no host round trip): count, offsets and
  * scatter in one small kernel, then the fused gate+up GEMM (silu(gate)*up, bf16), the down
  * GEMM (f32 per (token, expert) row), and the combine. Graph-capturable (fixed shapes per T).
@@ -98,8 +100,8 @@ typedef struct kd_w4a16_moe_shape {
  * ws: kd_w4a16_moe_ws_bytes(shape, T) bytes, no initial content needed. */
 size_t kd_w4a16_moe_ws_bytes(const kd_w4a16_moe_shape *shape, int T);
 kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *shape, const kd_w4a16_expert *table, const void *x, long long ldx,
-                       int T, const int32_t *ids, const float *weights, void *out, long long ldo, int out_f32,
-                       void *ws, size_t ws_bytes, cudaStream_t st);
+                       int T, const int32_t *ids, const float *weights, const void *shared, long long ld_shared,
+                       void *out, long long ldo, int out_f32, void *ws, size_t ws_bytes, cudaStream_t st);
 
 #ifdef KD_W4A16_TRACE
 /* bench-trace builds only (the small-M kernel's launch timeline, see w4a16_skinny.cu):
@@ -127,9 +129,9 @@ void kd_cuda_w4a16_experts_free(kd_backend *be, kd_experts *e);
 /* routed experts for T = x.rows tokens: ids int32 [T, e->top_k] and weights f32 [T, e->top_k]
  * in device memory (the router's output; the top-k sum runs in j order, so list the ids in
  * ascending expert id to match HF and the CPU twin); out [T, hidden] = sum_j w_j expert_j(x).
- * x and out: bf16 or f32 (x is converted to bf16 first when it is f32). */
+ * x and out: bf16 or f32 (x is converted to bf16 first when it is f32); shared: as kd_w4a16_moe (data NULL: none). */
 kd_status kd_cuda_w4a16_moe(kd_backend *be, kd_act x, const kd_experts *e, const int32_t *ids, const float *weights,
-                            kd_act out);
+                            kd_act shared, kd_act out);
 }
 
 #endif

@@ -219,7 +219,7 @@ extern "C" void kd_cuda_w4a16_experts_free(kd_backend *be, kd_experts *e) {
 }
 
 extern "C" kd_status kd_cuda_w4a16_moe(kd_backend *be, kd_act x, const kd_experts *e, const int32_t *ids,
-                                       const float *weights, kd_act out) {
+                                       const float *weights, kd_act shared, kd_act out) {
     kd_cuda *c = kd_cuda_of(be);
     kd_w4a16_expert *table = e ? find_table(e) : NULL;
     if (!table)
@@ -241,7 +241,8 @@ extern "C" kd_status kd_cuda_w4a16_moe(kd_backend *be, kd_act x, const kd_expert
     const bf16 *xv;
     long long ldx;
     KD_TRY(bf16_view(be, x, ws, &xv, &ldx));
-    kd_status st = kd_w4a16_moe(&s, table, xv, ldx, x.rows, ids, weights, out.data, out.ld, out.dtype == KD_F32,
+    kd_status st = kd_w4a16_moe(&s, table, xv, ldx, x.rows, ids, weights, shared.data, shared.ld, out.data, out.ld,
+                                out.dtype == KD_F32,
                                 (char *)ws + xb, mb, c->stream);
     if (st != KD_OK) return kd_fail_context(st, "moe");
     return KD_OK;

@@ -500,7 +500,7 @@ describe("cpu backend ops", function()
       ex.norm_topk_prob, ex.routed_scaling_factor = norm, 2.5
       ex.router, ex.bias, ex.gate, ex.up, ex.down = router.w, bias, gate, up, down
       local out = ffi.new("float[?]", T * D)
-      ok(be, be.ops.moe(be, B.act(x, T, D), ex, B.act(out, T, D)))
+      ok(be, be.ops.moe(be, B.act(x, T, D), ex, ffi.new("kd_act"), B.act(out, T, D)))
       -- reference (HF DeepseekV3TopkRouter + DeepseekV3Experts)
       local ref = {}
       for t = 1, T do
@@ -558,6 +558,40 @@ describe("cpu backend ops", function()
     end
   end)
 
+  it("moe: the shared expert's output added by the op has the bits of moe, then add; a bad shared changes nothing", function()
+    local T, D, I, n = 3, 8, 6, 8
+    local x = floats(T * D, function() return randn() end)
+    local shared = floats(T * D, function() return randn() end)
+    local router = B.bf16_weight("mlp.gate.weight", n, D, function() return randn() end)
+    local gate, up, down = ffi.new("kd_weight[?]", n), ffi.new("kd_weight[?]", n), ffi.new("kd_weight[?]", n)
+    local keep = {}
+    for e = 0, n - 1 do
+      keep[#keep + 1] = B.bf16_weight("g", I, D, function() return randn() * 0.3 end)
+      keep[#keep + 1] = B.bf16_weight("u", I, D, function() return randn() * 0.3 end)
+      keep[#keep + 1] = B.bf16_weight("d", D, I, function() return randn() * 0.3 end)
+      gate[e], up[e], down[e] = keep[#keep - 2].w, keep[#keep - 1].w, keep[#keep].w
+    end
+    local ex = ffi.new("kd_experts")
+    ex.n, ex.top_k, ex.n_group, ex.topk_group = n, 2, 1, 1
+    ex.norm_topk_prob, ex.routed_scaling_factor = true, 2.5
+    ex.router, ex.bias, ex.gate, ex.up, ex.down = router.w, nil, gate, up, down
+    local plain, fused = ffi.new("float[?]", T * D), ffi.new("float[?]", T * D)
+    ok(be, be.ops.moe(be, B.act(x, T, D), ex, ffi.new("kd_act"), B.act(plain, T, D)))
+    ok(be, be.ops.add(be, B.act(plain, T, D), B.act(shared, T, D)))
+    ok(be, be.ops.moe(be, B.act(x, T, D), ex, B.act(shared, T, D), B.act(fused, T, D)))
+    for i = 0, T * D - 1 do
+      assert.are.equal(plain[i], fused[i], "element " .. i)
+    end
+    -- a shared of another shape, or out itself: refused, out untouched
+    local before = ffi.new("float[?]", T * D)
+    ffi.copy(before, fused, ffi.sizeof(before))
+    assert.are_not.equal(0, tonumber(be.ops.moe(be, B.act(x, T, D), ex, B.act(shared, T - 1, D), B.act(fused, T, D))))
+    assert.matches("moe: shared: expected 3 x 8, got 2 x 8", ffi.string(C.kd_last_error()))
+    assert.are_not.equal(0, tonumber(be.ops.moe(be, B.act(x, T, D), ex, B.act(fused, T, D), B.act(fused, T, D))))
+    assert.matches("moe: shared must not alias out", ffi.string(C.kd_last_error()))
+    for i = 0, T * D - 1 do assert.are.equal(before[i], fused[i]) end
+  end)
+
   -- planted ties (the mutation run's M4 survived without them): equal router rows give equal
   -- scores, and the rule (cpu_moe.c, as CUDA's) takes the lower expert, and the lower group
   it("moe: equal router scores go to the lower expert, equal group scores to the lower group", function()
@@ -593,7 +627,7 @@ describe("cpu backend ops", function()
       ex.norm_topk_prob, ex.routed_scaling_factor = true, 1.0
       ex.router, ex.bias, ex.gate, ex.up, ex.down = router.w, nil, gate, up, down
       local out = ffi.new("float[?]", D)
-      ok(be, be.ops.moe(be, B.act(x, 1, D), ex, B.act(out, 1, D)))
+      ok(be, be.ops.moe(be, B.act(x, 1, D), ex, ffi.new("kd_act"), B.act(out, 1, D)))
       assert.is_true(rel_err(out, D, expert(want)) < TOL, "expert " .. want .. " expected")
       assert.is_true(rel_err(out, D, expert(other)) > 1e-2, "the tie's other side gives a different output")
     end

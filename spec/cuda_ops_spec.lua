@@ -412,7 +412,8 @@ describe("CUDA ops against the CPU twins #gpu", function()
   end)
 
   describe("moe", function()
-    local function moe_case(name, T, H, n, top_k, I, ng, tg, fmt, group, tol)
+    -- shared: the shared expert's output the op adds (nil: none)
+    local function moe_case(name, T, H, n, top_k, I, ng, tg, fmt, group, tol, shared)
       local x = O.rand_floats(T * H)
       local router = O.bf16_weight(n, H, 1 / math.sqrt(H))
       local bias = ffi.new("float[?]", n)
@@ -429,7 +430,7 @@ describe("CUDA ops against the CPU twins #gpu", function()
       local down = O.weights(n, function(i) return mk(H, I, i) end)
       close(string.format("moe %s (T=%d, H=%d, %d experts top-%d, I=%d, groups %d/%d)", name, T, H, n, top_k, I, ng, tg),
         T * H, function(tb, out)
-          return C.kd_test_moe(tb, x, T, H, n, top_k, ng, tg, 1, 2.827, router, bias, gate, up, down, out)
+          return C.kd_test_moe(tb, x, T, H, n, top_k, ng, tg, 1, 2.827, router, bias, gate, up, down, shared, out)
         end, tol)
       return x, router, bias, gate, up, down
     end
@@ -447,10 +448,10 @@ describe("CUDA ops against the CPU twins #gpu", function()
       local T, H, n, k, I = 9, 128, 16, 4, 64
       local x, router, bias, gate, up, down = moe_case("bf16 batch", T, H, n, k, I, 4, 2, 0, 0, TOL_MOE)
       local full = ffi.new("float[?]", T * H)
-      O.check(C.kd_test_moe(gpu, x, T, H, n, k, 4, 2, 1, 2.827, router, bias, gate, up, down, full), "moe T=9")
+      O.check(C.kd_test_moe(gpu, x, T, H, n, k, 4, 2, 1, 2.827, router, bias, gate, up, down, nil, full), "moe T=9")
       for _, t in ipairs({ 0, 4, 8 }) do
         local one = ffi.new("float[?]", H)
-        O.check(C.kd_test_moe(gpu, x + t * H, 1, H, n, k, 4, 2, 1, 2.827, router, bias, gate, up, down, one), "moe T=1")
+        O.check(C.kd_test_moe(gpu, x + t * H, 1, H, n, k, 4, 2, 1, 2.827, router, bias, gate, up, down, nil, one), "moe T=1")
         local same, at = O.same_bits(one, full + t * H, H)
         assert.is_true(same, string.format("moe: token %d alone differs from the batch at %s", t, tostring(at)))
       end
@@ -465,14 +466,30 @@ describe("CUDA ops against the CPU twins #gpu", function()
       local T, H, n, k, I = 40, 128, 16, 4, 64
       local x, router, bias, gate, up, down = moe_case("int4 tiny-k2.6 dims", T, H, n, k, I, 1, 1, 2, 32, TOL_MOE)
       local full = ffi.new("float[?]", T * H)
-      O.check(C.kd_test_moe(gpu, x, T, H, n, k, 1, 1, 1, 2.827, router, bias, gate, up, down, full), "moe T=40")
+      O.check(C.kd_test_moe(gpu, x, T, H, n, k, 1, 1, 1, 2.827, router, bias, gate, up, down, nil, full), "moe T=40")
       for _, t in ipairs({ 0, 17, 39 }) do
         local one = ffi.new("float[?]", H)
-        O.check(C.kd_test_moe(gpu, x + t * H, 1, H, n, k, 1, 1, 1, 2.827, router, bias, gate, up, down, one), "moe T=1")
+        O.check(C.kd_test_moe(gpu, x + t * H, 1, H, n, k, 1, 1, 1, 2.827, router, bias, gate, up, down, nil, one), "moe T=1")
         local same, at = O.same_bits(one, full + t * H, H)
         assert.is_true(same, string.format("int4 moe: token %d alone differs from the batch at %s", t, tostring(at)))
       end
       note("%-58s bit-identical", "int4 moe batch invariance (token alone == in T=40)")
+    end)
+    it("the shared expert's output added by the op: against the CPU, and the bits of moe, then add (CUDA)", function()
+      local T, H, n, k, I = 5, 128, 16, 4, 64
+      for _, c in ipairs({ { "bf16", 0, 0 }, { "int4", 2, 32 }, { "mixed", "mixed", 32 } }) do
+        O.seed(23)
+        local shared = O.rand_floats(T * H)
+        local x, router, bias, gate, up, down = moe_case(c[1] .. " + shared", T, H, n, k, I, 1, 1, c[2], c[3], TOL_MOE,
+                                                         shared)
+        local plain, fused, want = O.floats(T * H), O.floats(T * H), O.floats(T * H)
+        O.check(C.kd_test_moe(gpu, x, T, H, n, k, 1, 1, 1, 2.827, router, bias, gate, up, down, nil, plain), "moe")
+        O.check(C.kd_test_add(gpu, plain, shared, T, H, 0, 0, want), "add")
+        O.check(C.kd_test_moe(gpu, x, T, H, n, k, 1, 1, 1, 2.827, router, bias, gate, up, down, shared, fused), "moe+")
+        local same, at = O.same_bits(fused, want, T * H)
+        assert.is_true(same, string.format("%s moe with shared differs from moe, then add, at %s", c[1], tostring(at)))
+        note("%-58s bit-identical", c[1] .. " moe + shared == moe, then add")
+      end
     end)
     it("INT4 experts at K2.6 expert shape (W4A16 kernels)", function()
       O.seed(17)

@@ -58,10 +58,15 @@ static void route(const kd_experts *e, const float *scores, float *choice, unsig
     }
 }
 
-kd_status kd_cpu_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act out) {
+kd_status kd_cpu_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act shared, kd_act out) {
     KD_TRY(kd_cpu_check_f32("moe", "x", x));
     KD_TRY(kd_cpu_check_f32("moe", "out", out));
     KD_TRY(kd_cpu_check_shape("moe", "out", out, x.rows, x.cols));
+    if (shared.data) {
+        KD_TRY(kd_cpu_check_f32("moe", "shared", shared));
+        KD_TRY(kd_cpu_check_shape("moe", "shared", shared, x.rows, x.cols));
+        if (shared.data == out.data) return kd_fail(KD_ERR_ARG, "cpu moe: shared must not alias out");
+    }
     if (!e || !e->router || !e->gate || !e->up || !e->down || e->n <= 0 || e->top_k <= 0 || e->top_k > e->n ||
         (e->n_group > 1 && (e->n % e->n_group || e->topk_group <= 0 || e->topk_group > e->n_group)))
         return kd_fail(KD_ERR_ARG, "cpu moe: bad expert table (n %d, top_k %d, n_group %d, topk_group %d)",
@@ -120,5 +125,5 @@ kd_status kd_cpu_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act out) 
             for (int c = 0; c < H; c++) o[c] += dr[c] * wt;
         }
     }
-    return KD_OK;
+    return shared.data ? kd_cpu_add(be, out, shared) : KD_OK;
 }

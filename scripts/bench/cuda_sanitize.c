@@ -126,11 +126,11 @@ static void ops(void) {
         g[i] = bf16w(I, H); u[i] = bf16w(I, H); d[i] = bf16w(H, I);
         g4[i] = int4w(I, H, 32); u4[i] = int4w(I, H, 32); d4[i] = int4w(H, I, 32);
     }
-    ck(kd_test_moe(tb, x, 9, H, NE, 4, 4, 2, 1, 2.5f, &router, bias, g, u, d, out), "moe bf16");
-    ck(kd_test_moe(tb, x, 40, H, NE, 4, 1, 1, 1, 2.5f, &router, bias, g4, u4, d4, out), "moe int4");
+    ck(kd_test_moe(tb, x, 9, H, NE, 4, 4, 2, 1, 2.5f, &router, bias, g, u, d, y, out), "moe bf16 + shared");
+    ck(kd_test_moe(tb, x, 40, H, NE, 4, 1, 1, 1, 2.5f, &router, bias, g4, u4, d4, y, out), "moe int4 + shared");
     kd_test_weight gm[NE], um[NE], dm[NE];
     for (int i = 0; i < NE; i++) { gm[i] = i % 2 ? g[i] : g4[i]; um[i] = i % 2 ? u[i] : u4[i]; dm[i] = i % 2 ? d[i] : d4[i]; }
-    ck(kd_test_moe(tb, x, 7, H, NE, 4, 1, 1, 1, 2.5f, &router, bias, gm, um, dm, out), "moe mixed");
+    ck(kd_test_moe(tb, x, 7, H, NE, 4, 1, 1, 1, 2.5f, &router, bias, gm, um, dm, NULL, out), "moe mixed");
     ck(kd_test_log_softmax(tb, x, 3, 163840 / 4, out), "log_softmax");
     int32_t am[3];
     ck(kd_test_argmax(tb, x, 3, 1000, am), "argmax");

@@ -692,11 +692,11 @@ static void count_experts(kd_backend *be, kd_act x, const kd_experts *e) {
     free(choice);
     free(taken);
 }
-static kd_status w_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act o) {
+static kd_status w_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act shared, kd_act o) {
     g_op_calls++;
     if (S.counting) count_experts(be, x, e);
     int i = prof_begin();
-    kd_status st = g_real->moe(be, x, e, o);
+    kd_status st = g_real->moe(be, x, e, shared, o);
     prof_end(i, C_MOE);
     return st;
 }

@@ -98,11 +98,12 @@ kd_status kd_test_attention(kd_test_backend *tb, const float *q, int T, int q_co
                             const float *k, int S, int k_cols, const float *v, int v_cols, int v_from_k,
                             int n_kv_heads, int past, int causal, const uint64_t *visible, int window, float scale,
                             int out_cols, float *out);
-/* routed experts: router [n, H] weight, bias (n floats or NULL), gate/up [I, H] and down [H, I] per expert */
+/* routed experts: router [n, H] weight, bias (n floats or NULL), gate/up [I, H] and down [H, I] per expert;
+ * shared [T, H] (NULL: none) is added to their sum by the op (the shared expert's output) */
 kd_status kd_test_moe(kd_test_backend *tb, const float *x, int T, int H, int n, int top_k, int n_group,
                       int topk_group, int norm_topk_prob, float routed_scaling_factor, const kd_test_weight *router,
                       const float *bias, const kd_test_weight *gate, const kd_test_weight *up,
-                      const kd_test_weight *down, float *out);
+                      const kd_test_weight *down, const float *shared, float *out);
 /* rows of fp32 values (kept fp32 on every backend) */
 kd_status kd_test_log_softmax(kd_test_backend *tb, const float *x, int rows, int cols, float *out);
 kd_status kd_test_argmax(kd_test_backend *tb, const float *x, int rows, int cols, int32_t *out);

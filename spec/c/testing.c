@@ -466,7 +466,7 @@ done:
 kd_status kd_test_moe(kd_test_backend *tb, const float *x, int T, int H, int n, int top_k, int n_group,
                       int topk_group, int norm_topk_prob, float routed_scaling_factor, const kd_test_weight *router,
                       const float *bias, const kd_test_weight *gate, const kd_test_weight *up,
-                      const kd_test_weight *down, float *out) {
+                      const kd_test_weight *down, const float *shared, float *out) {
     KD_TRY(check_tb(tb, "moe"));
     if (n <= 0 || !gate || !up || !down || !router)
         return kd_fail(KD_ERR_ARG, "kd_test_moe: %d experts, weights missing", n);
@@ -478,7 +478,7 @@ kd_status kd_test_moe(kd_test_backend *tb, const float *x, int T, int H, int n, 
     kd_experts e;
     memset(&e, 0, sizeof e);
     bool loaded = false;
-    kd_act dx, o;
+    kd_act dx, o, sh = {0};
     void *d_bias = NULL;
     int nw = 0;
     if (!ws) return kd_fail(KD_ERR_NOMEM, "kd_test_moe: out of memory");
@@ -517,7 +517,8 @@ kd_status kd_test_moe(kd_test_backend *tb, const float *x, int T, int H, int n, 
     loaded = true;
     RUN(up_act(&a, x, T, H, be->act_dtype, &dx));
     RUN(up_act(&a, NULL, T, H, be->act_dtype, &o));
-    RUN(be->ops->moe(be, dx, &e, o));
+    if (shared) RUN(up_act(&a, shared, T, H, be->act_dtype, &sh));
+    RUN(be->ops->moe(be, dx, &e, sh, o));
     RUN(down_act(&a, o, out));
 done:
     if (loaded) be->ops->experts_free(be, &e);

@@ -74,7 +74,7 @@ static kd_status replay(kd_backend *be, const rec *r) {
     case OP_ATTENTION:
         return o->attention(be, r->a[0], r->i[0], r->i[1], r->a[1], r->a[2], r->i[2], r->i[3], r->b, r->p[0], r->i[4],
                             r->f, r->a[3]);
-    case OP_MOE: return o->moe(be, r->a[0], r->p[0], r->a[1]);
+    case OP_MOE: return o->moe(be, r->a[0], r->p[0], r->a[1], r->a[2]);
     case OP_STORE_AT: return o->store_rows_at(be, r->a[0], r->p[0], r->a[1]);
     case OP_ATTENTION_AT:
         return o->attention_at(be, r->a[0], r->i[0], r->i[1], r->a[1], r->a[2], r->i[2], r->p[1], r->b, r->p[0],
@@ -141,8 +141,8 @@ static kd_status w_attention(kd_backend *be, kd_act q, int nh, int hd, kd_act k,
              .f = scale};
     return issue(be, &r);
 }
-static kd_status w_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act out) {
-    rec r = {.op = OP_MOE, .a = {x, out}, .p = {e}};
+static kd_status w_moe(kd_backend *be, kd_act x, const kd_experts *e, kd_act shared, kd_act out) {
+    rec r = {.op = OP_MOE, .a = {x, shared, out}, .p = {e}};
     return issue(be, &r);
 }
 static kd_status w_store_at(kd_backend *be, kd_act dst, const int32_t *d_len, kd_act src) {
