@@ -270,13 +270,11 @@ __global__ void vis_list_kernel(const uint64_t *visible, int T, int32_t *list, i
     if (lane == 0) cnt[t] = n;
 }
 
-/* One call's workspace (KD_WS_ATTN), shared by both kernels: the fused merge's counters (at
- * its start, in every call: tc_fused_merge), the ordered visible new rows of each of the T
- * queries (tree masks only; built here on the device) and the (m, l, o) partials of a batch of
- * up to `tbatch` queries, the batch bounded by 512 MB of partials and by max_batch (the grid's
- * y limit). */
+/* One call's workspace (KD_WS_ATTN), shared by both kernels: the ordered visible new rows of
+ * each of the T queries (tree masks only; built here on the device) and the (m, l, o)
+ * partials of a batch of up to `tbatch` queries, the batch bounded by 512 MB of partials and
+ * by max_batch (the grid's y limit). */
 struct AttnWork {
-    int *done;
     const int32_t *vis_list, *vis_cnt;
     float *pm, *pl, *po;
     float *ps;   /* score_cols floats a partial slot after po (the split path's S), or NULL */
@@ -285,7 +283,6 @@ struct AttnWork {
 static kd_status attn_work(kd_backend *be, const uint64_t *visible, int T, int n_heads, int nc_max, int dv,
                            int score_cols, int max_batch, AttnWork *w) {
     kd_cuda *c = kd_cuda_of(be);
-    const size_t done_bytes = (size_t)mla::TC_DONE_MAX * sizeof(int);
     size_t list_bytes = visible ? ((size_t)T * T + T) * sizeof(int32_t) : 0;
     list_bytes = (list_bytes + 255) & ~(size_t)255;
     size_t per_q = (size_t)n_heads * nc_max * (dv + 2 + score_cols) * sizeof(float);
@@ -295,9 +292,8 @@ static kd_status attn_work(kd_backend *be, const uint64_t *visible, int T, int n
     if (tbatch > T) tbatch = T;
     if (tbatch > max_batch) tbatch = max_batch;
     void *ws;
-    KD_TRY(kd_cuda_ws(be, KD_WS_ATTN, done_bytes + list_bytes + per_q * tbatch + 256, &ws));
-    w->done = (int *)ws;
-    char *p = (char *)ws + done_bytes;
+    KD_TRY(kd_cuda_ws(be, KD_WS_ATTN, list_bytes + per_q * tbatch + 256, &ws));
+    char *p = (char *)ws;
     w->vis_list = w->vis_cnt = NULL;
     if (visible) {
         int32_t *list = (int32_t *)p, *cnt = list + (size_t)T * T;
@@ -383,23 +379,17 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     const int tbatch = w.tbatch;
     a.vis_list = w.vis_list; a.vis_cnt = w.vis_cnt;
     a.pm = w.pm; a.pl = w.pl; a.po = w.po; a.ps = w.ps;
-    a.out = out.data; a.odt = out.dtype; a.ldo = out.ld;
 
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         const int tb = T - t0 < tbatch ? T - t0 : tbatch;
         a.t0 = t0;
         a.tb = tb;
-        a.done = NULL;
         /* shared launch: chunks whose ordinals are the same rows for every query */
         const int nsh = tc_shared_chunks(S, past, t0, tb, causal, visible != NULL, d_past != NULL);
         if (nsh > 0) {
             a.tail = 0;
             a.rows_fastest = tc_rows_fastest(sh);
             const int rbs = (tb * G + rows - 1) / rows;
-            const bool fused = tc_fused_merge(sh, visible != NULL, T, tbatch, nsh, (long long)rbs * n_kv_heads,
-                                              a.nc_max, smem);
-            a.done = fused ? w.done : NULL;
-            a.arrivals = nsh * sh.vs;
             dim3 grid(a.rows_fastest ? rbs : nsh, a.rows_fastest ? nsh : rbs, n_kv_heads * sh.vs);
             if (split)
                 KD_TRY(kd_launch_pdl("tc_scores_kernel (shared)", tc_scores_kernel, dim3(nsh * TS_KB, rbs, n_kv_heads),
@@ -416,11 +406,11 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
                                      TS_NTH, ssmem, c->stream, a));
             KD_TRY(kd_launch_pdl("tc_chunk_kernel (tail)", fn, grid, nth, smem, c->stream, a));
         }
-        if (a.done) continue;   /* merged in the values kernel */
         int mt = dv < 256 ? ((dv + 31) / 32) * 32 : 256;
         const size_t msm = tc_merge_smem(a.nc_max);
         KD_TRY(kd_cuda_smem(c, (const void *)tc_merge_kernel, msm));
-        KD_TRY(kd_launch_pdl("tc_merge_kernel", tc_merge_kernel, dim3(n_heads, tb), mt, msm, c->stream, a));
+        KD_TRY(kd_launch_pdl("tc_merge_kernel", tc_merge_kernel, dim3(n_heads, tb), mt, msm, c->stream, a, out.data,
+                             out.dtype, out.ld));
     }
     return KD_OK;
 }

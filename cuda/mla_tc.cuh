@@ -11,9 +11,8 @@
  *          chunk's four 128-key groups, in a fixed lane/register order and a fixed quad
  *          shuffle tree (written out above tc_chunk_kernel)
  *   o    = sum_j p_j v_j                        fp32 mma over 32 fixed 16-key steps
- * and writes (m, l, o) as the chunk's partial; tc_merge_row combines the chunks of a row in
- * chunk order: M = max m_c, L = sum l_c 2^(m_c-M), out = sum o_c 2^(m_c-M) / L (in
- * tc_merge_kernel, or in the values kernel's last block of a row block: tc_fused_merge).
+ * and writes (m, l, o) as the chunk's partial; tc_merge_kernel combines the chunks of a row
+ * in chunk order: M = max m_c, L = sum l_c 2^(m_c-M), out = sum o_c 2^(m_c-M) / L.
  *
  * Block shape: 64 rows (4 groups of 16, the mma M dimension) x one chunk x one kv head: 8
  * warps that each span the 64 rows (tc_wide_kernel, mla_tc_wide.cuh) where its cp.async path and
@@ -88,8 +87,6 @@ struct TcArgs {
     float *ps;                                    /* split path: S [tb][Hq][nc_max][TC_CHUNK] (tc_scores_kernel) */
     int tail, rb_per_q;                           /* tail launch; row blocks per query there */
     bool rows_fastest;                            /* grid x is the row block, y the chunk (tc_rows_fastest) */
-    void *out; int odt; long long ldo;            /* the merged rows: [T][Hq * dv] of dtype odt */
-    int *done, arrivals;                          /* the fused merge (tc_fused_merge): counters, blocks a row block */
     bool qvec;                                    /* q rows may be read 16 bytes at a time */
 };
 
@@ -251,8 +248,10 @@ static inline size_t tc_smem_bytes(int HDP, int rg, int kw = 2) {
  * SPLIT (RG 1, KW 8): phase 1 is tc_scores_kernel's, launched before on the same grid rows; this
  * block reads each S element it owns from a.ps instead (the same accumulator, computed there in
  * the same 16-dim steps) and runs from the softmax on. */
-template <int DVP, bool ASYNC, int RG, int KW, int VS, bool SPLIT>
-__device__ __forceinline__ void tc_chunk_block(const TcArgs &a, unsigned char *smem) {
+template <int DVP, bool ASYNC, int RG, int KW = 2, int VS = 1, bool SPLIT = false>
+__global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
+    kd_griddep_enter();
+    TC_DYNAMIC_SMEM(smem);
     static_assert(KW == 2 || KW == 8, "KW: 2 or 8 warps per row group");
     static_assert(VS == 1 || VS == 2 || VS == 4, "VS: 1, 2 or 4 value slices");
     static_assert(!SPLIT || (RG == 1 && KW == 8 && ASYNC), "SPLIT: the 16-row blocks of 8 warps");
@@ -484,24 +483,27 @@ __device__ __forceinline__ void tc_chunk_block(const TcArgs &a, unsigned char *s
     }
 }
 
-/* The merge of row (query t, head h) over its chunks in chunk order, by every thread of a block
- * (tc_merge_kernel, and the fused merge below). The chunks' maxima, masses and weights
- * 2^(m_c - M) are staged in shared memory (smem: tc_merge_smem bytes) by all threads at once, and
- * each value dim reads its partials MERGE_BATCH chunks at a time: one at a time, every addition
- * waited for its own load (64 for a row at 32K). Every sum keeps its chunk order and its operands,
- * so the bits are the same whoever merges. The partials are read past L1 (__ldcg): in the fused
- * merge other blocks of the same launch wrote them. */
+/* grid: x = query head, y = query within the launch; the chunks of a row in chunk order. The
+ * chunks' maxima, masses and weights 2^(m_c - M) are staged in shared memory by all threads at
+ * once (tc_merge_smem), and each value dim reads its partials MERGE_BATCH chunks at a time: one
+ * at a time, every addition waited for its own load (64 for a row at 32K). Every sum keeps its
+ * chunk order and its operands, so the bits are the same. */
 constexpr int MERGE_BATCH = 8;
 static inline size_t tc_merge_smem(int nc_max) { return (size_t)3 * nc_max * sizeof(float); }
-__device__ void tc_merge_row(const TcArgs &a, int past, int S, int t, int h, float *smem) {
-    float *pm_s = smem;
+__global__ void tc_merge_kernel(TcArgs a, void *out, int odt, long long ldo) {
+    kd_griddep_enter();
+    TC_DYNAMIC_SMEM(smem);
+    float *pm_s = (float *)smem;
     float *pl_s = pm_s + a.nc_max, *w_s = pl_s + a.nc_max;   /* w_s: 2^(m_c - M), -1 for an empty chunk */
+    const int h = blockIdx.x, tb = blockIdx.y, t = a.t0 + tb;
+    int past, S;
+    tc_past_rows(a, &past, &S);
     const int nvis = tc_nvis(a, past, S, t);
     const int nc = (nvis + TC_CHUNK - 1) / TC_CHUNK;
     const size_t base = tc_slot(a, t, h, 0);
     for (int c = threadIdx.x; c < nc; c += blockDim.x) {
-        pm_s[c] = __ldcg(a.pm + base + c);
-        pl_s[c] = __ldcg(a.pl + base + c);
+        pm_s[c] = a.pm[base + c];
+        pl_s[c] = a.pl[base + c];
     }
     __syncthreads();
     float M = -INFINITY;
@@ -517,59 +519,13 @@ __device__ void tc_merge_row(const TcArgs &a, int past, int S, int t, int h, flo
         for (int c0 = 0; c0 < nc; c0 += MERGE_BATCH) {
             float v[MERGE_BATCH];
 #pragma unroll
-            for (int j = 0; j < MERGE_BATCH; j++) v[j] = c0 + j < nc ? __ldcg(po + (size_t)(c0 + j) * a.dv) : 0.0f;
+            for (int j = 0; j < MERGE_BATCH; j++) v[j] = c0 + j < nc ? po[(size_t)(c0 + j) * a.dv] : 0.0f;
 #pragma unroll
             for (int j = 0; j < MERGE_BATCH; j++)
                 if (c0 + j < nc && w_s[c0 + j] >= 0.0f) o += v[j] * w_s[c0 + j];
         }
-        kd_st(a.out, a.odt, (size_t)t * a.ldo + (size_t)h * a.dv + d, M == -INFINITY || L == 0.0f ? 0.0f : o / L);
+        kd_st(out, odt, (size_t)t * ldo + (size_t)h * a.dv + d, M == -INFINITY || L == 0.0f ? 0.0f : o / L);
     }
-    __syncthreads();   /* the next row's staging overwrites w_s */
-}
-
-/* grid: x = query head, y = query within the launch */
-__global__ void tc_merge_kernel(TcArgs a) {
-    kd_griddep_enter();
-    TC_DYNAMIC_SMEM(smem);
-    int past, S;
-    tc_past_rows(a, &past, &S);
-    tc_merge_row(a, past, S, a.t0 + (int)blockIdx.y, (int)blockIdx.x, (float *)smem);
-}
-
-/* The fused merge (a.done: tc_fused_merge): at the end of a shared launch with no tail launch,
- * every block counts itself in at its row block's counter (blocks that had no keys too), after
- * a fence that orders its partial stores before the count, as the GEMM's split-K sum does
- * (gemm_split_sum). The last of the row block's a.arrivals blocks resets the counter for the
- * next launch and merges the row block's rows, each as tc_merge_kernel would. smem: 16 bytes
- * for the flag, then tc_merge_smem. */
-__device__ void tc_merge_last(const TcArgs &a, int rows, int vs, unsigned char *smem) {
-    int *last = (int *)smem;
-    __threadfence();
-    __syncthreads();
-    const int g = (int)blockIdx.z / vs, counter = g * (int)gridDim.y + (int)blockIdx.y;
-    if (threadIdx.x == 0) {
-        *last = atomicAdd(&a.done[counter], 1) == a.arrivals - 1;
-        if (*last) a.done[counter] = 0;
-    }
-    __syncthreads();
-    if (!*last) return;
-    __threadfence();
-    int past, S;
-    tc_past_rows(a, &past, &S);
-    const int rbase = (int)blockIdx.y * rows;
-    for (int r = 0; r < rows && rbase + r < a.tb * a.G; r++) {
-        const int R = rbase + r;
-        tc_merge_row(a, past, S, a.t0 + R / a.G, g * a.G + R % a.G, (float *)(smem + 16));
-    }
-}
-
-/* the chunk kernel: tc_chunk_block, then for the split blocks of a fused launch the merge */
-template <int DVP, bool ASYNC, int RG, int KW = 2, int VS = 1, bool SPLIT = false>
-__global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
-    kd_griddep_enter();
-    TC_DYNAMIC_SMEM(smem);
-    tc_chunk_block<DVP, ASYNC, RG, KW, VS, SPLIT>(a, smem);
-    if (SPLIT && a.done) tc_merge_last(a, RG * 16, VS, smem);
 }
 
 }  // namespace mla
@@ -635,19 +591,6 @@ static inline bool tc_split(TcShape s) { return s.rg == 1 && s.kw == 8; }
  * ncu counted 29% of the verify's L2 reads missing (H100, 32K, T = 257); rows first took that call
  * from 8049 to 7845 us. The 16-row shapes keep the chunks on x (rows first not measured there). */
 static inline bool tc_rows_fastest(TcShape s) { return s.rg == 4 && s.kw == 8; }
-
-/* The fused merge's counters (TcArgs.done) sit at the start of the attention workspace, zero
- * between launches: a new workspace starts zeroed and each row block's last block resets its
- * own. Whether a launch merges in its values kernel (tc_merge_last) instead of tc_merge_kernel:
- * split blocks (decode, small T at short context: there the merge was a launch of its own after
- * two short ones), one shared launch and nothing else (no tree tail, one query batch), its row
- * blocks' counters within TC_DONE_MAX, and the merge's staging within the block's shared memory. */
-constexpr int TC_DONE_MAX = 1024;
-static inline bool tc_fused_merge(TcShape s, bool visible, int T, int tbatch, int nsh, long long counters, int nc_max,
-                                  size_t smem) {
-    return tc_split(s) && !visible && tbatch >= T && nsh > 0 && counters <= TC_DONE_MAX &&
-           16 + tc_merge_smem(nc_max) <= smem;
-}
 
 /* the kernel instance of a shape, or NULL (no instance for that DVP) */
 typedef void (*TcKernel)(TcArgs);

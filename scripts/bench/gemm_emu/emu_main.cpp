@@ -18,11 +18,13 @@
 #include <cstdlib>
 #include <cstring>
 
-/* the CUDA pieces gemm.cuh uses beyond the attention's (its atomics, fences and __ldcg are in
- * ../mla_emu/inc/cuda_internal.cuh) */
+/* the CUDA pieces gemm.cuh uses beyond the attention's (one fiber runs at a time: no races) */
 struct bf16 { uint16_t x; };
 inline float __bfloat162float(bf16 b) { return mla::bf2f(b.x); }
 inline bf16 __float2bfloat16(float f) { return bf16{mla::f2bf(f)}; }
+template <class T> inline T __ldcg(const T *p) { return *p; }
+inline void __threadfence() {}
+inline int atomicAdd(int *p, int v) { const int o = *p; *p = o + v; return o; }
 #define __shared__ static
 #define __align__(n)
 unsigned char *gemm_emu_smem() { return emu_smem_buf; }

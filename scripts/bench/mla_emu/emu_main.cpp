@@ -24,7 +24,6 @@
 using namespace mla;
 
 static int last_kw, last_vs;   /* the kernel shape run_tc picked last */
-static bool last_fused;        /* whether its merge ran in the values kernel */
 static uint64_t rs = 88172645463325252ull;
 static double urand() { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (rs >> 11) * 0x1.0p-53; }
 static uint16_t rbf() { return f2bf((float)((urand() * 2 - 1) * 1.7)); }
@@ -87,23 +86,15 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
     /* a forced row-group count must be the one that ran (tc_shape takes 1 where 4 does not fit):
      * the checks name the mode they test */
     if (c.rg && sh.rg != c.rg) { printf("shape: %d row groups forced, %d taken\n", c.rg, sh.rg); exit(2); }
-    a.out = out.data(); a.odt = KD_F32; a.ldo = (long long)c.Hq * c.dv;
-    static std::vector<int> done(TC_DONE_MAX, 0);   /* kept from call to call, as the workspace is */
-    const size_t smem = tc_smem_bytes(a.HDP, sh.rg, sh.kw);
     for (int t0 = 0; t0 < T; t0 += tbatch) {
         int tb = std::min(tbatch, T - t0);
         a.t0 = t0; a.tb = tb;
-        a.done = nullptr;
         const int nsh = tc_shared_chunks(S, a.past, t0, tb, c.causal, c.vis != nullptr, c.bound > 0);
         if (nsh > 0) {
             a.tail = 0;
             a.rows_fastest = tc_rows_fastest(sh);
-            const int rbs = (tb * G + rows - 1) / rows;
-            const bool fused = tc_fused_merge(sh, c.vis != nullptr, T, tbatch, nsh, (long long)rbs * c.Hkv, a.nc_max, smem);
-            a.done = fused ? done.data() : nullptr;
-            a.arrivals = nsh * sh.vs;
-            last_fused = fused;
             TcArgs aa = a;
+            const int rbs = (tb * G + rows - 1) / rows;
             if (split) launch(nsh * TS_KB, rbs, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
             if (a.rows_fastest) launch(rbs, nsh, c.Hkv * sh.vs, nth, [&] { fn(aa); });
             else launch(nsh, rbs, c.Hkv * sh.vs, nth, [&] { fn(aa); });
@@ -116,13 +107,10 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
             if (split) launch(ncx * TS_KB, tb * a.rb_per_q, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
             launch(ncx, tb * a.rb_per_q, c.Hkv * sh.vs, nth, [&] { fn(aa); });
         }
-        for (int i = 0; i < TC_DONE_MAX; i++)
-            if (done[i]) { printf("FAIL fused merge: counter %d left at %d after the launch\n", i, done[i]); exit(1); }
-        if (a.done) continue;   /* merged by the values kernel's last blocks */
         TcArgs aa = a;
         launch(c.Hq, tb, 1, 32, [&] {
             /* the merge kernel with blockIdx.x = head, .y = query (32 threads) */
-            tc_merge_kernel(aa);
+            tc_merge_kernel(aa, out.data(), KD_F32, (long long)c.Hq * c.dv);
         });
     }
     return out;
@@ -277,8 +265,8 @@ static void invariance(const char *name, int H, int hd, int dv, int P, const std
             al.rg = md[0];
             al.vs = md[1];
             auto alone = run_tc(al, q.data() + (size_t)i * H * hd, kv2.data(), ld, kv2.data(), ld, false);
-            snprintf(nm, sizeof nm, "%s: node %d alone (T=1; %d rg, %d warps, %d slices%s) == tree node", name, i, md[0],
-                     last_kw, last_vs, last_fused ? ", merged in the values kernel" : "");
+            snprintf(nm, sizeof nm, "%s: node %d alone (T=1; %d rg, %d warps, %d slices) == tree node", name, i, md[0],
+                     last_kw, last_vs);
             check_same(nm, alone.data(), tree.data() + (size_t)i * H * dv, (size_t)H * dv);
         }
         auto qp = rand_bf((size_t)d * H * hd);

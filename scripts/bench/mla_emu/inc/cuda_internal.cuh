@@ -49,8 +49,4 @@ template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_e
 inline void kd_griddep_wait() {}      /* one launch at a time here: the grid before has ended */
 inline void kd_griddep_release() {}
 inline void kd_griddep_enter() {}
-/* one block at a time: an atomic is a plain read-modify-write, a fence orders nothing more */
-inline int atomicAdd(int *p, int v) { int o = *p; *p = o + v; return o; }
-inline void __threadfence() {}
-template <class T> inline T __ldcg(const T *p) { return *p; }
 using std::min;
