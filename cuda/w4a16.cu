@@ -531,7 +531,7 @@ __global__ void moe_combine_kernel(const float *__restrict__ y, const int *__res
                                    const float *__restrict__ w, int top_k, int H, int T, const void *shared,
                                    long long ld_shared, void *out, long long ldo, int out_f32) {
     kd_griddep_wait();   /* launched early (programmatic dependent launch) behind the down GEMM */
-    kd_griddep_release();   /* the shared expert's GEMM behind it may stream its weights */
+    kd_griddep_release();   /* the kernel behind it may launch (at one rank, the residual add_rmsnorm) */
     size_t n = (size_t)T * H;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int t = (int)(i / H), h = (int)(i % H);
