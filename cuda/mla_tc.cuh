@@ -580,8 +580,10 @@ static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int 
     }
     return s;
 }
+/* whether the shape's blocks are tc_wide_kernel's (64 rows, 8 warps spanning them) */
+static inline bool tc_wide(TcShape s) { return s.rg == 4 && s.kw == 8; }
 /* threads of a block of that shape */
-static inline int tc_threads(TcShape s) { return s.rg == 4 && s.kw == 8 ? TW_NTH : s.rg * 32 * s.kw; }
+static inline int tc_threads(TcShape s) { return tc_wide(s) ? TW_NTH : s.rg * 32 * s.kw; }
 /* whether the shape's values kernel takes S from tc_scores_kernel, launched before it */
 static inline bool tc_split(TcShape s) { return s.rg == 1 && s.kw == 8; }
 
@@ -590,12 +592,12 @@ static inline bool tc_split(TcShape s) { return s.rg == 1 && s.kw == 8; }
  * them in L2. With the chunks on x a wave spans all of them (the whole cache: 37 MB at 32K), and
  * ncu counted 29% of the verify's L2 reads missing (H100, 32K, T = 257); rows first took that call
  * from 8049 to 7845 us. The 16-row shapes keep the chunks on x (rows first not measured there). */
-static inline bool tc_rows_fastest(TcShape s) { return s.rg == 4 && s.kw == 8; }
+static inline bool tc_rows_fastest(TcShape s) { return tc_wide(s); }
 
 /* the kernel instance of a shape, or NULL (no instance for that DVP) */
 typedef void (*TcKernel)(TcArgs);
 static inline TcKernel tc_kernel(int DVP, bool async, TcShape s) {
-    if (s.rg == 4 && s.kw == 8)   /* async, DVP >= 128 (tc_shape) */
+    if (tc_wide(s))   /* async, DVP >= 128 (tc_shape) */
         return DVP == 128 ? tc_wide_kernel<128> : DVP == 256 ? tc_wide_kernel<256> : DVP == 512 ? tc_wide_kernel<512> : NULL;
     if (s.kw == 8) {   /* async, rg 1, DVP >= 128 * vs (tc_shape); S from tc_scores_kernel */
         if (DVP == 128) return tc_chunk_kernel<128, true, 1, 8, 1, true>;

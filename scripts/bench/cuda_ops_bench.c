@@ -105,7 +105,7 @@ static kd_status device_wait(void) {
     return e == cudaSuccess ? KD_OK : kd_fail(KD_ERR_BACKEND, "cuBLAS: %s", cudaGetErrorString(e));
 }
 
-/* only_M > 0: that row alone (for a profiler), else the rows of Ms */
+/* only_M > 0: that row alone (for a profiler), else the rows of `all` */
 static void bench_linear(const char *name, int N, int K, int only_M) {
     size_t wbytes = (size_t)N * K * 2;
     int nw = (int)((200u << 20) / wbytes) + 1;       /* > 200 MB of weights in rotation */
@@ -123,10 +123,11 @@ static void bench_linear(const char *name, int N, int K, int only_M) {
         fprintf(stderr, "cublasCreate failed\n");
         exit(1);
     }
-    int Ms[] = {1, 8, 17, 64, 65, 256};   /* 17 and 65: verify at B = 16 and 64 */
-    for (int mi = 0; mi < (int)(sizeof Ms / sizeof Ms[0]); mi++) {
-        int M = only_M > 0 ? only_M : Ms[mi];
-        if (only_M > 0 && mi > 0) break;
+    const int all[] = {1, 8, 17, 64, 65, 256};   /* 17 and 65: verify at B = 16 and 64 */
+    const int *Ms = only_M > 0 ? &only_M : all;
+    const int nM = only_M > 0 ? 1 : (int)(sizeof all / sizeof all[0]);
+    for (int mi = 0; mi < nM; mi++) {
+        int M = Ms[mi];
         lin_arg a = {.w = w, .nw = nw, .blas = blas};
         a.x = (kd_act){dev_random_bf16((size_t)M * K), M, K, K, KD_BF16};
         int f32 = N > 100000;

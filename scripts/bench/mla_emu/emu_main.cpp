@@ -96,8 +96,7 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
             TcArgs aa = a;
             const int rbs = (tb * G + rows - 1) / rows;
             if (split) launch(nsh * TS_KB, rbs, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
-            if (a.rows_fastest) launch(rbs, nsh, c.Hkv * sh.vs, nth, [&] { fn(aa); });
-            else launch(nsh, rbs, c.Hkv * sh.vs, nth, [&] { fn(aa); });
+            launch(a.rows_fastest ? rbs : nsh, a.rows_fastest ? nsh : rbs, c.Hkv * sh.vs, nth, [&] { fn(aa); });
         }
         if (c.vis) {
             a.tail = 1;
