@@ -14,7 +14,7 @@ using mla::ldsm_x4_trans;
 using mla::mma16816;
 
 /* Block shapes, by the rows of A a block takes (TBM, from M: linear.cu): 16 where M <= 16 (a
- * quarter of the mma and of the A tile, more blocks per SM), 64 up to 128, 128 above. TBM = 128
+ * quarter of the mma and of the A tile, more blocks per SM), 64 up to 64, 128 above. TBM = 128
  * takes 128 columns of B too, and its 4 warps 64 x 64 each: a k16 step loads 4 A and 4 B
  * fragments by ldmatrix for 32 mma (2 KB + 2 KB of shared memory, 128 bytes an mma), and a block
  * reads its rows of A once for 128 columns, not 64 (H100, the lm_head at M = 256: 2815 -> 2421 us,
@@ -45,10 +45,12 @@ template <int TBM> __host__ __device__ constexpr size_t gemm_smem() {
     return (size_t)STAGES * (TBM * Shape<TBM>::LD + Shape<TBM>::B_STAGE) * sizeof(bf16);
 }
 __host__ __device__ constexpr int gemm_tbn(int tbm) { return tbm == BM_LARGE ? Shape<BM_LARGE>::TBN : Shape<BM>::TBN; }
-/* the rows of A a block takes for a launch of M rows: 16 up to 16, 64 up to 128, else 128. At 65
- * rows (a B = 64 verify) the 128 x 128 tile's 64-byte weight rows cost the memory-bound shapes
- * (H100: lm_head 1035 us at M = 64 on 64-row tiles, 1309 at 65 on 128-row ones) */
-__host__ __device__ constexpr int gemm_tbm(int M) { return M <= BM_SMALL ? BM_SMALL : M <= 2 * BM ? BM : BM_LARGE; }
+/* the rows of A a block takes for a launch of M rows: 16 up to 16, 64 up to 64, else 128. From 65
+ * rows on, 64-row tiles would read the weight twice: H100, 2026-12-06, both tiles in one call, the
+ * 128-row tile ran the lm_head at 65 / 100 / 128 rows in 1307 / 1367 / 1431 us against 1468 /
+ * 1687 / 1866, o_proj (7168 x 8192) 81 / 90 / 100 against 94 / 109 / 122, and lost only on the
+ * 18-20K-row weights at 65 rows (194 against 211 us for 18432 x 7168) */
+__host__ __device__ constexpr int gemm_tbm(int M) { return M <= BM_SMALL ? BM_SMALL : M <= BM ? BM : BM_LARGE; }
 
 /* Where split-K's sums are added: by each tile's last block when a thread of it has at most 32 to
  * load (rows x 64 columns x splits <= 4096: one row at 32 splits, four at 16; a decode step's
