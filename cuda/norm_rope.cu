@@ -74,89 +74,100 @@ __global__ void swiglu_kernel(const void *g, int gdt, long long ldg, const void 
     }
 }
 
-/* The norms' row passes: thread t takes the columns t, t + blockDim, t + 2 blockDim, ... in that
- * order (the order of its partial sum of squares), ROW_BATCH at a time: the batch's loads are all
- * issued, then used in order. One at a time, every addition waited for its own load, and a
- * one-block row of 7168 (a decode step's norm, 256 threads) paid 28 load latencies a pass. The
- * order of every sum is the same, so the bits are too. */
-constexpr int ROW_BATCH = 8;
+/* The norms hold a row in registers: thread t takes the columns t, t + blockDim, t + 2 blockDim,
+ * ... in that order (the order of its partial sum of squares), NORM_COLS of them at most, all
+ * loaded at once, so a pass waits on one memory latency; and a kernel requests the weight before
+ * its grid dependency wait (no kernel of a step writes a weight), under the previous kernel's tail.
+ * ncu, H100, a TP-8 rank's decode step: add_rmsnorm of one 7168-row took 12.9 us, rmsnorm of one
+ * 1536-row 4.9, with loads batched 8 at a time (a 256-thread block of a 7168-row: 4 waits to sum,
+ * 4 more to scale). Rows wider than NORM_COLS x the block (8192 at 256 threads) go in pieces of
+ * that, x and w re-read for the scaling. Every sum is in the same order, so the bits do not depend
+ * on how the row is held. */
+constexpr int NORM_COLS = 32;
 
-/* sum of x[i]^2 over this thread's columns of [0, d) */
-__device__ __forceinline__ float row_sum_squares(const void *x, int xdt, size_t xb, int d) {
-    const int step = (int)blockDim.x;
-    float ss = 0.0f;
-    for (int i0 = threadIdx.x; i0 < d; i0 += ROW_BATCH * step) {
-        float v[ROW_BATCH];
+/* this thread's columns of the piece from column c0 of a row at p + b (d wide): zeros past d */
+__device__ __forceinline__ void row_piece(const void *p, int dt, size_t b, int d, int c0, float (&v)[NORM_COLS]) {
 #pragma unroll
-        for (int j = 0; j < ROW_BATCH; j++) v[j] = i0 + j * step < d ? kd_ld(x, xdt, xb + i0 + j * step) : 0.0f;
-#pragma unroll
-        for (int j = 0; j < ROW_BATCH; j++)
-            if (i0 + j * step < d) ss += v[j] * v[j];
+    for (int k = 0; k < NORM_COLS; k++) {
+        const int i = c0 + (int)threadIdx.x + k * (int)blockDim.x;
+        v[k] = i < d ? kd_ld(p, dt, b + i) : 0.0f;
     }
-    return ss;
 }
 
-/* o[i] = w[i] * (x[i] * inv) over this thread's columns */
-__device__ __forceinline__ void row_scale(const void *x, int xdt, size_t xb, const void *w, int wdt, int d, float inv,
-                                          void *o, int odt, size_t ob) {
-    const int step = (int)blockDim.x;
-    for (int i0 = threadIdx.x; i0 < d; i0 += ROW_BATCH * step) {
-        float xv[ROW_BATCH], wv[ROW_BATCH];
+/* o = w * (x * inv) over the row, inv from ss (this thread's sum of squares): xv holds this
+ * thread's piece of x and w0 its first piece of w when the row is one piece */
+__device__ __forceinline__ void row_norm_scale(const void *x, int xdt, size_t xb, const void *w, int wdt, int d,
+                                               float ss, float eps, float *red, const float (&xv)[NORM_COLS],
+                                               const float (&w0)[NORM_COLS], void *o, int odt, size_t ob) {
+    ss = kd_block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    const int piece = NORM_COLS * (int)blockDim.x;
+    for (int c0 = 0; c0 < d; c0 += piece) {
+        float xp[NORM_COLS], wp[NORM_COLS];
+        if (d <= piece) {
 #pragma unroll
-        for (int j = 0; j < ROW_BATCH; j++) {
-            const bool in = i0 + j * step < d;
-            xv[j] = in ? kd_ld(x, xdt, xb + i0 + j * step) : 0.0f;
-            wv[j] = in ? kd_ld(w, wdt, i0 + j * step) : 0.0f;
+            for (int k = 0; k < NORM_COLS; k++) { xp[k] = xv[k]; wp[k] = w0[k]; }
+        } else {
+            row_piece(x, xdt, xb, d, c0, xp);
+            row_piece(w, wdt, 0, d, c0, wp);
         }
 #pragma unroll
-        for (int j = 0; j < ROW_BATCH; j++)
-            if (i0 + j * step < d) kd_st(o, odt, ob + i0 + j * step, wv[j] * (xv[j] * inv));
+        for (int k = 0; k < NORM_COLS; k++) {
+            const int i = c0 + (int)threadIdx.x + k * (int)blockDim.x;
+            if (i < d) kd_st(o, odt, ob + i, wp[k] * (xp[k] * inv));
+        }
     }
+}
+
+/* o = rmsnorm(x) * w for the row at x + xb (d wide), w0 its weight's first piece (row_piece) */
+__device__ __forceinline__ void row_rmsnorm(const void *x, int xdt, size_t xb, const void *w, int wdt, int d,
+                                            const float (&w0)[NORM_COLS], float eps, float *red, void *o, int odt,
+                                            size_t ob) {
+    float xv[NORM_COLS], ss = 0.0f;
+    for (int c0 = 0; c0 < d; c0 += NORM_COLS * (int)blockDim.x) {
+        row_piece(x, xdt, xb, d, c0, xv);
+#pragma unroll
+        for (int k = 0; k < NORM_COLS; k++) ss += xv[k] * xv[k];   /* past d: + 0, exactly */
+    }
+    row_norm_scale(x, xdt, xb, w, wdt, d, ss, eps, red, xv, w0, o, odt, ob);
 }
 
 /* one block per (row, segment of d columns) */
 __global__ void rmsnorm_kernel(const void *x, int xdt, long long ldx, const void *w, int wdt, int d, int segs,
                                float eps, void *o, int odt, long long ldo) {
+    float w0[NORM_COLS];
+    row_piece(w, wdt, 0, d, 0, w0);
     kd_griddep_enter();
     __shared__ float red[32];
     int r = blockIdx.x / segs, s0 = (blockIdx.x % segs) * d;
-    size_t xb = (size_t)r * ldx + s0, ob = (size_t)r * ldo + s0;
-    float ss = kd_block_sum(row_sum_squares(x, xdt, xb, d), red);
-    float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    row_scale(x, xdt, xb, w, wdt, d, inv, o, odt, ob);
+    row_rmsnorm(x, xdt, (size_t)r * ldx + s0, w, wdt, d, w0, eps, red, o, odt, (size_t)r * ldo + s0);
 }
 
-/* one block per row: x += y, then out = rmsnorm(x) * w. The stored x (rounded to its dtype) is what
- * the norm reads, and the thread count, column order and block sum are rmsnorm_kernel's at one
- * segment, so the bits are those of scale_add_kernel followed by rmsnorm_kernel (each thread reads
- * back only the elements it wrote) */
+/* one block per row: x += y, then out = rmsnorm(x) * w. The norm reads the sum as stored (rounded
+ * to x's dtype), and the thread count, column order and block sum are rmsnorm_kernel's at one
+ * segment, so the bits are those of scale_add_kernel followed by rmsnorm_kernel */
 __global__ void add_rmsnorm_kernel(void *x, int xdt, long long ldx, const void *y, int ydt, long long ldy,
                                    const void *w, int wdt, int d, float eps, void *o, int odt, long long ldo) {
+    float w0[NORM_COLS];
+    row_piece(w, wdt, 0, d, 0, w0);
     kd_griddep_enter();
     __shared__ float red[32];
-    size_t xb = (size_t)blockIdx.x * ldx, yb = (size_t)blockIdx.x * ldy, ob = (size_t)blockIdx.x * ldo;
-    const int step = (int)blockDim.x;
-    float ss = 0.0f;
-    for (int i0 = threadIdx.x; i0 < d; i0 += ROW_BATCH * step) {
-        float xv[ROW_BATCH], yv[ROW_BATCH];
+    const size_t xb = (size_t)blockIdx.x * ldx, yb = (size_t)blockIdx.x * ldy, ob = (size_t)blockIdx.x * ldo;
+    float xv[NORM_COLS], ss = 0.0f;
+    for (int c0 = 0; c0 < d; c0 += NORM_COLS * (int)blockDim.x) {
+        float yv[NORM_COLS];
+        row_piece(x, xdt, xb, d, c0, xv);
+        row_piece(y, ydt, yb, d, c0, yv);
 #pragma unroll
-        for (int j = 0; j < ROW_BATCH; j++) {
-            const bool in = i0 + j * step < d;
-            xv[j] = in ? kd_ld(x, xdt, xb + i0 + j * step) : 0.0f;
-            yv[j] = in ? kd_round(xdt, kd_ld(y, ydt, yb + i0 + j * step)) : 0.0f;   /* as scale_add_kernel */
-        }
-#pragma unroll
-        for (int j = 0; j < ROW_BATCH; j++) {
-            if (i0 + j * step >= d) continue;
-            const size_t i = xb + i0 + j * step;
-            kd_st(x, xdt, i, xv[j] + yv[j]);
-            const float v = kd_ld(x, xdt, i);
-            ss += v * v;
+        for (int k = 0; k < NORM_COLS; k++) {
+            const int i = c0 + (int)threadIdx.x + k * (int)blockDim.x;
+            /* y as x's dtype holds it (scale_add_kernel), the sum as the store leaves it */
+            xv[k] = kd_round(xdt, xv[k] + kd_round(xdt, yv[k]));
+            if (i < d) kd_st(x, xdt, xb + i, xv[k]);
+            ss += xv[k] * xv[k];   /* past d: + 0, exactly */
         }
     }
-    ss = kd_block_sum(ss, red);
-    float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    row_scale(x, xdt, xb, w, wdt, d, inv, o, odt, ob);
+    row_norm_scale(x, xdt, xb, w, wdt, d, ss, eps, red, xv, w0, o, odt, ob);
 }
 
 /* RoPE of pair i at position p: the angle in fp32 (as HF), its cos and sin in double, rounded */
@@ -206,6 +217,8 @@ struct MlaRopeStore {
     void *cache; int cdt; long long ldc; long long cache_rows; int row0; const int32_t *d_len;
 };
 __global__ void mla_rope_store_kernel(MlaRopeStore a) {
+    float w0[NORM_COLS];
+    if (blockIdx.y == 0) row_piece(a.w, a.wdt, 0, a.c, 0, w0);
     kd_griddep_enter();
     __shared__ float red[32];
     const int t = blockIdx.x, p = a.pos[t], d = 2 * a.half;
@@ -222,9 +235,7 @@ __global__ void mla_rope_store_kernel(MlaRopeStore a) {
     const long long row = (long long)a.row0 + (a.d_len ? a.d_len[0] : 0) + t;
     if (row < 0 || row >= a.cache_rows) return;   /* a defensive bound: the model checks len + T <= capacity */
     const size_t xb = (size_t)t * a.ldk, ob = (size_t)row * a.ldc;
-    float ss = kd_block_sum(row_sum_squares(a.kva, a.kdt, xb, a.c), red);
-    float inv = 1.0f / sqrtf(ss / (float)a.c + a.eps);
-    row_scale(a.kva, a.kdt, xb, a.w, a.wdt, a.c, inv, a.cache, a.cdt, ob);
+    row_rmsnorm(a.kva, a.kdt, xb, a.w, a.wdt, a.c, w0, a.eps, red, a.cache, a.cdt, ob);
     for (int i = threadIdx.x; i < a.half; i += blockDim.x) {
         float c, s;
         rope_cos_sin(p, a.inv_freq, i, a.amp, &c, &s);

@@ -158,6 +158,8 @@ int main() {
     check(5, 128, KD_BF16, 1e-5f);     /* tiny-k2.6: 64 threads */
     check(4, 100, KD_BF16, 1e-5f);     /* a width that is no multiple of the block */
     check(3, 40, KD_F32, 1e-5f);       /* 32 threads */
+    check(2, 9000, KD_F32, 1e-6f);     /* wider than NORM_COLS x 256 threads: in pieces */
+    check(1, 8192, KD_BF16, 1e-6f);    /* one whole piece */
     check_mla(2, 64, 128, 512, 64, 7, -1);   /* K2.6 decode + 1, host length */
     check_mla(3, 8, 128, 512, 64, 2, 9);     /* a TP-8 rank's heads, device length */
     check_mla(5, 4, 16, 32, 8, 0, 3);        /* tiny-k2.6's dims */
