@@ -74,100 +74,157 @@ __global__ void swiglu_kernel(const void *g, int gdt, long long ldg, const void 
     }
 }
 
-/* The norms hold a row in registers: thread t takes the columns t, t + blockDim, t + 2 blockDim,
- * ... in that order (the order of its partial sum of squares), NORM_COLS of them at most, all
- * loaded at once, so a pass waits on one memory latency; and a kernel requests the weight before
- * its grid dependency wait (no kernel of a step writes a weight), under the previous kernel's tail.
- * ncu, H100, a TP-8 rank's decode step: add_rmsnorm of one 7168-row took 12.9 us, rmsnorm of one
- * 1536-row 4.9, with loads batched 8 at a time (a 256-thread block of a 7168-row: 4 waits to sum,
- * 4 more to scale). Rows wider than NORM_COLS x the block (8192 at 256 threads) go in pieces of
- * that, x and w re-read for the scaling. Every sum is in the same order, so the bits do not depend
- * on how the row is held. */
-constexpr int NORM_COLS = 32;
+/* The norms hold a row in registers: thread t of the NTH takes the columns t, t + NTH, t + 2 NTH,
+ * ... in that order (the order of its partial sum of squares), COLS of them at most, all loaded at
+ * once, so a pass waits on one memory latency; and a kernel requests the weight before its grid
+ * dependency wait (no kernel of a step writes a weight), under the previous kernel's tail. NTH and
+ * COLS are compile-time, so a column's load is one instruction at an immediate offset from the
+ * thread's first, and a piece branches on the dtype once, not per column. ncu, H100: one 7168-row
+ * add_rmsnorm of a TP-8 rank's decode step took 12.9 us with runtime block sizes and per-column
+ * dtype branches, each warp issuing one instruction every 8.5 cycles through some 1800. Rows wider
+ * than COLS x NTH go in pieces of that, x and w re-read for the scaling. Every sum is in the same
+ * order, so the bits do not depend on how the row is held. */
+struct NormShape {
+    int threads, cols;
+};
+/* from the width alone (the order of a row's sums): 256 threads from 1024 columns, else 128, 64
+ * or 32; 8 columns a thread where that holds the row, else 32 (in pieces past 8192) */
+static inline NormShape norm_shape(long long d) {
+    const int nth = d >= 1024 ? 256 : d >= 256 ? 128 : d >= 64 ? 64 : 32;
+    return {nth, d <= 8LL * nth ? 8 : 32};
+}
+/* the instance of norm kernel K (template <int NTH, int COLS>) for shape s */
+#define NORM_KERNEL(K, s)                                                                              \
+    ((s).threads == 32 ? K<32, 8> : (s).threads == 64 ? K<64, 8> : (s).threads == 128 ? K<128, 8> \
+     : (s).cols == 8   ? K<256, 8> : K<256, 32>)
 
-/* this thread's columns of the piece from column c0 of a row at p + b (d wide): zeros past d */
-__device__ __forceinline__ void row_piece(const void *p, int dt, size_t b, int d, int c0, float (&v)[NORM_COLS]) {
+template <typename T> __device__ __forceinline__ float to_f32(T v) { return (float)v; }
+template <> __device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ void from_f32(float v, float *d) { *d = v; }
+__device__ __forceinline__ void from_f32(float v, bf16 *d) { *d = __float2bfloat16(v); }
+__device__ __forceinline__ void from_f32(float v, __half *d) { *d = __float2half(v); }
+template <int DT> struct DtypeOf { typedef bf16 T; };
+template <> struct DtypeOf<KD_F32> { typedef float T; };
+template <> struct DtypeOf<KD_F16> { typedef __half T; };
+
+template <int NTH, int COLS, int DT>
+__device__ __forceinline__ void piece_load(const void *p, size_t b, int d, int c0, float (&v)[COLS]) {
+    typedef typename DtypeOf<DT>::T T;
+    const T *q = (const T *)p + b + c0 + threadIdx.x;
+    const int left = d - c0 - (int)threadIdx.x;   /* column k is in when k NTH < left */
 #pragma unroll
-    for (int k = 0; k < NORM_COLS; k++) {
-        const int i = c0 + (int)threadIdx.x + k * (int)blockDim.x;
-        v[k] = i < d ? kd_ld(p, dt, b + i) : 0.0f;
+    for (int k = 0; k < COLS; k++) v[k] = k * NTH < left ? to_f32(q[k * NTH]) : 0.0f;
+}
+/* this thread's columns of the piece from column c0 of a row at p + b (d wide): zeros past d */
+template <int NTH, int COLS>
+__device__ __forceinline__ void row_piece(const void *p, int dt, size_t b, int d, int c0, float (&v)[COLS]) {
+    if (dt == KD_BF16) piece_load<NTH, COLS, KD_BF16>(p, b, d, c0, v);
+    else if (dt == KD_F32) piece_load<NTH, COLS, KD_F32>(p, b, d, c0, v);
+    else piece_load<NTH, COLS, KD_F16>(p, b, d, c0, v);
+}
+template <int NTH, int COLS, int DT>
+__device__ __forceinline__ void piece_store(void *p, size_t b, int d, int c0, const float (&v)[COLS]) {
+    typedef typename DtypeOf<DT>::T T;
+    T *q = (T *)p + b + c0 + threadIdx.x;
+    const int left = d - c0 - (int)threadIdx.x;
+#pragma unroll
+    for (int k = 0; k < COLS; k++)
+        if (k * NTH < left) from_f32(v[k], &q[k * NTH]);   /* kd_st's rounding */
+}
+/* v to this thread's columns of the piece (row_piece's), rounded to dt as kd_st rounds */
+template <int NTH, int COLS>
+__device__ __forceinline__ void row_piece_store(void *p, int dt, size_t b, int d, int c0, const float (&v)[COLS]) {
+    if (dt == KD_BF16) piece_store<NTH, COLS, KD_BF16>(p, b, d, c0, v);
+    else if (dt == KD_F32) piece_store<NTH, COLS, KD_F32>(p, b, d, c0, v);
+    else piece_store<NTH, COLS, KD_F16>(p, b, d, c0, v);
+}
+/* v as a store to dtype dt leaves it (kd_round) */
+template <int COLS> __device__ __forceinline__ void row_piece_round(int dt, float (&v)[COLS]) {
+    if (dt == KD_BF16) {
+#pragma unroll
+        for (int k = 0; k < COLS; k++) v[k] = kd_round(KD_BF16, v[k]);
+    } else if (dt == KD_F16) {
+#pragma unroll
+        for (int k = 0; k < COLS; k++) v[k] = kd_round(KD_F16, v[k]);
     }
 }
 
 /* o = w * (x * inv) over the row, inv from ss (this thread's sum of squares): xv holds this
  * thread's piece of x and w0 its first piece of w when the row is one piece */
+template <int NTH, int COLS>
 __device__ __forceinline__ void row_norm_scale(const void *x, int xdt, size_t xb, const void *w, int wdt, int d,
-                                               float ss, float eps, float *red, const float (&xv)[NORM_COLS],
-                                               const float (&w0)[NORM_COLS], void *o, int odt, size_t ob) {
+                                               float ss, float eps, float *red, const float (&xv)[COLS],
+                                               const float (&w0)[COLS], void *o, int odt, size_t ob) {
     ss = kd_block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    const int piece = NORM_COLS * (int)blockDim.x;
-    for (int c0 = 0; c0 < d; c0 += piece) {
-        float xp[NORM_COLS], wp[NORM_COLS];
-        if (d <= piece) {
+    for (int c0 = 0; c0 < d; c0 += COLS * NTH) {
+        float xp[COLS], wp[COLS];
+        if (d <= COLS * NTH) {
 #pragma unroll
-            for (int k = 0; k < NORM_COLS; k++) { xp[k] = xv[k]; wp[k] = w0[k]; }
+            for (int k = 0; k < COLS; k++) { xp[k] = xv[k]; wp[k] = w0[k]; }
         } else {
-            row_piece(x, xdt, xb, d, c0, xp);
-            row_piece(w, wdt, 0, d, c0, wp);
+            row_piece<NTH, COLS>(x, xdt, xb, d, c0, xp);
+            row_piece<NTH, COLS>(w, wdt, 0, d, c0, wp);
         }
 #pragma unroll
-        for (int k = 0; k < NORM_COLS; k++) {
-            const int i = c0 + (int)threadIdx.x + k * (int)blockDim.x;
-            if (i < d) kd_st(o, odt, ob + i, wp[k] * (xp[k] * inv));
-        }
+        for (int k = 0; k < COLS; k++) xp[k] = wp[k] * (xp[k] * inv);
+        row_piece_store<NTH, COLS>(o, odt, ob, d, c0, xp);
     }
 }
 
 /* o = rmsnorm(x) * w for the row at x + xb (d wide), w0 its weight's first piece (row_piece) */
+template <int NTH, int COLS>
 __device__ __forceinline__ void row_rmsnorm(const void *x, int xdt, size_t xb, const void *w, int wdt, int d,
-                                            const float (&w0)[NORM_COLS], float eps, float *red, void *o, int odt,
+                                            const float (&w0)[COLS], float eps, float *red, void *o, int odt,
                                             size_t ob) {
-    float xv[NORM_COLS], ss = 0.0f;
-    for (int c0 = 0; c0 < d; c0 += NORM_COLS * (int)blockDim.x) {
-        row_piece(x, xdt, xb, d, c0, xv);
+    float xv[COLS], ss = 0.0f;
+    for (int c0 = 0; c0 < d; c0 += COLS * NTH) {
+        row_piece<NTH, COLS>(x, xdt, xb, d, c0, xv);
 #pragma unroll
-        for (int k = 0; k < NORM_COLS; k++) ss += xv[k] * xv[k];   /* past d: + 0, exactly */
+        for (int k = 0; k < COLS; k++) ss += xv[k] * xv[k];   /* past d: + 0, exactly */
     }
-    row_norm_scale(x, xdt, xb, w, wdt, d, ss, eps, red, xv, w0, o, odt, ob);
+    row_norm_scale<NTH, COLS>(x, xdt, xb, w, wdt, d, ss, eps, red, xv, w0, o, odt, ob);
 }
 
-/* one block per (row, segment of d columns) */
-__global__ void rmsnorm_kernel(const void *x, int xdt, long long ldx, const void *w, int wdt, int d, int segs,
-                               float eps, void *o, int odt, long long ldo) {
-    float w0[NORM_COLS];
-    row_piece(w, wdt, 0, d, 0, w0);
+/* one block of NTH threads (norm_shape) per (row, segment of d columns) */
+template <int NTH, int COLS>
+__global__ void __launch_bounds__(NTH) rmsnorm_kernel(const void *x, int xdt, long long ldx, const void *w, int wdt,
+                                                      int d, int segs, float eps, void *o, int odt, long long ldo) {
+    float w0[COLS];
+    row_piece<NTH, COLS>(w, wdt, 0, d, 0, w0);
     kd_griddep_enter();
     __shared__ float red[32];
     int r = blockIdx.x / segs, s0 = (blockIdx.x % segs) * d;
-    row_rmsnorm(x, xdt, (size_t)r * ldx + s0, w, wdt, d, w0, eps, red, o, odt, (size_t)r * ldo + s0);
+    row_rmsnorm<NTH, COLS>(x, xdt, (size_t)r * ldx + s0, w, wdt, d, w0, eps, red, o, odt, (size_t)r * ldo + s0);
 }
 
 /* one block per row: x += y, then out = rmsnorm(x) * w. The norm reads the sum as stored (rounded
- * to x's dtype), and the thread count, column order and block sum are rmsnorm_kernel's at one
- * segment, so the bits are those of scale_add_kernel followed by rmsnorm_kernel */
-__global__ void add_rmsnorm_kernel(void *x, int xdt, long long ldx, const void *y, int ydt, long long ldy,
-                                   const void *w, int wdt, int d, float eps, void *o, int odt, long long ldo) {
-    float w0[NORM_COLS];
-    row_piece(w, wdt, 0, d, 0, w0);
+ * to x's dtype), and the shape, column order and block sum are rmsnorm_kernel's at one segment,
+ * so the bits are those of scale_add_kernel followed by rmsnorm_kernel */
+template <int NTH, int COLS>
+__global__ void __launch_bounds__(NTH) add_rmsnorm_kernel(void *x, int xdt, long long ldx, const void *y, int ydt,
+                                                          long long ldy, const void *w, int wdt, int d, float eps,
+                                                          void *o, int odt, long long ldo) {
+    float w0[COLS];
+    row_piece<NTH, COLS>(w, wdt, 0, d, 0, w0);
     kd_griddep_enter();
     __shared__ float red[32];
     const size_t xb = (size_t)blockIdx.x * ldx, yb = (size_t)blockIdx.x * ldy, ob = (size_t)blockIdx.x * ldo;
-    float xv[NORM_COLS], ss = 0.0f;
-    for (int c0 = 0; c0 < d; c0 += NORM_COLS * (int)blockDim.x) {
-        float yv[NORM_COLS];
-        row_piece(x, xdt, xb, d, c0, xv);
-        row_piece(y, ydt, yb, d, c0, yv);
+    float xv[COLS], ss = 0.0f;
+    for (int c0 = 0; c0 < d; c0 += COLS * NTH) {
+        float yv[COLS];
+        row_piece<NTH, COLS>(x, xdt, xb, d, c0, xv);
+        row_piece<NTH, COLS>(y, ydt, yb, d, c0, yv);
+        row_piece_round(xdt, yv);   /* y as x's dtype holds it (scale_add_kernel) */
 #pragma unroll
-        for (int k = 0; k < NORM_COLS; k++) {
-            const int i = c0 + (int)threadIdx.x + k * (int)blockDim.x;
-            /* y as x's dtype holds it (scale_add_kernel), the sum as the store leaves it */
-            xv[k] = kd_round(xdt, xv[k] + kd_round(xdt, yv[k]));
-            if (i < d) kd_st(x, xdt, xb + i, xv[k]);
-            ss += xv[k] * xv[k];   /* past d: + 0, exactly */
-        }
+        for (int k = 0; k < COLS; k++) xv[k] += yv[k];
+        row_piece_round(xdt, xv);   /* the sum as the store leaves it */
+        row_piece_store<NTH, COLS>(x, xdt, xb, d, c0, xv);
+#pragma unroll
+        for (int k = 0; k < COLS; k++) ss += xv[k] * xv[k];   /* past d: + 0, exactly */
     }
-    row_norm_scale(x, xdt, xb, w, wdt, d, ss, eps, red, xv, w0, o, odt, ob);
+    row_norm_scale<NTH, COLS>(x, xdt, xb, w, wdt, d, ss, eps, red, xv, w0, o, odt, ob);
 }
 
 /* RoPE of pair i at position p: the angle in fp32 (as HF), its cos and sin in double, rounded */
@@ -204,7 +261,7 @@ __global__ void rope_kernel(void *x, int xdt, long long ldx, int rows, int n_hea
 }
 
 /* mla_rope_store: grid (T, 1 + query blocks). Block (t, 0) writes cache row start + t: the latent's
- * norm by rmsnorm_kernel's passes (this block has its thread count, norm_threads(c)), then the rope
+ * norm by rmsnorm_kernel's passes (this block has its shape, norm_shape(c)), then the rope
  * pairs; blocks (t, y >= 1) rope the query's pairs (y - 1) * blockDim + tid of row t. Each value is
  * rmsnorm_kernel's or rope_kernel's, so the bits are those of the ops it replaces. */
 struct MlaRopeStore {
@@ -216,9 +273,10 @@ struct MlaRopeStore {
     const int32_t *pos; const float *inv_freq; int half; bool interleaved; float amp;
     void *cache; int cdt; long long ldc; long long cache_rows; int row0; const int32_t *d_len;
 };
-__global__ void mla_rope_store_kernel(MlaRopeStore a) {
-    float w0[NORM_COLS];
-    if (blockIdx.y == 0) row_piece(a.w, a.wdt, 0, a.c, 0, w0);
+template <int NTH, int COLS>
+__global__ void __launch_bounds__(NTH) mla_rope_store_kernel(MlaRopeStore a) {
+    float w0[COLS];
+    if (blockIdx.y == 0) row_piece<NTH, COLS>(a.w, a.wdt, 0, a.c, 0, w0);
     kd_griddep_enter();
     __shared__ float red[32];
     const int t = blockIdx.x, p = a.pos[t], d = 2 * a.half;
@@ -235,7 +293,7 @@ __global__ void mla_rope_store_kernel(MlaRopeStore a) {
     const long long row = (long long)a.row0 + (a.d_len ? a.d_len[0] : 0) + t;
     if (row < 0 || row >= a.cache_rows) return;   /* a defensive bound: the model checks len + T <= capacity */
     const size_t xb = (size_t)t * a.ldk, ob = (size_t)row * a.ldc;
-    row_rmsnorm(a.kva, a.kdt, xb, a.w, a.wdt, a.c, w0, a.eps, red, a.cache, a.cdt, ob);
+    row_rmsnorm<NTH, COLS>(a.kva, a.kdt, xb, a.w, a.wdt, a.c, w0, a.eps, red, a.cache, a.cdt, ob);
     for (int i = threadIdx.x; i < a.half; i += blockDim.x) {
         float c, s;
         rope_cos_sin(p, a.inv_freq, i, a.amp, &c, &s);
@@ -366,9 +424,6 @@ extern "C" kd_status kd_cuda_swiglu(kd_backend *be, kd_act gate, kd_act up, kd_a
     return KD_OK;
 }
 
-/* rmsnorm's block size: from the width alone (batch invariance of the reduction order) */
-static int norm_threads(long long d) { return d >= 1024 ? 256 : d >= 256 ? 128 : d >= 64 ? 64 : 32; }
-
 extern "C" kd_status kd_cuda_add_rmsnorm(kd_backend *be, kd_act x, kd_act y, const kd_weight *w, float eps,
                                          kd_act out) {
     kd_cuda *c = kd_cuda_of(be);
@@ -383,8 +438,9 @@ extern "C" kd_status kd_cuda_add_rmsnorm(kd_backend *be, kd_act x, kd_act y, con
         return kd_fail(KD_ERR_ARG, "cuda add_rmsnorm: weight '%s' has %lld entries, expected the %d cols of a row", name,
                        (long long)(w->rows * w->cols), x.cols);
     if (x.rows == 0) return KD_OK;
-    KD_TRY(kd_launch_pdl("add_rmsnorm_kernel", add_rmsnorm_kernel, (unsigned)x.rows, norm_threads(x.cols), 0, c->stream,
-                         x.data, x.dtype, x.ld, y.data, y.dtype, y.ld, w->dev, wdtype(w), x.cols, eps, out.data,
+    const NormShape ns = norm_shape(x.cols);
+    KD_TRY(kd_launch_pdl("add_rmsnorm_kernel", NORM_KERNEL(add_rmsnorm_kernel, ns), (unsigned)x.rows, ns.threads, 0,
+                         c->stream, x.data, x.dtype, x.ld, y.data, y.dtype, y.ld, w->dev, wdtype(w), x.cols, eps, out.data,
                          out.dtype, out.ld));
     return KD_OK;
 }
@@ -404,8 +460,9 @@ extern "C" kd_status kd_cuda_rmsnorm(kd_backend *be, kd_act x, const kd_weight *
     int segs = (int)(x.cols / d);
     long long blocks = (long long)x.rows * segs;
     if (blocks > 0x7fffffff) return kd_fail(KD_ERR_ARG, "cuda rmsnorm: too many rows (%d x %d segments)", x.rows, segs);
-    KD_TRY(kd_launch_pdl("rmsnorm_kernel", rmsnorm_kernel, (unsigned)blocks, norm_threads(d), 0, c->stream, x.data,
-                         x.dtype, x.ld, w->dev, wdtype(w), (int)d, segs, eps, out.data, out.dtype, out.ld));
+    const NormShape ns = norm_shape(d);
+    KD_TRY(kd_launch_pdl("rmsnorm_kernel", NORM_KERNEL(rmsnorm_kernel, ns), (unsigned)blocks, ns.threads, 0, c->stream,
+                         x.data, x.dtype, x.ld, w->dev, wdtype(w), (int)d, segs, eps, out.data, out.dtype, out.ld));
     return KD_OK;
 }
 
@@ -457,11 +514,11 @@ extern "C" kd_status kd_cuda_mla_rope_store(kd_backend *be, kd_act q, kd_act qfu
     a.pos = pos; a.inv_freq = r->inv_freq; a.half = d / 2; a.interleaved = r->interleaved; a.amp = r->attn_factor;
     a.cache = cache.data; a.cdt = cache.dtype; a.ldc = cache.ld; a.cache_rows = cache.rows; a.row0 = row0;
     a.d_len = d_len;
-    const int threads = norm_threads(a.c);
-    const long long qblocks = ((long long)n_heads * a.half + threads - 1) / threads;
+    const NormShape ns = norm_shape(a.c);
+    const long long qblocks = ((long long)n_heads * a.half + ns.threads - 1) / ns.threads;
     if (qblocks >= 65535) return kd_fail(KD_ERR_ARG, "cuda mla_rope_store: %d heads is too many", n_heads);
-    return kd_launch_pdl("mla_rope_store_kernel", mla_rope_store_kernel, dim3((unsigned)kva.rows, (unsigned)(1 + qblocks)),
-                         threads, 0, c->stream, a);
+    return kd_launch_pdl("mla_rope_store_kernel", NORM_KERNEL(mla_rope_store_kernel, ns),
+                         dim3((unsigned)kva.rows, (unsigned)(1 + qblocks)), ns.threads, 0, c->stream, a);
 }
 
 extern "C" kd_status kd_cuda_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n) {

@@ -11,8 +11,8 @@
 #include "emu_runtime.h"
 #include "kernels.inc"
 
-/* rmsnorm's block size (kd_cuda_rmsnorm, kd_cuda_add_rmsnorm in norm_rope.cu) */
-static int threads_for(int d) { return d >= 1024 ? 256 : d >= 256 ? 128 : d >= 64 ? 64 : 32; }
+/* the norms' block size, as kd_cuda_rmsnorm and kd_cuda_add_rmsnorm launch them */
+static int threads_for(int d) { return norm_shape(d).threads; }
 
 static uint64_t rs = 88172645463325252ull;
 static float urand(float lo, float hi) {
@@ -38,11 +38,11 @@ static void check(int rows, int d, int ydt, float eps) {
     /* the pair: scale_add (s = 1, a grid of strided blocks) then rmsnorm (one block per row) */
     xa = x0;
     launch(4, 256, [&] { scale_add_kernel(xa.data(), KD_BF16, d, y.data(), ydt, d, 1.0f, rows, d); });
-    launch(rows, th, [&] { rmsnorm_kernel(xa.data(), KD_BF16, d, w.data(), KD_BF16, d, 1, eps, oa.data(), KD_BF16, d); });
+    launch(rows, th, [&] { NORM_KERNEL(rmsnorm_kernel, norm_shape(d))(xa.data(), KD_BF16, d, w.data(), KD_BF16, d, 1, eps, oa.data(), KD_BF16, d); });
     /* the fused kernel */
     xb = x0;
     launch(rows, th, [&] {
-        add_rmsnorm_kernel(xb.data(), KD_BF16, d, y.data(), ydt, d, w.data(), KD_BF16, d, eps, ob.data(), KD_BF16, d);
+        NORM_KERNEL(add_rmsnorm_kernel, norm_shape(d))(xb.data(), KD_BF16, d, y.data(), ydt, d, w.data(), KD_BF16, d, eps, ob.data(), KD_BF16, d);
     });
     checks++;
     if (xa != xb || oa != ob) {
@@ -54,7 +54,7 @@ static void check(int rows, int d, int ydt, float eps) {
         std::vector<uint16_t> y16(n), xc = x0, oc(n);
         for (size_t i = 0; i < n; i++) { float v; memcpy(&v, &y[i * 4], 4); y16[i] = kd_f32_to_bf16(v); }
         launch(rows, th, [&] {
-            add_rmsnorm_kernel(xc.data(), KD_BF16, d, y16.data(), KD_BF16, d, w.data(), KD_BF16, d, eps, oc.data(),
+            NORM_KERNEL(add_rmsnorm_kernel, norm_shape(d))(xc.data(), KD_BF16, d, y16.data(), KD_BF16, d, w.data(), KD_BF16, d, eps, oc.data(),
                                KD_BF16, d);
         });
         checks++;
@@ -129,12 +129,12 @@ static void check_mla(int T, int H, int dn, int r, int d, int row0, int dlen) {
     a.pos = pos.data(); a.inv_freq = inv.data(); a.half = d / 2; a.interleaved = true; a.amp = 1.0f;
     a.cache = ca.data(); a.cdt = KD_BF16; a.ldc = kc; a.cache_rows = rows; a.row0 = row0;
     a.d_len = dlen >= 0 ? &len : nullptr;
-    launch(T, th, [&] { mla_rope_store_kernel(a); }, 1 + qb);
+    launch(T, th, [&] { NORM_KERNEL(mla_rope_store_kernel, norm_shape(r))(a); }, 1 + qb);
     /* the ops it replaces: rope of q in place, the latent's norm and k_pe's rope in place in kva */
     std::vector<uint16_t> qr = q, kr = kva, qfb = qf, cb = cache;
     launch(4, 256, [&] { rope_kernel(qr.data(), KD_BF16, (long long)H * qs, T, H, qs, dn, pos.data(), inv.data(), d / 2,
                                      true, 1.0f); });
-    launch(T, th, [&] { rmsnorm_kernel(kr.data(), KD_BF16, kc, w.data(), KD_BF16, r, 1, eps, kr.data(), KD_BF16, kc); });
+    launch(T, th, [&] { NORM_KERNEL(rmsnorm_kernel, norm_shape(r))(kr.data(), KD_BF16, kc, w.data(), KD_BF16, r, 1, eps, kr.data(), KD_BF16, kc); });
     launch(4, 256, [&] { rope_kernel(kr.data(), KD_BF16, kc, T, 1, kc, r, pos.data(), inv.data(), d / 2, true, 1.0f); });
     for (int t = 0; t < T; t++) {
         for (int h = 0; h < H; h++)
