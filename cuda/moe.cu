@@ -62,20 +62,6 @@ __device__ int block_best(const float *v, const unsigned char *taken, int n, flo
     return r;
 }
 
-/* the best untaken of a lane's experts lane + 32 j (bit j of out: taken or past n); -1: none */
-__device__ __forceinline__ void lane_best(const float (&v)[ROUTE_LANE_MAX], unsigned out, int lane, float *bv, int *bi) {
-    float b = -INFINITY;
-    int i = -1;
-#pragma unroll
-    for (int j = 0; j < ROUTE_LANE_MAX; j++)
-        if (!((out >> j) & 1u) && (i < 0 || better(v[j], lane + 32 * j, b, i))) {
-            b = v[j];
-            i = lane + 32 * j;
-        }
-    *bv = b;
-    *bi = i;
-}
-
 /* one block per token; smem: choice[n] floats, scores[n] floats, taken[n] bytes */
 __global__ void __launch_bounds__(ROUTE_THREADS) route_kernel(const float *logits, int n, const float *bias, int n_group,
                                                               int topk_group, int top_k, bool norm, float scaling,
@@ -116,11 +102,9 @@ __global__ void __launch_bounds__(ROUTE_THREADS) route_kernel(const float *logit
         __syncthreads();
     }
     if (n <= 32 * ROUTE_LANE_MAX) {
-        /* one warp: lane l holds the choices of experts l + 32 j in registers and its best untaken
-         * one; each round's best is a shuffle tree over the lanes' bests, and only the lane it came
-         * from looks for its next (the others' bests stand: their experts did not change). A
-         * block-wide round took four barriers, eight rounds a token. The best under `better` is
-         * unique, so the experts are block_best's. */
+        /* one warp: lane l holds the choices of experts l + 32 j in registers, and each round's best
+         * is a shuffle tree over the lanes' bests (a block-wide round took four barriers, eight
+         * rounds a token). The best under `better` is unique, so the experts are block_best's. */
         if (threadIdx.x < 32) {
             const int lane = threadIdx.x;
             float v[ROUTE_LANE_MAX];
@@ -131,22 +115,22 @@ __global__ void __launch_bounds__(ROUTE_THREADS) route_kernel(const float *logit
                 v[j] = i < n ? choice[i] : -INFINITY;
                 if (i >= n) out |= 1u << j;
             }
-            float lv;
-            int li;
-            lane_best(v, out, lane, &lv, &li);
             for (int r = 0; r < top_k; r++) {
-                float bv = lv;
-                int bi = li;
+                float bv = -INFINITY;
+                int bi = -1;
+#pragma unroll
+                for (int j = 0; j < ROUTE_LANE_MAX; j++)
+                    if (!((out >> j) & 1u) && (bi < 0 || better(v[j], lane + 32 * j, bv, bi))) {
+                        bv = v[j];
+                        bi = lane + 32 * j;
+                    }
                 for (int o = 16; o > 0; o >>= 1) {
                     const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
                     const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
                     if (oi >= 0 && (bi < 0 || better(ov, oi, bv, bi))) { bv = ov; bi = oi; }
                 }
+                if (bi >= 0 && (bi & 31) == lane) out |= 1u << (bi >> 5);
                 if (lane == 0) sel[r] = bi;
-                if (bi >= 0 && (bi & 31) == lane) {
-                    out |= 1u << (bi >> 5);
-                    lane_best(v, out, lane, &lv, &li);
-                }
             }
         }
         __syncthreads();
@@ -159,21 +143,24 @@ __global__ void __launch_bounds__(ROUTE_THREADS) route_kernel(const float *logit
             __syncthreads();
         }
     }
-    /* the weights, lane j the j-th chosen (top_k <= 32): their sum in selection order, then each
-     * written at its rank among the chosen ids (distinct), so the list is in ascending expert id */
-    if (threadIdx.x < 32) {
-        const int j = threadIdx.x;
-        const bool mine = j < top_k;
-        const int id = mine ? sel[j] : 0;
-        float w = mine ? score[id] : 0.0f, sum = 0.0f;
-        for (int k = 0; k < top_k; k++) sum += __shfl_sync(0xffffffffu, w, k);
-        if (norm) w /= sum + 1e-20f;
-        w *= scaling;
-        int rank = 0;
-        for (int k = 0; k < top_k; k++) rank += __shfl_sync(0xffffffffu, id, k) < id;
-        if (mine) {
-            ids[(size_t)t * top_k + rank] = id;
-            weights[(size_t)t * top_k + rank] = w;
+    if (threadIdx.x == 0) {
+        float w[TOPK_MAX], sum = 0.0f;
+        for (int j = 0; j < top_k; j++) { w[j] = score[sel[j]]; sum += w[j]; }
+        for (int j = 0; j < top_k; j++) {
+            if (norm) w[j] /= sum + 1e-20f;
+            w[j] *= scaling;
+        }
+        /* list in ascending expert id (insertion sort of <= 32) */
+        int id[TOPK_MAX];
+        for (int j = 0; j < top_k; j++) id[j] = sel[j];
+        for (int a = 1; a < top_k; a++)
+            for (int b = a; b > 0 && id[b - 1] > id[b]; b--) {
+                int ti = id[b]; id[b] = id[b - 1]; id[b - 1] = ti;
+                float tw = w[b]; w[b] = w[b - 1]; w[b - 1] = tw;
+            }
+        for (int j = 0; j < top_k; j++) {
+            ids[(size_t)t * top_k + j] = id[j];
+            weights[(size_t)t * top_k + j] = w[j];
         }
     }
 }
