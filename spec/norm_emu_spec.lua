@@ -16,7 +16,7 @@ describe("the fused norm kernels under emulation", function()
     assert.are.equal(0, rc, out)
     local ok = 0
     for _ in out:gmatch("\nok ") do ok = ok + 1 end
-    assert.are.equal(10, ok, out)
+    assert.are.equal(13, ok, out)
     assert.truthy(out:find("\n20 checks, 0 failed", 1, true), out)
   end)
 end)

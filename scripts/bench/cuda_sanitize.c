@@ -65,6 +65,17 @@ static void ops(void) {
     ck(kd_test_swiglu(tb, x, y, 3, 129, out), "swiglu");
     kd_test_weight nw = bf16w(100, 1);
     ck(kd_test_rmsnorm(tb, x, 7, 100, &nw, 1e-6f, out), "rmsnorm");
+    {   /* the norms' other shapes: 256 threads x 8 and x 32 columns, and a row in pieces */
+        float *xo = malloc(sizeof(float) * 2 * 9000);
+        int widths[3] = {1536, 7168, 9000};
+        for (int i = 0; i < 3; i++) {
+            kd_test_weight ww = bf16w(widths[i], 1);
+            ck(kd_test_rmsnorm(tb, x, 2, widths[i], &ww, 1e-6f, out), "rmsnorm 256 threads");
+            ck(kd_test_add_rmsnorm(tb, x, y, 2, widths[i], &ww, 1e-6f, xo, out), "add_rmsnorm 256 threads");
+            free((void *)ww.data);
+        }
+        free(xo);
+    }
     int32_t pos[4] = {0, 5, 4000, 262000};
     float inv[32];
     for (int i = 0; i < 32; i++) inv[i] = powf(50000.0f, -2.0f * i / 64);
