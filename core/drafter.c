@@ -20,10 +20,10 @@
  * (graph_step.h): the context length, the block's ids and positions go up in one copy into
  * ds->in; the block's K/V rows are finished in scratch (kn, vt) and stored at rows *dlen.. with
  * store_rows_at; attention runs as attention_at over the whole cache (past = *dlen). The same
- * kernels on the same values as the host-length path, so the same bits. The mode is read when
- * the drafter is attached: KDTREE_CUDA_GRAPHS as for the target's steps (0/off, 1/on = default,
- * eager), and KDTREE_CUDA_DRAFT_GRAPHS=0 turns the draft pass alone back to the host-length
- * path. The context append stays eager (a variable number of rows per call). */
+ * kernels on the same values as the host-length path, so the same bits. The mode is resolved
+ * when the drafter is attached, from the sequence's draft_graphs option (kdtree.h: DEFAULT
+ * follows the model's draft_graphs, else the sequence's graphs; OFF keeps the draft pass on the
+ * host-length path). The context append stays eager (a variable number of rows per call). */
 #include "drafter.h"
 #include "forward.h"
 #include "graph_step.h"

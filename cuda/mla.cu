@@ -22,8 +22,8 @@
  *    dimension, so one staged key/value tile serves up to 64 (query, head) rows; chunks of
  *    512 ordinals; its header states why a row's bits do not depend on the batch.
  *  - CUDA cores (below, attn_chunk_kernel: chunks of 256 ordinals, fp32 FMA), for larger
- *    head dims, and for every shape when KDTREE_MLA_TC=0 (read once; the previous path,
- *    kept for comparison and as a fallback).
+ *    head dims, and for every shape when the model's mla_kernel option is KD_MLA_CUDA_CORES
+ *    (the previous path, kept for comparison and as a fallback).
  * Both are batch-invariant each; they are not bit-identical to each other. */
 #include "cuda_internal.cuh"
 #include "mla_mma.cuh"
