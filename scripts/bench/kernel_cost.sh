@@ -84,6 +84,7 @@ ROWS=("decode|1024" "verify B=16|1024" "verify B=64|1024")
 # run NAME KERNELS: the step's ms at each of ROWS, space-separated (NaN when a row is missing)
 run() {
   local md="$LOGS/cost-$1.md"
+  rm -f "$md"   # a table left by an earlier call must not stand for this run's
   KD_LAB_SKIP=$2 "$WORK/build/bench/model_slice_bench" --k26-rank 8 --layers "$LAYERS" --quick --md "$md" \
     > "$LOGS/cost-$1.log" 2>&1   # exits 1 when a kernel is skipped: its checks see garbage
   local out="" row ms
