@@ -158,6 +158,10 @@ typedef struct kd_backend kd_backend;
      * columns from w0 (one launch on CUDA: q_a with kv_a, an MLP's gate with its up) */                   \
     X(linear_pair, (kd_backend *be, kd_act x, const kd_weight *w0, const kd_weight *w1, kd_act out),        \
       (be, x, w0, w1, out))                                                                                  \
+    /* out = silu(x gate^T) * (x up^T), each product rounded to out's dtype first: the bits of linear_pair \
+     * into out's dtype followed by swiglu (one launch on CUDA, the product never stored) */               \
+    X(linear_swiglu, (kd_backend *be, kd_act x, const kd_weight *gate, const kd_weight *up, kd_act out),     \
+      (be, x, gate, up, out))                                                                                \
     /* per head h: out[:, h*ostride : h*ostride+ocols] = x[:, h*xstride : h*xstride+k] @ W_h, where W_h is  \
      * rows [h*wstride + wrow0, +k) of w (transposed = false: W_h is k x ocols, out = x W_h) or (transposed   \
      * = true: W_h is ocols x k rows, out = x W_h^T). MLA absorption uses both; ostride > ocols writes the   \

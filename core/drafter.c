@@ -75,7 +75,7 @@ struct kd_draft_state {
     int ctx_len, cap;           /* committed context rows, capacity of the context */
     kd_act *k, *v;              /* per layer [cap + bs, n_kv_heads*head_dim], act dtype */
     void *scratch;              /* backend memory, carved into the views below */
-    kd_act x, h, q, kt, att, o, gu, g, u, m;   /* block activations (g, u: gu's halves) */
+    kd_act x, h, q, kt, att, o, m;   /* block activations (m: the MLP's silu(gate) * up) */
     kd_act f, fn;               /* context fusion, KD_DRAFT_CHUNK rows */
     kd_act kn, vt;              /* device-length path: the block's normed+roped K and its V */
     int32_t *in;                /* backend memory: [dlen | pad | ids | pos], see IN_* */
@@ -548,7 +548,7 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
     int ch = KD_DRAFT_CHUNK;
     size_t need = 0, es = kd_dtype_size(dt);
 #define SZ(r, cc) (((size_t)(r) * (cc) * es + 255) & ~(size_t)255)
-    need += SZ(bs, H) * 3 + SZ(bs, qd) * 2 + SZ(bs > ch ? bs : ch, kvd) + SZ(bs, c->intermediate) * 3;
+    need += SZ(bs, H) * 3 + SZ(bs, qd) * 2 + SZ(bs > ch ? bs : ch, kvd) + SZ(bs, c->intermediate);
     need += SZ(ch, H) * 2 + SZ(bs, kvd) * 2;
 #undef SZ
     st = be->ops->alloc(be, need, &ds->scratch);
@@ -560,9 +560,6 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
     ds->q = act_at(ds->scratch, &off, bs, qd, dt);
     ds->att = act_at(ds->scratch, &off, bs, qd, dt);
     ds->kt = act_at(ds->scratch, &off, bs > ch ? bs : ch, kvd, dt);
-    ds->gu = act_at(ds->scratch, &off, bs, 2 * c->intermediate, dt);   /* gate's columns, then up's */
-    ds->g = kd_act_cols(ds->gu, 0, c->intermediate);
-    ds->u = kd_act_cols(ds->gu, c->intermediate, c->intermediate);
     ds->m = act_at(ds->scratch, &off, bs, c->intermediate, dt);
     ds->f = act_at(ds->scratch, &off, ch, H, dt);
     ds->fn = act_at(ds->scratch, &off, ch, H, dt);
@@ -752,8 +749,7 @@ static kd_status draft_body(kd_seq *s, int p0, const int32_t *d_len) {
         }
         T(op->linear(be, ds->att, &L->o_proj, ds->o), "o_proj");
         T(op->add_rmsnorm(be, ds->x, ds->o, &L->ffn_norm, c->eps, ds->h), "residual + post_attention_layernorm");
-        T(op->linear_pair(be, ds->h, &L->gate, &L->up, ds->gu), "gate_proj + up_proj");
-        T(op->swiglu(be, ds->g, ds->u, ds->m), "swiglu");
+        T(op->linear_swiglu(be, ds->h, &L->gate, &L->up, ds->m), "gate_proj + up_proj + swiglu");
         T(op->linear(be, ds->m, &L->down, ds->o), "down_proj");
         if (l + 1 < c->n_layers)
             T(op->add_rmsnorm(be, ds->x, ds->o, &d->layers[l + 1].attn_norm, c->eps, ds->h),

@@ -25,7 +25,7 @@ typedef struct kd_fwd_plan {
     size_t qfull;                         /* [rows, H*(r+dr)]: per head [q_lat | q_pe], the MQA query */
     size_t lat;                           /* [rows, H*r]: q_lat, then reused for o_lat */
     size_t o;                             /* [rows, H*dv] */
-    size_t gate_up;                       /* [rows, 2 * max(intermediate, shared width)]: gate's, then up's */
+    size_t mlp_act;                       /* [rows, max(intermediate, shared width)]: silu(gate) * up */
     size_t tmp;                           /* [rows, r+dr] fp32-sized: compaction and read_cache staging */
     size_t bytes;
 } kd_fwd_plan;

@@ -79,7 +79,7 @@ void kd_fwd_plan_of(const kd_config *c, const kd_widths *w, size_t a, int rows, 
     REGION(qfull, R * (size_t)H * (r + dr) * a);
     REGION(lat, R * (size_t)H * r * a);
     REGION(o, R * (size_t)H * dv * a);
-    REGION(gate_up, R * (size_t)2 * inter * a);
+    REGION(mlp_act, R * (size_t)inter * a);
     REGION(tmp, R * (size_t)(r + dr) * (a > 4 ? a : 4));
 #undef REGION
     p->bytes = off;
@@ -123,14 +123,12 @@ static kd_status add_reduced(const rank_fwd *f, kd_act part, kd_act x, const kd_
 }
 
 /* out = down(silu(gate x) * up x): this rank's part of the intermediate dim (a partial sum);
- * gate and up in one launch, side by side in gate_up */
+ * gate, up and the SwiGLU in one op (one launch on CUDA) */
 static kd_status mlp(const rank_fwd *f, kd_act x, const kd_weight *gate, const kd_weight *up,
                      const kd_weight *down, kd_act out) {
     kd_backend *be = f->be;
-    int T = x.rows, I = (int)gate->rows;
-    kd_act gu = act(f, f->p->gate_up, T, 2 * I), g = kd_act_cols(gu, 0, I), u = kd_act_cols(gu, I, I);
-    KD_TRY(be->ops->linear_pair(be, x, gate, up, gu));
-    KD_TRY(be->ops->swiglu(be, g, u, g));
+    kd_act g = act(f, f->p->mlp_act, x.rows, (int)gate->rows);
+    KD_TRY(be->ops->linear_swiglu(be, x, gate, up, g));
     return be->ops->linear(be, g, down, out);
 }
 

@@ -36,7 +36,7 @@ kd_status kd_cublas_fail(cublasStatus_t e, const char *call, const char *file, i
 static const char *ws_name(int which) {
     static const char *names[KD_WS_COUNT] = {"gemm split-K partials", "attention partials", "moe routing",
                                              "moe expert activations", "top-k / argmax workspace", "staging",
-                                             "w4a16 workspace"};
+                                             "w4a16 workspace", "swiglu up product"};
     return which >= 0 && which < KD_WS_COUNT ? names[which] : "workspace";
 }
 

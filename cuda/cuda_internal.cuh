@@ -41,6 +41,7 @@ enum kd_cuda_ws {
     KD_WS_TREE,          /* top-k's histograms and candidates, argmax's partials */
     KD_WS_TMP,           /* dtype conversions, in-place gather staging */
     KD_WS_W4A16,         /* handed to the W4A16 kernels */
+    KD_WS_GLU,           /* linear_swiglu's up product where its weights take two launches */
     KD_WS_COUNT
 };
 

@@ -71,8 +71,30 @@ struct Tile {
     int z, m0, n0, row_base, rows;   /* rows: valid rows of this z (grouped) or M */
 };
 
-/* row n of a k-major B: Bz's, or the pair's second weight's from column n1 on */
+/* SwiGLU launches (g.glu): a group of GLU_GROUP logical columns is GLU_GROUP / 2 rows of the gate
+ * and the same rows of the up weight, so a tile (64 or 128 columns: whole groups) holds both
+ * products of each output column it writes, and its epilogue multiplies them. Logical column n is
+ * row glu_row(n) of the gate (glu_up(n) false) or of the up weight; the output column of a group's
+ * column q < GLU_GROUP / 2 is glu_row of it. Nothing of an element's k sum depends on this map. */
+constexpr int GLU_GROUP = 64, GLU_HALF = GLU_GROUP / 2;
+__host__ __device__ constexpr int glu_row(int n) { return n / GLU_GROUP * GLU_HALF + n % GLU_HALF; }
+__host__ __device__ constexpr bool glu_up(int n) { return n % GLU_GROUP >= GLU_HALF; }
+/* the logical columns of a SwiGLU launch whose gate and up have n1 rows each */
+__host__ __device__ constexpr int glu_cols(int n1) { return (n1 + GLU_HALF - 1) / GLU_HALF * GLU_GROUP; }
+/* silu(g) * u of the two products, each rounded to C's dtype first: the bits of a linear_pair into
+ * that dtype followed by swiglu (norm_rope.cu's swiglu_kernel, the same expression) */
+__device__ __forceinline__ float glu_of(int dt, float g, float u) {
+    const float gv = kd_round(dt, g), uv = kd_round(dt, u);
+    return gv / (1.0f + expf(-gv)) * uv;
+}
+
+/* whether logical column n of a k-major B has a weight row (else its products are zeros) */
+__device__ __forceinline__ bool gemm_b_has(const kd_gemm_args &g, int n) {
+    return g.glu ? glu_row(n) < g.n1 : n < g.N;
+}
+/* row n of a k-major B: Bz's, or the pair's second weight's from column n1 on, or a SwiGLU's */
 __device__ __forceinline__ const bf16 *gemm_b_row(const kd_gemm_args &g, const bf16 *Bz, int n) {
+    if (g.glu) return (glu_up(n) ? g.B1 : Bz) + (long long)glu_row(n) * g.ldb;
     return g.B1 && n >= g.n1 ? g.B1 + (long long)(n - g.n1) * g.ldb : Bz + (long long)n * g.ldb;
 }
 
@@ -121,7 +143,7 @@ struct AsyncLoads {
             const int c = tid + j * THREADS;
             if (BKM) {   /* B [n][k]: BN rows x KS cols */
                 const int r = c / (KS / 8), kc = (c % (KS / 8)) * 8, n = t.n0 + r;
-                b_ok[j] = n < g.N;
+                b_ok[j] = gemm_b_has(g, n);
                 b_src[j] = gemm_b_row(g, Bz, b_ok[j] ? n : 0) + kc;
                 b_dst[j] = r * LD + kc;
                 b_kc[j] = kc;
@@ -187,7 +209,7 @@ __device__ __forceinline__ void load_tile_plain(const kd_gemm_args &g, const Til
             int r = c / (KS / 8), kc = (c % (KS / 8)) * 8;
             int n = t.n0 + r, k = k0 + kc;
             bf16 *dst = Bs + r * LD + kc;
-            bool ok = n < g.N;
+            bool ok = gemm_b_has(g, n);
             const bf16 *row = gemm_b_row(g, Bz, ok ? n : 0);
             for (int i = 0; i < 8; i++) dst[i] = (ok && k + i < g.K) ? row[k + i] : __float2bfloat16(0.0f);
         }
@@ -238,12 +260,53 @@ __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, i
     __threadfence();
     constexpr int BN = Shape<TBM>::TBN;
     const size_t split_stride = (size_t)g.batch * g.M * g.N;
+    if (g.glu) {   /* each output column from its gate and up sums, GLU_HALF columns apart */
+        for (int i = threadIdx.x; i < TBM * (BN / 2); i += THREADS) {
+            const int m = t.m0 + i / (BN / 2), q = i % (BN / 2);
+            const int n = t.n0 + q / GLU_HALF * GLU_GROUP + q % GLU_HALF, j = glu_row(n);
+            if (m >= t.rows || j >= g.n1) continue;
+            const int out_row = t.row_base + m;
+            const float *p = partial + ((size_t)t.z * g.M + out_row) * g.N + n;
+            kd_st(g.C, g.c_dtype, (size_t)((long long)t.z * g.c_zstride + (long long)out_row * g.ldc + j),
+                  glu_of(g.c_dtype, sum_splits(p, split_stride, splits),
+                         sum_splits(p + GLU_HALF, split_stride, splits)));
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < TBM * BN; i += THREADS) {
         const int m = t.m0 + i / BN, n = t.n0 + i % BN;
         if (m >= t.rows || n >= g.N) continue;
         const int out_row = t.row_base + m;
         const float s = sum_splits(partial + ((size_t)t.z * g.M + out_row) * g.N + n, split_stride, splits);
         kd_st(g.C, g.c_dtype, (size_t)((long long)t.z * g.c_zstride + (long long)out_row * g.ldc + n), s);
+    }
+}
+
+/* A SwiGLU tile without split-K: its gate and up products sit in different warps (TBM = 16, 64), so
+ * the accumulators go through shared memory (the pipeline's stages, free once every warp is past
+ * its last MMA) and each thread then writes whole output columns. */
+template <int TBM>
+__device__ void glu_epilogue(const kd_gemm_args &g, const Tile &t, const float (&acc)[Shape<TBM>::MI][Shape<TBM>::NI][4],
+                             unsigned char *smem, int wm, int wn, int gq, int tq) {
+    constexpr int BN = Shape<TBM>::TBN, CLD = BN + 4;
+    static_assert(TBM * CLD * sizeof(float) <= gemm_smem<TBM>(), "the tile's sums fit the stages");
+    float *cs = (float *)smem;
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < Shape<TBM>::MI; mi++)
+#pragma unroll
+        for (int ni = 0; ni < Shape<TBM>::NI; ni++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                cs[(wm + mi * 16 + gq + (c >> 1) * 8) * CLD + wn + ni * 8 + 2 * tq + (c & 1)] = acc[mi][ni][c];
+    __syncthreads();
+    for (int i = threadIdx.x; i < TBM * (BN / 2); i += THREADS) {
+        const int r = i / (BN / 2), q = i % (BN / 2), col = q / GLU_HALF * GLU_GROUP + q % GLU_HALF;
+        const int m = t.m0 + r, j = glu_row(t.n0 + col);
+        if (m >= t.rows || j >= g.n1) continue;
+        const int out_row = t.row_base + m;
+        kd_st(g.C, g.c_dtype, (size_t)((long long)t.z * g.c_zstride + (long long)out_row * g.ldc + j),
+              glu_of(g.c_dtype, cs[r * CLD + col], cs[r * CLD + col + GLU_HALF]));
     }
 }
 
@@ -370,6 +433,10 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
     }
     if (ASYNC) cp_wait<0>();
 
+    if (g.glu && splits == 1) {
+        glu_epilogue<TBM>(g, t, acc, gemm_smem_buf, wm, wn, gq, tq);
+        return;
+    }
     /* epilogue: fragment c0,c1 -> row gq, cols 2tq,2tq+1; c2,c3 -> row gq+8 */
 #pragma unroll
     for (int mi = 0; mi < MI; mi++)
@@ -403,6 +470,20 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(kd_gemm_args g, int n_til
 __global__ void gemm_reduce_kernel(kd_gemm_args g, int splits, const float *partial) {
     kd_griddep_enter();
     const size_t total = (size_t)g.batch * g.M * g.N;
+    if (g.glu) {   /* output column j (of N / 2, the last group's past n1 skipped): gemm_split_sum's */
+        const int half = g.N / 2;
+        const size_t outs = (size_t)g.batch * g.M * half;
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < outs; i += (size_t)gridDim.x * blockDim.x) {
+            const int q = (int)(i % half), n = q / GLU_HALF * GLU_GROUP + q % GLU_HALF, j = glu_row(n);
+            const size_t r = i / half;
+            if (j >= g.n1) continue;
+            const int m = (int)(r % g.M), z = (int)(r / g.M);
+            const float *p = partial + r * g.N + n;
+            kd_st(g.C, g.c_dtype, (size_t)((long long)z * g.c_zstride + (long long)m * g.ldc + j),
+                  glu_of(g.c_dtype, sum_splits(p, total, splits), sum_splits(p + GLU_HALF, total, splits)));
+        }
+        return;
+    }
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         const int n = (int)(i % g.N);
         const size_t r = i / g.N;

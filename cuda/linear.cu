@@ -196,6 +196,41 @@ extern "C" kd_status kd_cuda_linear_pair(kd_backend *be, kd_act x, const kd_weig
     return kd_cuda_gemm(be, &g);
 }
 
+/* both bf16: one GEMM whose tiles hold each output column's gate and up products and write
+ * silu(g) * u (gemm.cuh: glu_row), its splits those of the pair's linear_pair, so the bits of
+ * linear_pair + swiglu; else the two linears (the up product in a workspace) and swiglu */
+extern "C" kd_status kd_cuda_linear_swiglu(kd_backend *be, kd_act x, const kd_weight *gate, const kd_weight *up,
+                                           kd_act out) {
+    const char *n0 = gate && gate->name ? gate->name : "?", *n1 = up && up->name ? up->name : "?";
+    if (!gate || !gate->dev || !up || !up->dev)
+        return kd_fail(KD_ERR_STATE, "cuda linear_swiglu: weights '%s' and '%s' must be loaded on the device", n0, n1);
+    if (gate->cols != up->cols || gate->rows != up->rows || x.cols != gate->cols || out.rows != x.rows ||
+        out.cols != gate->rows)
+        return kd_fail(KD_ERR_ARG, "cuda linear_swiglu: gate '%s' [%lld, %lld] and up '%s' [%lld, %lld], x [%d, %d], "
+                       "out [%d, %d]: expected weights of one shape [I, K], x [T, K] and out [T, I]", n0,
+                       (long long)gate->rows, (long long)gate->cols, n1, (long long)up->rows, (long long)up->cols,
+                       x.rows, x.cols, out.rows, out.cols);
+    if (!kd_cuda_float_dtype(x.dtype) || !kd_cuda_float_dtype(out.dtype) || x.dtype == KD_F16)
+        return kd_fail(KD_ERR_ARG, "cuda linear_swiglu '%s': activations must be f32/bf16, got %s -> %s", n0,
+                       kd_dtype_name(x.dtype), kd_dtype_name(out.dtype));
+    if (x.rows == 0) return KD_OK;
+    if (gate->format != KD_W_BF16 || up->format != KD_W_BF16) {
+        void *ws;
+        KD_TRY(kd_cuda_ws(be, KD_WS_GLU, (size_t)x.rows * out.cols * kd_dtype_size(out.dtype), &ws));
+        kd_act u = {ws, x.rows, out.cols, out.cols, out.dtype};
+        KD_TRY(kd_cuda_linear(be, x, gate, out));
+        KD_TRY(kd_cuda_linear(be, x, up, u));
+        return kd_cuda_swiglu(be, out, u, out);
+    }
+    kd_gemm_args g = {};
+    g.A = x.data; g.a_dtype = x.dtype; g.lda = x.ld;
+    g.B = (const bf16 *)gate->dev; g.ldb = gate->cols; g.b_kmajor = true;
+    g.B1 = (const bf16 *)up->dev; g.n1 = (int)gate->rows; g.glu = true;
+    g.C = out.data; g.c_dtype = out.dtype; g.ldc = out.ld;
+    g.M = x.rows; g.N = glu_cols((int)gate->rows); g.K = (int)gate->cols; g.batch = 1;
+    return kd_cuda_gemm(be, &g);
+}
+
 extern "C" kd_status kd_cuda_head_matmul(kd_backend *be, kd_act x, int n_heads, int xstride, int k,
                                          const kd_weight *w, int wstride, int wrow0, bool transposed,
                                          kd_act out, int ocols, int ostride) {

@@ -176,6 +176,24 @@ describe("cpu backend ops", function()
     for i = 0, T * (N0 + N1) - 1 do assert.are.equal(7.5, out[i]) end
   end)
 
+  it("linear_swiglu: silu of the gate's product times the up's, bit for bit; a bad shape changes nothing", function()
+    local T, K, I = 3, 10, 4
+    local Wg = B.bf16_weight("gate", I, K, function() return randn() end)
+    local Wu = B.bf16_weight("up", I, K, function() return randn() end)
+    local x = floats(T * K, function() return randn() end)
+    local out, gu, two = ffi.new("float[?]", T * I), ffi.new("float[?]", T * 2 * I), ffi.new("float[?]", T * I)
+    ok(be, be.ops.linear_swiglu(be, B.act(x, T, K), Wg.w, Wu.w, B.act(out, T, I)))
+    ok(be, be.ops.linear_pair(be, B.act(x, T, K), Wg.w, Wu.w, B.act(gu, T, 2 * I)))
+    ok(be, be.ops.swiglu(be, B.act(gu, T, I, 2 * I), B.act(gu + I, T, I, 2 * I), B.act(two, T, I)))
+    for i = 0, T * I - 1 do assert.are.equal(two[i], out[i]) end
+    local W2 = B.bf16_weight("short", I - 1, K, function() return 1 end)
+    for i = 0, T * I - 1 do out[i] = 7.5 end
+    local st = be.ops.linear_swiglu(be, B.act(x, T, K), Wg.w, W2.w, B.act(out, T, I))
+    assert.are_not.equal(0, tonumber(st))
+    assert.matches("linear_swiglu: gate 'gate' %[4, 10%] and up 'short' %[3, 10%]", ffi.string(C.kd_last_error()))
+    for i = 0, T * I - 1 do assert.are.equal(7.5, out[i]) end
+  end)
+
   it("head_matmul, plain (heads strided in out) and transposed, matches per-head products", function()
     local T, H, k, oc, wstride = 3, 3, 5, 7, 12
     local os = oc + 3   -- the plain product's head stride in out: the 3 columns after each head stay as they were

@@ -276,6 +276,47 @@ describe("CUDA ops against the CPU twins #gpu", function()
         note("%-58s bit-identical for M = 1, 17, 64, 65", "linear_pair batch invariance " .. name)
       end
     end)
+    it("linear_swiglu (an MLP's gate, up and SwiGLU in one launch): against the CPU, the bits of linear_pair + " ..
+       "swiglu on the GPU, and a row's bits do not depend on M", function()
+      O.seed(17)
+      -- split-K summed in the GEMM (M = 1) and by the second kernel (M = 17, 65 at K = 7168), none
+      -- (K = 96: the tiles' own epilogue), widths that end inside a 32-column group (100, 40)
+      local shapes = SMALL and { { 40, 256, "tiny" }, { 100, 96, "one split, odd width" } } or
+                     { { 256, 7168, "TP-8 shared expert" }, { 2304, 7168, "TP-8 dense MLP" },
+                       { 100, 264, "odd width" }, { 100, 96, "one split, odd width" } }
+      for _, s in ipairs(shapes) do
+        local I, K, name = unpack(s)
+        local wg, wu = O.bf16_weight(I, K, 1 / math.sqrt(K)), O.bf16_weight(I, K, 1 / math.sqrt(K))
+        local Mmax = 130
+        local x = O.rand_floats(Mmax * K)
+        for _, M in ipairs({ 1, 17 }) do
+          close(string.format("linear_swiglu %s M=%d [%d] x %d -> bf16", name, M, I, K), M * I,
+            function(tb, out) return C.kd_test_linear_swiglu(tb, x, M, wg, wu, 0, out) end, TOL_BF16)
+        end
+        local full = ffi.new("float[?]", Mmax * I)
+        O.check(C.kd_test_linear_swiglu(gpu, x, Mmax, wg, wu, 0, full), "linear_swiglu M=130")
+        for _, M in ipairs({ 1, 17, 64, 65 }) do
+          local fused, gu = ffi.new("float[?]", M * I), ffi.new("float[?]", M * 2 * I)
+          local g, u, two = ffi.new("float[?]", M * I), ffi.new("float[?]", M * I), ffi.new("float[?]", M * I)
+          O.check(C.kd_test_linear_swiglu(gpu, x, M, wg, wu, 0, fused), "linear_swiglu M=" .. M)
+          local same, at = O.same_bits(fused, full, M * I)
+          assert.is_true(same, string.format("linear_swiglu %s: M=%d differs from M=130 at %s", name, M, tostring(at)))
+          -- the two launches it replaces: their bf16 products are exact in the f32 buffers
+          O.check(C.kd_test_linear_pair(gpu, x, M, wg, wu, 0, gu), "linear_pair M=" .. M)
+          for t = 0, M - 1 do
+            for j = 0, I - 1 do
+              g[t * I + j], u[t * I + j] = gu[t * 2 * I + j], gu[t * 2 * I + I + j]
+            end
+          end
+          O.check(C.kd_test_swiglu(gpu, g, u, M, I, two), "swiglu M=" .. M)
+          same, at = O.same_bits(fused, two, M * I)
+          assert.is_true(same, string.format("linear_swiglu %s M=%d: differs from linear_pair + swiglu at %s", name, M,
+            tostring(at)))
+        end
+        note("%-58s bit-identical for M = 1, 17, 64, 65, 130 and to linear_pair + swiglu",
+          "linear_swiglu " .. name)
+      end
+    end)
   end)
 
   it("head_matmul (MLA absorption), K2.6 and tiny dims", function()

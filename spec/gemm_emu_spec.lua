@@ -4,8 +4,9 @@
 -- weights, batched and grouped launches, the cp.async and plain-load paths, 1 to 11 splits summed
 -- in split order by the tile's last block or by the second kernel (kd_cuda_gemm's rule, and both
 -- forced on three shapes), the tile counters back at zero, weight pairs (linear_pair: the second
--- weight apart in memory) giving the stacked weight's bits, and rows of M = 1, 37 and 100
--- bit-identical inside M = 130. This holds the kernel's indexing, pipeline and split-K in CI;
+-- weight apart in memory) giving the stacked weight's bits, SwiGLU launches (linear_swiglu: each
+-- output silu(g) * u of its rounded gate and up sums, by the tile epilogue, the last blocks or the
+-- second kernel), and rows of M = 1, 37 and 100 bit-identical inside M = 130. This holds the kernel's indexing, pipeline and split-K in CI;
 -- spec/cuda_ops_spec.lua and spec/batch_invariance_spec.lua check it on the GPU (#gpu).
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local emu = require("helpers.emu")
@@ -16,7 +17,7 @@ describe("the dense GEMM kernel under emulation", function()
     assert.are.equal(0, rc, out)
     local ok = 0
     for _ in out:gmatch("\nok ") do ok = ok + 1 end
-    assert.are.equal(58, ok, out)
-    assert.truthy(out:find("\n58 checks, 0 failed", 1, true), out)
+    assert.are.equal(74, ok, out)
+    assert.truthy(out:find("\n74 checks, 0 failed", 1, true), out)
   end)
 end)

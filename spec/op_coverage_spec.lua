@@ -23,6 +23,7 @@ local WHERE = {
   gather_rows = { OPS_SPEC, "C.kd_test_gather_rows(" },
   linear = { OPS_SPEC, "C.kd_test_linear(" },
   linear_pair = { OPS_SPEC, "C.kd_test_linear_pair(" },
+  linear_swiglu = { OPS_SPEC, "C.kd_test_linear_swiglu(" },
   head_matmul = { OPS_SPEC, "C.kd_test_head_matmul(" },
   attention = { OPS_SPEC, "C.kd_test_attention(" },
   moe = { OPS_SPEC, "C.kd_test_moe(" },

@@ -25,6 +25,29 @@ kd_status kd_cpu_linear_pair(kd_backend *be, kd_act x, const kd_weight *w0, cons
     return kd_cpu_linear(be, x, w1, kd_act_cols(out, (int)w0->rows, (int)w1->rows));
 }
 
+/* the definition: linear_pair's products, then swiglu (every check first; the up product in the work
+ * buffer, which the matmul does not use) */
+kd_status kd_cpu_linear_swiglu(kd_backend *be, kd_act x, const kd_weight *gate, const kd_weight *up, kd_act out) {
+    KD_TRY(kd_cpu_check_weight("linear_swiglu", gate));
+    KD_TRY(kd_cpu_check_weight("linear_swiglu", up));
+    KD_TRY(kd_cpu_check_f32("linear_swiglu", "x", x));
+    KD_TRY(kd_cpu_check_f32("linear_swiglu", "out", out));
+    if (gate->cols != up->cols || gate->rows != up->rows || x.cols != gate->cols || out.rows != x.rows ||
+        out.cols != gate->rows)
+        return kd_fail(KD_ERR_ARG, "cpu linear_swiglu: gate '%s' [%lld, %lld] and up '%s' [%lld, %lld], x [%d, %d], "
+                       "out [%d, %d]: expected weights of one shape [I, K], x [T, K] and out [T, I]",
+                       gate->name ? gate->name : "?", (long long)gate->rows, (long long)gate->cols,
+                       up->name ? up->name : "?", (long long)up->rows, (long long)up->cols, x.rows, x.cols, out.rows,
+                       out.cols);
+    if (x.rows == 0) return KD_OK;
+    float *u;
+    KD_TRY(kd_cpu_work(be, (size_t)x.rows * out.cols, &u));
+    kd_act ua = {u, x.rows, out.cols, out.cols, KD_F32};
+    KD_TRY(kd_cpu_linear(be, x, gate, out));
+    KD_TRY(kd_cpu_linear(be, x, up, ua));
+    return kd_cpu_swiglu(be, out, ua, out);
+}
+
 /* Per head h: x_h = x[:, h*xstride : h*xstride + k].
  * transposed: W_h = w rows [h*wstride + wrow0, +ocols) (each k = w->cols wide), out_h = x_h W_h^T.
  * else:       W_h = w rows [h*wstride + wrow0, +k) (each ocols = w->cols wide), out_h = x_h W_h.

@@ -82,6 +82,9 @@ kd_status kd_test_linear(kd_test_backend *tb, const float *x, int M, const kd_te
 /* out [M, w0.rows + w1.rows] = x [w0; w1]^T (linear_pair; same cols) */
 kd_status kd_test_linear_pair(kd_test_backend *tb, const float *x, int M, const kd_test_weight *w0,
                               const kd_test_weight *w1, int out_f32, float *out);
+/* out [M, gate.rows] = silu(x gate^T) * (x up^T) (linear_swiglu; gate and up of one shape) */
+kd_status kd_test_linear_swiglu(kd_test_backend *tb, const float *x, int M, const kd_test_weight *gate,
+                                const kd_test_weight *up, int out_f32, float *out);
 /* the CPU backend's two forms of one product, x [T, cols] times w^T, and of the decoding of all
  * of w's rows: the portable C (out_c) and the AVX2 form (out_simd), each [T, rows] / [rows, cols];
  * KD_ERR_UNSUPPORTED where this CPU or build has no AVX2 */

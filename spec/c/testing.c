@@ -384,6 +384,26 @@ done:
     return st;
 }
 
+kd_status kd_test_linear_swiglu(kd_test_backend *tb, const float *x, int M, const kd_test_weight *gate,
+                                const kd_test_weight *up, int out_f32, float *out) {
+    KD_TRY(check_tb(tb, "linear_swiglu"));
+    if (!gate || !up) return kd_fail(KD_ERR_ARG, "kd_test_linear_swiglu: a weight is NULL");
+    kd_backend *be = tb->be;
+    arena a = {.be = be};
+    kd_status st;
+    kd_weight dg, du;
+    kd_act dx, o;
+    RUN(up_weight(&a, gate, "test.gate", &dg));
+    RUN(up_weight(&a, up, "test.up", &du));
+    RUN(up_act(&a, x, M, (int)gate->cols, be->act_dtype, &dx));
+    RUN(up_act(&a, NULL, M, (int)gate->rows, out_f32 ? KD_F32 : be->act_dtype, &o));
+    RUN(be->ops->linear_swiglu(be, dx, &dg, &du, o));
+    RUN(down_act(&a, o, out));
+done:
+    arena_free(&a);
+    return st;
+}
+
 static kd_status cpu_forms(const float *x, int T, const kd_test_weight *tw, float *out_c, float *out_simd) {
     if (!tw || !out_c || !out_simd || (x && T <= 0))
         return kd_fail(KD_ERR_ARG, "kd_test_cpu_*_forms: a NULL argument or T = %d", T);

@@ -8,7 +8,7 @@
 
 enum { OP_COPY, OP_EMBED, OP_ADD, OP_SCALE_ADD, OP_SWIGLU, OP_RMSNORM, OP_ADD_RMSNORM, OP_ROPE, OP_LINEAR,
        OP_HEAD_MATMUL, OP_ATTENTION, OP_MOE, OP_STORE_AT, OP_ATTENTION_AT, OP_LOG_SOFTMAX, OP_MLA_ROPE_STORE,
-       OP_LINEAR_PAIR };
+       OP_LINEAR_PAIR, OP_LINEAR_SWIGLU };
 
 /* one recorded op call: its arguments by value (pointers stay pointers, as in a CUDA graph) */
 typedef struct rec {
@@ -68,6 +68,7 @@ static kd_status replay(kd_backend *be, const rec *r) {
     case OP_ROPE: return o->rope(be, r->a[0], r->i[0], r->i[1], r->i[2], r->p[0], r->p[1]);
     case OP_LINEAR: return o->linear(be, r->a[0], r->p[0], r->a[1]);
     case OP_LINEAR_PAIR: return o->linear_pair(be, r->a[0], r->p[0], r->p[1], r->a[1]);
+    case OP_LINEAR_SWIGLU: return o->linear_swiglu(be, r->a[0], r->p[0], r->p[1], r->a[1]);
     case OP_HEAD_MATMUL:
         return o->head_matmul(be, r->a[0], r->i[0], r->i[1], r->i[2], r->p[0], r->i[3], r->i[4], r->b, r->a[1], r->i[5],
                               r->i[6]);
@@ -128,6 +129,10 @@ static kd_status w_linear(kd_backend *be, kd_act x, const kd_weight *w, kd_act o
 }
 static kd_status w_linear_pair(kd_backend *be, kd_act x, const kd_weight *w0, const kd_weight *w1, kd_act out) {
     rec r = {.op = OP_LINEAR_PAIR, .a = {x, out}, .p = {w0, w1}};
+    return issue(be, &r);
+}
+static kd_status w_linear_swiglu(kd_backend *be, kd_act x, const kd_weight *gt, const kd_weight *up, kd_act out) {
+    rec r = {.op = OP_LINEAR_SWIGLU, .a = {x, out}, .p = {gt, up}};
     return issue(be, &r);
 }
 static kd_status w_head_matmul(kd_backend *be, kd_act x, int nh, int xs, int k, const kd_weight *w, int ws, int wr0,
@@ -271,6 +276,7 @@ kd_status kd_testing_emulate_graphs(kd_model *m) {
     g.ops.rope = w_rope;
     g.ops.linear = w_linear;
     g.ops.linear_pair = w_linear_pair;
+    g.ops.linear_swiglu = w_linear_swiglu;
     g.ops.head_matmul = w_head_matmul;
     g.ops.attention = w_attention;
     g.ops.moe = w_moe;

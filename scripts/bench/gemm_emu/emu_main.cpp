@@ -7,6 +7,9 @@
  *  - batch invariance: rows of M = 1 equal to the same rows inside M = 37 and M = 130 (tiles of
  *    16, 64 and 128 rows);
  *  - every tile counter back at zero after a launch (the next launch relies on it);
+ *  - SwiGLU launches (linear_swiglu): each output silu(g) * u of its gate and up row's sums, each
+ *    rounded to C's dtype first, through the tile epilogue, the GEMM's last blocks or the second
+ *    kernel;
  * over k-major and [K, N] weights, batched (head_matmul) and grouped (experts) launches, the
  * cp.async and plain-load paths, and 1 to 11 splits added by the GEMM's last blocks or by the
  * second kernel (kd_cuda_gemm's rule, and each forced). The emulated mma adds its 16 products in
@@ -24,6 +27,7 @@ inline float __bfloat162float(bf16 b) { return mla::bf2f(b.x); }
 inline bf16 __float2bfloat16(float f) { return bf16{mla::f2bf(f)}; }
 template <class T> inline T __ldcg(const T *p) { return *p; }
 inline void __threadfence() {}
+inline float kd_round(int dt, float v) { return dt == KD_F32 ? v : mla::bf2f(mla::f2bf(v)); }
 inline int atomicAdd(int *p, int v) { const int o = *p; *p = o + v; return o; }
 #define __shared__ static
 #define __align__(n)
@@ -46,6 +50,8 @@ struct Case {
     bool kmajor, a_f32, c_f32;
     std::vector<int> group_rows;   /* grouped: rows of each expert (z), else empty */
     int n1 = 0;                    /* > 0: a weight pair, columns [n1, N) from a second buffer (linear_pair) */
+    bool glu = false;              /* with n1: a SwiGLU, rows [0, n1) the gate, [n1, 2 n1) the up weight, N
+                                      = glu_cols(n1) logical columns, C n1 wide */
 };
 
 struct Data {
@@ -78,12 +84,13 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
     g.b_kmajor = c.kmajor;
     g.ldb = c.kmajor ? K : N;
     g.M = M; g.N = N; g.K = K; g.batch = Z;
-    std::vector<float> out((size_t)Z * M * N, NAN);
+    const int NC = c.glu ? c.n1 : N;   /* C's columns */
+    std::vector<float> out((size_t)Z * M * NC, NAN);
     g.C = out.data();
     g.c_dtype = c.c_f32 ? KD_F32 : KD_BF16;
     std::vector<uint16_t> out16(c.c_f32 ? 0 : out.size(), 0x7fc0);
     if (!c.c_f32) g.C = out16.data();
-    g.ldc = N;
+    g.ldc = NC;
     if (!c.group_rows.empty()) {
         g.a_rows = d.a_rows.data();
         g.row_off = d.row_off.data();
@@ -93,13 +100,14 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
         g.B = (const bf16 *)d.b16.data();
         g.b_zstride = (long long)N * K;
         g.a_zstride = (long long)M * K;
-        g.c_zstride = (long long)M * N;
+        g.c_zstride = (long long)M * NC;
     }
     std::vector<uint16_t> b1;   /* the pair's second weight: rows [n1, N) of the stacked one, elsewhere */
     if (c.n1 > 0) {
-        b1.assign(d.b16.begin() + (size_t)c.n1 * K, d.b16.begin() + (size_t)N * K);
+        b1.assign(d.b16.begin() + (size_t)c.n1 * K, d.b16.begin() + (size_t)(c.glu ? 2 * c.n1 : N) * K);
         g.B1 = (const bf16 *)b1.data();
         g.n1 = c.n1;
+        g.glu = c.glu;
     }
     const int kt_total = (K + BK - 1) / BK;
     int per = (kt_total + c.splits_asked - 1) / c.splits_asked;
@@ -141,8 +149,17 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
     return out;
 }
 
-/* the reference: row r of z, column n */
+/* the reference: row r of z, column n, as C's dtype holds it (glu: output column n of the gate's
+ * row n and the up's row n1 + n) */
+static float ref_sum(const Case &c, const Data &d, int z, int r, int n, int splits);
 static float ref_elem(const Case &c, const Data &d, int z, int r, int n, int splits) {
+    const int dt = c.c_f32 ? KD_F32 : KD_BF16;
+    if (!c.glu) return kd_round(dt, ref_sum(c, d, z, r, n, splits));
+    const float gv = kd_round(dt, ref_sum(c, d, z, r, n, splits)), uv = kd_round(dt, ref_sum(c, d, z, r, c.n1 + n, splits));
+    return kd_round(dt, gv / (1.0f + expf(-gv)) * uv);
+}
+/* row r of z, column n: the splits' mma chains added in split order, unrounded */
+static float ref_sum(const Case &c, const Data &d, int z, int r, int n, int splits) {
     const int K = c.K, N = c.N, kt_total = (K + BK - 1) / BK, per = (kt_total + splits - 1) / splits;
     const bool grouped = !c.group_rows.empty();
     const long long arow = grouped ? d.a_rows[r] : (long long)z * c.M + r;
@@ -165,7 +182,7 @@ static float ref_elem(const Case &c, const Data &d, int z, int r, int n, int spl
         }
         sum = splits > 1 ? sum + acc : acc;
     }
-    return c.c_f32 ? sum : mla::bf2f(mla::f2bf(sum));
+    return sum;
 }
 
 static Data make_data(const Case &c) {
@@ -200,12 +217,13 @@ static void check_case(const Case &c, SumPath path = SUM_RULE) {
     bool zero;
     std::vector<float> out = run(c, d, &splits, &zero, path);
     const bool grouped = !c.group_rows.empty();
+    const int NC = c.glu ? c.n1 : c.N;
     long long bad = 0, first = -1;
     for (int z = 0; z < c.batch; z++)
         for (int m = 0; m < c.M; m++) {
             if (grouped && (m < d.row_off[z] || m >= d.row_off[z + 1])) continue;
-            for (int n = 0; n < c.N; n++) {
-                const size_t i = grouped ? (size_t)m * c.N + n : ((size_t)z * c.M + m) * c.N + n;
+            for (int n = 0; n < NC; n++) {
+                const size_t i = grouped ? (size_t)m * NC + n : ((size_t)z * c.M + m) * NC + n;
                 const float r = ref_elem(c, d, z, m, n, splits);
                 if (std::memcmp(&r, &out[i], 4) != 0) { if (first < 0) first = (long long)i; bad++; }
             }
@@ -264,6 +282,15 @@ int main() {
         {"linear pair", 37, 200, 264, 1, 3, true, false, true, {}, 64},
         {"linear pair", 130, 200, 72, 1, 2, true, false, false, {}, 136},
         {"linear pair f32 A (plain loads)", 20, 72, 100, 1, 3, true, true, true, {}, 40},
+        /* SwiGLU (linear_swiglu): widths ending inside a 32-column group; split-K summed in the
+         * GEMM (M = 1) and by the second kernel (M = 37), and none (the tile epilogue through
+         * shared memory at 16-, 64- and 128-row tiles) */
+        {"swiglu", 1, glu_cols(100), 328, 1, 5, true, false, false, {}, 100, true},
+        {"swiglu", 37, glu_cols(64), 264, 1, 3, true, false, false, {}, 64, true},
+        {"swiglu", 5, glu_cols(33), 128, 1, 1, true, false, false, {}, 33, true},
+        {"swiglu", 20, glu_cols(40), 96, 1, 1, true, false, true, {}, 40, true},
+        {"swiglu", 130, glu_cols(72), 200, 1, 1, true, false, false, {}, 72, true},
+        {"swiglu f32 A (plain loads)", 20, glu_cols(40), 100, 1, 3, true, true, true, {}, 40, true},
     };
     for (const Case &c : cases) check_case(c);
     /* both places that add the splits, whichever the rule picks for the shape */
@@ -271,6 +298,7 @@ int main() {
         {"linear", 1, 136, 328, 1, 5, true, false, false, {}},
         {"linear", 37, 136, 328, 1, 7, true, false, false, {}},
         {"head_matmul [K, N]", 3, 72, 96, 3, 2, false, false, false, {}},
+        {"swiglu", 3, glu_cols(100), 328, 1, 4, true, false, false, {}, 100, true},
     };
     for (const Case &c : both) {
         check_case(c, SUM_IN_KERNEL);
