@@ -75,8 +75,10 @@ kd_status kd_cuda_smem(kd_cuda *c, const void *fn, size_t smem) {
 
 kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr) {
     kd_cuda *c = kd_cuda_of(be);
-    if (bytes <= c->ws_bytes[which] && c->ws[which]) {
-        *ptr = c->ws[which];
+    void **ws = &c->ws[c->branch][which];
+    size_t *have = &c->ws_bytes[c->branch][which];
+    if (bytes <= *have && *ws) {
+        *ptr = *ws;
         return KD_OK;
     }
     if (c->capturing)   /* a captured graph cannot grow it (that waits and reallocates): the caller runs eagerly */
@@ -84,32 +86,63 @@ kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr) {
                        bytes);
     size_t want = bytes + bytes / 4;          /* headroom: fewer regrowths */
     if (want < ((size_t)1 << 20)) want = (size_t)1 << 20;
-    if (c->ws[which]) {
-        KD_CUDA(cudaStreamSynchronize(c->stream));   /* in-flight kernels may still read it */
+    if (*ws) {
+        KD_CUDA(cudaStreamSynchronize(c->stream));   /* in-flight kernels of this queue may still read it */
         c->ws_epoch++;                               /* graphs captured with the old one are stale */
-        cudaFree(c->ws[which]);
-        c->bytes_workspace -= c->ws_bytes[which];
-        c->ws[which] = NULL;
-        c->ws_bytes[which] = 0;
+        cudaFree(*ws);
+        c->bytes_workspace -= *have;
+        *ws = NULL;
+        *have = 0;
     }
-    cudaError_t e = cudaMalloc(&c->ws[which], want);
+    cudaError_t e = cudaMalloc(ws, want);
     if (e != cudaSuccess) {
         cudaGetLastError();
-        c->ws[which] = NULL;
+        *ws = NULL;
         return kd_fail(e == cudaErrorMemoryAllocation ? KD_ERR_NOMEM : KD_ERR_BACKEND,
                        "cuda: cannot allocate %zu bytes of device memory for the %s on device %d: %s", want,
                        ws_name(which), c->device, cudaGetErrorString(e));
     }
     /* a new workspace starts zeroed: the GEMM's split-K tile counters rely on it (linear.cu) */
-    e = cudaMemsetAsync(c->ws[which], 0, want, c->stream);
+    e = cudaMemsetAsync(*ws, 0, want, c->stream);
     if (e != cudaSuccess) {
-        cudaFree(c->ws[which]);
-        c->ws[which] = NULL;
+        cudaFree(*ws);
+        *ws = NULL;
         return kd_cuda_fail(e, "cudaMemsetAsync (new workspace)", __FILE__, __LINE__);
     }
-    c->ws_bytes[which] = want;
+    *have = want;
     c->bytes_workspace += want;
-    *ptr = c->ws[which];
+    *ptr = *ws;
+    return KD_OK;
+}
+
+/* ---- the branch (backend.h: branch_begin): queue[1] starts after queue[0]'s work so far
+ * (fork_ev) and queue[0] waits for queue[1]'s at the join (join_ev); in a capture these are the
+ * graph's fork and join edges ---- */
+kd_status kd_cuda_branch_join(kd_cuda *c) {
+    if (!c->branch_open) return KD_OK;
+    KD_CUDA(cudaStreamWaitEvent(c->queue[0], c->join_ev, 0));
+    c->branch_open = false;
+    return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_branch_begin(kd_backend *be) {
+    kd_cuda *c = kd_cuda_of(be);
+    if (c->branch) return kd_fail(KD_ERR_STATE, "cuda branch_begin: a branch is already open (no branch_end)");
+    KD_TRY(kd_cuda_branch_join(c));
+    KD_CUDA(cudaEventRecord(c->fork_ev, c->queue[0]));
+    KD_CUDA(cudaStreamWaitEvent(c->queue[1], c->fork_ev, 0));
+    c->branch = 1;
+    c->stream = c->queue[1];
+    return KD_OK;
+}
+
+extern "C" kd_status kd_cuda_branch_end(kd_backend *be) {
+    kd_cuda *c = kd_cuda_of(be);
+    if (!c->branch) return kd_fail(KD_ERR_STATE, "cuda branch_end: no branch is open");
+    c->branch = 0;
+    c->stream = c->queue[0];
+    KD_CUDA(cudaEventRecord(c->join_ev, c->queue[1]));
+    c->branch_open = true;
     return KD_OK;
 }
 
@@ -124,11 +157,16 @@ static void cuda_destroy(kd_backend *be) {
     kd_cuda *c = kd_cuda_of(be);
     if (c) {
         cudaSetDevice(be->device);
-        if (c->stream) cudaStreamSynchronize(c->stream);
-        for (int i = 0; i < KD_WS_COUNT; i++) if (c->ws[i]) cudaFree(c->ws[i]);
+        for (int q = 0; q < 2; q++)
+            if (c->queue[q]) cudaStreamSynchronize(c->queue[q]);
+        for (int q = 0; q < 2; q++)
+            for (int i = 0; i < KD_WS_COUNT; i++) if (c->ws[q][i]) cudaFree(c->ws[q][i]);
         free(c->bufs);
         if (c->cublas) cublasDestroy(c->cublas);
-        if (c->stream) cudaStreamDestroy(c->stream);
+        for (int q = 0; q < 2; q++)
+            if (c->queue[q]) cudaStreamDestroy(c->queue[q]);
+        if (c->fork_ev) cudaEventDestroy(c->fork_ev);
+        if (c->join_ev) cudaEventDestroy(c->join_ev);
         free(c);
     }
     free(be);
@@ -201,6 +239,7 @@ static kd_status cuda_upload(kd_backend *be, void *dst, const void *src, size_t 
     kd_cuda *c = kd_cuda_of(be);
     if (!bytes) return KD_OK;
     KD_TRY(set_dev(be));
+    KD_TRY(kd_cuda_branch_join(c));
     KD_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
     /* the host buffer may be reused by the caller at once: pageable copies are staged by
      * the driver before returning, but wait anyway so pinned callers are safe too */
@@ -212,6 +251,7 @@ static kd_status cuda_download(kd_backend *be, void *dst, const void *src, size_
     kd_cuda *c = kd_cuda_of(be);
     if (!bytes) return KD_OK;
     KD_TRY(set_dev(be));
+    KD_TRY(kd_cuda_branch_join(c));
     KD_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
     KD_CUDA(cudaStreamSynchronize(c->stream));
     return KD_OK;
@@ -220,6 +260,7 @@ static kd_status cuda_download(kd_backend *be, void *dst, const void *src, size_
 static kd_status cuda_sync(kd_backend *be) {
     kd_cuda *c = kd_cuda_of(be);
     KD_TRY(set_dev(be));
+    KD_TRY(kd_cuda_branch_join(c));
     KD_CUDA(cudaStreamSynchronize(c->stream));
     return KD_OK;
 }
@@ -308,6 +349,8 @@ KD_DEV_WRAP(kd_status, experts_load, (kd_backend *be, kd_experts *e), (be, e))
 KD_DEV_WRAP(kd_status, graph_begin, (kd_backend *be), (be))
 KD_DEV_WRAP(kd_status, graph_end, (kd_backend *be, void **g), (be, g))
 KD_DEV_WRAP(kd_status, graph_launch, (kd_backend *be, void *g), (be, g))
+KD_DEV_WRAP(kd_status, branch_begin, (kd_backend *be), (be))
+KD_DEV_WRAP(kd_status, branch_end, (kd_backend *be), (be))
 
 static void experts_free_dev(kd_backend *be, kd_experts *e) {
     cudaSetDevice(be->device);
@@ -336,6 +379,8 @@ static kd_backend_ops make_ops() {
     o.graph_launch = graph_launch_dev;
     o.graph_free = kd_cuda_graph_free;
     o.graph_epoch = kd_cuda_graph_epoch;
+    o.branch_begin = branch_begin_dev;
+    o.branch_end = branch_end_dev;
     o.mem_usage = cuda_mem_usage;
     return o;
 }
@@ -374,9 +419,12 @@ extern "C" kd_status kd_backend_cuda_create(int device, const kd_model_options *
     cudaDeviceProp prop;
     e = cudaSetDevice(device);
     if (e == cudaSuccess) e = cudaGetDeviceProperties(&prop, device);
-    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
+    for (int q = 0; q < 2 && e == cudaSuccess; q++) e = cudaStreamCreateWithFlags(&c->queue[q], cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->fork_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->join_ev, cudaEventDisableTiming);
+    c->stream = c->queue[0];
     if (e != cudaSuccess) {
-        st = kd_cuda_fail(e, "creating the backend (cudaSetDevice / properties / stream)", __FILE__, __LINE__);
+        st = kd_cuda_fail(e, "creating the backend (cudaSetDevice / properties / streams / events)", __FILE__, __LINE__);
         cuda_destroy(be);
         return st;
     }

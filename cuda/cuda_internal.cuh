@@ -32,7 +32,8 @@ typedef __nv_bfloat16 bf16;
 #endif
 
 /* Scratch workspaces, one per user so an op that calls another op never hands out
- * the same bytes twice. They grow on demand (never shrink until destroy). */
+ * the same bytes twice, and one set per queue so a branch's ops never share bytes with the
+ * ops beside them. They grow on demand (never shrink until destroy). */
 enum kd_cuda_ws {
     KD_WS_GEMM = 0,      /* split-K partial sums of linear */
     KD_WS_ATTN,          /* attention partials (m, l, o per chunk) and visible lists */
@@ -53,10 +54,14 @@ typedef struct kd_cuda {
     bool mla_tc;                   /* the tensor-core kernel where the shape allows */
     int mla_vsplit;                /* tc_shape's value split: 8 = its rule, 0 = off, 1, 2 or 4 forced */
     int mla_rg;                    /* tc_shape's row groups: 0 = its rule, 1 or 4 forced */
-    cudaStream_t stream;
+    cudaStream_t stream;           /* where ops enqueue: queue[0], or queue[1] inside a branch */
+    cudaStream_t queue[2];         /* the backend's stream and its branch's (backend.h: branch_begin) */
+    cudaEvent_t fork_ev, join_ev;  /* the branch's start on queue[0] and its end on queue[1] */
+    int branch;                    /* 1 between branch_begin and branch_end, else 0: the queue in use */
+    bool branch_open;              /* queue[0] has not yet waited for the last branch's work */
     cublasHandle_t cublas;         /* created lazily; the dense GEMMs use our own kernels */
-    void *ws[KD_WS_COUNT];
-    size_t ws_bytes[KD_WS_COUNT];
+    void *ws[2][KD_WS_COUNT];      /* per queue */
+    size_t ws_bytes[2][KD_WS_COUNT];
     /* memory accounting (bytes currently held) */
     size_t bytes_alloc, bytes_weights, bytes_workspace;
     /* step graphs and buffer accounting (backend.cu, graph.cu) */
@@ -84,8 +89,11 @@ kd_status kd_cublas_fail(cublasStatus_t e, const char *call, const char *file, i
 #define KD_CUDA_LAUNCH(what) do { cudaError_t kd_e_ = cudaGetLastError(); \
     if (kd_e_ != cudaSuccess) return kd_cuda_fail(kd_e_, what, __FILE__, __LINE__); } while (0)
 
-/* a workspace of at least `bytes` (grows: waits for the stream, frees, reallocates) */
+/* a workspace of at least `bytes`, the current queue's (grows: waits for the stream, frees,
+ * reallocates) */
 kd_status kd_cuda_ws(kd_backend *be, int which, size_t bytes, void **ptr);
+/* queue[0] waits for the last branch's work, if it has not yet (backend.h: branch_begin) */
+kd_status kd_cuda_branch_join(kd_cuda *c);
 /* allow kernel `fn` `smem` bytes of dynamic shared memory on this device: the driver is asked
  * only when a kernel needs more than it was last allowed, not at every launch */
 kd_status kd_cuda_smem(kd_cuda *c, const void *fn, size_t smem);
@@ -186,6 +194,9 @@ kd_status kd_cuda_graph_end(kd_backend *be, void **graph);
 kd_status kd_cuda_graph_launch(kd_backend *be, void *graph);
 void kd_cuda_graph_free(kd_backend *be, void *graph);
 uint64_t kd_cuda_graph_epoch(kd_backend *be);
+/* the branch (backend.cu) */
+kd_status kd_cuda_branch_begin(kd_backend *be);
+kd_status kd_cuda_branch_end(kd_backend *be);
 }
 
 #include "gemm_args.cuh"   /* the GEMM core (linear.cu), shared by linear, head_matmul and the bf16 experts */

@@ -10,7 +10,9 @@
  *
  * Capture uses cudaStreamCaptureModeThreadLocal: a call that cannot be captured (a host
  * sync, an allocation) fails during the capture instead of running, the capture is then
- * discarded (graph_end reports it) and the model runs the step eagerly. */
+ * discarded (graph_end reports it) and the model runs the step eagerly. A branch inside the
+ * capture (backend.h: branch_begin) becomes a fork and a join of the graph; one still open at
+ * the end (an op failed inside it) is closed and joined first, so the capture ends whole. */
 #include "cuda_internal.cuh"
 
 namespace {
@@ -65,6 +67,8 @@ extern "C" kd_status kd_cuda_store_rows_at(kd_backend *be, kd_act dst, const int
 extern "C" kd_status kd_cuda_graph_begin(kd_backend *be) {
     kd_cuda *c = kd_cuda_of(be);
     if (c->capturing) return kd_fail(KD_ERR_STATE, "cuda graph_begin: a capture is already open");
+    if (c->branch) return kd_fail(KD_ERR_STATE, "cuda graph_begin: a branch is open");
+    KD_TRY(kd_cuda_branch_join(c));   /* an eager branch's join cannot be captured */
     KD_CUDA(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
     c->capturing = 1;
     return KD_OK;
@@ -75,6 +79,8 @@ extern "C" kd_status kd_cuda_graph_end(kd_backend *be, void **graph) {
     if (!graph) return kd_fail(KD_ERR_ARG, "cuda graph_end: graph is NULL");
     *graph = NULL;
     if (!c->capturing) return kd_fail(KD_ERR_STATE, "cuda graph_end: no capture is open");
+    if (c->branch) kd_cuda_branch_end(be);
+    kd_cuda_branch_join(c);   /* failures here invalidate the capture, which EndCapture reports */
     c->capturing = 0;
     cudaGraph_t g = NULL;
     cudaError_t e = cudaStreamEndCapture(c->stream, &g);   /* ends the capture even when it was invalidated */
@@ -98,6 +104,8 @@ extern "C" kd_status kd_cuda_graph_launch(kd_backend *be, void *graph) {
     kd_cuda *c = kd_cuda_of(be);
     if (!graph) return kd_fail(KD_ERR_ARG, "cuda graph_launch: graph is NULL");
     if (c->capturing) return kd_fail(KD_ERR_STATE, "cuda graph_launch: a capture is open");
+    if (c->branch) return kd_fail(KD_ERR_STATE, "cuda graph_launch: a branch is open");
+    KD_TRY(kd_cuda_branch_join(c));
     KD_CUDA(cudaGraphLaunch((cudaGraphExec_t)graph, c->stream));
     return KD_OK;
 }

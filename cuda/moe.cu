@@ -396,6 +396,7 @@ extern "C" kd_status kd_cuda_moe(kd_backend *be, kd_act x, const kd_experts *e, 
     KD_TRY(kd_launch_pdl("route_kernel", route_kernel, T, ROUTE_THREADS, smem, c->stream, logits, n, e->bias,
                          e->n_group, e->topk_group, K, e->norm_topk_prob, e->routed_scaling_factor, ids, wsel));
 
+    if (!t->int4) KD_TRY(kd_cuda_branch_join(c));   /* shared's writer, before any read of it */
     if (t->mixed) return moe_mixed(be, x, e, ids, wsel, shared, out);
     if (t->int4) {
 #if KD_HAVE_W4A16

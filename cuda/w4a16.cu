@@ -915,8 +915,8 @@ extern "C" size_t kd_w4a16_moe_ws_bytes(const kd_w4a16_moe_shape *s, int T) {
 
 extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_expert *table, const void *x,
                                   long long ldx, int T, const int32_t *ids, const float *weights, const void *shared,
-                                  long long ld_shared, void *out, long long ldo, int out_f32, void *ws,
-                                  size_t ws_bytes, cudaStream_t st) {
+                                  long long ld_shared, cudaEvent_t shared_ready, void *out, long long ldo, int out_f32,
+                                  void *ws, size_t ws_bytes, cudaStream_t st) {
     if (!s) return kd_fail(KD_ERR_ARG, "w4a16 moe: no shape");
     if (s->n_experts <= 0 || s->top_k <= 0 || s->top_k > s->n_experts)
         return kd_fail(KD_ERR_ARG, "w4a16 moe: %d experts, top_k %d", s->n_experts, s->top_k);
@@ -994,6 +994,7 @@ extern "C" kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *s, const kd_w4a16_ex
     if (items < grid) grid = (int)items;
     KD_TRY(launch(dn, grid, d, gu_one_pass, st));
 
+    if (shared_ready) W4_CUDA(cudaStreamWaitEvent(st, shared_ready, 0));
     size_t n = (size_t)T * s->hidden;
     int cblocks = (int)((n + 255) / 256);
     const int sms = sm_count();

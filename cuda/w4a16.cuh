@@ -97,11 +97,14 @@ typedef struct kd_w4a16_moe_shape {
  * them inside the call (each waits for it before its first read), and so does the down GEMM
  * when gate+up does its work in one pass (it reads the grouping before its wait, as gate+up
  * releases it only once the grouping is complete).
+ * shared_ready (NULL: none): an event the stream waits for before the combine, the first read of
+ * shared (written on another stream: the backend's branch).
  * ws: kd_w4a16_moe_ws_bytes(shape, T) bytes, no initial content needed. */
 size_t kd_w4a16_moe_ws_bytes(const kd_w4a16_moe_shape *shape, int T);
 kd_status kd_w4a16_moe(const kd_w4a16_moe_shape *shape, const kd_w4a16_expert *table, const void *x, long long ldx,
                        int T, const int32_t *ids, const float *weights, const void *shared, long long ld_shared,
-                       void *out, long long ldo, int out_f32, void *ws, size_t ws_bytes, cudaStream_t st);
+                       cudaEvent_t shared_ready, void *out, long long ldo, int out_f32, void *ws, size_t ws_bytes,
+                       cudaStream_t st);
 
 #ifdef KD_W4A16_TRACE
 /* bench-trace builds only (the small-M kernel's launch timeline, see w4a16_skinny.cu):

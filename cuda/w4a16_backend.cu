@@ -241,9 +241,12 @@ extern "C" kd_status kd_cuda_w4a16_moe(kd_backend *be, kd_act x, const kd_expert
     const bf16 *xv;
     long long ldx;
     KD_TRY(bf16_view(be, x, ws, &xv, &ldx));
-    kd_status st = kd_w4a16_moe(&s, table, xv, ldx, x.rows, ids, weights, shared.data, shared.ld, out.data, out.ld,
-                                out.dtype == KD_F32,
-                                (char *)ws + xb, mb, c->stream);
+    /* the shared expert's branch, if one is open, is joined right before the combine reads it */
+    const bool join = shared.data && c->branch_open;
+    kd_status st = kd_w4a16_moe(&s, table, xv, ldx, x.rows, ids, weights, shared.data, shared.ld,
+                                join ? c->join_ev : NULL, out.data, out.ld, out.dtype == KD_F32, (char *)ws + xb, mb,
+                                c->stream);
     if (st != KD_OK) return kd_fail_context(st, "moe");
+    if (join) c->branch_open = false;
     return KD_OK;
 }

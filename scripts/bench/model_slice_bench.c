@@ -3,7 +3,8 @@
  *
  *   model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]
  *                     [--row-seconds S] [--no-mla] [--no-graphs] [--no-draft] [--tolerance X]
- *   model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N]
+ *                     [--inline-shared]
+ *   model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N] [--inline-shared]
  *
  * The slice: the K2.6 text model's dims (hidden 7168, 64 heads, q_lora 1536, kv_lora 512,
  * rope 64, nope 128, v 128, dense intermediate 18432, 384 routed experts top-8 INT4 group 32,
@@ -184,6 +185,7 @@ static kd_backend *g_be;
 static const kd_backend_ops *g_real;
 static kd_backend_ops g_wrap;
 static bool g_events;                 /* CUDA events (slice_cuda.cu) rather than the host clock */
+static int g_inline_shared;           /* --inline-shared: kd_model_options.inline_shared_expert */
 
 enum { MAXMARK = 8192 };   /* a profiled step of 61 layers makes about 1600 op calls, 2 marks each */
 static uint64_t g_host_mark[MAXMARK];
@@ -262,6 +264,12 @@ WRAP(gather_rows, C_ELEM, (kd_backend *be, kd_act d, kd_act s, const int32_t *ro
 WRAP(linear, weight_cat(w), (kd_backend *be, kd_act x, const kd_weight *w, kd_act o), (be, x, w, o))
 WRAP(linear_pair, weight_cat(w0), (kd_backend *be, kd_act x, const kd_weight *w0, const kd_weight *w1, kd_act o),
      (be, x, w0, w1, o))
+WRAP(linear_swiglu, weight_cat(g), (kd_backend *be, kd_act x, const kd_weight *g, const kd_weight *u, kd_act o),
+     (be, x, g, u, o))
+/* a profiled step runs the shared expert in line, not on a branch, so that the marks around each
+ * op on the backend's stream time that op */
+static kd_status w_branch_begin(kd_backend *be) { return g_prof ? KD_OK : g_real->branch_begin(be); }
+static kd_status w_branch_end(kd_backend *be) { return g_prof ? KD_OK : g_real->branch_end(be); }
 WRAP(head_matmul, C_ABSORB,
      (kd_backend *be, kd_act x, int nh, int xs, int k, const kd_weight *w, int ws, int wr0, bool tr, kd_act o, int oc,
       int os),
@@ -531,6 +539,7 @@ static kd_model *build_model(const dims *d) {
     S.d = *d;
     S.keep_host = g_be->kind == KD_BACKEND_CPU;
     kd_model *m = xcalloc(1, sizeof *m, "model");
+    m->opt.inline_shared_expert = g_inline_shared;
     load_config(d, &m->cfg);
     const kd_config *c = &m->cfg;
     /* one rank holding the whole model */
@@ -717,6 +726,11 @@ static void wrap_backend(void) {
     g_wrap.gather_rows = w_gather_rows;
     g_wrap.linear = w_linear;
     g_wrap.linear_pair = w_linear_pair;
+    g_wrap.linear_swiglu = w_linear_swiglu;
+    if (g_real->branch_begin) {
+        g_wrap.branch_begin = w_branch_begin;
+        g_wrap.branch_end = w_branch_end;
+    }
     g_wrap.head_matmul = w_head_matmul;
     g_wrap.attention = w_attention;
     g_wrap.moe = w_moe;
@@ -1418,7 +1432,8 @@ static void slice_run(const opts *o, const dims *d) {
 static void usage(void) {
     printf("usage: model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]\n"
            "                         [--row-seconds S] [--no-mla] [--no-graphs] [--no-draft] [--tolerance X]\n"
-           "       model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N]\n"
+           "                         [--inline-shared]\n"
+           "       model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N] [--inline-shared]\n"
            "  --backend    cuda (default when the library has it) or cpu\n"
            "  --tiny       the shipped tiny model's dims instead of Kimi K2.6's (quick logic check)\n"
            "  --md FILE    also write the markdown tables to FILE\n"
@@ -1434,7 +1449,9 @@ static void usage(void) {
            "  --k26-rank N     the TP-N projection: all 61 layers of Kimi K2.6 at rank 0 of TP-N dims, decode and\n"
            "                   verify B = 16, 64 at ctx 1K, 8K (step graphs), NCCL all-reduce on one rank, and the\n"
            "                   projected N-GPU rate (about 78 GB of device memory at N = 8; CUDA, or --tiny)\n"
-           "  --layers L       layers of the projection's model (default 61; the rate is for 61)\n");
+           "  --layers L       layers of the projection's model (default 61; the rate is for 61)\n"
+           "  --inline-shared  the shared expert in line before the routed experts, not beside them\n"
+           "                   (kd_model_options.inline_shared_expert: an A/B of the branch)\n");
 }
 
 int main(int argc, char **argv) {
@@ -1450,6 +1467,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--no-mla")) o.mla = false;
         else if (!strcmp(a, "--no-graphs")) o.graphs = false;
         else if (!strcmp(a, "--no-draft")) o.draft = false;
+        else if (!strcmp(a, "--inline-shared")) g_inline_shared = 1;
         else if (!strcmp(a, "--md") && v) { o.md = v; i++; }
         else if (!strcmp(a, "--steps") && v) { o.steps = atoi(v); i++; }
         else if (!strcmp(a, "--row-seconds") && v) { o.row_s = atof(v); i++; }

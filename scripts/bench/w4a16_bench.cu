@@ -507,7 +507,7 @@ static void make_routes(int T, int E, int topk, std::vector<int> &ids, std::vect
 
 static void moe_run(const HostMoe &M, const void *x, int T, const int *ids_d, const float *w_d, void *out, int f32,
                     void *ws, size_t wsb) {
-    KT(kd_w4a16_moe(&M.s, M.table, x, M.s.hidden, T, ids_d, w_d, NULL, 0, out, M.s.hidden, f32, ws, wsb, 0));
+    KT(kd_w4a16_moe(&M.s, M.table, x, M.s.hidden, T, ids_d, w_d, NULL, 0, NULL, out, M.s.hidden, f32, ws, wsb, 0));
 }
 
 static void check_moe(int E, int topk, int H, int I, int g, const std::vector<int> &Ts, int n_ref_tokens) {
@@ -584,7 +584,7 @@ static void check_moe(int E, int topk, int H, int I, int g, const std::vector<in
                     poison(out1, (size_t)H * 4);
                     KT(kd_w4a16_moe(&M.s, M.table, (const char *)x + (size_t)t * H * 2, H, 1,
                                     (const int *)ids_d + (size_t)t * topk, (const float *)w_d + (size_t)t * topk, NULL,
-                                    0, out1, H, 1, ws, wsb, 0));
+                                    0, NULL, out1, H, 1, ws, wsb, 0));
                     CK(cudaDeviceSynchronize());
                     std::vector<float> a = download_y(out1, 1, H, 1);
                     CHECK(!memcmp(a.data(), &o[(size_t)t * H], (size_t)H * 4),
@@ -747,7 +747,7 @@ static void bench_moe(const std::vector<int> &Ts, bool quick) {
         touched /= DRAWS;
         auto round = [&] {
             for (int dr = 0; dr < DRAWS; dr++)
-                KT(kd_w4a16_moe(&M.s, M.table, x, H, T, (const int *)idd[dr], (const float *)w_d, NULL, 0, out, H, 0, ws, wsb, st));
+                KT(kd_w4a16_moe(&M.s, M.table, x, H, T, (const int *)idd[dr], (const float *)w_d, NULL, 0, NULL, out, H, 0, ws, wsb, st));
         };
         for (int var = 0; var < (quick || T > 16 ? 2 : 5); var++) {
             int graph = var == 1 || var >= 2, fp = var >= 2 ? 1 << (var - 2) : 0;   /* graph with P = 1, 2, 4 */
