@@ -98,9 +98,9 @@ typedef struct kd_model_options {
                                 8-warp blocks where they fit (tests, benches) */
     int mla_row_groups;      /* row groups per block: 0 = by the shape rule; 1 or 4 = forced where
                                 the shared memory fits (tests, benches) */
-    int inline_shared_expert;   /* nonzero: a MoE layer's shared expert runs in line before its
-                                   routed experts, not beside them (CUDA: on a second stream); the
-                                   same bits either way (A/B, tests) */
+    int shared_expert_branch;   /* nonzero: a MoE layer's shared expert runs beside its router and
+                                   routed experts (CUDA: on a second stream), not in line before
+                                   them; the same bits either way. Off until a GPU A/B shows it pays */
 } kd_model_options;
 
 typedef struct kd_model_info {

@@ -192,9 +192,10 @@ static kd_status attention_block(const rank_fwd *f, int l, kd_act h, kd_act x, c
 
 /* x += mlp(h) (dense layer) or moe(h) + shared(h), each rank's partial sums all-reduced; then
  * h = rmsnorm(x; next) unless next is NULL. The shared expert is issued first, on a branch where
- * the backend has one (backend.h: branch_begin: on CUDA it runs beside the router and the routed
- * experts, whose combine waits for it): the routed experts' sum adds its output (HF adds the two;
- * one fp32 or bf16 addition, the same either way round) */
+ * the backend has one and the option shared_expert_branch asks for it (backend.h: branch_begin: on
+ * CUDA it then runs beside the router and the routed experts, whose combine waits for it): the
+ * routed experts' sum adds its output (HF adds the two; one fp32 or bf16 addition, the same either
+ * way round) */
 static kd_status ffn_block(const rank_fwd *f, int l, kd_act h, kd_act x, const kd_weight *next) {
     kd_model *m = f->s->model;
     kd_backend *be = f->be;
@@ -207,7 +208,7 @@ static kd_status ffn_block(const rank_fwd *f, int l, kd_act h, kd_act x, const k
         kd_act shared = {0};
         if (m->cfg.n_shared_experts > 0) {
             shared = partial(f, f->p->t2, T);
-            const bool branch = be->ops->branch_begin && !m->opt.inline_shared_expert;
+            const bool branch = be->ops->branch_begin && m->opt.shared_expert_branch;
             if (branch) KD_TRY(be->ops->branch_begin(be));
             kd_status st = mlp(f, h, &L->mlp_gate, &L->mlp_up, &L->mlp_down, shared);
             if (branch) {

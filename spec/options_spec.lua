@@ -34,8 +34,8 @@ describe("model and sequence options", function()
       lua_error(kd.open_model, TARGET, { mla_row_groups = 1.5 }), 1, true)
     assert.matches("graphs_verbose: expected a boolean, got 1", lua_error(kd.open_model, TARGET, { graphs_verbose = 1 }), 1,
       true)
-    assert.matches("inline_shared_expert: expected a boolean, got 1",
-      lua_error(kd.open_model, TARGET, { inline_shared_expert = 1 }), 1, true)
+    assert.matches("shared_expert_branch: expected a boolean, got 1",
+      lua_error(kd.open_model, TARGET, { shared_expert_branch = 1 }), 1, true)
     assert.matches("open_model: seq: unknown option rows", lua_error(kd.open_model, TARGET, { seq = { rows = 4 } }), 1, true)
     local m = kd.open_model(TARGET)
     assert.matches("kdtree: new_seq: unknown option graph", lua_error(m.new_seq, m, 8, { graph = "off" }), 1, true)
@@ -52,7 +52,7 @@ describe("model and sequence options", function()
       { "mla_kernel", 2, "options.mla_kernel is 2: expected KD_MLA_DEFAULT (0) or KD_MLA_CUDA_CORES (1)" },
       { "mla_value_slices", 3, "options.mla_value_slices is 3: expected 0 (by the shape rule), -1 (no split), 1, 2 or 4" },
       { "mla_row_groups", 2, "options.mla_row_groups is 2: expected 0 (by the shape rule), 1 or 4" },
-      { "inline_shared_expert", 2, "options.inline_shared_expert is 2: expected 0 (beside the routed experts) or 1 (in line)" },
+      { "shared_expert_branch", 2, "options.shared_expert_branch is 2: expected 0 (in line) or 1 (beside the routed experts)" },
     }
     local out = ffi.new("kd_model*[1]")
     for _, c in ipairs(cases) do
@@ -111,7 +111,7 @@ describe("model and sequence options", function()
     local ref = run({})
     for _, o in ipairs({ { mla_kernel = "cuda_cores" }, { mla_value_slices = -1, mla_row_groups = 4 },
                          { graphs = "on", draft_graphs = "eager", graphs_verbose = true },
-                         { inline_shared_expert = true } }) do
+                         { shared_expert_branch = true } }) do
       local got, launches = run(o)
       assert.are.same(ref, got)
       assert.are.equal(0, launches)

@@ -43,7 +43,7 @@ end
 
 local MODEL_FIELDS = { backend = true, tp = true, devices = true, progress = true, graphs = true, draft_graphs = true,
   graphs_verbose = true, ddtree_round = true, mla_kernel = true, mla_value_slices = true, mla_row_groups = true,
-  inline_shared_expert = true, seq = true }
+  shared_expert_branch = true, seq = true }
 local SEQ_FIELDS = { max_rows = true, graphs = true, draft_graphs = true }
 
 -- a kd_model_options from t (nil fields: defaults; backend nil: "cpu"), and the C callback made
@@ -81,10 +81,10 @@ function O.model(t)
   o.mla_kernel = enum(fn, "mla_kernel", O.MLA_KERNEL, t.mla_kernel)
   o.mla_value_slices = int(fn, "mla_value_slices", t.mla_value_slices)
   o.mla_row_groups = int(fn, "mla_row_groups", t.mla_row_groups)
-  if t.inline_shared_expert ~= nil and type(t.inline_shared_expert) ~= "boolean" then
-    fail(fn, "inline_shared_expert: expected a boolean, got %s", tostring(t.inline_shared_expert))
+  if t.shared_expert_branch ~= nil and type(t.shared_expert_branch) ~= "boolean" then
+    fail(fn, "shared_expert_branch: expected a boolean, got %s", tostring(t.shared_expert_branch))
   end
-  o.inline_shared_expert = t.inline_shared_expert and 1 or 0
+  o.shared_expert_branch = t.shared_expert_branch and 1 or 0
   if t.seq ~= nil and type(t.seq) ~= "table" then fail(fn, "seq: expected a table of sequence options, got %s", type(t.seq)) end
   if t.seq then known(fn .. ": seq", t.seq, SEQ_FIELDS) end
   return o, cb
