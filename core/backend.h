@@ -256,8 +256,9 @@ typedef struct kd_backend_ops {
      * The ops issued between branch_begin and branch_end run in order on a second queue, after
      * everything issued before branch_begin, beside the ops issued after branch_end (with their
      * own workspaces). The one reader of a branch's output is `moe`, which waits for the branch
-     * before it reads `shared` (model.c: the shared expert runs beside the router and the routed
-     * experts); download, upload, sync, graph_end and the next branch_begin wait for it too. A
+     * before it reads `shared` (model.c, with the model option shared_expert_branch: the shared
+     * expert beside the router and the routed experts); download, upload, sync, graph_begin,
+     * graph_end, graph_launch and the next branch_begin wait for it too. A
      * branch changes which queue an op runs on, never what it computes. */
     kd_status (*branch_begin)(kd_backend *be);
     kd_status (*branch_end)(kd_backend *be);
