@@ -10,13 +10,15 @@
 --   log_softmax (fp32; the CPU sums 163840 exps in one sequential
 --   fp32 chain, which alone drifts ~1e-5 of the row's range)      3e-5
 --   bf16 outputs (one rounding, 2^-9 relative per element)        5e-3
+--   linear_swiglu (bf16 gate and up products, then the bf16
+--   SwiGLU: three roundings)                                      1e-2
 --   MoE (bf16 gate/up/SwiGLU intermediates, then down)            1e-2
 -- Batch invariance of the ops (a row's bits independent of the batch) is checked on CUDA.
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local O = require("helpers.ops")
 local ffi, C = O.ffi, O.C
 
-local TOL_F32, TOL_LSM, TOL_BF16, TOL_MOE = 1e-4, 3e-5, 5e-3, 1e-2
+local TOL_F32, TOL_LSM, TOL_BF16, TOL_GLU, TOL_MOE = 1e-4, 3e-5, 5e-3, 1e-2, 1e-2
 -- KDTREE_OPS_SMALL=1: skip the K2.6-sized cases (for compute-sanitizer runs)
 local SMALL = os.getenv("KDTREE_OPS_SMALL") == "1"
 local function big(f) if not SMALL then f() end end
@@ -291,7 +293,7 @@ describe("CUDA ops against the CPU twins #gpu", function()
         local x = O.rand_floats(Mmax * K)
         for _, M in ipairs({ 1, 17 }) do
           close(string.format("linear_swiglu %s M=%d [%d] x %d -> bf16", name, M, I, K), M * I,
-            function(tb, out) return C.kd_test_linear_swiglu(tb, x, M, wg, wu, 0, out) end, TOL_BF16)
+            function(tb, out) return C.kd_test_linear_swiglu(tb, x, M, wg, wu, 0, out) end, TOL_GLU)
         end
         local full = ffi.new("float[?]", Mmax * I)
         O.check(C.kd_test_linear_swiglu(gpu, x, Mmax, wg, wu, 0, full), "linear_swiglu M=130")
@@ -315,6 +317,20 @@ describe("CUDA ops against the CPU twins #gpu", function()
         end
         note("%-58s bit-identical for M = 1, 17, 64, 65, 130 and to linear_pair + swiglu",
           "linear_swiglu " .. name)
+      end
+      -- weights the fused GEMM does not take (INT4, f32): two linears into a workspace and swiglu
+      local I, K = 96, 512
+      local x = O.rand_floats(17 * K)
+      for _, f in ipairs({ "int4", "f32" }) do
+        local function w()
+          if f == "int4" then return O.int4_weight(I, K, 32, 1 / math.sqrt(K)) end
+          return O.f32_weight(I, K, 1 / math.sqrt(K))
+        end
+        local wg, wu = w(), w()
+        for _, M in ipairs({ 1, 17 }) do
+          close(string.format("linear_swiglu %s weights M=%d [%d] x %d -> bf16", f, M, I, K), M * I,
+            function(tb, out) return C.kd_test_linear_swiglu(tb, x, M, wg, wu, 0, out) end, TOL_GLU)
+        end
       end
     end)
   end)
