@@ -364,10 +364,12 @@ done:
     return st;
 }
 
-kd_status kd_test_linear_pair(kd_test_backend *tb, const float *x, int M, const kd_test_weight *w0,
-                              const kd_test_weight *w1, int out_f32, float *out) {
-    KD_TRY(check_tb(tb, "linear_pair"));
-    if (!w0 || !w1) return kd_fail(KD_ERR_ARG, "kd_test_linear_pair: a weight is NULL");
+/* the two-weight products: linear_pair (out [M, w0.rows + w1.rows]) or linear_swiglu (w0 the gate,
+ * w1 the up weight; out [M, w0.rows]) */
+static kd_status weight_pair_op(kd_test_backend *tb, const char *what, bool swiglu, const float *x, int M,
+                                const kd_test_weight *w0, const kd_test_weight *w1, int out_f32, float *out) {
+    KD_TRY(check_tb(tb, what));
+    if (!w0 || !w1) return kd_fail(KD_ERR_ARG, "kd_test_%s: a weight is NULL", what);
     kd_backend *be = tb->be;
     arena a = {.be = be};
     kd_status st;
@@ -376,32 +378,22 @@ kd_status kd_test_linear_pair(kd_test_backend *tb, const float *x, int M, const 
     RUN(up_weight(&a, w0, "test.gate", &d0));
     RUN(up_weight(&a, w1, "test.up", &d1));
     RUN(up_act(&a, x, M, (int)w0->cols, be->act_dtype, &dx));
-    RUN(up_act(&a, NULL, M, (int)(w0->rows + w1->rows), out_f32 ? KD_F32 : be->act_dtype, &o));
-    RUN(be->ops->linear_pair(be, dx, &d0, &d1, o));
+    RUN(up_act(&a, NULL, M, (int)(swiglu ? w0->rows : w0->rows + w1->rows), out_f32 ? KD_F32 : be->act_dtype, &o));
+    RUN(swiglu ? be->ops->linear_swiglu(be, dx, &d0, &d1, o) : be->ops->linear_pair(be, dx, &d0, &d1, o));
     RUN(down_act(&a, o, out));
 done:
     arena_free(&a);
     return st;
 }
 
+kd_status kd_test_linear_pair(kd_test_backend *tb, const float *x, int M, const kd_test_weight *w0,
+                              const kd_test_weight *w1, int out_f32, float *out) {
+    return weight_pair_op(tb, "linear_pair", false, x, M, w0, w1, out_f32, out);
+}
+
 kd_status kd_test_linear_swiglu(kd_test_backend *tb, const float *x, int M, const kd_test_weight *gate,
                                 const kd_test_weight *up, int out_f32, float *out) {
-    KD_TRY(check_tb(tb, "linear_swiglu"));
-    if (!gate || !up) return kd_fail(KD_ERR_ARG, "kd_test_linear_swiglu: a weight is NULL");
-    kd_backend *be = tb->be;
-    arena a = {.be = be};
-    kd_status st;
-    kd_weight dg, du;
-    kd_act dx, o;
-    RUN(up_weight(&a, gate, "test.gate", &dg));
-    RUN(up_weight(&a, up, "test.up", &du));
-    RUN(up_act(&a, x, M, (int)gate->cols, be->act_dtype, &dx));
-    RUN(up_act(&a, NULL, M, (int)gate->rows, out_f32 ? KD_F32 : be->act_dtype, &o));
-    RUN(be->ops->linear_swiglu(be, dx, &dg, &du, o));
-    RUN(down_act(&a, o, out));
-done:
-    arena_free(&a);
-    return st;
+    return weight_pair_op(tb, "linear_swiglu", true, x, M, gate, up, out_f32, out);
 }
 
 static kd_status cpu_forms(const float *x, int T, const kd_test_weight *tw, float *out_c, float *out_simd) {
