@@ -79,6 +79,9 @@ struct Tile {
 constexpr int GLU_GROUP = 64, GLU_HALF = GLU_GROUP / 2;
 __host__ __device__ constexpr int glu_row(int n) { return n / GLU_GROUP * GLU_HALF + n % GLU_HALF; }
 __host__ __device__ constexpr bool glu_up(int n) { return n % GLU_GROUP >= GLU_HALF; }
+/* the logical column of the gate product of column q of a tile's outputs (q < its width / 2); the
+ * up product's is GLU_HALF further */
+__host__ __device__ constexpr int glu_gate_col(int q) { return q / GLU_HALF * GLU_GROUP + q % GLU_HALF; }
 /* the logical columns of a SwiGLU launch whose gate and up have n1 rows each */
 __host__ __device__ constexpr int glu_cols(int n1) { return (n1 + GLU_HALF - 1) / GLU_HALF * GLU_GROUP; }
 /* silu(g) * u of the two products, each rounded to C's dtype first: the bits of a linear_pair into
@@ -263,7 +266,7 @@ __device__ void gemm_split_sum(const kd_gemm_args &g, const Tile &t, int tile, i
     if (g.glu) {   /* each output column from its gate and up sums, GLU_HALF columns apart */
         for (int i = threadIdx.x; i < TBM * (BN / 2); i += THREADS) {
             const int m = t.m0 + i / (BN / 2), q = i % (BN / 2);
-            const int n = t.n0 + q / GLU_HALF * GLU_GROUP + q % GLU_HALF, j = glu_row(n);
+            const int n = t.n0 + glu_gate_col(q), j = glu_row(n);
             if (m >= t.rows || j >= g.n1) continue;
             const int out_row = t.row_base + m;
             const float *p = partial + ((size_t)t.z * g.M + out_row) * g.N + n;
@@ -301,7 +304,7 @@ __device__ void glu_epilogue(const kd_gemm_args &g, const Tile &t, const float (
                 cs[(wm + mi * 16 + gq + (c >> 1) * 8) * CLD + wn + ni * 8 + 2 * tq + (c & 1)] = acc[mi][ni][c];
     __syncthreads();
     for (int i = threadIdx.x; i < TBM * (BN / 2); i += THREADS) {
-        const int r = i / (BN / 2), q = i % (BN / 2), col = q / GLU_HALF * GLU_GROUP + q % GLU_HALF;
+        const int r = i / (BN / 2), col = glu_gate_col(i % (BN / 2));
         const int m = t.m0 + r, j = glu_row(t.n0 + col);
         if (m >= t.rows || j >= g.n1) continue;
         const int out_row = t.row_base + m;
@@ -474,7 +477,7 @@ __global__ void gemm_reduce_kernel(kd_gemm_args g, int splits, const float *part
         const int half = g.N / 2;
         const size_t outs = (size_t)g.batch * g.M * half;
         for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < outs; i += (size_t)gridDim.x * blockDim.x) {
-            const int q = (int)(i % half), n = q / GLU_HALF * GLU_GROUP + q % GLU_HALF, j = glu_row(n);
+            const int q = (int)(i % half), n = glu_gate_col(q), j = glu_row(n);
             const size_t r = i / half;
             if (j >= g.n1) continue;
             const int m = (int)(r % g.M), z = (int)(r / g.M);
