@@ -149,15 +149,6 @@ static std::vector<float> run(const Case &c, Data &d, int *splits_out, bool *cou
     return out;
 }
 
-/* the reference: row r of z, column n, as C's dtype holds it (glu: output column n of the gate's
- * row n and the up's row n1 + n) */
-static float ref_sum(const Case &c, const Data &d, int z, int r, int n, int splits);
-static float ref_elem(const Case &c, const Data &d, int z, int r, int n, int splits) {
-    const int dt = c.c_f32 ? KD_F32 : KD_BF16;
-    if (!c.glu) return kd_round(dt, ref_sum(c, d, z, r, n, splits));
-    const float gv = kd_round(dt, ref_sum(c, d, z, r, n, splits)), uv = kd_round(dt, ref_sum(c, d, z, r, c.n1 + n, splits));
-    return kd_round(dt, gv / (1.0f + expf(-gv)) * uv);
-}
 /* row r of z, column n: the splits' mma chains added in split order, unrounded */
 static float ref_sum(const Case &c, const Data &d, int z, int r, int n, int splits) {
     const int K = c.K, N = c.N, kt_total = (K + BK - 1) / BK, per = (kt_total + splits - 1) / splits;
@@ -183,6 +174,15 @@ static float ref_sum(const Case &c, const Data &d, int z, int r, int n, int spli
         sum = splits > 1 ? sum + acc : acc;
     }
     return sum;
+}
+
+/* the reference: row r of z, column n, as C's dtype holds it (glu: output column n of the gate's
+ * row n and the up's row n1 + n) */
+static float ref_elem(const Case &c, const Data &d, int z, int r, int n, int splits) {
+    const int dt = c.c_f32 ? KD_F32 : KD_BF16;
+    if (!c.glu) return kd_round(dt, ref_sum(c, d, z, r, n, splits));
+    const float gv = kd_round(dt, ref_sum(c, d, z, r, n, splits)), uv = kd_round(dt, ref_sum(c, d, z, r, c.n1 + n, splits));
+    return kd_round(dt, gv / (1.0f + expf(-gv)) * uv);
 }
 
 static Data make_data(const Case &c) {
