@@ -93,7 +93,7 @@ typedef struct kd_dtree {
     uint64_t *vis;                 /* (1+n) rows of ceil((1+n)/64) words: the ancestor-only mask */
     int32_t *target;               /* accept: the target token of each node */
     int32_t *row_status;           /* accept: 0, or the sampling error code of the node's row */
-    int32_t *status;               /* KD_DTREE_STATUS words: build error (0/1), its index, n built */
+    int32_t *status;               /* KD_DTREE_STATUS words: build error (0/1), its index, n built, path */
     int32_t *result;               /* accept: KD_DTREE_HDR header words, nodes[1+cap], tokens[1+cap] */
     float *vals;                   /* a build's per-depth top-K lists, topk_cap entries */
     int32_t *ids;
@@ -203,8 +203,9 @@ typedef struct kd_backend kd_backend;
     /* the DDTree round (docs/ddtree.md; CPU: cpu/cpu_ddtree.c, CUDA: cuda/ddtree.cu).                      \
      * tree_select: Algorithm 1 on the per-depth top-K lists t->vals/ids [L, K] (rows descending): nodes    \
      * 1..n (token, parent, depth), node 0's parent -1 and depth 0, the ancestor mask of the 1+n rows,      \
-     * t->status = {0 or 1 (a NaN / +inf list value), its index, n}, where n = min(budget, K + K^2 + ... +  \
-     * K^L). KD_ERR_UNSUPPORTED: a budget the backend cannot hold (the caller builds on the host instead). */ \
+     * t->status = {0 or 1 (a NaN / +inf list value), its index, n, how it selected: 0 one node at a time,  \
+     * 1 in parallel (docs/ddtree.md)}, where n = min(budget, K + K^2 + ... + K^L). KD_ERR_UNSUPPORTED: a     \
+     * budget the backend cannot hold (the caller builds on the host instead). */                           \
     X(tree_select, (kd_backend *be, const kd_dtree *t, int L, int K, int budget), (be, t, L, K, budget))     \
     /* token[0] = root and pos[i] = pos0 + depth[i] for nodes 0..n; when ids is not NULL also the verify    \
      * forward's inputs ids[i] = token[i], pos_out[i] = pos[i] and the (1+n) x ceil((1+n)/64) mask words    \

@@ -1,14 +1,27 @@
 /* ddtree.cu: the DDTree round on the device (backend.h: tree_select, tree_stage, sample_rows,
  * tree_walk). Each op gives exactly what its CPU twin (core/cpu/cpu_ddtree.c) gives:
  *
- * tree_select  Algorithm 1 (core/tree.c) by one warp of one block: the frontier of
+ * tree_select  Algorithm 1 (core/tree.c) in one block, by one of two paths; status word 3 says
+ *              which (1: parallel).
+ *              Parallel: Algorithm 1 pops the nodes in the order (key descending, rank tuple
+ *              ascending) of the whole tree when every key is at most its predecessor's (its
+ *              parent's, its previous sibling's), and each popped key is the one the heap
+ *              computes when it is exact: then (s - a[r]) + a[r+1] = s' + a[r+1] for the
+ *              parent's key s'. So when the lists fall along each row and hold no value above 0
+ *              below depth 1, the path takes a threshold t from a binned count of the nodes by
+ *              cost (a convolution per depth, twice: the second over the first's range), lists
+ *              every node whose key (parent's key + its value, one rounding) is at least t level
+ *              by level (children: a binary search; their slots: a block scan), sorts them
+ *              (bitonic), keeps the first min(budget, K + .. + K^L) and checks each kept key exact
+ *              (TwoSum's error is 0) and each parent first. Any condition failing (rounded sums,
+ *              too many nodes at t, depths past SEL_FAST_DEPTH, NaN) hands the tree to:
+ *              One node at a time: warp 0 keeps the frontier of
  *              (score, parent, depth, rank) entries in shared memory, unordered; each pop
  *              takes its first entry in pop order by a scan of the lanes' slots and two warp
  *              max reductions of the score's order-preserving 64-bit key (a pop is a chain of
  *              dependent instructions: ncu counted ~235 per pop with a butterfly of doubles);
  *              exact score ties are ordered by rank tuples read up the parent chains, on a
- *              slow path taken only when two entries share the best key. This is the heap's
- *              pop without its log-depth chain of dependent shared-memory steps. Scores are
+ *              slow path taken only when two entries share the best key. Scores are
  *              updated in double with the same
  *              operations in the same order as the host (__d*_rn: no fma contraction). The
  *              other threads check the lists for NaN / +inf first and write the parents,
@@ -47,8 +60,12 @@
 
 namespace {
 
-constexpr int SEL_THREADS = 256;
+constexpr int SEL_THREADS = 512;
 constexpr int SEL_MAX_BUDGET = 4096;      /* frontier + node arrays in shared memory: ~180 KB at 4096 */
+constexpr int SEL_FAST_DEPTH = 16;        /* the parallel path: depths (its rank tuples), ... */
+constexpr int SEL_FAST_CAP = 2048;        /* ... nodes it enumerates, ... */
+constexpr int SEL_BINS = 128;             /* ... bins of its count estimate, */
+constexpr int SEL_PARTS = SEL_THREADS / SEL_BINS;   /* threads a bin in the estimate's convolutions */
 constexpr int SMP_THREADS = 512;
 constexpr int SMP_WARPS = SMP_THREADS / 32;
 constexpr int SMP_TILES = SMP_THREADS;    /* a prefix search's segments: one per thread in its scan */
@@ -72,7 +89,7 @@ __device__ __forceinline__ double list_value(const float *vals, int i) {
 
 /* a score's key: unsigned and in the scores' order (scores are finite: list values are clamped).
  * -0 is keyed as +0, as they compare equal; the sign of a zero score changes no later sum's value
- * or order (the tree outputs no score). */
+ * or order (the tree outputs no score). Finite scores key above 0, the parallel path's padding. */
 __device__ __forceinline__ unsigned long long score_key(double s) {
     const unsigned long long b = (unsigned long long)__double_as_longlong(s == 0.0 ? 0.0 : s);
     return b >> 63 ? ~b : b | 0x8000000000000000ull;
@@ -80,6 +97,291 @@ __device__ __forceinline__ unsigned long long score_key(double s) {
 __device__ __forceinline__ double key_score(unsigned long long k) {
     return __longlong_as_double((long long)(k >> 63 ? k & 0x7fffffffffffffffull : ~k));
 }
+
+/* ---- the parallel path (see the top of the file) */
+
+struct sel_fast {                /* its shared memory, for cap nodes */
+    double *key;                 /* enumerated nodes: key, */
+    unsigned long long *skey;    /* (the sort's keys and node indices) */
+    int *par, *dr, *sidx;        /* parent (enumeration index; -1: the root), depth << 16 | rank */
+    int *offs;                   /* a level's child offsets (cap + 1), then each node's number */
+    float *bins, *cnt, *part, *tot;   /* the count estimate: per-depth deficit bins, convolutions */
+};
+
+__host__ __device__ inline size_t sel_fast_bytes(int cap) {
+    return (size_t)cap * (2 * sizeof(double) + 3 * sizeof(int)) + ((size_t)cap + 1) * sizeof(int) +
+           (size_t)(SEL_FAST_DEPTH * SEL_BINS + 3 * SEL_BINS + SEL_THREADS) * sizeof(float);
+}
+
+__device__ sel_fast sel_fast_at(void *base, int cap) {
+    sel_fast f;
+    f.key = (double *)base;
+    f.skey = (unsigned long long *)(f.key + cap);
+    f.par = (int *)(f.skey + cap);
+    f.dr = f.par + cap;
+    f.sidx = f.dr + cap;
+    f.offs = f.sidx + cap;
+    f.bins = (float *)(f.offs + cap + 1);
+    f.cnt = f.bins + SEL_FAST_DEPTH * SEL_BINS;   /* two rows: a depth's counts and the next's */
+    f.tot = f.cnt + 2 * SEL_BINS;
+    f.part = f.tot + SEL_BINS;                    /* SEL_THREADS partial sums */
+    return f;
+}
+
+/* The count estimate. A node's cost is the distance of its key below the best depth-1 value: the
+ * sum of its deficits, a[0][0] - a[0][r] at depth 1 and -a[d][r] below (>= 0 on the lists this
+ * path takes). Each deficit binned as floor(deficit / w), cnt[j] counts a depth's nodes whose
+ * binned deficits sum to j (the next depth's: a convolution with that depth's bins) and tot every
+ * depth's. A node whose binned sum is j costs less than w (j + L), and one costing at most w j
+ * has a binned sum of at most j. Returns the first J whose cumulative count reaches need, or
+ * SEL_BINS when the bins hold fewer nodes. Counts are floats, exact up to 2^24 and saturated. */
+__device__ int sel_count_bins(const sel_fast &f, const float *vals, int L, int K, double a00, double w, float need) {
+    __shared__ int s_j;
+    const int tid = threadIdx.x;
+    for (int i = tid; i < L * SEL_BINS; i += blockDim.x) f.bins[i] = 0.0f;
+    __syncthreads();
+    for (int i = tid; i < L * K; i += blockDim.x) {
+        const int d = i / K;
+        const double v = list_value(vals, i), deficit = d ? -v : a00 - v;
+        const double b = w > 0.0 ? floor(deficit / w) : (deficit == 0.0 ? 0.0 : (double)SEL_BINS);
+        if (b < SEL_BINS) atomicAdd(&f.bins[d * SEL_BINS + (int)b], 1.0f);
+    }
+    __syncthreads();
+    float *cur = f.cnt, *nxt = f.cnt + SEL_BINS;
+    for (int j = tid; j < SEL_BINS; j += blockDim.x) cur[j] = f.tot[j] = f.bins[j];
+    __syncthreads();
+    const int j = tid % SEL_BINS, q = tid / SEL_BINS;   /* SEL_PARTS threads a bin */
+    for (int d = 1; d < L; d++) {
+        const float *bd = f.bins + d * SEL_BINS;
+        float s = 0.0f;
+        for (int i = q; i <= j; i += SEL_PARTS) s += cur[i] * bd[j - i];
+        f.part[q * SEL_BINS + j] = s;
+        __syncthreads();
+        if (tid < SEL_BINS) {
+            float c = 0.0f;
+            for (int p = 0; p < SEL_PARTS; p++) c += f.part[p * SEL_BINS + tid];
+            nxt[tid] = fminf(c, 1e30f);
+            f.tot[tid] = fminf(f.tot[tid] + c, 1e30f);
+        }
+        __syncthreads();
+        float *x = cur;
+        cur = nxt;
+        nxt = x;
+    }
+    if (tid < 32) {   /* a lane's SEL_BINS / 32 bins, a scan across the lanes, the crossing lane's walk */
+        constexpr int PER = SEL_BINS / 32;
+        float sum = 0.0f;
+        for (int k = 0; k < PER; k++) sum += f.tot[tid * PER + k];
+        float incl = sum;
+        for (int o = 1; o < 32; o <<= 1) {
+            const float u = __shfl_up_sync(FULL, incl, o);
+            if (tid >= o) incl += u;
+        }
+        const unsigned hit = __ballot_sync(FULL, incl >= need);
+        if (tid == 0) s_j = SEL_BINS;
+        __syncwarp();
+        if (hit && tid == __ffs(hit) - 1) {
+            int jj = tid * PER + PER - 1;   /* float rounding of huge counts: the lane's last bin */
+            float c = incl - sum;
+            for (int k = 0; k < PER; k++)
+                if ((c += f.tot[tid * PER + k]) >= need) { jj = tid * PER + k; break; }
+            s_j = jj;
+        }
+    }
+    __syncthreads();
+    return s_j;
+}
+
+/* x[0..n) -> their exclusive prefix sums and x[n] = the total, which every thread gets */
+__device__ int sel_scan(int *x, int n) {
+    __shared__ int s_warp[SEL_THREADS / 32], s_total;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, tid * per), hi = min(n, lo + per);
+    int sum = 0;
+    for (int i = lo; i < hi; i++) sum += x[i];
+    int incl = sum;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(FULL, incl, o);
+        if (lane >= o) incl += u;
+    }
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    if (tid < 32) {
+        const int nw = (int)(blockDim.x >> 5);
+        int w = tid < nw ? s_warp[tid] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int u = __shfl_up_sync(FULL, w, o);
+            if (tid >= o) w += u;
+        }
+        if (tid < nw) s_warp[tid] = w;   /* inclusive over warps */
+    }
+    __syncthreads();
+    int run = incl - sum + (warp ? s_warp[warp - 1] : 0);
+    for (int i = lo; i < hi; i++) {
+        const int v = x[i];
+        x[i] = run;
+        run += v;
+    }
+    if (tid == (int)blockDim.x - 1) { x[n] = run; s_total = run; }
+    __syncthreads();
+    return s_total;
+}
+
+/* Every node whose key is at least t, level by level into f (the children of a node of key k:
+ * the ranks r with k + a[d][r] >= t, a prefix of the list, as the keys fall with the rank: a
+ * binary search). Returns how many, or -1 past cap. */
+__device__ int sel_enumerate(const sel_fast &f, const float *vals, int L, int K, double t, int cap) {
+    __shared__ int s_c;
+    const int tid = threadIdx.x;
+    if (tid == 0) s_c = 0;
+    __syncthreads();
+    for (int r = tid; r < K; r += blockDim.x)
+        if (list_value(vals, r) >= t && (r + 1 == K || !(list_value(vals, r + 1) >= t))) s_c = r + 1;
+    __syncthreads();
+    int s = 0, e = s_c;
+    if (e > cap) return -1;
+    for (int r = tid; r < e; r += blockDim.x) {
+        f.key[r] = list_value(vals, r);
+        f.par[r] = -1;
+        f.dr[r] = 1 << 16 | r;
+    }
+    __syncthreads();
+    for (int d = 1; d < L && e > s; d++) {
+        const int np = e - s, row = d * K;
+        for (int p = tid; p < np; p += blockDim.x) {
+            const double k = f.key[s + p];
+            int lo = 0, hi = K;   /* the first rank whose key falls below t */
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (__dadd_rn(k, list_value(vals, row + mid)) >= t) lo = mid + 1;
+                else hi = mid;
+            }
+            f.offs[p] = lo;
+        }
+        __syncthreads();
+        const int total = sel_scan(f.offs, np);
+        if (total > cap - e) return -1;
+        for (int o = tid; o < total; o += blockDim.x) {
+            int lo = 0, hi = np;   /* the parent: the last p with offs[p] <= o */
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) >> 1;
+                if (f.offs[mid] <= o) lo = mid;
+                else hi = mid;
+            }
+            const int r = o - f.offs[lo], i = e + o;
+            f.key[i] = __dadd_rn(f.key[s + lo], list_value(vals, row + r));
+            f.par[i] = s + lo;
+            f.dr[i] = (d + 1) << 16 | r;
+        }
+        __syncthreads();
+        s = e;
+        e += total;
+    }
+    return e;
+}
+
+/* enumerated node a pops before b (b = -1: the sort's padding, after everything) */
+__device__ bool sel_before(const sel_fast &f, unsigned long long ka, int a, unsigned long long kb, int b) {
+    if (ka != kb) return ka > kb;
+    if (a < 0 || b < 0) return a >= 0 && b < 0;
+    int ra[SEL_FAST_DEPTH], rb[SEL_FAST_DEPTH];
+    const int na = f.dr[a] >> 16, nb = f.dr[b] >> 16;
+    for (int u = a; u >= 0; u = f.par[u]) ra[(f.dr[u] >> 16) - 1] = f.dr[u] & 0xffff;
+    for (int u = b; u >= 0; u = f.par[u]) rb[(f.dr[u] >> 16) - 1] = f.dr[u] & 0xffff;
+    const int n = na < nb ? na : nb;
+    for (int i = 0; i < n; i++)
+        if (ra[i] != rb[i]) return ra[i] < rb[i];
+    return na < nb;
+}
+
+/* p + q == s exactly (s = p + q rounded): TwoSum's error term is zero */
+__device__ __forceinline__ bool sum_exact(double p, double q, double s) {
+    const double qq = __dsub_rn(s, p), pp = __dsub_rn(s, qq);
+    return __dadd_rn(__dsub_rn(p, pp), __dsub_rn(q, qq)) == 0.0;
+}
+
+/* The parallel path: nodes 1..n into t.token and np / nd / nr, n returned; -1 when its conditions
+ * fail (the caller pops one node at a time instead). The whole block calls it. */
+__device__ int select_parallel(const kd_dtree &t, const float *vals, const int32_t *ids, int L, int K, int budget,
+                               int cap, void *work, int *np, int *nd, int *nr) {
+    __shared__ int s_fail;
+    const sel_fast f = sel_fast_at(work, cap);
+    const int tid = threadIdx.x;
+    long long total = 0, level = 1;   /* Algorithm 1 pops min(budget, K + ... + K^L) nodes */
+    for (int d = 0; d < L && total < budget; d++) {
+        level = min(level * K, (long long)budget);
+        total += level;
+    }
+    const int need = (int)min(total, (long long)budget);
+
+    /* the threshold t: a cost bound R that need nodes are within (the need-th depth-1 value, or the
+     * sum of the lists' last values), the estimate's J over bins of R / span (so that every node
+     * within R is in the bins), then again over bins of the w (J + L) it gives */
+    const double a00 = list_value(vals, 0);
+    double R = a00 - list_value(vals, K - 1);
+    for (int d = 1; d < L; d++) R -= list_value(vals, d * K + K - 1);
+    if (K >= budget) R = fmin(R, a00 - list_value(vals, budget - 1));
+    if (!(R <= 1e300)) return -1;
+    const int span = SEL_BINS - L - 1;
+    double w = R / span;
+    int J = sel_count_bins(f, vals, L, K, a00, w, (float)need);
+    if (J >= SEL_BINS) return -1;
+    if (w * (J + L) < R) {
+        w = w * (J + L) / span;
+        J = sel_count_bins(f, vals, L, K, a00, w, (float)need);
+        if (J >= SEL_BINS) return -1;
+    }
+    const int n_enum = sel_enumerate(f, vals, L, K, a00 - w * (J + L), cap);
+    if (n_enum < need) return -1;   /* past cap, or short of need (the estimate's rounding) */
+
+    /* the pop order: key descending, rank tuple ascending (bitonic, padded to a power of two) */
+    int P = 1;
+    while (P < n_enum) P <<= 1;
+    for (int i = tid; i < P; i += blockDim.x) {
+        f.skey[i] = i < n_enum ? score_key(f.key[i]) : 0ull;
+        f.sidx[i] = i < n_enum ? i : -1;
+    }
+    __syncthreads();
+    for (int size = 2; size <= P; size <<= 1)
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = tid; i < P / 2; i += blockDim.x) {
+                const int lo = ((i & ~(stride - 1)) << 1) | (i & (stride - 1)), hi = lo + stride;
+                const unsigned long long ka = f.skey[lo], kb = f.skey[hi];
+                const int a = f.sidx[lo], b = f.sidx[hi];
+                if ((lo & size) == 0 ? sel_before(f, kb, b, ka, a) : sel_before(f, ka, a, kb, b)) {
+                    f.skey[lo] = kb; f.skey[hi] = ka;
+                    f.sidx[lo] = b; f.sidx[hi] = a;
+                }
+            }
+            __syncthreads();
+        }
+
+    /* the first need nodes are the pops when each key is exact (each popped node's key is then
+     * the one the heap computes); node numbers in offs, parents must come first */
+    if (tid == 0) s_fail = 0;
+    for (int i = tid; i < n_enum; i += blockDim.x) f.offs[i] = INT_MAX;
+    __syncthreads();
+    for (int i = tid; i < need; i += blockDim.x) {
+        const int u = f.sidx[i], d = f.dr[u] >> 16, r = f.dr[u] & 0xffff;
+        if (d > 1 && !sum_exact(f.key[f.par[u]], list_value(vals, (d - 1) * K + r), f.key[u])) s_fail = 1;
+        f.offs[u] = i + 1;
+    }
+    __syncthreads();
+    for (int i = tid; i < need; i += blockDim.x) {
+        const int u = f.sidx[i], d = f.dr[u] >> 16, r = f.dr[u] & 0xffff;
+        const int p = f.par[u] < 0 ? 0 : f.offs[f.par[u]];
+        if (p > i) s_fail = 1;
+        np[i + 1] = p;
+        nd[i + 1] = d;
+        nr[i + 1] = r;
+        t.token[i + 1] = ids[(d - 1) * K + r];
+    }
+    if (tid == 0) { np[0] = -1; nd[0] = 0; nr[0] = -1; }
+    __syncthreads();
+    return s_fail ? -1 : need;
+}
+
+/* ---- the sequential path */
 
 struct sel_front {
     unsigned long long *key;
@@ -120,26 +422,99 @@ __device__ int first_of_ties(const sel_front &h, int fn, int lane) {
     return bi;
 }
 
-/* staged: the L x K lists are copied into shared memory first (where kd_cuda_tree_select finds
- * room), so each pop's reads of them (a sibling's and a child's value, the popped token) wait on
- * shared memory, not on L2. One warp pops the nodes one after another, so those reads' latency
- * is paid budget times (the selection: 178 of the 224 us of a B = 256 build, 2026-12-05) */
-__global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, int L, int K, int budget, bool staged) {
-    kd_griddep_enter();
-    extern __shared__ double sel_smem[];
-    __shared__ int s_bad, s_n;
-    const int H = 2 * budget + 1;
-    unsigned long long *hk = (unsigned long long *)sel_smem;
+/* Algorithm 1's pops by warp 0 (lane 0 writes, __syncwarp publishes to the other lanes): nodes
+ * 1..n into t.token and np / nd / nr, n returned on every lane */
+__device__ int select_sequential(const kd_dtree &t, const float *vals, const int32_t *ids, int L, int K, int budget,
+                                 void *work, int *np, int *nd, int *nr) {
+    const int H = 2 * budget + 1, lane = threadIdx.x;
+    unsigned long long *hk = (unsigned long long *)work;
     int *hpar = (int *)(hk + H);
     int *hdr = hpar + H;
-    int *np = hdr + H;
+    const sel_front h = { hk, hpar, hdr, np, nd, nr };
+    if (lane == 0) {
+        np[0] = -1; nd[0] = 0; nr[0] = -1;
+        hk[0] = score_key(list_value(vals, 0)); hpar[0] = 0; hdr[0] = 1 << 16;
+    }
+    __syncwarp();
+    int fn = 1, n = 0;   /* frontier entries [0, fn); nodes popped */
+    while (fn > 0 && n < budget) {
+        /* the best key: each lane its slots (tie: another of them has its best key), then
+         * the warp's max, high word first */
+        unsigned long long bk = 0;   /* below every entry's key */
+        int bi = -1;
+        bool tie = false;
+        for (int e = lane; e < fn; e += 32) {
+            const unsigned long long k = hk[e];
+            if (k > bk) { bk = k; bi = e; tie = false; }
+            else if (k == bk) tie = true;
+        }
+        const unsigned mh = __reduce_max_sync(FULL, (unsigned)(bk >> 32));
+        const unsigned ml = __reduce_max_sync(FULL, (unsigned)(bk >> 32) == mh ? (unsigned)bk : 0u);
+        const unsigned long long mk = (unsigned long long)mh << 32 | ml;
+        const unsigned win = __ballot_sync(FULL, bk == mk), tied = __ballot_sync(FULL, bk == mk && tie);
+        bi = (__popc(win) == 1 && !tied) ? __shfl_sync(FULL, bi, __ffs(win) - 1) : first_of_ties(h, fn, lane);
+        const double bs = key_score(mk);
+        const int parent = hpar[bi], d = hdr[bi] >> 16, r = hdr[bi] & 0xffff;
+        const int i = ++n, row = (d - 1) * K;
+        const bool sib = r + 1 < K, child = d < L;
+        __syncwarp();    /* every lane has read entry bi */
+        if (lane == 0) {
+            t.token[i] = ids[row + r];
+            np[i] = parent;
+            nd[i] = d;
+            nr[i] = r;
+            int m = fn - 1;   /* the last entry fills the popped slot; the new ones go after it */
+            hk[bi] = hk[m]; hpar[bi] = hpar[m]; hdr[bi] = hdr[m];
+            if (sib) {
+                hk[m] = score_key(__dadd_rn(__dsub_rn(bs, list_value(vals, row + r)), list_value(vals, row + r + 1)));
+                hpar[m] = parent;
+                hdr[m] = d << 16 | (r + 1);
+                m++;
+            }
+            if (child) {
+                hk[m] = score_key(__dadd_rn(bs, list_value(vals, d * K)));
+                hpar[m] = i;
+                hdr[m] = (d + 1) << 16;
+            }
+        }
+        fn += (sib ? 1 : 0) + (child ? 1 : 0) - 1;
+        __syncwarp();
+    }
+    return n;
+}
+
+/* the dynamic shared memory: the work region (the frontier, or the parallel path's cap nodes),
+ * the popped nodes' parent / depth / rank, and the staged lists */
+__host__ __device__ inline size_t sel_work_bytes(int budget, int cap) {
+    const size_t front = (2 * (size_t)budget + 1) * (sizeof(unsigned long long) + 2 * sizeof(int));
+    const size_t fast = cap ? sel_fast_bytes(cap) : 0;
+    return ((front > fast ? front : fast) + 7) & ~(size_t)7;
+}
+__host__ __device__ inline size_t sel_smem_bytes(int L, int K, int budget, int cap, bool staged) {
+    return sel_work_bytes(budget, cap) + 3 * ((size_t)budget + 1) * sizeof(int) +
+           (staged ? (size_t)L * K * (sizeof(float) + sizeof(int32_t)) : 0);
+}
+
+/* staged: the L x K lists are copied into shared memory first (where kd_cuda_tree_select finds
+ * room), so the selection's reads of them wait on shared memory, not on L2. cap > 0: the
+ * parallel path may run, over at most cap nodes (it needs the lists staged). */
+__global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, int L, int K, int budget, bool staged,
+                                                                  int cap) {
+    kd_griddep_enter();
+    extern __shared__ double sel_smem[];
+    __shared__ int s_bad, s_n, s_fast;
+    char *work = (char *)sel_smem;
+    int *np = (int *)(work + sel_work_bytes(budget, cap));
     int *nd = np + (budget + 1);
     int *nr = nd + (budget + 1);
     float *s_vals = (float *)(nr + (budget + 1));
     int32_t *s_ids = (int32_t *)(s_vals + L * K);
     const int tid = threadIdx.x;
 
-    if (tid == 0) s_bad = INT_MAX;
+    if (tid == 0) {
+        s_bad = INT_MAX;
+        s_fast = cap > 0 && staged && budget > 0 && L <= SEL_FAST_DEPTH;
+    }
     __syncthreads();
     const int total = L * K;
     for (int i = tid; i < total; i += blockDim.x) {
@@ -149,75 +524,33 @@ __global__ void __launch_bounds__(SEL_THREADS) tree_select_kernel(kd_dtree t, in
             s_vals[i] = v;
             s_ids[i] = t.ids[i];
         }
+        /* the parallel path's lists: each row falling, and no value above 0 below depth 1 */
+        const int r = i % K;
+        if ((r + 1 < K && list_value(t.vals, i) < list_value(t.vals, i + 1)) || (i >= K && r == 0 && !(v <= 0.0f)))
+            s_fast = 0;
     }
     __syncthreads();
     const float *vals = staged ? s_vals : t.vals;
     const int32_t *ids = staged ? s_ids : t.ids;
 
-    if (tid < 32) {   /* warp 0 selects; lane 0 writes, __syncwarp publishes to the other lanes */
-        const int lane = tid;
-        const sel_front h = { hk, hpar, hdr, np, nd, nr };
-        if (lane == 0) {
-            np[0] = -1; nd[0] = 0; nr[0] = -1;
-            hk[0] = score_key(list_value(vals, 0)); hpar[0] = 0; hdr[0] = 1 << 16;
-        }
-        __syncwarp();
-        int fn = 1, n = 0;   /* frontier entries [0, fn); nodes popped */
-        while (fn > 0 && n < budget) {
-            /* the best key: each lane its slots (tie: another of them has its best key), then
-             * the warp's max, high word first */
-            unsigned long long bk = 0;   /* below every entry's key */
-            int bi = -1;
-            bool tie = false;
-            for (int e = lane; e < fn; e += 32) {
-                const unsigned long long k = hk[e];
-                if (k > bk) { bk = k; bi = e; tie = false; }
-                else if (k == bk) tie = true;
-            }
-            const unsigned mh = __reduce_max_sync(FULL, (unsigned)(bk >> 32));
-            const unsigned ml = __reduce_max_sync(FULL, (unsigned)(bk >> 32) == mh ? (unsigned)bk : 0u);
-            const unsigned long long mk = (unsigned long long)mh << 32 | ml;
-            const unsigned win = __ballot_sync(FULL, bk == mk), tied = __ballot_sync(FULL, bk == mk && tie);
-            bi = (__popc(win) == 1 && !tied) ? __shfl_sync(FULL, bi, __ffs(win) - 1) : first_of_ties(h, fn, lane);
-            const double bs = key_score(mk);
-            const int parent = hpar[bi], d = hdr[bi] >> 16, r = hdr[bi] & 0xffff;
-            const int i = ++n, row = (d - 1) * K;
-            const bool sib = r + 1 < K, child = d < L;
-            __syncwarp();    /* every lane has read entry bi */
-            if (lane == 0) {
-                t.token[i] = ids[row + r];
-                np[i] = parent;
-                nd[i] = d;
-                nr[i] = r;
-                int m = fn - 1;   /* the last entry fills the popped slot; the new ones go after it */
-                hk[bi] = hk[m]; hpar[bi] = hpar[m]; hdr[bi] = hdr[m];
-                if (sib) {
-                    hk[m] = score_key(__dadd_rn(__dsub_rn(bs, list_value(vals, row + r)), list_value(vals, row + r + 1)));
-                    hpar[m] = parent;
-                    hdr[m] = d << 16 | (r + 1);
-                    m++;
-                }
-                if (child) {
-                    hk[m] = score_key(__dadd_rn(bs, list_value(vals, d * K)));
-                    hpar[m] = i;
-                    hdr[m] = (d + 1) << 16;
-                }
-            }
-            fn += (sib ? 1 : 0) + (child ? 1 : 0) - 1;
-            __syncwarp();
-        }
-        if (lane == 0) {
-            s_n = n;
-            int bad = s_bad;
-            float bv = bad != INT_MAX ? t.vals[bad] : 0.0f;
-            t.status[0] = bad == INT_MAX ? 0 : (bv != bv ? 1 : 2);
-            t.status[1] = bad == INT_MAX ? 0 : bad;
-            t.status[2] = n;
-            t.status[3] = 0;
-        }
+    int n = s_fast && s_bad == INT_MAX ? select_parallel(t, vals, ids, L, K, budget, cap, work, np, nd, nr) : -1;
+    const bool parallel = n >= 0;
+    if (!parallel && tid < 32) {
+        n = select_sequential(t, vals, ids, L, K, budget, work, np, nd, nr);
+        if (tid == 0) s_n = n;
+    }
+    if (tid == 0) {
+        if (parallel) s_n = n;
+        int bad = s_bad;
+        float bv = bad != INT_MAX ? t.vals[bad] : 0.0f;
+        t.status[0] = bad == INT_MAX ? 0 : (bv != bv ? 1 : 2);
+        t.status[1] = bad == INT_MAX ? 0 : bad;
+        t.status[3] = parallel;
     }
     __syncthreads();
-    const int n = s_n, words = (n + 1 + 63) / 64;
+    n = s_n;
+    if (tid == 0) t.status[2] = n;
+    const int words = (n + 1 + 63) / 64;
     for (int i = tid; i <= n; i += blockDim.x) {
         t.parent[i] = np[i];
         t.depth[i] = nd[i];
@@ -1137,17 +1470,21 @@ extern "C" kd_status kd_cuda_tree_select(kd_backend *be, const kd_dtree *t, int 
         (long long)L * K > t->topk_cap)
         return kd_fail(KD_ERR_ARG, "cuda tree_select: L = %d, K = %d, budget = %d do not fit the tree (%d nodes, %d list "
                        "entries)", L, K, budget, t ? t->cap : 0, t ? t->topk_cap : 0);
-    size_t smem = (2 * (size_t)budget + 1) * (sizeof(double) + 2 * sizeof(int)) + 3 * ((size_t)budget + 1) * sizeof(int);
-    if (budget > SEL_MAX_BUDGET || smem > c->smem_optin)
+    if (budget > SEL_MAX_BUDGET || sel_smem_bytes(L, K, budget, 0, false) > c->smem_optin)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda tree_select: budget %d needs %zu bytes of shared memory (at most %d "
-                       "nodes, %zu bytes here)", budget, smem, SEL_MAX_BUDGET, c->smem_optin);
-    /* the lists staged in shared memory where they fit too (L = 7, K = 256: 14 KB more) */
-    const size_t staged_smem = smem + (size_t)L * K * (sizeof(float) + sizeof(int32_t));
-    const bool staged = staged_smem <= c->smem_optin;
-    if (staged) smem = staged_smem;
+                       "nodes, %zu bytes here)", budget, sel_smem_bytes(L, K, budget, 0, false), SEL_MAX_BUDGET,
+                       c->smem_optin);
+    /* the lists staged in shared memory where they fit (L = 7, K = 256: 14 KB more), and room for
+     * the parallel path where that fits too: 4 x budget nodes (a power of two, 64 to SEL_FAST_CAP) */
+    const bool staged = sel_smem_bytes(L, K, budget, 0, true) <= c->smem_optin;
+    int cap = 64;
+    while (cap < 4 * budget && cap < SEL_FAST_CAP) cap <<= 1;
+    if (!staged || L > SEL_FAST_DEPTH || 2 * budget > cap || sel_smem_bytes(L, K, budget, cap, true) > c->smem_optin)
+        cap = 0;
+    const size_t smem = sel_smem_bytes(L, K, budget, cap, staged);
     KD_TRY(kd_cuda_smem(c, (const void *)tree_select_kernel, smem));
     KD_TRY(kd_launch_pdl("tree_select_kernel", tree_select_kernel, 1, SEL_THREADS, smem, c->stream, *t, L, K, budget,
-                         staged));
+                         staged, cap));
     return KD_OK;
 }
 

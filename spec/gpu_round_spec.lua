@@ -2,7 +2,8 @@
 -- definitions it must reproduce exactly:
 --   * tree selection (top-K per depth + Algorithm 1 on the backend) == kd_tree_build on the
 --     host, node for node, mask word for word; planted ties (equal log-probs, equal scores),
---     -inf, B = 1..512 and the 4096 limit, L = 1..15, V up to 163840; NaN / +inf statuses;
+--     -inf, B = 1..512 and the 4096 limit, L = 1..15, V up to 163840; NaN / +inf statuses; the
+--     K2.6 drafter's shape through CUDA's parallel path (the others through either path);
 --   * sample_rows == kd_sample_logits (the host rule) on many rows x seeds x settings:
 --     temperatures, top-k, top-p, ties at both boundaries, -inf, V up to 163840, bad rows;
 --   * the accept walk == the walk in Lua on random trees, greedy and sampled (failing rows).
@@ -79,7 +80,7 @@ describe("DDTree round ops on the " .. OTHER .. " backend against the host defin
       if hv[i] ~= vis[i] then error(string.format("%s: mask word %d differs", what, i)) end
     end
     host:close()
-    return true
+    return true, status[3]
   end
 
   it("tree selection: the backend's tree equals kd_tree_build's (B = 1..512, L = 1..15, V up to 163840)", function()
@@ -89,7 +90,11 @@ describe("DDTree round ops on the " .. OTHER .. " backend against the host defin
       local B, V = Bs[(L - 1) % #Bs + 1], Vs[(L - 1) % #Vs + 1]
       assert.is_true(same_tree(L, V, B, 1000 + L, "smooth"))
     end
-    assert.is_true(same_tree(7, 163840, 256, 7, "smooth"))      -- the K2.6 drafter's shape
+    -- the K2.6 drafter's shape, where CUDA selects by its parallel path (status word 3 = 1; the
+    -- CPU twin pops one node at a time: 0)
+    local ok, path = same_tree(7, 163840, 256, 7, "smooth")
+    assert.is_true(ok)
+    assert.are.equal(OTHER == "cuda" and 1 or 0, path, "tree_select's path at L = 7, V = 163840, B = 256")
     assert.is_true(same_tree(2, 3, 64, 3, "smooth"))            -- the heap empties: 3 + 9 < 64 nodes
     assert.is_true(same_tree(3, 4, 64, 4, "smooth"))            -- 4 + 16 + 64 >= 64: the budget binds
   end)

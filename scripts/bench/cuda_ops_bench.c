@@ -238,9 +238,13 @@ static kd_status accept_run(void *p, int i) {
 }
 
 /* the round around verify at V = 163840, L = 7 (the K2.6 drafter's block 8): the tree build
- * (top-K, K = B, + best-first selection) at B = 16, 64, 256, and accept over the 1 + B rows
- * of random flat logits (uniform in [0, 16): every mass is nonzero, the worst case for the
- * sampling rule's exact sums) per sampler; a markdown table on stdout and in md_path */
+ * (top-K, K = B, + best-first selection) at B = 16, 64, 256 on two kinds of draft log-probs, and
+ * accept over the 1 + B rows of random flat logits (uniform in [0, 16): every mass is nonzero,
+ * the worst case for the sampling rule's exact sums) per sampler; a markdown table on stdout and
+ * in md_path. The draft log-probs: flat (the same uniform logits: the top B of each depth differ
+ * by about 1e-4, so every node's child costs ~12 more than its next sibling and the tree is the
+ * root's B children) and peaked (8 ids a depth at logits 30, 28, .., 16 above the uniform rest:
+ * a draft's shape, a tree of several depths) */
 static void bench_round(const char *md_path) {
     enum { L = 7, V = 163840, NB = 3 };
     static const int budgets[NB] = {16, 64, 256};
@@ -252,20 +256,26 @@ static void bench_round(const char *md_path) {
         {"T 1, min-p 0.05", {.temperature = 1.0f, .seed = 7, .min_p = 0.05f}},
     };
     enum { NS = sizeof samplers / sizeof samplers[0] };
-    double build_us[NB], topk_us[NB], accept_us[NB][NS];
-    int rows[NB];
+    double build_us[NB], peaked_us[NB], topk_us[NB], accept_us[NB][NS];
+    int rows[NB], path[NB][2], peaked_depth[NB];
     uint32_t sd = 4242;
     float *hx = malloc((size_t)(256 + 1) * V * 4);
-    void *x, *lg;
+    void *x, *xp, *lg;
     CK(be->ops->alloc(be, (size_t)L * V * 4, &x));
+    CK(be->ops->alloc(be, (size_t)L * V * 4, &xp));
     CK(be->ops->alloc(be, (size_t)(256 + 1) * V * 4, &lg));
     for (size_t i = 0; i < (size_t)L * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
     CK(be->ops->upload(be, x, hx, (size_t)L * V * 4));
+    for (int d = 0; d < L; d++)
+        for (int k = 0; k < 8; k++) { sd = sd * 1664525u + 1013904223u; hx[(size_t)d * V + (sd >> 8) % V] = 30.0f - 2 * k; }
+    CK(be->ops->upload(be, xp, hx, (size_t)L * V * 4));
     for (size_t i = 0; i < (size_t)(256 + 1) * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
     CK(be->ops->upload(be, lg, hx, (size_t)(256 + 1) * V * 4));
     free(hx);
     kd_act lp = {x, L, V, V, KD_F32};
+    kd_act lpp = {xp, L, V, V, KD_F32};
     CK(be->ops->log_softmax(be, lp));            /* draft log-probs */
+    CK(be->ops->log_softmax(be, lpp));
     for (int b = 0; b < NB; b++) {
         int B = budgets[b];
         tree_arg a = {.lp = lp, .L = L, .K = B, .B = B};
@@ -274,9 +284,18 @@ static void bench_round(const char *md_path) {
         CK(be->ops->alloc(be, bytes, &buf));
         kd_dtree_layout(&a.d, buf, B, L * B);
         topk_us[b] = time_it(tree_topk_run, &a, 20) * 1e6;
-        build_us[b] = time_it(tree_build_run, &a, 20) * 1e6;
-        int32_t st[4];
+        tree_arg ap = a;
+        ap.lp = lpp;
+        peaked_us[b] = time_it(tree_build_run, &ap, 20) * 1e6;
+        int32_t st[4], dep[257];
         CK(be->ops->download(be, st, a.d.status, sizeof st));
+        CK(be->ops->download(be, dep, a.d.depth, (size_t)(st[2] + 1) * sizeof(int32_t)));
+        path[b][1] = st[3];
+        peaked_depth[b] = 0;
+        for (int i = 1; i <= st[2]; i++) if (dep[i] > peaked_depth[b]) peaked_depth[b] = dep[i];
+        build_us[b] = time_it(tree_build_run, &a, 20) * 1e6;   /* last: its tree stays for the accepts */
+        CK(be->ops->download(be, st, a.d.status, sizeof st));
+        path[b][0] = st[3];
         int n = st[2];
         rows[b] = n + 1;
         CK(be->ops->tree_stage(be, &a.d, n, 1, 1000, NULL, NULL, NULL));
@@ -292,6 +311,7 @@ static void bench_round(const char *md_path) {
     }
     be->ops->free(be, lg);
     be->ops->free(be, x);
+    be->ops->free(be, xp);
     char line[4096];
     FILE *md = md_path ? fopen(md_path, "w") : NULL;
     if (md_path && !md) fprintf(stderr, "cannot write %s\n", md_path);
@@ -299,7 +319,12 @@ static void bench_round(const char *md_path) {
     OUT("\n## The DDTree round around verify (V = %d, L = %d; us per call, median of 5 batches)\n\n", V, L);
     OUT("| step | B = %d (%d rows) | B = %d (%d rows) | B = %d (%d rows) |\n|---|---|---|---|\n", budgets[0], rows[0],
         budgets[1], rows[1], budgets[2], rows[2]);
-    OUT("| tree build (top-K + select) | %.1f | %.1f | %.1f |\n", build_us[0], build_us[1], build_us[2]);
+    OUT("| tree build (top-K + select), flat lists (the root's B children) | %.1f | %.1f | %.1f |\n", build_us[0],
+        build_us[1], build_us[2]);
+    OUT("| tree build, peaked lists (depth %d / %d / %d) | %.1f | %.1f | %.1f |\n", peaked_depth[0], peaked_depth[1],
+        peaked_depth[2], peaked_us[0], peaked_us[1], peaked_us[2]);
+    OUT("| selection path, flat / peaked (1: parallel, 0: one node at a time) | %d / %d | %d / %d | %d / %d |\n",
+        path[0][0], path[0][1], path[1][0], path[1][1], path[2][0], path[2][1]);
     OUT("| of which top-K alone (K = B) | %.1f | %.1f | %.1f |\n", topk_us[0], topk_us[1], topk_us[2]);
     for (int k = 0; k < NS; k++)
         OUT("| accept: %s (+ walk + result) | %.1f | %.1f | %.1f |\n", samplers[k].name, accept_us[0][k],
@@ -401,6 +426,9 @@ int main(int argc, char **argv) {
         uint32_t sd = 777;
         for (size_t i = 0; i < (size_t)L * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
         CK(be->ops->upload(be, x, hx, (size_t)L * V * 4));
+    for (int d = 0; d < L; d++)
+        for (int k = 0; k < 8; k++) { sd = sd * 1664525u + 1013904223u; hx[(size_t)d * V + (sd >> 8) % V] = 30.0f - 2 * k; }
+    CK(be->ops->upload(be, xp, hx, (size_t)L * V * 4));
         free(hx);
         a.x = (kd_act){x, L, V, V, KD_F32};
         CK(be->ops->alloc(be, (size_t)L * k * 4, (void **)&a.vals));

@@ -83,13 +83,34 @@ static void test_sample(int V, int kind, const kd_sampler &sp, int rows) {
     }
 }
 
+static int parallel_builds = 0;
+
+/* kind: 0 log-probs spread over (-10, 0]; 1 ties (multiples of -0.5); 2 logits (the lists are
+ * log_softmax's, as a draft's); 3 spread, but a tenth of the values near -1e-13 (sums that
+ * round: the parallel path gives way); 4 spread, with positive values below depth 1 (children
+ * above their parent: the parallel path gives way); 5 spread over (-12, 0] with three peaked
+ * values a row (spec/gpu_round_spec.lua's "smooth" lists) */
 static void test_tree(int L, int V, int B, int kind) {
     int K = B < V ? B : V;
     std::vector<float> lp((size_t)L * V);
-    for (auto &v : lp) v = kind ? -(float)floor(urand() * 4) * 0.5f : -(float)(urand() * 10);
+    for (size_t i = 0; i < lp.size(); i++) {
+        float v;
+        switch (kind) {
+        case 1: v = -(float)floor(urand() * 4) * 0.5f; break;
+        case 2: v = (float)(urand() * urand() * 16); break;
+        case 3: v = urand() < 0.1 ? -(float)(urand() * 1e-13) : -(float)(urand() * 10); break;
+        case 4: v = i >= (size_t)V && urand() < 0.05 ? (float)urand() : -(float)(urand() * 10); break;
+        case 5: v = -(float)(urand() * 12) - (urand() < 0.01 ? 3.0f : 0.0f); break;
+        default: v = -(float)(urand() * 10); break;
+        }
+        lp[i] = v;
+    }
+    if (kind == 5)
+        for (int d = 0; d < L; d++)
+            for (int k = 0; k < 3; k++) lp[(size_t)d * V + (size_t)(urand() * V)] = -0.1f - 0.3f * k;
     std::vector<float> vals((size_t)L * K);
     std::vector<int32_t> ids((size_t)L * K);
-    if (kd_tree_topk_rows(lp.data(), L, V, K, 1, vals.data(), ids.data()) != KD_OK) { printf("topk failed\n"); fails++; return; }
+    if (kd_tree_topk_rows(lp.data(), L, V, K, kind != 2, vals.data(), ids.data()) != KD_OK) { printf("topk failed\n"); fails++; return; }
     /* host */
     std::vector<int32_t> tok(B + 1), par(B + 1), dep(B + 1), rk(B + 1);
     std::vector<double> sc(B + 1);
@@ -99,26 +120,38 @@ static void test_tree(int L, int V, int B, int kind) {
     int words = (n + 1 + 63) / 64;
     std::vector<uint64_t> vis((size_t)(n + 1) * words);
     kd_tree_mask(par.data(), n, vis.data());
-    /* emu */
+    /* emu: as kd_cuda_tree_select launches it (the parallel path's cap), and with the path off */
     kd_dtree d;
     size_t bytes = kd_dtree_layout(&d, NULL, B, L * K);
     std::vector<char> buf(bytes);
     kd_dtree_layout(&d, buf.data(), B, L * K);
     memcpy(d.vals, vals.data(), vals.size() * 4);
     memcpy(d.ids, ids.data(), ids.size() * 4);
-    for (bool staged : {false, true}) {   /* the lists read from global memory, or staged in shared */
+    int cap = 64;
+    while (cap < 4 * B && cap < SEL_FAST_CAP) cap <<= 1;
+    if (L > SEL_FAST_DEPTH || 2 * B > cap || sel_smem_bytes(L, K, B, cap, true) > sizeof emu_dyn_buf) cap = 0;
+    for (int run = 0; run < 3; run++) {   /* lists in global memory; staged; staged with the parallel path */
+        const bool staged = run > 0;
+        const int run_cap = run == 2 ? cap : 0;
+        if (run == 2 && !cap) continue;
         memset(d.vis, 0xff, vis.size() * 8);
         for (int i = 0; i <= B; i++) d.token[i] = d.parent[i] = d.depth[i] = -7;
-        launch(1, SEL_THREADS, [&] { tree_select_kernel(d, L, K, B, staged); });
+        launch(1, SEL_THREADS, [&] { tree_select_kernel(d, L, K, B, staged, run_cap); });
         checks++;
-        bool ok = d.status[2] == n && d.status[0] == 0;
+        bool ok = d.status[2] == n && d.status[0] == 0 && (run_cap || d.status[3] == 0);
         for (int i = 1; ok && i <= n; i++) ok = d.token[i] == tok[i] && d.parent[i] == par[i] && d.depth[i] == dep[i];
         ok = ok && d.parent[0] == -1 && d.depth[0] == 0;
         for (size_t i = 0; ok && i < vis.size(); i++) ok = d.vis[i] == vis[i];
+        parallel_builds += d.status[3] == 1;
         if (!ok) {
             fails++;
-            printf("TREE MISMATCH L=%d V=%d B=%d kind=%d staged=%d (n host %d emu %d)\n", L, V, B, kind, staged, n,
-                   d.status[2]);
+            printf("TREE MISMATCH L=%d V=%d B=%d kind=%d staged=%d cap=%d parallel=%d (n host %d emu %d)\n", L, V, B,
+                   kind, staged, run_cap, d.status[3], n, d.status[2]);
+            for (int i = 1; i <= n; i++)
+                if (d.token[i] != tok[i] || d.parent[i] != par[i] || d.depth[i] != dep[i]) {
+                    printf("  node %d: host tok %d par %d dep %d rank %d score %.17g | emu tok %d par %d dep %d\n", i, tok[i], par[i], dep[i], rk[i], sc[i], d.token[i], d.parent[i], d.depth[i]);
+                    if (i > 3) break;
+                }
             return;
         }
     }
@@ -173,9 +206,12 @@ int main(int argc, char **argv) {
     if (trees) {
         for (int L : {1, 3, 7, 15})
             for (int B : {1, 8, 64, 256, 512})
-                for (int kind : {0, 1}) test_tree(L, L == 15 ? 37 : 200, B, kind);
+                for (int kind : {0, 1, 2}) test_tree(L, L == 15 ? 37 : 200, B, kind);
+        for (int kind : {2, 3, 4}) test_tree(7, 1000, 256, kind);
+        test_tree(7, 163840, 256, 5);
         test_tree(2, 3, 64, 0);
         test_tree(4, 16, 512, 1);
+        printf("trees built by the parallel path: %d\n", parallel_builds);
     }
     printf("trees and walks: %d checks, %d fails\n", checks, fails);
     std::vector<float> temps = full ? std::vector<float>{1.0f, 0.6f, 2.5f, 1e-3f, 40.0f} : std::vector<float>{1.0f, 0.6f};
