@@ -158,8 +158,9 @@ static void ops(void) {
     free(x); free(y); free(out);
 }
 
-/* the tree build (top-K + tree_select) at budget 256 and at 4096, tree_select's largest (a
- * frontier of 180 KB of shared memory) */
+/* the tree build (top-K + tree_select) at budget 256 on flat lists (the root's 256 children) and on
+ * falling ones (a tree of every depth), and at 4096, tree_select's largest (a frontier of 180 KB
+ * of shared memory); the selection path of each (status word 3) is printed */
 static void tree_builds(void) {
     kd_test_dd *h = NULL;
     ck(kd_test_dd_new(kind, 0, &h), "dd backend");
@@ -171,7 +172,14 @@ static void tree_builds(void) {
     uint64_t *vis = malloc(sizeof(uint64_t) * (BMAX + 1) * ((BMAX + 1 + 63) / 64));
     int n = 0;
     ck(kd_test_dd_tree(h, lp, L, V, 256, &n, tok, par, dep, vis, st), "tree build 256");
+    printf("tree build 256, flat lists: %d nodes, path %d\n", n, st[3]);
     ck(kd_test_dd_tree(h, lp, L, V, BMAX, &n, tok, par, dep, vis, st), "tree build 4096");
+    printf("tree build 4096: %d nodes, path %d\n", n, st[3]);
+    for (int i = 0; i < L * V; i++) lp[i] = -0.3f * (float)(i % V) - 0.01f * fabsf(rnd());
+    ck(kd_test_dd_tree(h, lp, L, V, 256, &n, tok, par, dep, vis, st), "tree build 256 (falling lists)");
+    int depth = 0;
+    for (int i = 1; i <= n; i++) depth = dep[i] > depth ? dep[i] : depth;
+    printf("tree build 256, falling lists: %d nodes to depth %d, path %d\n", n, depth, st[3]);
     free(lp); free(tok); free(par); free(dep); free(vis);
     kd_test_dd_free(h);
 }

@@ -89,7 +89,8 @@ static int parallel_builds = 0;
  * log_softmax's, as a draft's); 3 spread, but a tenth of the values near -1e-13 (sums that
  * round: the parallel path gives way); 4 spread, with positive values below depth 1 (children
  * above their parent: the parallel path gives way); 5 spread over (-12, 0] with three peaked
- * values a row (spec/gpu_round_spec.lua's "smooth" lists) */
+ * values a row (spec/gpu_round_spec.lua's "smooth" lists); 6 and 7 logits uniform in [0, 16), 7 with
+ * 8 ids a row at 30, 28, .., 16 (cuda_ops_bench --round's flat and peaked draft lists) */
 static void test_tree(int L, int V, int B, int kind) {
     int K = B < V ? B : V;
     std::vector<float> lp((size_t)L * V);
@@ -101,6 +102,7 @@ static void test_tree(int L, int V, int B, int kind) {
         case 3: v = urand() < 0.1 ? -(float)(urand() * 1e-13) : -(float)(urand() * 10); break;
         case 4: v = i >= (size_t)V && urand() < 0.05 ? (float)urand() : -(float)(urand() * 10); break;
         case 5: v = -(float)(urand() * 12) - (urand() < 0.01 ? 3.0f : 0.0f); break;
+        case 6: case 7: v = (float)(urand() * 16); break;
         default: v = -(float)(urand() * 10); break;
         }
         lp[i] = v;
@@ -108,9 +110,12 @@ static void test_tree(int L, int V, int B, int kind) {
     if (kind == 5)
         for (int d = 0; d < L; d++)
             for (int k = 0; k < 3; k++) lp[(size_t)d * V + (size_t)(urand() * V)] = -0.1f - 0.3f * k;
+    if (kind == 7)
+        for (int d = 0; d < L; d++)
+            for (int k = 0; k < 8; k++) lp[(size_t)d * V + (size_t)(urand() * V)] = 30.0f - 2 * k;
     std::vector<float> vals((size_t)L * K);
     std::vector<int32_t> ids((size_t)L * K);
-    if (kd_tree_topk_rows(lp.data(), L, V, K, kind != 2, vals.data(), ids.data()) != KD_OK) { printf("topk failed\n"); fails++; return; }
+    if (kd_tree_topk_rows(lp.data(), L, V, K, kind != 2 && kind < 6, vals.data(), ids.data()) != KD_OK) { printf("topk failed\n"); fails++; return; }
     /* host */
     std::vector<int32_t> tok(B + 1), par(B + 1), dep(B + 1), rk(B + 1);
     std::vector<double> sc(B + 1);
@@ -209,6 +214,8 @@ int main(int argc, char **argv) {
                 for (int kind : {0, 1, 2}) test_tree(L, L == 15 ? 37 : 200, B, kind);
         for (int kind : {2, 3, 4}) test_tree(7, 1000, 256, kind);
         test_tree(7, 163840, 256, 5);
+        for (int B : {16, 64, 256})
+            for (int kind : {6, 7}) test_tree(7, 163840, B, kind);
         test_tree(2, 3, 64, 0);
         test_tree(4, 16, 512, 1);
         printf("trees built by the parallel path: %d\n", parallel_builds);
