@@ -25,6 +25,7 @@
  * follows the model's draft_graphs, else the sequence's graphs; OFF keeps the draft pass on the
  * host-length path). The context append stays eager (a variable number of rows per call). */
 #include "drafter.h"
+#include "comm.h"
 #include "forward.h"
 #include "graph_step.h"
 #include "error.h"
@@ -71,6 +72,17 @@ struct kd_drafter {
     bool closed;                /* closed by its owner while sequences still use it */
 };
 
+/* At tp > 1 the drafter's layers run on rank 0 and its head over every rank's vocabulary shard of
+ * the target's lm_head (draft_head): rank r's buffer holds y's slots (tp + 1 of [bs-1, hidden],
+ * act dtype: the all-gather's destination, whose slot 0 is rank 0's normed rows, and slot tp
+ * what the other ranks send), its shard of the logits [bs-1, vocab/tp] f32, and every rank's
+ * shard (tp slots of [bs-1, vocab/tp], the second all-gather's destination). */
+typedef struct kd_draft_head {
+    void *buf;
+    kd_act ys, shard;
+    float *all;
+} kd_draft_head;
+
 struct kd_draft_state {
     int ctx_len, cap;           /* committed context rows, capacity of the context */
     kd_act *k, *v;              /* per layer [cap + bs, n_kv_heads*head_dim], act dtype */
@@ -86,6 +98,7 @@ struct kd_draft_state {
     int32_t *argmax;            /* backend memory: bs-1 ids, kd_draft_argmax */
     int32_t bonus;              /* the root token of the last draft */
     bool have_logprobs;
+    kd_draft_head *head;        /* tp > 1: [tp], the lm_head over the ranks' vocabulary shards */
     kd_graphs_mode graph_mode;  /* resolved at attach (forward.h) */
     bool graph_verbose;
     kd_graph_slot graph;        /* the captured draft pass */
@@ -492,6 +505,9 @@ void kd_draft_state_free(kd_seq *s) {
     free(ds->host_in);
     if (ds->logprobs.data) be->ops->free(be, ds->logprobs.data);
     if (ds->argmax) be->ops->free(be, ds->argmax);
+    for (int r = 0; ds->head && r < s->model->tp; r++)
+        if (ds->head[r].buf) s->model->ranks[r].be->ops->free(s->model->ranks[r].be, ds->head[r].buf);
+    free(ds->head);
     free(ds);
     s->draft = NULL;
     if (s->taps.data) be->ops->free(be, s->taps.data);
@@ -501,6 +517,29 @@ void kd_draft_state_free(kd_seq *s) {
         d->n_seqs--;
         if (d->closed && d->n_seqs == 0) drafter_destroy(d);
     }
+}
+
+/* the head buffers of every rank (struct kd_draft_head) */
+static kd_status head_alloc(kd_seq *s) {
+    kd_model *m = s->model;
+    kd_draft_state *ds = s->draft;
+    int tp = m->tp, rows = s->drafter->cfg.block_size - 1, H = m->cfg.hidden, Vs = m->split.vocab;
+    ds->head = calloc((size_t)tp, sizeof *ds->head);
+    if (!ds->head) return kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: cannot allocate the head table");
+    for (int r = 0; r < tp; r++) {
+        kd_backend *be = m->ranks[r].be;
+        kd_draft_head *h = &ds->head[r];
+        size_t off = 0;
+        size_t bytes = (((size_t)(tp + 1) * rows * H * kd_dtype_size(be->act_dtype) + 255) & ~(size_t)255) +
+                       (((size_t)rows * Vs * sizeof(float) + 255) & ~(size_t)255) + (size_t)tp * rows * Vs * sizeof(float);
+        kd_status st = be->ops->alloc(be, bytes, &h->buf);
+        if (st != KD_OK)
+            return kd_fail_context(st, "kd_seq_attach_drafter: rank %d: the drafter's head buffers (%zu bytes)", r, bytes);
+        h->ys = act_at(h->buf, &off, (tp + 1) * rows, H, be->act_dtype);
+        h->shard = act_at(h->buf, &off, rows, Vs, KD_F32);
+        h->all = (float *)((char *)h->buf + off);
+    }
+    return KD_OK;
 }
 
 kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
@@ -578,6 +617,10 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
     if (!ds->host_in) {
         st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: out of host memory for the draft input staging");
         goto fail;
+    }
+    if (s->model->tp > 1) {
+        st = head_alloc(s);
+        if (st != KD_OK) goto fail;
     }
     ds->graph_mode = kd_graphs_resolve(be, s->draft_graphs);
     ds->graph_verbose = s->model->opt.graphs_verbose != 0;
@@ -757,11 +800,42 @@ static kd_status draft_body(kd_seq *s, int p0, const int32_t *d_len) {
         else
             T(op->add(be, ds->x, ds->o), "residual");
     }
-    /* rows 1..bs-1 (the MASK positions) -> norm -> target lm_head -> log_softmax */
+    /* rows 1..bs-1 (the MASK positions) -> norm -> target lm_head -> log_softmax (tp > 1: the head
+     * runs after this, over the ranks' shards: draft_head) */
     kd_act y = kd_act_rows(ds->h, 0, bs - 1);
     T(op->rmsnorm(be, kd_act_rows(ds->x, 1, bs - 1), &d->norm, c->eps, y), "norm");
-    T(op->linear(be, y, kd_model_full_head(m), ds->logprobs), "lm_head (target)");
+    if (m->tp > 1) return KD_OK;
+    T(op->linear(be, y, &m->ranks[0].lm_head, ds->logprobs), "lm_head (target)");
     T(op->log_softmax(be, ds->logprobs), "log_softmax");
+#undef T
+    return KD_OK;
+}
+
+/* rank r's part of the head at tp > 1: y (rank 0's normed rows, ds->h) to every rank by an
+ * all-gather, its vocabulary shard of the logits, every shard to every rank by a second one; rank 0
+ * lays the shards side by side into ds->logprobs and takes log_softmax. Each rank reads only its
+ * 1/tp of the lm_head, and no rank holds the whole of it. */
+static kd_status draft_head(void *ctx, int r) {
+    kd_seq *s = ctx;
+    kd_model *m = s->model;
+    kd_draft_state *ds = s->draft;
+    const kd_draft_head *h = &ds->head[r];
+    kd_backend *be = m->ranks[r].be;
+    kd_comm *c = m->comm;
+    int rows = ds->logprobs.rows, H = m->cfg.hidden, Vs = m->split.vocab;
+    size_t ybytes = (size_t)rows * H * kd_dtype_size(be->act_dtype), sbytes = (size_t)rows * Vs * sizeof(float);
+    const void *ysrc = r == 0 ? ds->h.data : (const char *)h->ys.data + (size_t)m->tp * ybytes;
+    kd_status st;
+#define T(expr, what) do { st = (expr); if (st != KD_OK) return kd_fail_context(st, "kd_draft: rank %d: %s", r, what); } while (0)
+    T(c->ops->all_gather(c, r, be, ysrc, h->ys.data, ybytes), "the normed rows to every rank");
+    T(be->ops->linear(be, kd_act_rows(h->ys, 0, rows), &m->ranks[r].lm_head, h->shard), "lm_head (target, its shard)");
+    T(c->ops->all_gather(c, r, be, h->shard.data, h->all, sbytes), "the logit shards to every rank");
+    if (r != 0) return KD_OK;
+    for (int j = 0; j < m->tp; j++) {
+        kd_act shard = {.data = h->all + (size_t)j * rows * Vs, .rows = rows, .cols = Vs, .ld = Vs, .dtype = KD_F32};
+        T(be->ops->copy(be, kd_act_cols(ds->logprobs, j * Vs, Vs), shard), "the logit shards side by side");
+    }
+    T(be->ops->log_softmax(be, ds->logprobs), "log_softmax");
 #undef T
     return KD_OK;
 }
@@ -801,6 +875,7 @@ kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst) {
     } else {             /* off: the host-length path; eager: the device-length path, not captured */
         KD_TRY(draft_body(s, p0, ds->graph_mode == KD_GRAPHS_EAGER ? ds->in + IN_DLEN : NULL));
     }
+    if (m->tp > 1) KD_TRY(kd_ranks_run(m, draft_head, s));
     if (logprobs_dst)
         T(be->ops->download(be, logprobs_dst, ds->logprobs.data, (size_t)(bs - 1) * V * sizeof(float)), "download");
 #undef T

@@ -144,10 +144,8 @@ typedef struct kd_plan_report {
     int fits;                            /* 1: total + margin <= device_bytes; 0: not; -1: not checked (device_bytes 0) */
     uint64_t device_bytes, margin;       /* per device, as given; what the plan leaves free (docs/architecture.md) */
     uint64_t weights_attention, weights_dense_mlp, weights_shared_experts, weights_routed_experts,
-             weights_router, weights_embed, weights_lm_head, weights_norms;   /* rank 0's, as the backend holds them */
+             weights_router, weights_embed, weights_lm_head, weights_norms;   /* one rank's, as the backend holds them */
     uint64_t weights_total;              /* the eight above */
-    uint64_t weights_head_copy;          /* of weights_lm_head: at tp > 1 (untied) the whole lm_head rank 0 holds
-                                            for the drafter beside its shard; the other ranks need this much less */
     uint64_t weights_replicated;         /* of weights_total: tensors every rank holds whole */
     uint64_t kv_per_1k;                  /* latent KV cache per 1024 tokens (replicated on every rank) */
     uint64_t kv_cache;                   /* for capacity tokens */
@@ -317,9 +315,9 @@ typedef struct kd_memory_report {
     uint64_t graph_captures, graph_launches, graph_fallbacks;   /* since the model was opened */
 } kd_memory_report;
 kd_status kd_model_memory(const kd_model *m, kd_memory_report *out);   /* rank 0's device */
-/* one rank's device (0..tp-1): its weight shares (rank 0 also the drafter's whole head), the
- * sequences' replicated KV and per-rank buffers, its backend's workspace and device figures;
- * drafters and trees live on rank 0 */
+/* one rank's device (0..tp-1): its weight shares, the sequences' replicated KV and per-rank
+ * buffers, its backend's workspace and device figures; drafters (but for their head's buffers,
+ * on every rank) and trees live on rank 0 */
 kd_status kd_model_memory_rank(const kd_model *m, int rank, kd_memory_report *out);
 
 #ifdef __cplusplus

@@ -549,7 +549,6 @@ kd_status kd_model_memory_rank(const kd_model *m, int rank, kd_memory_report *ou
     count_weight(m, &R->final_norm, &r->weights_norms, &alloc);
     if (!c->tie_embeddings) {                    /* tied: a view of the embedding, counted once */
         count_weight(m, &R->lm_head, &r->weights_lm_head, &alloc);
-        if (m->tp > 1 && rank == 0) count_weight(m, &m->head, &r->weights_lm_head, &alloc);   /* the drafter's head */
     }
     if (R->rope_inv_freq) other += (uint64_t)(c->qk_rope_dim / 2) * sizeof(float);
     r->weights_total = r->weights_attention + r->weights_dense_mlp + r->weights_shared_experts +

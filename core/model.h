@@ -74,7 +74,6 @@ struct kd_model {
     kd_widths split;
     kd_rank *ranks;                           /* [tp] */
     kd_backend *be;                           /* ranks[0].be: the drafter, trees and host staging live here */
-    kd_weight head;                           /* tp > 1: the whole lm_head on rank 0, for the drafter */
     struct kd_comm *comm;                     /* tp > 1: the ranks' all-reduce */
     struct kd_workers *workers;               /* tp > 1: one persistent thread per rank past rank 0 */
     kd_st_set files;                          /* the mapped checkpoint */
@@ -87,10 +86,6 @@ struct kd_model {
     uint64_t graphs_held, graph_captures, graph_launches, graph_fallbacks;
 };
 
-/* the lm_head over the whole vocabulary on rank 0's backend (the drafter's) */
-static inline const kd_weight *kd_model_full_head(const kd_model *m) {
-    return m->tp > 1 ? &m->head : &m->ranks[0].lm_head;
-}
 
 /* Run fn(ctx, r) for every rank r, each on its rank's thread (tp = 1: inline on the caller's).
  * A rank that fails aborts the communicator, so the others leave their collectives; the

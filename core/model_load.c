@@ -48,7 +48,6 @@ typedef struct loader {
     kd_model *m;             /* NULL: check only (kd_inspect) */
     kd_backend *be;          /* the backend of the rank being bound */
     int rank, tp;            /* which part of a split weight it gets (model.h: kd_rank) */
-    bool whole;              /* binding rank 0's whole copy of a split tensor (the drafter's head) */
     uint64_t part_bytes;     /* the bytes of this rank's parts (as kd_weight_bytes counts them) */
     load_progress *prog;     /* NULL: no progress to report */
     regex_t *re;             /* compiled ignore patterns (NULL entries: plain names) */
@@ -94,17 +93,9 @@ static const kd_st_tensor *lookup(loader *L, const char *name, kd_st_dtype dt, i
     return t;
 }
 
-/* how the tensor `name` splits over the ranks (kd_split_of, the plan's rule), or replicated
- * while rank 0 binds its whole copy */
-static kd_split split_of(const loader *L, const char *name) {
-    return L->whole ? KD_SPLIT_NONE : kd_split_of(name);
-}
-
 /* a tensor the walk used: its stored bytes, and one rank's share of the bytes its backend form
- * holds (split tensors: 1/tp of them, exact once kd_plan_check_tp passed). Rank 0's whole copy
- * of lm_head (the drafter's) is not part of the target's split that kd_tally describes. */
+ * holds (split tensors: 1/tp of them, exact once kd_plan_check_tp passed) */
 static void count(loader *L, kd_wkind kind, kd_split sp, uint64_t stored, uint64_t held) {
-    if (L->whole) return;
     L->bytes[kind] += stored;
     if (sp == KD_SPLIT_NONE) {
         L->rank_share[kind] += held;
@@ -307,7 +298,7 @@ static kd_status bind_dense(loader *L, kd_weight *w, kd_wkind kind, const char *
                        t->dtype_name);
     KD_TRY(check_shape(L, t, cols ? 2 : 1, rows, cols));
     /* held as loaded: BF16 as is, F32 as is, F16 widened to F32 (below) */
-    kd_split sp = split_of(L, name);
+    kd_split sp = kd_split_of(name);
     count(L, kind, sp, t->nbytes, (uint64_t)rows * (uint64_t)(cols ? cols : 1) * (t->dtype == KD_ST_BF16 ? 2u : 4u));
     L->n_used++;
     part p = part_of(L, sp, rows, cols ? cols : 1);
@@ -369,7 +360,7 @@ static kd_status bind_int4(loader *L, kd_weight *w, kd_wkind kind, const char *m
             return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected the values [%lld, %lld], got [%lld, %lld]",
                            file_of(L, tsh), nsh, (long long)rows, (long long)cols, (long long)v[0], (long long)v[1]);
     }
-    kd_split sp = split_of(L, module);
+    kd_split sp = kd_split_of(module);
     if (L->tp > 1 && sp == KD_SPLIT_COLS && (cols % L->tp || (cols / L->tp) % g || (cols / L->tp) % 8))
         return kd_fail(KD_ERR_ARG, "%s: INT4 tensor '%s' [%lld, %lld]: tp %d cannot split its %lld input columns into "
                        "whole scale groups of %d (and whole 8-code words)", file_of(L, tp), np, (long long)rows,
@@ -552,14 +543,7 @@ static kd_status bind_model(loader *L) {
     } else {
         snprintf(n, sizeof n, "%slm_head", c->prefix);
         KD_TRY(bind_linear(L, R ? &R->lm_head : &scratch, KD_WK_LMHEAD, n, c->vocab, c->hidden));
-        if (L->tp > 1 && L->rank == 0) {    /* the drafter's whole head on rank 0 */
-            L->whole = true;
-            kd_status st = bind_linear(L, R ? &L->m->head : &scratch, KD_WK_LMHEAD, n, c->vocab, c->hidden);
-            L->whole = false;
-            KD_TRY(st);
-        }
     }
-    if (R && c->tie_embeddings && L->tp > 1 && L->rank == 0) L->m->head = R->embed;
     return KD_OK;
 }
 
@@ -607,7 +591,6 @@ static void free_rank(kd_model *m, kd_rank *R) {
 static void free_model(kd_model *m) {
     if (!m) return;
     kd_workers_stop(m);
-    if (m->tp > 1 && !m->cfg.tie_embeddings && m->ranks) free_weight(m, m->ranks[0].be, &m->head);
     for (int r = 0; m->ranks && r < m->tp; r++) free_rank(m, &m->ranks[r]);
     free(m->ranks);
     if (m->comm) m->comm->ops->destroy(m->comm);
@@ -870,7 +853,6 @@ kd_status kd_model_get_info(const kd_model *m, kd_model_info *out) {
                      weight_bytes(&ly->experts.down[j]);
         }
     }
-    if (m->tp > 1 && !m->cfg.tie_embeddings) b += weight_bytes(&m->head);   /* the drafter's whole head */
     out->bytes_weights = b;
     return KD_OK;
 }

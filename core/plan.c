@@ -1,10 +1,9 @@
 /* plan.c: the per-GPU plan of tensor parallelism (kd_plan, kd_plan_tp) and the split every
  * rank's loader follows (kd_split_of, kd_plan_check_tp); plan.h.
  *
- * Rank 0, the largest, holds (the CUDA backend's forms: bf16 activations and latent KV):
+ * Every rank holds the same (the CUDA backend's forms: bf16 activations and latent KV):
  *   weights    its share of every tensor from the loader's own walk (kd_weights_tally): split
- *              tensors 1/tp, replicated ones whole; INT4 as codes + bf16 scales; at tp > 1 also
- *              the whole lm_head for the drafter (the other ranks hold that much less)
+ *              tensors 1/tp, replicated ones whole; INT4 as codes + bf16 scales
  *   KV cache   n_layers x capacity x (kv_lora_rank + qk_rope_dim) bf16: the latent cache is
  *              replicated (MLA has one KV head; every rank attends its heads over all of it)
  *   logits     the vocab shard of out_cap rows, fp32
@@ -134,13 +133,6 @@ static void plan_from(const kd_config *c, int tp, uint64_t device_bytes, int cap
         *w[k] = t->rank[k];
         o->weights_total += t->rank[k];
         o->weights_replicated += t->replicated[k];
-    }
-    /* rank 0 runs the drafter, whose head is the target's whole lm_head: at tp > 1 it holds that
-     * beside its vocab shard (tied: the replicated embedding already is the whole head) */
-    if (tp > 1 && !c->tie_embeddings) {
-        o->weights_head_copy = t->rank[KD_WK_LMHEAD] * (uint64_t)tp;
-        o->weights_lm_head += o->weights_head_copy;
-        o->weights_total += o->weights_head_copy;
     }
     kd_widths rw = kd_widths_of(c, tp);
     size_for(c, &rw, capacity, o);

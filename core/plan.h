@@ -17,7 +17,8 @@ typedef enum kd_split {
     KD_SPLIT_COLS        /* rank r holds input columns [r*cols/tp, (r+1)*cols/tp) */
 } kd_split;
 /* a target tensor's split from its checkpoint name (module or "...weight" names alike); the
- * drafter's tensors are not split (it is replicated on rank 0) */
+ * drafter's own tensors are not split (its layers run whole on rank 0; its head is the target's
+ * lm_head, split as here) */
 kd_split kd_split_of(const char *name);
 
 /* KD_OK when tp ranks split every split dim of cfg whole (heads; dense, shared and routed

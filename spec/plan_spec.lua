@@ -44,7 +44,7 @@ local function hand_rank(c, tp)
     routed_experts = expert * E * moe,
     router = (2 * E * D + 4 * E) * moe,
     embed = 2 * V * D,
-    lm_head = 2 * (V / tp) * D + (tp > 1 and 2 * V * D or 0),   -- rank 0: its shard + the drafter's whole head
+    lm_head = 2 * (V / tp) * D,
     norms = 2 * (2 * D * L + D),
     replicated = 2 * (rq * D + rq + (rkv + dr) * D + rkv) * L + (2 * E * D + 4 * E) * moe + 2 * V * D
       + 2 * (2 * D * L + D),
@@ -111,8 +111,8 @@ describe("kd_plan", function()
       local one = kd.plan(dir, { tp = 1 })
       for _, tp in ipairs(tps) do
         local p = kd.plan(dir, { tp = tp })
-        -- the plan is rank 0's: less the drafter's whole head, it is every rank's share
-        assert.are.equal(one.weights_total, tp * (p.weights_total - p.weights_head_copy) - (tp - 1) * p.weights_replicated,
+        -- the plan is every rank's share
+        assert.are.equal(one.weights_total, tp * p.weights_total - (tp - 1) * p.weights_replicated,
           dir .. " tp " .. tp)
         assert.are.equal(one.weights_replicated, p.weights_replicated)
         assert.is_true(p.weights_replicated < p.weights_total)

@@ -44,7 +44,7 @@ end
 
 local PLAN_BYTES = { "device_bytes", "margin", "weights_attention", "weights_dense_mlp", "weights_shared_experts",
   "weights_routed_experts", "weights_router", "weights_embed", "weights_lm_head", "weights_norms", "weights_total",
-  "weights_head_copy", "weights_replicated", "kv_per_1k", "kv_cache", "logits", "scratch", "workspace", "total", "max_capacity" }
+  "weights_replicated", "kv_per_1k", "kv_cache", "logits", "scratch", "workspace", "total", "max_capacity" }
 U.PLAN_BYTES = PLAN_BYTES
 
 function U.plan_report(cr)
