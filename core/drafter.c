@@ -18,7 +18,7 @@
  * Draft graphs (docs/architecture.md "Step graphs"): on a backend with the graph ops (CUDA) the
  * draft pass can run on a device-length path and be captured once per sequence as a graph
  * (graph_step.h): the context length, the block's ids and positions go up in one copy into
- * ds->in; the block's K/V rows are finished in scratch (kn, vt) and stored at rows *dlen.. with
+ * rank 0's in; the block's K/V rows are finished in scratch (kn, vt) and stored at rows *dlen.. with
  * store_rows_at; attention runs as attention_at over the whole cache (past = *dlen). The same
  * kernels on the same values as the host-length path, so the same bits. The mode is resolved
  * when the drafter is attached, from the sequence's draft_graphs option (kdtree.h: DEFAULT
@@ -57,54 +57,63 @@ typedef struct kd_dlayer {
     kd_weight attn_norm, ffn_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, gate, up, down;
 } kd_dlayer;
 
-struct kd_drafter {
-    kd_dcfg cfg;
-    kd_model *target;           /* NULL: opened for inspection only (no weights loaded) */
-    kd_backend *be;
-    kd_st_set files;
-    bool files_open;
+/* One rank's part of the drafter (at tp 1 the whole of it; docs/dflash.md "Several devices"): its
+ * heads of q_proj, k_proj and v_proj and o_proj's matching input columns, its part of the MLP's
+ * intermediate dim (gate / up rows, down's input columns); fc and every norm whole. */
+typedef struct kd_drafter_rank {
+    kd_backend *be;             /* the target rank's backend; NULL when inspecting */
     kd_weight fc, hidden_norm, norm;
     kd_dlayer *layers;
     float *inv_freq;            /* backend memory, head_dim/2 */
     kd_rope rope;
+} kd_drafter_rank;
+
+struct kd_drafter {
+    kd_dcfg cfg;
+    kd_model *target;           /* NULL: opened for inspection only (no weights loaded) */
+    int tp;                     /* the target's ranks (1 when inspecting) */
+    int heads, kv_heads, inter; /* one rank's widths: n_heads, n_kv_heads, intermediate over tp */
+    kd_drafter_rank *ranks;     /* [tp] */
+    kd_st_set files;
+    bool files_open;
     char dir[1024];
     int n_seqs;                 /* sequences with this drafter attached */
     bool closed;                /* closed by its owner while sequences still use it */
 };
 
-/* At tp > 1 the drafter's layers run on rank 0 and its head over every rank's vocabulary shard of
- * the target's lm_head (draft_head): rank r's buffer holds y's slots (tp + 1 of [bs-1, hidden],
- * act dtype: the all-gather's destination, whose slot 0 is rank 0's normed rows, and slot tp
- * what the other ranks send), its shard of the logits [bs-1, vocab/tp] f32, and every rank's
- * shard (tp slots of [bs-1, vocab/tp], the second all-gather's destination). */
-typedef struct kd_draft_head {
-    void *buf;
-    kd_act ys, shard;
-    float *all;
-} kd_draft_head;
-
-struct kd_draft_state {
-    int ctx_len, cap;           /* committed context rows, capacity of the context */
-    kd_act *k, *v;              /* per layer [cap + bs, n_kv_heads*head_dim], act dtype */
+/* One rank's per-sequence state. Per layer the K/V of its KV heads for the committed context
+ * (rows [0, ctx_len)) and the block; the block's activations (o: the attention's and the MLP's
+ * output, fp32 partial sums at tp > 1 as the target's, completed by the all-reduce); the inputs
+ * on the backend; at tp > 1 its shard of the draft's logits and every rank's (the all-gather's
+ * destination, rank 0 lays them side by side into the log-probs). */
+typedef struct kd_draft_rank {
+    kd_act *k, *v;              /* per layer [cap + bs, kv_heads * head_dim], act dtype */
     void *scratch;              /* backend memory, carved into the views below */
     kd_act x, h, q, kt, att, o, m;   /* block activations (m: the MLP's silu(gate) * up) */
     kd_act f, fn;               /* context fusion, KD_DRAFT_CHUNK rows */
     kd_act kn, vt;              /* device-length path: the block's normed+roped K and its V */
     int32_t *in;                /* backend memory: [dlen | pad | ids | pos], see IN_* */
     int32_t *ids, *pos;         /* into in: max(bs, chunk) ints each */
-    int32_t *host_in;           /* host image of in[0 .. in_pos(nid) + nid) */
+    int32_t *host_in;           /* host image of in[0 .. in_pos(nid) + nid) (the context's windows) */
+    kd_act shard;               /* tp > 1: [bs-1, vocab/tp] f32 */
+    float *all;                 /* tp > 1: tp x [bs-1, vocab/tp] f32 */
+} kd_draft_rank;
+
+struct kd_draft_state {
+    int ctx_len, cap;           /* committed context rows, capacity of the context */
+    kd_draft_rank *rk;          /* [tp] */
     int nid;                    /* ints of ids / pos */
-    kd_act logprobs;            /* [bs-1, vocab] f32 */
-    int32_t *argmax;            /* backend memory: bs-1 ids, kd_draft_argmax */
+    int32_t *host_in;           /* the draft pass's inputs, staged once for every rank */
+    kd_act logprobs;            /* rank 0: [bs-1, vocab] f32 */
+    int32_t *argmax;            /* rank 0: bs-1 ids, kd_draft_argmax */
     int32_t bonus;              /* the root token of the last draft */
     bool have_logprobs;
-    kd_draft_head *head;        /* tp > 1: [tp], the lm_head over the ranks' vocabulary shards */
-    kd_graphs_mode graph_mode;  /* resolved at attach (forward.h) */
+    kd_graphs_mode graph_mode;  /* resolved at attach (forward.h); off at tp > 1 */
     bool graph_verbose;
     kd_graph_slot graph;        /* the captured draft pass */
 };
 
-/* layout of ds->in (int32 indices): the length, then ids and pos on 64-byte boundaries */
+/* layout of a rank's in (int32 indices): the length, then ids and pos on 64-byte boundaries */
 enum { IN_DLEN = 0, IN_IDS = 16 };
 static int in_pos(int nid) { return IN_IDS + ((nid + 15) & ~15); }
 
@@ -305,7 +314,13 @@ static kd_status check_target(const char *dir, const kd_dcfg *c, const kd_model 
 
 /* ------------------------------------------------------------------ weights */
 
-static kd_status bind_weight(kd_drafter *d, const char *name, int64_t rows, int64_t cols, kd_weight *w) {
+typedef enum { WHOLE, ROWS, COLS } dsplit;   /* how a tensor splits over the ranks */
+
+/* rank r's part of tensor `name` ([rows, cols]; cols 1: a vector) into w, loaded on its backend:
+ * whole, rows [r rows/tp, +rows/tp), or columns [r cols/tp, +cols/tp) (a view with the tensor's
+ * row stride in ld) */
+static kd_status bind_weight(kd_drafter *d, int r, const char *name, int64_t rows, int64_t cols, dsplit sp,
+                             kd_weight *w) {
     char alt[256];
     const kd_st_tensor *t = kd_st_find(&d->files, name);
     if (!t) {
@@ -332,66 +347,97 @@ static kd_status bind_weight(kd_drafter *d, const char *name, int64_t rows, int6
         return kd_fail(KD_ERR_FORMAT, "%s: tensor '%s': expected shape [%lld, %lld], got %s", file, t->name,
                        (long long)rows, (long long)cols, got);
     }
+    size_t esz = t->dtype == KD_ST_BF16 ? 2 : 4;
     memset(w, 0, sizeof *w);
     w->name = t->name;
     w->format = t->dtype == KD_ST_BF16 ? KD_W_BF16 : KD_W_F32;
     w->rows = rows;
     w->cols = cols;
     w->src = t->data;
-    if (d->be) {
-        kd_status st = d->be->ops->weight_load(d->be, w);
-        if (st != KD_OK) return kd_fail_context(st, "%s: loading tensor '%s'", file, t->name);
+    if (sp == ROWS && d->tp > 1) {
+        w->rows = rows / d->tp;
+        w->src = (const char *)t->data + (size_t)r * (size_t)w->rows * (size_t)cols * esz;
+    } else if (sp == COLS && d->tp > 1) {
+        w->cols = cols / d->tp;
+        w->ld = cols;
+        w->src = (const char *)t->data + (size_t)r * (size_t)w->cols * esz;
+    }
+    kd_backend *be = d->ranks[r].be;
+    if (be) {
+        kd_status st = be->ops->weight_load(be, w);
+        if (st != KD_OK) return kd_fail_context(st, "%s: loading tensor '%s' (rank %d)", file, t->name, r);
     }
     return KD_OK;
 }
 
-static void free_weight(kd_drafter *d, kd_weight *w) {
-    if (d->be && w->dev) d->be->ops->weight_free(d->be, w);
+static void free_weight(kd_backend *be, kd_weight *w) {
+    if (be && w->dev) be->ops->weight_free(be, w);
     w->dev = NULL;
 }
 
-static kd_status load_weights(kd_drafter *d) {
+static kd_status load_weights(kd_drafter *d, int r) {
     const kd_dcfg *c = &d->cfg;
+    kd_drafter_rank *R = &d->ranks[r];
     int64_t H = c->hidden, qd = (int64_t)c->n_heads * c->head_dim, kvd = (int64_t)c->n_kv_heads * c->head_dim;
-    KD_TRY(bind_weight(d, "fc.weight", H, (int64_t)c->n_taps * H, &d->fc));
-    KD_TRY(bind_weight(d, "hidden_norm.weight", H, 1, &d->hidden_norm));
-    KD_TRY(bind_weight(d, "norm.weight", H, 1, &d->norm));
+    KD_TRY(bind_weight(d, r, "fc.weight", H, (int64_t)c->n_taps * H, WHOLE, &R->fc));
+    KD_TRY(bind_weight(d, r, "hidden_norm.weight", H, 1, WHOLE, &R->hidden_norm));
+    KD_TRY(bind_weight(d, r, "norm.weight", H, 1, WHOLE, &R->norm));
     for (int i = 0; i < c->n_layers; i++) {
-        kd_dlayer *L = &d->layers[i];
+        kd_dlayer *L = &R->layers[i];
         char n[128];
-#define W(field, suffix, r, cc) do { snprintf(n, sizeof n, "layers.%d.%s", i, suffix); \
-        KD_TRY(bind_weight(d, n, r, cc, &L->field)); } while (0)
-        W(attn_norm, "input_layernorm.weight", H, 1);
-        W(ffn_norm, "post_attention_layernorm.weight", H, 1);
-        W(q_proj, "self_attn.q_proj.weight", qd, H);
-        W(k_proj, "self_attn.k_proj.weight", kvd, H);
-        W(v_proj, "self_attn.v_proj.weight", kvd, H);
-        W(o_proj, "self_attn.o_proj.weight", H, qd);
-        W(q_norm, "self_attn.q_norm.weight", c->head_dim, 1);
-        W(k_norm, "self_attn.k_norm.weight", c->head_dim, 1);
-        W(gate, "mlp.gate_proj.weight", c->intermediate, H);
-        W(up, "mlp.up_proj.weight", c->intermediate, H);
-        W(down, "mlp.down_proj.weight", H, c->intermediate);
+#define W(field, suffix, rr, cc, sp) do { snprintf(n, sizeof n, "layers.%d.%s", i, suffix); \
+        KD_TRY(bind_weight(d, r, n, rr, cc, sp, &L->field)); } while (0)
+        W(attn_norm, "input_layernorm.weight", H, 1, WHOLE);
+        W(ffn_norm, "post_attention_layernorm.weight", H, 1, WHOLE);
+        W(q_proj, "self_attn.q_proj.weight", qd, H, ROWS);
+        W(k_proj, "self_attn.k_proj.weight", kvd, H, ROWS);
+        W(v_proj, "self_attn.v_proj.weight", kvd, H, ROWS);
+        W(o_proj, "self_attn.o_proj.weight", H, qd, COLS);
+        W(q_norm, "self_attn.q_norm.weight", c->head_dim, 1, WHOLE);
+        W(k_norm, "self_attn.k_norm.weight", c->head_dim, 1, WHOLE);
+        W(gate, "mlp.gate_proj.weight", c->intermediate, H, ROWS);
+        W(up, "mlp.up_proj.weight", c->intermediate, H, ROWS);
+        W(down, "mlp.down_proj.weight", H, c->intermediate, COLS);
 #undef W
     }
     return KD_OK;
 }
 
+/* rank r's RoPE table (head_dim / 2 inverse frequencies) on its backend */
+static kd_status load_rope(kd_drafter *d, int r) {
+    kd_drafter_rank *R = &d->ranks[r];
+    int half = d->cfg.head_dim / 2;
+    float *host = malloc((size_t)half * sizeof(float));
+    if (!host) return kd_fail(KD_ERR_NOMEM, "%s: cannot allocate RoPE table", d->dir);
+    kd_rope_params_inv_freq(&d->cfg.rope, d->cfg.head_dim, host);
+    kd_status st = R->be->ops->alloc(R->be, (size_t)half * sizeof(float), (void **)&R->inv_freq);
+    if (st == KD_OK) st = R->be->ops->upload(R->be, R->inv_freq, host, (size_t)half * sizeof(float));
+    free(host);
+    if (st != KD_OK) return kd_fail_context(st, "%s: RoPE table (rank %d)", d->dir, r);
+    R->rope = (kd_rope){.dim = d->cfg.head_dim, .interleaved = false, .attn_factor = (float)d->cfg.rope.amp,
+                        .inv_freq = R->inv_freq};
+    return KD_OK;
+}
+
 static void drafter_destroy(kd_drafter *d) {
     if (!d) return;
-    if (d->layers) {
-        for (int i = 0; i < d->cfg.n_layers; i++) {
-            kd_dlayer *L = &d->layers[i];
-            kd_weight *ws[] = {&L->attn_norm, &L->ffn_norm, &L->q_proj, &L->k_proj, &L->v_proj, &L->o_proj,
-                               &L->q_norm, &L->k_norm, &L->gate, &L->up, &L->down};
-            for (size_t j = 0; j < sizeof ws / sizeof *ws; j++) free_weight(d, ws[j]);
+    for (int r = 0; d->ranks && r < d->tp; r++) {
+        kd_drafter_rank *R = &d->ranks[r];
+        if (R->layers) {
+            for (int i = 0; i < d->cfg.n_layers; i++) {
+                kd_dlayer *L = &R->layers[i];
+                kd_weight *ws[] = {&L->attn_norm, &L->ffn_norm, &L->q_proj, &L->k_proj, &L->v_proj, &L->o_proj,
+                                   &L->q_norm, &L->k_norm, &L->gate, &L->up, &L->down};
+                for (size_t j = 0; j < sizeof ws / sizeof *ws; j++) free_weight(R->be, ws[j]);
+            }
+            free(R->layers);
         }
-        free(d->layers);
+        free_weight(R->be, &R->fc);
+        free_weight(R->be, &R->hidden_norm);
+        free_weight(R->be, &R->norm);
+        if (R->be && R->inv_freq) R->be->ops->free(R->be, R->inv_freq);
     }
-    free_weight(d, &d->fc);
-    free_weight(d, &d->hidden_norm);
-    free_weight(d, &d->norm);
-    if (d->be && d->inv_freq) d->be->ops->free(d->be, d->inv_freq);
+    free(d->ranks);
     if (d->files_open) kd_st_close(&d->files);
     free(d->cfg.window);
     kd_model *m = d->target;
@@ -405,6 +451,22 @@ static bool file_exists(const char *dir, const char *name) {
     return access(p, R_OK) == 0;
 }
 
+/* the widths split over the target's ranks (heads, KV heads, intermediate), or an error naming
+ * the field */
+static kd_status check_split(const char *dir, const kd_dcfg *c, int tp) {
+    char file[1100];
+    cfg_file(dir, file, sizeof file);
+    const struct { const char *field; int value; } w[] = {
+        {"num_attention_heads", c->n_heads}, {"num_key_value_heads", c->n_kv_heads},
+        {"intermediate_size", c->intermediate}};
+    for (size_t i = 0; i < sizeof w / sizeof *w; i++)
+        if (w[i].value % tp)
+            return kd_fail(KD_ERR_CONFIG, "%s: field '%s': %d does not split over the target's %d ranks (the "
+                           "drafter's attention splits by heads, its MLP by the intermediate dim)", file, w[i].field,
+                           w[i].value, tp);
+    return KD_OK;
+}
+
 kd_status kd_drafter_open(const char *dir, kd_model *target, kd_drafter **out) {
     if (!out) return kd_fail(KD_ERR_ARG, "kd_drafter_open: argument 'out' is NULL");
     *out = NULL;
@@ -412,37 +474,42 @@ kd_status kd_drafter_open(const char *dir, kd_model *target, kd_drafter **out) {
     kd_drafter *d = calloc(1, sizeof *d);
     if (!d) return kd_fail(KD_ERR_NOMEM, "kd_drafter_open(%s): cannot allocate the drafter", dir);
     snprintf(d->dir, sizeof d->dir, "%s", dir);
+    d->tp = 1;
     kd_status st = parse_config(dir, &d->cfg);
     if (st != KD_OK) goto fail;
-    d->layers = calloc((size_t)d->cfg.n_layers, sizeof *d->layers);
-    if (!d->layers) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %d layers", dir, d->cfg.n_layers); goto fail; }
     if (target) {
         st = check_target(dir, &d->cfg, target);
+        if (st == KD_OK) st = check_split(dir, &d->cfg, target->tp);
         if (st != KD_OK) goto fail;
+        d->tp = target->tp;
+    }
+    d->heads = d->cfg.n_heads / d->tp;
+    d->kv_heads = d->cfg.n_kv_heads / d->tp;
+    d->inter = d->cfg.intermediate / d->tp;
+    d->ranks = calloc((size_t)d->tp, sizeof *d->ranks);
+    if (!d->ranks) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %d ranks", dir, d->tp); goto fail; }
+    for (int r = 0; r < d->tp; r++) {
+        d->ranks[r].layers = calloc((size_t)d->cfg.n_layers, sizeof *d->ranks[r].layers);
+        if (!d->ranks[r].layers) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate %d layers", dir, d->cfg.n_layers); goto fail; }
+    }
+    if (target) {
         d->target = target;
         target->n_seqs++;                /* the target outlives its drafter (model.h) */
-        d->be = target->be;
         st = kd_st_open_dir(dir, true, &d->files);
         if (st != KD_OK) { kd_fail_context(st, "loading drafter %s", dir); goto fail; }
         d->files_open = true;
-        st = load_weights(d);
+        for (int r = 0; r < d->tp && st == KD_OK; r++) {
+            d->ranks[r].be = target->ranks[r].be;
+            st = load_weights(d, r);
+            if (st == KD_OK) st = load_rope(d, r);
+        }
         if (st != KD_OK) goto fail;
-        int half = d->cfg.head_dim / 2;
-        float *host = malloc((size_t)half * sizeof(float));
-        if (!host) { st = kd_fail(KD_ERR_NOMEM, "%s: cannot allocate RoPE table", dir); goto fail; }
-        kd_rope_params_inv_freq(&d->cfg.rope, d->cfg.head_dim, host);
-        st = d->be->ops->alloc(d->be, (size_t)half * sizeof(float), (void **)&d->inv_freq);
-        if (st == KD_OK) st = d->be->ops->upload(d->be, d->inv_freq, host, (size_t)half * sizeof(float));
-        free(host);
-        if (st != KD_OK) { kd_fail_context(st, "%s: RoPE table", dir); goto fail; }
-        d->rope = (kd_rope){.dim = d->cfg.head_dim, .interleaved = false, .attn_factor = (float)d->cfg.rope.amp,
-                            .inv_freq = d->inv_freq};
     } else if (file_exists(dir, "model.safetensors") || file_exists(dir, "model.safetensors.index.json")) {
         /* inspection only: validate names, dtypes and shapes from the headers, load nothing */
         st = kd_st_open_dir(dir, false, &d->files);
         if (st != KD_OK) { kd_fail_context(st, "inspecting drafter %s", dir); goto fail; }
         d->files_open = true;
-        st = load_weights(d);
+        st = load_weights(d, 0);
         if (st != KD_OK) goto fail;
     }
     *out = d;
@@ -490,28 +557,42 @@ static kd_act act_at(void *base, size_t *off, int rows, int cols, kd_dtype dt) {
     return a;
 }
 
+static size_t act_bytes(int rows, int cols, kd_dtype dt) {
+    return ((size_t)rows * cols * kd_dtype_size(dt) + 255) & ~(size_t)255;
+}
+
+/* rank r's buffers, and the target's tap features it keeps there */
+static void rank_state_free(kd_seq *s, int r) {
+    kd_draft_rank *k = &s->draft->rk[r];
+    kd_backend *be = s->model->ranks[r].be;
+    for (int i = 0; i < s->drafter->cfg.n_layers; i++) {
+        if (k->k && k->k[i].data) be->ops->free(be, k->k[i].data);
+        if (k->v && k->v[i].data) be->ops->free(be, k->v[i].data);
+    }
+    free(k->k);
+    free(k->v);
+    if (k->scratch) be->ops->free(be, k->scratch);
+    if (k->in) be->ops->free(be, k->in);
+    free(k->host_in);
+    if (k->shard.data) be->ops->free(be, k->shard.data);   /* all lies in the same buffer */
+    kd_seq_rank *S = &s->rk[r];
+    if (S->taps.data) be->ops->free(be, S->taps.data);
+    memset(&S->taps, 0, sizeof S->taps);
+}
+
 void kd_draft_state_free(kd_seq *s) {
     if (!s || !s->draft) return;
     kd_draft_state *ds = s->draft;
     kd_drafter *d = s->drafter;
     kd_backend *be = s->model->be;
     kd_graph_slot_drop(s->model, &ds->graph);     /* before the buffers it points at */
-    if (ds->k) for (int i = 0; i < d->cfg.n_layers; i++) if (ds->k[i].data) be->ops->free(be, ds->k[i].data);
-    if (ds->v) for (int i = 0; i < d->cfg.n_layers; i++) if (ds->v[i].data) be->ops->free(be, ds->v[i].data);
-    free(ds->k);
-    free(ds->v);
-    if (ds->scratch) be->ops->free(be, ds->scratch);
-    if (ds->in) be->ops->free(be, ds->in);
+    for (int r = 0; ds->rk && r < s->model->tp; r++) rank_state_free(s, r);
+    free(ds->rk);
     free(ds->host_in);
     if (ds->logprobs.data) be->ops->free(be, ds->logprobs.data);
     if (ds->argmax) be->ops->free(be, ds->argmax);
-    for (int r = 0; ds->head && r < s->model->tp; r++)
-        if (ds->head[r].buf) s->model->ranks[r].be->ops->free(s->model->ranks[r].be, ds->head[r].buf);
-    free(ds->head);
     free(ds);
     s->draft = NULL;
-    if (s->taps.data) be->ops->free(be, s->taps.data);
-    memset(&s->taps, 0, sizeof s->taps);
     s->drafter = NULL;
     if (d) {
         d->n_seqs--;
@@ -519,26 +600,73 @@ void kd_draft_state_free(kd_seq *s) {
     }
 }
 
-/* the head buffers of every rank (struct kd_draft_head) */
-static kd_status head_alloc(kd_seq *s) {
+/* rank r's state (struct kd_draft_rank) and its copy of the target's tap features, on its backend */
+static kd_status rank_state_alloc(kd_seq *s, int r) {
+    kd_drafter *d = s->drafter;
+    const kd_dcfg *c = &d->cfg;
     kd_model *m = s->model;
+    kd_backend *be = m->ranks[r].be;
     kd_draft_state *ds = s->draft;
-    int tp = m->tp, rows = s->drafter->cfg.block_size - 1, H = m->cfg.hidden, Vs = m->split.vocab;
-    ds->head = calloc((size_t)tp, sizeof *ds->head);
-    if (!ds->head) return kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: cannot allocate the head table");
-    for (int r = 0; r < tp; r++) {
-        kd_backend *be = m->ranks[r].be;
-        kd_draft_head *h = &ds->head[r];
-        size_t off = 0;
-        size_t bytes = (((size_t)(tp + 1) * rows * H * kd_dtype_size(be->act_dtype) + 255) & ~(size_t)255) +
-                       (((size_t)rows * Vs * sizeof(float) + 255) & ~(size_t)255) + (size_t)tp * rows * Vs * sizeof(float);
-        kd_status st = be->ops->alloc(be, bytes, &h->buf);
-        if (st != KD_OK)
-            return kd_fail_context(st, "kd_seq_attach_drafter: rank %d: the drafter's head buffers (%zu bytes)", r, bytes);
-        h->ys = act_at(h->buf, &off, (tp + 1) * rows, H, be->act_dtype);
-        h->shard = act_at(h->buf, &off, rows, Vs, KD_F32);
-        h->all = (float *)((char *)h->buf + off);
+    kd_draft_rank *k = &ds->rk[r];
+    kd_dtype dt = be->act_dtype;
+    kd_dtype pt = m->tp > 1 && kd_dtype_size(dt) < 4 ? KD_F32 : dt;   /* o: partial sums at tp > 1 */
+    int bs = c->block_size, H = c->hidden, kvd = d->kv_heads * c->head_dim, qd = d->heads * c->head_dim;
+    int ch = KD_DRAFT_CHUNK, nid = ds->nid, rows_kt = bs > ch ? bs : ch;
+    kd_status st;
+#define CK(expr, fmt, ...) do { st = (expr); if (st != KD_OK) \
+        return kd_fail_context(st, "kd_seq_attach_drafter: rank %d: " fmt, r, __VA_ARGS__); } while (0)
+    k->k = calloc((size_t)c->n_layers, sizeof(kd_act));
+    k->v = calloc((size_t)c->n_layers, sizeof(kd_act));
+    if (!k->k || !k->v) return kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: cannot allocate layer tables");
+    size_t rows = (size_t)ds->cap + bs, kv_bytes = rows * kvd * kd_dtype_size(dt);
+    for (int i = 0; i < c->n_layers; i++) {
+        CK(be->ops->alloc(be, kv_bytes, &k->k[i].data), "drafter K cache layer %d (%zu rows x %d)", i, rows, kvd);
+        CK(be->ops->alloc(be, kv_bytes, &k->v[i].data), "drafter V cache layer %d (%zu rows x %d)", i, rows, kvd);
+        k->k[i].rows = k->v[i].rows = (int)rows;
+        k->k[i].cols = k->v[i].cols = k->k[i].ld = k->v[i].ld = kvd;
+        k->k[i].dtype = k->v[i].dtype = dt;
     }
+    /* scratch: block activations (bs rows) and context fusion (chunk rows) */
+    size_t need = act_bytes(bs, H, dt) * 2 + act_bytes(bs, H, pt) + act_bytes(bs, qd, dt) * 2 +
+                  act_bytes(rows_kt, kvd, dt) + act_bytes(bs, d->inter, dt) + act_bytes(ch, H, dt) * 2 +
+                  act_bytes(bs, kvd, dt) * 2;
+    CK(be->ops->alloc(be, need, &k->scratch), "scratch (%zu bytes)", need);
+    size_t off = 0;
+    k->x = act_at(k->scratch, &off, bs, H, dt);
+    k->h = act_at(k->scratch, &off, bs, H, dt);
+    k->o = act_at(k->scratch, &off, bs, H, pt);
+    k->q = act_at(k->scratch, &off, bs, qd, dt);
+    k->att = act_at(k->scratch, &off, bs, qd, dt);
+    k->kt = act_at(k->scratch, &off, rows_kt, kvd, dt);
+    k->m = act_at(k->scratch, &off, bs, d->inter, dt);
+    k->f = act_at(k->scratch, &off, ch, H, dt);
+    k->fn = act_at(k->scratch, &off, ch, H, dt);
+    k->kn = act_at(k->scratch, &off, bs, kvd, dt);
+    k->vt = act_at(k->scratch, &off, bs, kvd, dt);
+    size_t in_ints = (size_t)in_pos(nid) + nid;
+    CK(be->ops->alloc(be, in_ints * sizeof(int32_t), (void **)&k->in), "draft inputs (%zu ints)", in_ints);
+    k->ids = k->in + IN_IDS;
+    k->pos = k->in + in_pos(nid);
+    k->host_in = calloc(in_ints, sizeof(int32_t));
+    if (!k->host_in) return kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: out of host memory for the input staging");
+    /* the target keeps its tap features here for the rows of each forward */
+    kd_act *taps = &s->rk[r].taps;
+    int tapc = c->n_taps * m->cfg.hidden;
+    CK(be->ops->alloc(be, (size_t)s->out_cap * tapc * kd_dtype_size(dt), &taps->data), "tap features (%d rows x %d)",
+       s->out_cap, tapc);
+    taps->rows = s->out_cap;
+    taps->cols = taps->ld = tapc;
+    taps->dtype = dt;
+    if (m->tp > 1) {
+        int lr = bs - 1, Vs = m->split.vocab;
+        size_t bytes = act_bytes(lr, Vs, KD_F32) + (size_t)m->tp * lr * Vs * sizeof(float);
+        CK(be->ops->alloc(be, bytes, &k->shard.data), "the logit shards (%zu bytes)", bytes);
+        k->shard.rows = lr;
+        k->shard.cols = k->shard.ld = Vs;
+        k->shard.dtype = KD_F32;
+        k->all = (float *)((char *)k->shard.data + act_bytes(lr, Vs, KD_F32));
+    }
+#undef CK
     return KD_OK;
 }
 
@@ -556,135 +684,109 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
         return kd_fail(KD_ERR_STATE, "kd_seq_attach_drafter: the sequence must be empty (len %d, pending %d): the "
                        "drafter's context must hold every committed token", s->len, s->pending);
     const kd_dcfg *c = &d->cfg;
-    kd_backend *be = s->model->be;
-    kd_dtype dt = be->act_dtype;
-    int bs = c->block_size, H = c->hidden, kvd = c->n_kv_heads * c->head_dim, qd = c->n_heads * c->head_dim;
-    int V = s->model->cfg.vocab;
-    int tapc = c->n_taps * s->model->cfg.hidden;
+    kd_model *m = s->model;
+    kd_backend *be = m->be;
+    int bs = c->block_size, V = m->cfg.vocab, ch = KD_DRAFT_CHUNK;
     kd_draft_state *ds = calloc(1, sizeof *ds);
     if (!ds) return kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: cannot allocate the drafter state");
     s->draft = ds;
     s->drafter = d;
     d->n_seqs++;
     ds->cap = s->capacity;
+    ds->nid = bs > ch ? bs : ch;
     kd_status st = KD_OK;
-    ds->k = calloc((size_t)c->n_layers, sizeof(kd_act));
-    ds->v = calloc((size_t)c->n_layers, sizeof(kd_act));
-    if (!ds->k || !ds->v) { st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: cannot allocate layer tables"); goto fail; }
-    size_t rows = (size_t)ds->cap + bs, kv_bytes = rows * kvd * kd_dtype_size(dt);
-    for (int i = 0; i < c->n_layers; i++) {
-        st = be->ops->alloc(be, kv_bytes, &ds->k[i].data);
-        if (st == KD_OK) st = be->ops->alloc(be, kv_bytes, &ds->v[i].data);
-        if (st != KD_OK) {
-            kd_fail_context(st, "kd_seq_attach_drafter: drafter K/V cache layer %d (%zu rows x %d)", i, rows, kvd);
-            goto fail;
-        }
-        ds->k[i].rows = ds->v[i].rows = (int)rows;
-        ds->k[i].cols = ds->v[i].cols = ds->k[i].ld = ds->v[i].ld = kvd;
-        ds->k[i].dtype = ds->v[i].dtype = dt;
-    }
-    /* scratch: block activations (bs rows) and context fusion (chunk rows) */
-    int ch = KD_DRAFT_CHUNK;
-    size_t need = 0, es = kd_dtype_size(dt);
-#define SZ(r, cc) (((size_t)(r) * (cc) * es + 255) & ~(size_t)255)
-    need += SZ(bs, H) * 3 + SZ(bs, qd) * 2 + SZ(bs > ch ? bs : ch, kvd) + SZ(bs, c->intermediate);
-    need += SZ(ch, H) * 2 + SZ(bs, kvd) * 2;
-#undef SZ
-    st = be->ops->alloc(be, need, &ds->scratch);
-    if (st != KD_OK) { kd_fail_context(st, "kd_seq_attach_drafter: scratch (%zu bytes)", need); goto fail; }
-    size_t off = 0;
-    ds->x = act_at(ds->scratch, &off, bs, H, dt);
-    ds->h = act_at(ds->scratch, &off, bs, H, dt);
-    ds->o = act_at(ds->scratch, &off, bs, H, dt);
-    ds->q = act_at(ds->scratch, &off, bs, qd, dt);
-    ds->att = act_at(ds->scratch, &off, bs, qd, dt);
-    ds->kt = act_at(ds->scratch, &off, bs > ch ? bs : ch, kvd, dt);
-    ds->m = act_at(ds->scratch, &off, bs, c->intermediate, dt);
-    ds->f = act_at(ds->scratch, &off, ch, H, dt);
-    ds->fn = act_at(ds->scratch, &off, ch, H, dt);
-    ds->kn = act_at(ds->scratch, &off, bs, kvd, dt);
-    ds->vt = act_at(ds->scratch, &off, bs, kvd, dt);
-    int nid = bs > ch ? bs : ch;
-    ds->nid = nid;
-    size_t in_ints = (size_t)in_pos(nid) + nid;
-    st = be->ops->alloc(be, in_ints * sizeof(int32_t), (void **)&ds->in);
-    if (st == KD_OK) st = be->ops->alloc(be, (size_t)(bs - 1) * V * sizeof(float), &ds->logprobs.data);
+    ds->rk = calloc((size_t)m->tp, sizeof *ds->rk);
+    ds->host_in = calloc((size_t)in_pos(ds->nid) + ds->nid, sizeof(int32_t));
+    if (!ds->rk || !ds->host_in) { st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: out of host memory"); goto fail; }
+    for (int r = 0; r < m->tp && st == KD_OK; r++) st = rank_state_alloc(s, r);
+    if (st != KD_OK) goto fail;
+    st = be->ops->alloc(be, (size_t)(bs - 1) * V * sizeof(float), &ds->logprobs.data);
     if (st == KD_OK) st = be->ops->alloc(be, (size_t)(bs - 1) * sizeof(int32_t), (void **)&ds->argmax);
     if (st != KD_OK) { kd_fail_context(st, "kd_seq_attach_drafter: draft buffers"); goto fail; }
-    ds->ids = ds->in + IN_IDS;
-    ds->pos = ds->in + in_pos(nid);
-    ds->host_in = calloc((size_t)in_pos(nid) + nid, sizeof(int32_t));
-    if (!ds->host_in) {
-        st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: out of host memory for the draft input staging");
-        goto fail;
-    }
-    if (s->model->tp > 1) {
-        st = head_alloc(s);
-        if (st != KD_OK) goto fail;
-    }
-    ds->graph_mode = kd_graphs_resolve(be, s->draft_graphs);
-    ds->graph_verbose = s->model->opt.graphs_verbose != 0;
+    /* at tp > 1 the draft pass runs eagerly on every rank, as the target's steps do */
+    ds->graph_mode = m->tp > 1 ? KD_GRAPHS_OFF : kd_graphs_resolve(be, s->draft_graphs);
+    ds->graph_verbose = m->opt.graphs_verbose != 0;
     ds->logprobs.rows = bs - 1;
     ds->logprobs.cols = ds->logprobs.ld = V;
     ds->logprobs.dtype = KD_F32;
-    /* the target keeps its tap features here for the rows of each forward */
-    if (s->taps.data && (s->taps.cols != tapc || s->taps.rows < s->out_cap)) {
-        be->ops->free(be, s->taps.data);
-        memset(&s->taps, 0, sizeof s->taps);
-    }
-    if (!s->taps.data) {
-        st = be->ops->alloc(be, (size_t)s->out_cap * tapc * es, &s->taps.data);
-        if (st != KD_OK) { kd_fail_context(st, "kd_seq_attach_drafter: tap features (%d rows x %d)", s->out_cap, tapc); goto fail; }
-        s->taps.rows = s->out_cap;
-        s->taps.cols = s->taps.ld = tapc;
-        s->taps.dtype = dt;
-    }
     return KD_OK;
 fail:
     kd_draft_state_free(s);
     return st;
 }
 
-/* project n feature rows into every layer's context K/V at positions p0..p0+n-1: the rows
- * pick[0..n) of `span` (a view of consecutive rows), or all of them in order (pick NULL). The
- * whole span goes through fc as one view and the picked rows are gathered after it: the fc
- * weight (n_taps x hidden x hidden, 616 MB at K2.6) is read once a window of accepted rows,
- * not once a run of adjacent ones. A row's bits do not depend on the others in the view. */
-static kd_status append_rows(kd_seq *s, kd_act span, const int32_t *pick, int n, int p0) {
+/* project n feature rows into every layer's context K/V (rank r's KV heads) at positions
+ * p0..p0+n-1: the rows pick[0..n) of `span` (a view of consecutive rows of its taps), or all of
+ * them in order (pick NULL). The whole span goes through fc as one view and the picked rows are
+ * gathered after it: the fc weight (n_taps x hidden x hidden, 616 MB at K2.6) is read once a
+ * window of accepted rows, not once a run of adjacent ones. A row's bits do not depend on the
+ * others in the view. */
+static kd_status append_rows(kd_seq *s, int r, kd_act span, const int32_t *pick, int n, int p0) {
     kd_drafter *d = s->drafter;
-    kd_draft_state *ds = s->draft;
-    kd_backend *be = s->model->be;
+    kd_draft_rank *k = &s->draft->rk[r];
+    const kd_drafter_rank *R = &d->ranks[r];
+    kd_backend *be = R->be;
     const kd_backend_ops *op = be->ops;
     const kd_dcfg *c = &d->cfg;
-    int kvh = c->n_kv_heads, hd = c->head_dim, ip = in_pos(ds->nid);
-    int32_t *h = ds->host_in;   /* positions (and picks) up in one copy, laid out as ds->in */
+    int kvh = d->kv_heads, hd = c->head_dim, ip = in_pos(s->draft->nid);
+    int32_t *h = k->host_in;   /* positions (and picks) up in one copy, laid out as k->in */
     for (int i = 0; i < n; i++) {
         h[ip + i] = p0 + i;
         if (pick) h[IN_IDS + i] = pick[i];
     }
-    if (pick) KD_TRY(op->upload(be, ds->ids, h + IN_IDS, (size_t)(ip + n - IN_IDS) * sizeof(int32_t)));
-    else KD_TRY(op->upload(be, ds->pos, h + ip, (size_t)n * sizeof(int32_t)));
-    kd_act f = kd_act_rows(ds->f, 0, span.rows), kt = kd_act_rows(ds->kt, 0, n), xn;   /* xn: the n normed rows */
-    KD_TRY(op->linear(be, span, &d->fc, f));
+    if (pick) KD_TRY(op->upload(be, k->ids, h + IN_IDS, (size_t)(ip + n - IN_IDS) * sizeof(int32_t)));
+    else KD_TRY(op->upload(be, k->pos, h + ip, (size_t)n * sizeof(int32_t)));
+    kd_act f = kd_act_rows(k->f, 0, span.rows), kt = kd_act_rows(k->kt, 0, n), xn;   /* xn: the n normed rows */
+    KD_TRY(op->linear(be, span, &R->fc, f));
     if (pick) {
-        kd_act g = kd_act_rows(ds->fn, 0, n);
-        KD_TRY(op->gather_rows(be, g, f, ds->ids, n));
-        xn = kd_act_rows(ds->f, 0, n);
-        KD_TRY(op->rmsnorm(be, g, &d->hidden_norm, c->eps, xn));
+        kd_act g = kd_act_rows(k->fn, 0, n);
+        KD_TRY(op->gather_rows(be, g, f, k->ids, n));
+        xn = kd_act_rows(k->f, 0, n);
+        KD_TRY(op->rmsnorm(be, g, &R->hidden_norm, c->eps, xn));
     } else {
-        xn = kd_act_rows(ds->fn, 0, n);
-        KD_TRY(op->rmsnorm(be, f, &d->hidden_norm, c->eps, xn));
+        xn = kd_act_rows(k->fn, 0, n);
+        KD_TRY(op->rmsnorm(be, f, &R->hidden_norm, c->eps, xn));
     }
     for (int l = 0; l < c->n_layers; l++) {
-        kd_dlayer *L = &d->layers[l];
-        kd_act kc = kd_act_rows(ds->k[l], p0, n), vc = kd_act_rows(ds->v[l], p0, n);
+        const kd_dlayer *L = &R->layers[l];
+        kd_act kc = kd_act_rows(k->k[l], p0, n), vc = kd_act_rows(k->v[l], p0, n);
         KD_TRY(op->linear(be, xn, &L->k_proj, kt));
         kd_act kt_h = {.data = kt.data, .rows = n * kvh, .cols = hd, .ld = hd, .dtype = kt.dtype};
         kd_act kc_h = {.data = kc.data, .rows = n * kvh, .cols = hd, .ld = hd, .dtype = kc.dtype};
         KD_TRY(op->rmsnorm(be, kt_h, &L->k_norm, c->eps, kc_h));
-        KD_TRY(op->rope(be, kc, kvh, hd, 0, ds->pos, &d->rope));
+        KD_TRY(op->rope(be, kc, kvh, hd, 0, k->pos, &R->rope));
         KD_TRY(op->linear(be, xn, &L->v_proj, vc));
     }
+    return KD_OK;
+}
+
+typedef struct append_job {
+    kd_seq *s;
+    const int32_t *rows;   /* NULL: rows 0..n-1 */
+    int n;
+} append_job;
+
+/* rank r's part of kd_draft_context_append: windows of increasing rows within KD_DRAFT_CHUNK of
+ * their first (an accepted path is one window; a window of adjacent rows needs no gather), from
+ * its own copy of the tap features, at positions ctx_len.. */
+static kd_status append_rank(void *ctx, int r) {
+    const append_job *j = ctx;
+    kd_seq *s = j->s;
+    kd_act taps = s->rk[r].taps;
+#define ROW(k) (j->rows ? j->rows[k] : (k))
+    int i = 0, p0 = s->draft->ctx_len;
+    while (i < j->n) {
+        int r0 = ROW(i), e = i + 1;
+        while (e < j->n && ROW(e) > ROW(e - 1) && ROW(e) - r0 < KD_DRAFT_CHUNK) e++;
+        int cnt = e - i, span = ROW(e - 1) - r0 + 1;
+        int32_t pick[KD_DRAFT_CHUNK];
+        for (int q = 0; q < cnt; q++) pick[q] = ROW(i + q) - r0;
+        kd_status st = append_rows(s, r, kd_act_rows(taps, r0, span), span == cnt ? NULL : pick, cnt, p0);
+        if (st != KD_OK) return kd_fail_context(st, "drafter context append (rows %d..%d)", r0, ROW(e - 1));
+        p0 += cnt;
+        i = e;
+    }
+#undef ROW
     return KD_OK;
 }
 
@@ -698,32 +800,16 @@ kd_status kd_draft_context_append(kd_seq *s, const int32_t *rows, int n) {
                        "sequence capacity %d", ds->ctx_len, n, ds->cap);
     for (int i = 0; i < n; i++) {
         int r = rows ? rows[i] : i;
-        if (r < 0 || r >= s->out_rows || r >= s->taps.rows)
+        if (r < 0 || r >= s->out_rows || r >= s->rk[0].taps.rows)
             return kd_fail(KD_ERR_ARG, "kd_draft_context_append: rows[%d] = %d is outside the last forward's "
                            "%d rows", i, r, s->out_rows);
     }
-    /* windows of increasing rows within KD_DRAFT_CHUNK of their first (an accepted path is
-     * one window); a window of adjacent rows needs no gather */
-#define ROW(k) (rows ? rows[k] : (k))
-    const int ctx0 = ds->ctx_len;
-    int i = 0;
-    while (i < n) {
-        int r0 = ROW(i), j = i + 1;
-        while (j < n && ROW(j) > ROW(j - 1) && ROW(j) - r0 < KD_DRAFT_CHUNK) j++;
-        int cnt = j - i, span = ROW(j - 1) - r0 + 1;
-        int32_t pick[KD_DRAFT_CHUNK];
-        for (int k = 0; k < cnt; k++) pick[k] = ROW(i + k) - r0;
-        kd_status st = append_rows(s, kd_act_rows(s->taps, r0, span), span == cnt ? NULL : pick, cnt, ds->ctx_len);
-        if (st != KD_OK) {
-            /* the windows already appended go too: all rows or none. Not kd_draft_context_truncate,
-             * which drops the pending draft: the context is as it was, so the draft still holds */
-            ds->ctx_len = ctx0;
-            return kd_fail_context(st, "drafter context append (rows %d..%d)", r0, ROW(j - 1));
-        }
-        ds->ctx_len += cnt;
-        i = j;
-    }
-#undef ROW
+    /* all rows or none: on a failure the context keeps its length (the rows written past it are
+     * not part of it); not kd_draft_context_truncate, which drops the pending draft: the context
+     * is as it was, so the draft still holds */
+    append_job job = {s, rows, n};
+    KD_TRY(kd_ranks_run(s->model, append_rank, &job));
+    ds->ctx_len += n;
     if (n > 0) ds->have_logprobs = false;   /* the context grew: the last draft was for a shorter one */
     return KD_OK;
 }
@@ -739,111 +825,112 @@ kd_status kd_draft_context_truncate(kd_seq *s, int len) {
     return KD_OK;
 }
 
-/* the draft pass over the block whose ids and positions are in ds->ids / ds->pos: the layers,
- * then the log-probs of rows 1..bs-1 into ds->logprobs. d_len NULL: the context length is the
- * host's p0 (the block's K/V written straight into cache rows p0..); else the device int32
- * holding it (graph modes; see the top of the file). Enqueues backend ops only. */
-static kd_status draft_body(kd_seq *s, int p0, const int32_t *d_len) {
+/* rank r's draft pass over the block whose ids and positions are in its ids / pos: the layers
+ * over its heads and its part of the MLP (at tp > 1 the all-reduce completes o_proj's and down's
+ * partial sums, as in the target's forward), the final norm of rows 1..bs-1 (the MASK positions),
+ * then the log-probs into ds->logprobs: at tp 1 through the whole lm_head; at tp > 1 each rank
+ * multiplies by its vocabulary shard, an all-gather brings every shard to every rank, and rank 0
+ * lays them side by side and takes log_softmax (no rank holds the whole head). d_len NULL: the
+ * context length is the host's p0 (the block's K/V written straight into cache rows p0..); else
+ * the device int32 holding it (graph modes, tp 1; see the top of the file). Enqueues backend ops
+ * and the collectives only. */
+static kd_status draft_body(kd_seq *s, int r, int p0, const int32_t *d_len) {
     kd_drafter *d = s->drafter;
     kd_draft_state *ds = s->draft;
+    kd_draft_rank *k = &ds->rk[r];
+    const kd_drafter_rank *R = &d->ranks[r];
     kd_model *m = s->model;
-    kd_backend *be = m->be;
+    kd_comm *cm = m->comm;
+    kd_backend *be = R->be;
     const kd_backend_ops *op = be->ops;
     const kd_dcfg *c = &d->cfg;
-    int bs = c->block_size, nh = c->n_heads, kvh = c->n_kv_heads, hd = c->head_dim;
+    int bs = c->block_size, nh = d->heads, kvh = d->kv_heads, hd = c->head_dim;
     kd_status st;
 #define T(expr, what) do { st = (expr); if (st != KD_OK) return kd_fail_context(st, "kd_draft: %s", what); } while (0)
-    T(op->embed(be, &m->ranks[0].embed, ds->ids, ds->x), "embed (target table)");
-    kd_act qh = {.data = ds->q.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = ds->q.dtype};
-    kd_act kt = kd_act_rows(ds->kt, 0, bs);
+    T(op->embed(be, &m->ranks[r].embed, k->ids, k->x), "embed (target table)");
+    kd_act qh = {.data = k->q.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = k->q.dtype};
+    kd_act kt = kd_act_rows(k->kt, 0, bs);
     kd_act kt_h = {.data = kt.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = kt.dtype};
-    kd_act kn_h = {.data = ds->kn.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = ds->kn.dtype};
+    kd_act kn_h = {.data = k->kn.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = k->kn.dtype};
     float scale = 1.0f / sqrtf((float)hd);
     /* each residual add computes the next normed input with it (add_rmsnorm), except the last
      * layer's: the final norm covers the MASK rows only */
-    T(op->rmsnorm(be, ds->x, &d->layers[0].attn_norm, c->eps, ds->h), "input_layernorm");
+    T(op->rmsnorm(be, k->x, &R->layers[0].attn_norm, c->eps, k->h), "input_layernorm");
     for (int l = 0; l < c->n_layers; l++) {
-        kd_dlayer *L = &d->layers[l];
+        const kd_dlayer *L = &R->layers[l];
         /* q: per-head q_norm then RoPE (att is free scratch of the same shape until attention) */
-        T(op->linear(be, ds->h, &L->q_proj, ds->att), "q_proj");
-        kd_act att_h = {.data = ds->att.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = ds->att.dtype};
+        T(op->linear(be, k->h, &L->q_proj, k->att), "q_proj");
+        kd_act att_h = {.data = k->att.data, .rows = bs * nh, .cols = hd, .ld = hd, .dtype = k->att.dtype};
         T(op->rmsnorm(be, att_h, &L->q_norm, c->eps, qh), "q_norm");
-        T(op->rope(be, ds->q, nh, hd, 0, ds->pos, &d->rope), "rope q");
+        T(op->rope(be, k->q, nh, hd, 0, k->pos, &R->rope), "rope q");
         /* the block's K/V go to rows [p0, p0+bs) of the cache, after the committed context */
-        T(op->linear(be, ds->h, &L->k_proj, kt), "k_proj");
+        T(op->linear(be, k->h, &L->k_proj, kt), "k_proj");
         if (d_len) {
             /* finished in scratch, stored at rows *d_len..; attention reads the length itself */
             T(op->rmsnorm(be, kt_h, &L->k_norm, c->eps, kn_h), "k_norm");
-            T(op->rope(be, ds->kn, kvh, hd, 0, ds->pos, &d->rope), "rope k");
-            T(op->store_rows_at(be, ds->k[l], d_len, ds->kn), "store k");
-            T(op->linear(be, ds->h, &L->v_proj, ds->vt), "v_proj");
-            T(op->store_rows_at(be, ds->v[l], d_len, ds->vt), "store v");
-            T(op->attention_at(be, ds->q, nh, hd, ds->k[l], ds->v[l], kvh, d_len, false, NULL, c->window[l], scale,
-                               ds->att), "attention");
+            T(op->rope(be, k->kn, kvh, hd, 0, k->pos, &R->rope), "rope k");
+            T(op->store_rows_at(be, k->k[l], d_len, k->kn), "store k");
+            T(op->linear(be, k->h, &L->v_proj, k->vt), "v_proj");
+            T(op->store_rows_at(be, k->v[l], d_len, k->vt), "store v");
+            T(op->attention_at(be, k->q, nh, hd, k->k[l], k->v[l], kvh, d_len, false, NULL, c->window[l], scale,
+                               k->att), "attention");
         } else {
-            kd_act kc = kd_act_rows(ds->k[l], p0, bs), vc = kd_act_rows(ds->v[l], p0, bs);
+            kd_act kc = kd_act_rows(k->k[l], p0, bs), vc = kd_act_rows(k->v[l], p0, bs);
             kd_act kc_h = {.data = kc.data, .rows = bs * kvh, .cols = hd, .ld = hd, .dtype = kc.dtype};
             T(op->rmsnorm(be, kt_h, &L->k_norm, c->eps, kc_h), "k_norm");
-            T(op->rope(be, kc, kvh, hd, 0, ds->pos, &d->rope), "rope k");
-            T(op->linear(be, ds->h, &L->v_proj, vc), "v_proj");
-            kd_act keys = kd_act_rows(ds->k[l], 0, p0 + bs), vals = kd_act_rows(ds->v[l], 0, p0 + bs);
-            T(op->attention(be, ds->q, nh, hd, keys, vals, kvh, p0, false, NULL, c->window[l], scale, ds->att),
+            T(op->rope(be, kc, kvh, hd, 0, k->pos, &R->rope), "rope k");
+            T(op->linear(be, k->h, &L->v_proj, vc), "v_proj");
+            kd_act keys = kd_act_rows(k->k[l], 0, p0 + bs), vals = kd_act_rows(k->v[l], 0, p0 + bs);
+            T(op->attention(be, k->q, nh, hd, keys, vals, kvh, p0, false, NULL, c->window[l], scale, k->att),
               "attention");
         }
-        T(op->linear(be, ds->att, &L->o_proj, ds->o), "o_proj");
-        T(op->add_rmsnorm(be, ds->x, ds->o, &L->ffn_norm, c->eps, ds->h), "residual + post_attention_layernorm");
-        T(op->linear_swiglu(be, ds->h, &L->gate, &L->up, ds->m), "gate_proj + up_proj + swiglu");
-        T(op->linear(be, ds->m, &L->down, ds->o), "down_proj");
+        T(op->linear(be, k->att, &L->o_proj, k->o), "o_proj");
+        if (cm) T(cm->ops->all_reduce_sum(cm, r, be, k->o), "o_proj: the ranks' sum");
+        T(op->add_rmsnorm(be, k->x, k->o, &L->ffn_norm, c->eps, k->h), "residual + post_attention_layernorm");
+        T(op->linear_swiglu(be, k->h, &L->gate, &L->up, k->m), "gate_proj + up_proj + swiglu");
+        T(op->linear(be, k->m, &L->down, k->o), "down_proj");
+        if (cm) T(cm->ops->all_reduce_sum(cm, r, be, k->o), "down_proj: the ranks' sum");
         if (l + 1 < c->n_layers)
-            T(op->add_rmsnorm(be, ds->x, ds->o, &d->layers[l + 1].attn_norm, c->eps, ds->h),
+            T(op->add_rmsnorm(be, k->x, k->o, &R->layers[l + 1].attn_norm, c->eps, k->h),
               "residual + input_layernorm");
         else
-            T(op->add(be, ds->x, ds->o), "residual");
+            T(op->add(be, k->x, k->o), "residual");
     }
-    /* rows 1..bs-1 (the MASK positions) -> norm -> target lm_head -> log_softmax (tp > 1: the head
-     * runs after this, over the ranks' shards: draft_head) */
-    kd_act y = kd_act_rows(ds->h, 0, bs - 1);
-    T(op->rmsnorm(be, kd_act_rows(ds->x, 1, bs - 1), &d->norm, c->eps, y), "norm");
-    if (m->tp > 1) return KD_OK;
-    T(op->linear(be, y, &m->ranks[0].lm_head, ds->logprobs), "lm_head (target)");
+    kd_act y = kd_act_rows(k->h, 0, bs - 1);
+    T(op->rmsnorm(be, kd_act_rows(k->x, 1, bs - 1), &R->norm, c->eps, y), "norm");
+    if (!cm) {
+        T(op->linear(be, y, &m->ranks[0].lm_head, ds->logprobs), "lm_head (target)");
+    } else {
+        int rows = bs - 1, Vs = m->split.vocab;
+        T(op->linear(be, y, &m->ranks[r].lm_head, k->shard), "lm_head (target, this rank's vocabulary shard)");
+        T(cm->ops->all_gather(cm, r, be, k->shard.data, k->all, (size_t)rows * Vs * sizeof(float)),
+          "the logit shards to every rank");
+        if (r != 0) return KD_OK;
+        for (int j = 0; j < m->tp; j++) {
+            kd_act sh = {.data = k->all + (size_t)j * rows * Vs, .rows = rows, .cols = Vs, .ld = Vs, .dtype = KD_F32};
+            T(op->copy(be, kd_act_cols(ds->logprobs, j * Vs, Vs), sh), "the logit shards side by side");
+        }
+    }
     T(op->log_softmax(be, ds->logprobs), "log_softmax");
 #undef T
     return KD_OK;
 }
 
-/* rank r's part of the head at tp > 1: y (rank 0's normed rows, ds->h) to every rank by an
- * all-gather, its vocabulary shard of the logits, every shard to every rank by a second one; rank 0
- * lays the shards side by side into ds->logprobs and takes log_softmax. Each rank reads only its
- * 1/tp of the lm_head, and no rank holds the whole of it. */
-static kd_status draft_head(void *ctx, int r) {
-    kd_seq *s = ctx;
-    kd_model *m = s->model;
-    kd_draft_state *ds = s->draft;
-    const kd_draft_head *h = &ds->head[r];
-    kd_backend *be = m->ranks[r].be;
-    kd_comm *c = m->comm;
-    int rows = ds->logprobs.rows, H = m->cfg.hidden, Vs = m->split.vocab;
-    size_t ybytes = (size_t)rows * H * kd_dtype_size(be->act_dtype), sbytes = (size_t)rows * Vs * sizeof(float);
-    const void *ysrc = r == 0 ? ds->h.data : (const char *)h->ys.data + (size_t)m->tp * ybytes;
-    kd_status st;
-#define T(expr, what) do { st = (expr); if (st != KD_OK) return kd_fail_context(st, "kd_draft: rank %d: %s", r, what); } while (0)
-    T(c->ops->all_gather(c, r, be, ysrc, h->ys.data, ybytes), "the normed rows to every rank");
-    T(be->ops->linear(be, kd_act_rows(h->ys, 0, rows), &m->ranks[r].lm_head, h->shard), "lm_head (target, its shard)");
-    T(c->ops->all_gather(c, r, be, h->shard.data, h->all, sbytes), "the logit shards to every rank");
-    if (r != 0) return KD_OK;
-    for (int j = 0; j < m->tp; j++) {
-        kd_act shard = {.data = h->all + (size_t)j * rows * Vs, .rows = rows, .cols = Vs, .ld = Vs, .dtype = KD_F32};
-        T(be->ops->copy(be, kd_act_cols(ds->logprobs, j * Vs, Vs), shard), "the logit shards side by side");
-    }
-    T(be->ops->log_softmax(be, ds->logprobs), "log_softmax");
-#undef T
-    return KD_OK;
-}
-
-/* draft_body on the device-length path, as a kd_graph_body */
+/* draft_body on the device-length path, as a kd_graph_body (tp 1) */
 static kd_status draft_body_at(void *ctx) {
     kd_seq *s = ctx;
-    return draft_body(s, 0, s->draft->in + IN_DLEN);
+    return draft_body(s, 0, 0, s->draft->rk[0].in + IN_DLEN);
+}
+
+/* rank r's draft pass at tp > 1: its inputs up from the host staging, then the body */
+static kd_status draft_rank(void *ctx, int r) {
+    kd_seq *s = ctx;
+    kd_draft_state *ds = s->draft;
+    kd_backend *be = s->model->ranks[r].be;
+    size_t n = (size_t)in_pos(ds->nid) + s->drafter->cfg.block_size;
+    kd_status st = be->ops->upload(be, ds->rk[r].in, ds->host_in, n * sizeof(int32_t));
+    if (st != KD_OK) return kd_fail_context(st, "kd_draft: rank %d: upload inputs", r);
+    return draft_body(s, r, ds->ctx_len, NULL);
 }
 
 kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst) {
@@ -863,19 +950,23 @@ kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst) {
     ds->have_logprobs = false;
     kd_status st;
 #define T(expr, what) do { st = (expr); if (st != KD_OK) return kd_fail_context(st, "kd_draft: %s", what); } while (0)
-    /* the length, the block [bonus, MASK x (bs-1)] and its positions up in one copy */
+    /* the length, the block [bonus, MASK x (bs-1)] and its positions, staged once and sent up in
+     * one copy a rank */
     int32_t *h = ds->host_in;
     h[IN_DLEN] = p0;
     for (int i = 0; i < bs; i++) { h[IN_IDS + i] = i ? c->mask_token_id : bonus; h[ip + i] = p0 + i; }
-    T(be->ops->upload(be, ds->in, h, (size_t)(ip + bs) * sizeof(int32_t)), "upload inputs");
-    if (ds->graph_mode == KD_GRAPHS_CAPTURE) {
-        char what[64];
-        if (ds->graph_verbose) snprintf(what, sizeof what, "draft pass (%d rows)", bs);
-        KD_TRY(kd_graph_run(m, &ds->graph, draft_body_at, s, ds->graph_verbose ? what : NULL));
-    } else {             /* off: the host-length path; eager: the device-length path, not captured */
-        KD_TRY(draft_body(s, p0, ds->graph_mode == KD_GRAPHS_EAGER ? ds->in + IN_DLEN : NULL));
+    if (m->tp > 1) {
+        KD_TRY(kd_ranks_run(m, draft_rank, s));
+    } else {
+        T(be->ops->upload(be, ds->rk[0].in, h, (size_t)(ip + bs) * sizeof(int32_t)), "upload inputs");
+        if (ds->graph_mode == KD_GRAPHS_CAPTURE) {
+            char what[64];
+            if (ds->graph_verbose) snprintf(what, sizeof what, "draft pass (%d rows)", bs);
+            KD_TRY(kd_graph_run(m, &ds->graph, draft_body_at, s, ds->graph_verbose ? what : NULL));
+        } else {         /* off: the host-length path; eager: the device-length path, not captured */
+            KD_TRY(draft_body(s, 0, p0, ds->graph_mode == KD_GRAPHS_EAGER ? ds->rk[0].in + IN_DLEN : NULL));
+        }
     }
-    if (m->tp > 1) KD_TRY(kd_ranks_run(m, draft_head, s));
     if (logprobs_dst)
         T(be->ops->download(be, logprobs_dst, ds->logprobs.data, (size_t)(bs - 1) * V * sizeof(float)), "download");
 #undef T

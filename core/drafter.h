@@ -1,15 +1,16 @@
 /* drafter.h: the DFlash drafter's contract with the rest of the core.
  * The target forward keeps tap features (outputs of the drafter's target_layer_ids)
- * in s->taps for the rows it processed; committed rows are handed to the drafter
- * with kd_draft_context_append, which projects them (fc, hidden_norm, each layer's
- * k_proj/v_proj, k_norm, RoPE) into the drafter's per-sequence K/V cache at once. */
+ * in each rank's s->rk[r].taps for the rows it processed; committed rows are handed to the
+ * drafter with kd_draft_context_append, which projects them (fc, hidden_norm, each layer's
+ * k_proj/v_proj, k_norm, RoPE) into the drafter's per-sequence K/V cache at once (each rank
+ * its KV heads). */
 #ifndef KD_DRAFTER_H
 #define KD_DRAFTER_H
 #include "model.h"
 
 /* the target layers whose outputs the drafter reads, in config order */
 int kd_drafter_taps(const struct kd_drafter *d, const int **taps);
-/* rows[i] of s->taps (the last forward; rows NULL: rows 0..n-1) join the drafter context, in
+/* rows[i] of the taps (the last forward; rows NULL: rows 0..n-1) join the drafter context, in
  * order; their positions continue the context (context length before the call + i). On an
  * error the context is as it was. */
 kd_status kd_draft_context_append(kd_seq *s, const int32_t *rows, int n);

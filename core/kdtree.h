@@ -316,8 +316,8 @@ typedef struct kd_memory_report {
 } kd_memory_report;
 kd_status kd_model_memory(const kd_model *m, kd_memory_report *out);   /* rank 0's device */
 /* one rank's device (0..tp-1): its weight shares, the sequences' replicated KV and per-rank
- * buffers, its backend's workspace and device figures; drafters (but for their head's buffers,
- * on every rank) and trees live on rank 0 */
+ * buffers, its part of the drafters, its backend's workspace and device figures; trees live on
+ * rank 0 */
 kd_status kd_model_memory_rank(const kd_model *m, int rank, kd_memory_report *out);
 
 #ifdef __cplusplus

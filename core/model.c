@@ -19,7 +19,7 @@
  * then logits = lm_head(rmsnorm(x; norm)). mlp(h) = down(silu(gate h) * up h). Each residual
  * add and the norm after it are one backend op (add_rmsnorm).
  * After layer l, when a drafter is attached and l is one of its taps, x (the residual
- * stream, HF hidden_states[l+1]) is copied into s->taps for the drafter.
+ * stream, HF hidden_states[l+1]) is copied into the rank's taps (s->rk[r].taps) for the drafter.
  *
  * A causal forward longer than the sequence's out_cap rows runs in chunks (each
  * commits before the next); only the last chunk computes logits, so the output rows
@@ -222,16 +222,16 @@ static kd_status ffn_block(const rank_fwd *f, int l, kd_act h, kd_act x, const k
     return add_reduced(f, t1, x, next, h);
 }
 
-/* keep x (the output of layer l) for the drafter when l is one of its taps (rank 0, where the
- * drafter runs: x is the same on every rank) */
+/* keep x (the output of layer l) for the drafter when l is one of its taps (each rank for its
+ * part of the drafter: x is the same on every rank) */
 static kd_status keep_taps(const rank_fwd *f, int l, kd_act x) {
     kd_seq *s = f->s;
-    if (f->r != 0 || !s->drafter || !s->taps.data) return KD_OK;
+    if (!s->drafter || !f->S->taps.data) return KD_OK;
     const int *taps = NULL;
     int n = kd_drafter_taps(s->drafter, &taps), D = s->model->cfg.hidden;
     for (int j = 0; j < n; j++)
         if (taps[j] == l) {
-            kd_act dst = kd_act_cols(kd_act_rows(s->taps, 0, x.rows), j * D, D);
+            kd_act dst = kd_act_cols(kd_act_rows(f->S->taps, 0, x.rows), j * D, D);
             KD_TRY(f->be->ops->copy(f->be, dst, x));
         }
     return KD_OK;
@@ -335,7 +335,7 @@ void kd_seq_graphs_free(kd_seq *s) {
 /* the entry of a step shape: found, or a fresh (or least recently used) slot */
 static kd_graph_entry *graph_entry(kd_seq *s, int T, bool masked) {
     kd_seq_graphs *g = s->graphs;
-    const void *taps = s->taps.data, *drafter = s->drafter;
+    const void *taps = s->rk[0].taps.data, *drafter = s->drafter;
     kd_graph_entry *victim = NULL;
     for (int i = 0; i < KD_GRAPH_SLOTS; i++) {
         kd_graph_entry *e = &g->e[i];

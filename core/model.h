@@ -120,6 +120,8 @@ typedef struct kd_draft_state kd_draft_state;   /* the drafter's per-sequence st
 typedef struct kd_seq_rank {
     kd_act *cache;                 /* n_layers */
     kd_act logits;                 /* [out_cap, vocab/tp] f32: vocab ids [rank * vocab/tp, ...) */
+    kd_act taps;                   /* [out_cap, n_taps*hidden] act dtype (when a drafter is attached): the
+                                      drafter's tap features, kept by every rank for its part of it */
     void *scratch;                 /* the forward's plan for out_cap rows (forward.h) */
 } kd_seq_rank;
 
@@ -129,7 +131,6 @@ struct kd_seq {
     kd_seq_rank *rk;               /* [model->tp] */
     /* outputs of the last forward */
     int out_rows, out_cap;
-    kd_act taps;                   /* [out_cap, n_taps*hidden] act dtype on rank 0 (when a drafter is attached) */
     int32_t *out_positions;        /* host copy of the positions of the last forward */
     size_t scratch_bytes;          /* each rank's */
     /* DDTree round state */
