@@ -141,13 +141,13 @@ static void plan_from(const kd_config *c, int tp, uint64_t device_bytes, int cap
              gb(o->weights_total), gb(o->kv_cache), capacity, gb(o->logits + o->scratch), gb(o->workspace));
     if (device_bytes == 0) {
         o->fits = -1;
-        snprintf(o->message, sizeof o->message, "rank 0 of %d (the largest) needs %llu bytes (%.2f GB: %s); no device size "
+        snprintf(o->message, sizeof o->message, "each of %d ranks needs %llu bytes (%.2f GB: %s); no device size "
                  "given, not checked", tp, (unsigned long long)o->total, gb(o->total), parts);
         return;
     }
     o->fits = o->total + o->margin <= device_bytes;
     if (!o->fits) {
-        snprintf(o->message, sizeof o->message, "rank 0 of %d needs %llu bytes (%.2f GB: %s) + a %.2f GB margin, but "
+        snprintf(o->message, sizeof o->message, "each of %d ranks needs %llu bytes (%.2f GB: %s) + a %.2f GB margin, but "
                  "the device has %llu bytes (%.2f GB)", tp, (unsigned long long)o->total, gb(o->total), parts,
                  gb(o->margin), (unsigned long long)device_bytes, gb(device_bytes));
         return;
@@ -166,7 +166,7 @@ static void plan_from(const kd_config *c, int tp, uint64_t device_bytes, int cap
     } else {
         o->max_capacity = hi;
     }
-    snprintf(o->message, sizeof o->message, "fits: rank 0 of %d (the largest) needs %llu bytes (%.2f GB: %s), plus a "
+    snprintf(o->message, sizeof o->message, "fits: each of %d ranks needs %llu bytes (%.2f GB: %s), plus a "
              "%.2f GB margin, within %.2f GB; one sequence of up to %llu tokens fits%s", tp, (unsigned long long)o->total,
              gb(o->total), parts, gb(o->margin), gb(device_bytes), (unsigned long long)o->max_capacity,
              o->max_capacity == (uint64_t)c->max_positions ? " (max_position_embeddings)" : "");

@@ -142,10 +142,13 @@ local function check_projection(rc, out, md, tp)
   assert.is_truthy(md:find("Checks failed: 0.", 1, true), md)
   assert.is_nil(md:find("FAIL", 1, true), md)
   -- the plan before building, and the built weights equal to it
-  assert.is_truthy(md:find("rank 0 of " .. tp .. " (the largest) needs", 1, true), md)
+  assert.is_truthy(md:find("each of " .. tp .. " ranks needs", 1, true), md)
   assert.is_truthy(md:find("%- ok: weights built (%d+) bytes %(kd_model_memory%), the plan's rank %1 bytes"), md)
   assert.is_truthy(md:find("2 of 4 heads, lm_head 512 of 1024 vocab rows", 1, true), md)
   assert.is_truthy(md:find("### PROJECTION: " .. tp .. " GPUs in tensor parallel", 1, true))
+  -- a rank's share of the drafter (its heads, KV heads and MLP part; its lm_head rows): the draft rows
+  assert.is_truthy(md:find("### The draft pass (DFlash), tiny (models/tiny-k2.6-dflash dims), rank dims of TP-" .. tp, 1,
+    true), md)
   local rows = 0
   for step, ctx, T, ms, est in md:gmatch("\n| ([%w =]+) | (%d+) | (%d+) | ([%d.]+) | %d+ | %d+/%d+ | [^|]+ | [^|]+ | [^|]+ | ([%d.]+) %a+/s |") do
     rows = rows + 1

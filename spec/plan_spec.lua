@@ -123,7 +123,7 @@ describe("kd_plan", function()
   it("K2.6 fits one H200 (141 GB) and one RTX PRO 6000 (96 GB) at tp 8, not at tp 2 or 4", function()
     local p8 = kd.plan(K26CFG, { tp = 8, device_bytes = 141 * GB })
     assert.is_true(p8.fits)
-    assert.truthy(p8.message:find("fits: rank 0 of 8 (the largest) needs", 1, true), p8.message)
+    assert.truthy(p8.message:find("fits: each of 8 ranks needs", 1, true), p8.message)
     local pro = kd.plan(K26CFG, { tp = 8, device_bytes = 96 * GB, capacity = 32768 })
     assert.is_true(pro.fits)
     -- the longest sequence: it fits and one token more does not; its KV is what the device has
@@ -138,7 +138,7 @@ describe("kd_plan", function()
       local p = kd.plan(K26CFG, { tp = tp, device_bytes = 141 * GB })
       assert.is_false(p.fits)
       assert.is_true(p.total > 141 * GB)
-      for _, needle in ipairs({ "rank 0 of " .. tp, string.format("%.0f bytes", p.total), "141000000000 bytes" }) do
+      for _, needle in ipairs({ "each of " .. tp .. " ranks", string.format("%.0f bytes", p.total), "141000000000 bytes" }) do
         assert.truthy(p.message:find(needle, 1, true), needle .. " in " .. p.message)
       end
     end
@@ -194,15 +194,15 @@ describe("kdtree inspect --tp", function()
     local p = kd.plan(K26CFG, { tp = 8, device_bytes = 141 * GB, capacity = 32768 })
     local rc, out = run("--tp 8")
     assert.are.equal(0, rc, out)
-    for _, needle in ipairs({ "per-GPU plan: tp 8", "routed experts", "kv cache", "workspace", "fits: rank 0 of 8",
+    for _, needle in ipairs({ "per-GPU plan: tp 8", "routed experts", "kv cache", "workspace", "fits: each of 8 ranks",
       (string.format("%.0f", p.total):reverse():gsub("(%d%d%d)", "%1 "):reverse():gsub("^ ", "")) }) do
       assert.truthy(out:find(needle, 1, true), needle .. " in\n" .. out)
     end
     rc, out = run("--tp 4 --gpu-mem 141")
     assert.are.equal(0, rc, out)
-    assert.truthy(out:find("DOES NOT FIT: rank 0 of 4", 1, true), out)
+    assert.truthy(out:find("DOES NOT FIT: each of 4 ranks", 1, true), out)
     rc, out = run("--tp 8 --gpu-mem 96 --capacity 400000")
-    assert.truthy(out:find("DOES NOT FIT: rank 0 of 8", 1, true), out)
+    assert.truthy(out:find("DOES NOT FIT: each of 8 ranks", 1, true), out)
     rc, out = run("--tp 3")
     assert.are.equal(1, rc, out)
     assert.truthy(out:find("num_attention_heads", 1, true), out)

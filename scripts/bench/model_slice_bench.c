@@ -1170,6 +1170,8 @@ static void fill_cache(kd_seq *s, int rows) {
  * shared/reference/multi_gpu.md, the upper ends of "1-8 tokens about 6-8 us, 16-64 tokens 9-17 us". */
 static double ref_allreduce_us(int T) { return T <= 8 ? 8.0 : 17.0; }
 
+#include "slice_draft.c"   /* the draft pass at the drafter's dims: draft_rows */
+
 /* median ms of the timed steps of st on s (2 warm-up steps first: in graph mode an eager one and
  * the capture); *replayed: timed steps that called no backend op */
 static double time_steps(kd_seq *s, const step *st, const opts *o, int *n_out, int *replayed) {
@@ -1325,11 +1327,22 @@ static void projection(const opts *o) {
            (double)plan.total / 1e9, (double)plan.margin / 1e9, (double)(mr.device_total - mr.device_free) / 1e9);
     }
     kd_seq_free(s);
+    if (o->draft) {   /* a rank's share of the drafter: its heads, KV heads and MLP part; its lm_head rows */
+        const draft_dims *f = o->tiny ? &TINY_DRAFT : &K26_DRAFT;
+        draft_dims rd = *f;
+        char name[96];
+        snprintf(name, sizeof name, "%s, rank dims of TP-%d", f->name, tp);
+        rd.name = name;
+        rd.heads /= tp;
+        rd.kv_heads /= tp;
+        rd.inter /= tp;
+        if (rd.kv_heads > 0 && f->heads % tp == 0 && f->kv_heads % tp == 0 && f->inter % tp == 0) draft_rows(o, m, &rd);
+        else md("\n(the drafter's dims do not split over %d ranks: no draft rows)\n", tp);
+    }
     free_model(m);
 }
 
 /* the slice bench: the slice's tables, the decode and verify rows, the profile, memory, MLA rows */
-#include "slice_draft.c"   /* the draft pass at the drafter's dims: draft_rows */
 
 static void slice_run(const opts *o, const dims *d) {
     /* the model (built first: its config gives the MLA dims) */
@@ -1421,7 +1434,7 @@ static void slice_run(const opts *o, const dims *d) {
     memory_table(m, g_seq_graph ? 2 : 1, ctxs[nctx - 1] + maxT + 16);
     kd_seq_free(s);
     if (g_seq_graph) kd_seq_free(g_seq_graph);
-    if (o->draft) draft_rows(o, m);
+    if (o->draft) draft_rows(o, m, o->tiny ? &TINY_DRAFT : &K26_DRAFT);
 
     if (o->mla) mla_rows(o, c);
     free_model(m);

@@ -174,8 +174,7 @@ static double time_drafts(kd_seq *s, const opts *o, int *n_out, int *replayed) {
     return ms;
 }
 
-static void draft_rows(const opts *o, kd_model *m) {
-    const draft_dims *d = o->tiny ? &TINY_DRAFT : &K26_DRAFT;
+static void draft_rows(const opts *o, kd_model *m, const draft_dims *d) {
     const kd_config *c = &m->cfg;
     char dir[] = "/tmp/kd_draft_bench_XXXXXX";
     if (!mkdtemp(dir)) { fprintf(stderr, "FATAL: mkdtemp\n"); exit(2); }
