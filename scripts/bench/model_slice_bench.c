@@ -61,8 +61,11 @@
  * checked against what is left, and the built weights must equal the plan's. Then the checks below,
  * the memory table, decode and verify B = 16, 64 at ctx 1K and 8K on one step-graph sequence, the
  * all-reduce of [T, hidden] bf16 for T = 1, 17, 65 through NCCL on one rank (slice_cuda.cu), and the
- * table of projected rates 1 / (rank step + 2 x layers x all-reduce), labelled as a projection.
- * --tiny runs the same at the tiny dims (the CPU spec).
+ * table of projected rates 1 / (rank step + 2 x layers x all-reduce), labelled as a projection;
+ * then (unless --no-draft) the draft rows at a rank's share of the drafter (its heads, KV heads and
+ * MLP width over N, the rank model's lm_head rows: what each rank's draft pass computes at TP-N,
+ * less its all-reduces and the logits' all-gather). --tiny runs the same at the tiny dims (the CPU
+ * spec).
  *
  * Build: `make bench` (with scripts/bench/slice_cuda.cu: CUDA events and ceilings), or
  * plain C against the engine's objects (host clock between syncs; it reaches inside the engine,
