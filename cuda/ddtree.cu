@@ -101,9 +101,10 @@ __device__ __forceinline__ double key_score(unsigned long long k) {
 /* ---- the parallel path (see the top of the file) */
 
 struct sel_fast {                /* its shared memory, for cap nodes */
-    double *key;                 /* enumerated nodes: key, */
-    unsigned long long *skey;    /* (the sort's keys and node indices) */
-    int *par, *dr, *sidx;        /* parent (enumeration index; -1: the root), depth << 16 | rank */
+    double *key;                 /* each listed node's score, */
+    int *par, *dr;               /* its parent (listing index; -1: the root), depth << 16 | rank */
+    unsigned long long *skey;    /* the sort: score keys, */
+    int *sidx;                   /* and listing indices */
     int *offs;                   /* a level's child offsets (cap + 1), then each node's number */
     float *bins, *cnt, *part, *tot;   /* the count estimate: per-depth deficit bins, convolutions */
 };
