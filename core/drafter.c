@@ -59,7 +59,8 @@ typedef struct kd_dlayer {
 
 /* One rank's part of the drafter (at tp 1 the whole of it; docs/dflash.md "Several devices"): its
  * heads of q_proj, k_proj and v_proj and o_proj's matching input columns, its part of the MLP's
- * intermediate dim (gate / up rows, down's input columns); fc and every norm whole. */
+ * intermediate dim (gate / up rows, down's input columns), hidden / tp of fc's output rows; every
+ * norm whole. */
 typedef struct kd_drafter_rank {
     kd_backend *be;             /* the target rank's backend; NULL when inspecting */
     kd_weight fc, hidden_norm, norm;
@@ -85,7 +86,7 @@ struct kd_drafter {
  * (rows [0, ctx_len)) and the block; the block's activations (o: the attention's and the MLP's
  * output, fp32 partial sums at tp > 1 as the target's, completed by the all-reduce); the inputs
  * on the backend; at tp > 1 its shard of the draft's logits and every rank's (the all-gather's
- * destination, rank 0 lays them side by side into the log-probs). */
+ * destination, rank 0 lays them side by side into the log-probs), and the same for fc's output. */
 typedef struct kd_draft_rank {
     kd_act *k, *v;              /* per layer [cap + bs, kv_heads * head_dim], act dtype */
     void *scratch;              /* backend memory, carved into the views below */
@@ -97,6 +98,8 @@ typedef struct kd_draft_rank {
     int32_t *host_in;           /* host image of in[0 .. in_pos(nid) + nid) (the context's windows) */
     kd_act shard;               /* tp > 1: [bs-1, vocab/tp] f32 */
     float *all;                 /* tp > 1: tp x [bs-1, vocab/tp] f32 */
+    kd_act fpart;               /* tp > 1: fc's output columns of this rank, [chunk, hidden/tp] */
+    void *fall;                 /* tp > 1: every rank's, tp x [chunk, hidden/tp] */
 } kd_draft_rank;
 
 struct kd_draft_state {
@@ -379,7 +382,7 @@ static kd_status load_weights(kd_drafter *d, int r) {
     const kd_dcfg *c = &d->cfg;
     kd_drafter_rank *R = &d->ranks[r];
     int64_t H = c->hidden, qd = (int64_t)c->n_heads * c->head_dim, kvd = (int64_t)c->n_kv_heads * c->head_dim;
-    KD_TRY(bind_weight(d, r, "fc.weight", H, (int64_t)c->n_taps * H, WHOLE, &R->fc));
+    KD_TRY(bind_weight(d, r, "fc.weight", H, (int64_t)c->n_taps * H, ROWS, &R->fc));
     KD_TRY(bind_weight(d, r, "hidden_norm.weight", H, 1, WHOLE, &R->hidden_norm));
     KD_TRY(bind_weight(d, r, "norm.weight", H, 1, WHOLE, &R->norm));
     for (int i = 0; i < c->n_layers; i++) {
@@ -451,18 +454,18 @@ static bool file_exists(const char *dir, const char *name) {
     return access(p, R_OK) == 0;
 }
 
-/* the widths split over the target's ranks (heads, KV heads, intermediate), or an error naming
- * the field */
+/* the widths split over the target's ranks (heads, KV heads, intermediate, fc's output rows), or
+ * an error naming the field */
 static kd_status check_split(const char *dir, const kd_dcfg *c, int tp) {
     char file[1100];
     cfg_file(dir, file, sizeof file);
     const struct { const char *field; int value; } w[] = {
         {"num_attention_heads", c->n_heads}, {"num_key_value_heads", c->n_kv_heads},
-        {"intermediate_size", c->intermediate}};
+        {"intermediate_size", c->intermediate}, {"hidden_size", c->hidden}};
     for (size_t i = 0; i < sizeof w / sizeof *w; i++)
         if (w[i].value % tp)
             return kd_fail(KD_ERR_CONFIG, "%s: field '%s': %d does not split over the target's %d ranks (the "
-                           "drafter's attention splits by heads, its MLP by the intermediate dim)", file, w[i].field,
+                           "drafter's attention splits by heads, its MLP by the intermediate dim, fc by its output rows)", file, w[i].field,
                            w[i].value, tp);
     return KD_OK;
 }
@@ -574,7 +577,7 @@ static void rank_state_free(kd_seq *s, int r) {
     if (k->scratch) be->ops->free(be, k->scratch);
     if (k->in) be->ops->free(be, k->in);
     free(k->host_in);
-    if (k->shard.data) be->ops->free(be, k->shard.data);   /* all lies in the same buffer */
+    if (k->shard.data) be->ops->free(be, k->shard.data);   /* all, fpart and fall lie in the same buffer */
     kd_seq_rank *S = &s->rk[r];
     if (S->taps.data) be->ops->free(be, S->taps.data);
     memset(&S->taps, 0, sizeof S->taps);
@@ -658,13 +661,16 @@ static kd_status rank_state_alloc(kd_seq *s, int r) {
     taps->cols = taps->ld = tapc;
     taps->dtype = dt;
     if (m->tp > 1) {
-        int lr = bs - 1, Vs = m->split.vocab;
-        size_t bytes = act_bytes(lr, Vs, KD_F32) + (size_t)m->tp * lr * Vs * sizeof(float);
-        CK(be->ops->alloc(be, bytes, &k->shard.data), "the logit shards (%zu bytes)", bytes);
-        k->shard.rows = lr;
-        k->shard.cols = k->shard.ld = Vs;
-        k->shard.dtype = KD_F32;
-        k->all = (float *)((char *)k->shard.data + act_bytes(lr, Vs, KD_F32));
+        int lr = bs - 1, Vs = m->split.vocab, Hs = H / m->tp;
+        size_t lb = act_bytes(lr, Vs, KD_F32), ab = act_bytes(m->tp * lr, Vs, KD_F32), fb = act_bytes(ch, Hs, dt);
+        size_t bytes = lb + ab + fb + (size_t)m->tp * ch * Hs * kd_dtype_size(dt);
+        CK(be->ops->alloc(be, bytes, &k->shard.data), "the logit and feature shards (%zu bytes)", bytes);
+        off = 0;
+        k->shard = act_at(k->shard.data, &off, lr, Vs, KD_F32);
+        k->all = (float *)((char *)k->shard.data + off);
+        off += ab;
+        k->fpart = act_at(k->shard.data, &off, ch, Hs, dt);
+        k->fall = (char *)k->shard.data + off;
     }
 #undef CK
     return KD_OK;
@@ -721,6 +727,26 @@ fail:
  * gathered after it: the fc weight (n_taps x hidden x hidden, 616 MB at K2.6) is read once a
  * window of accepted rows, not once a run of adjacent ones. A row's bits do not depend on the
  * others in the view. */
+/* f = fc(span) at tp > 1: each rank computes its hidden / tp output columns (fc's rows), an
+ * all-gather brings every rank's to every rank, and they are laid side by side */
+static kd_status fc_split(kd_seq *s, int r, kd_act span, kd_act f) {
+    kd_model *m = s->model;
+    kd_comm *cm = m->comm;
+    kd_draft_rank *k = &s->draft->rk[r];
+    const kd_drafter_rank *R = &s->drafter->ranks[r];
+    kd_backend *be = R->be;
+    int n = span.rows, Hs = (int)R->fc.rows;
+    kd_act part = kd_act_rows(k->fpart, 0, n);
+    size_t bytes = (size_t)n * Hs * kd_dtype_size(part.dtype);
+    KD_TRY(be->ops->linear(be, span, &R->fc, part));
+    KD_TRY(cm->ops->all_gather(cm, r, be, part.data, k->fall, bytes));
+    for (int j = 0; j < m->tp; j++) {
+        kd_act src = {.data = (char *)k->fall + (size_t)j * bytes, .rows = n, .cols = Hs, .ld = Hs, .dtype = part.dtype};
+        KD_TRY(be->ops->copy(be, kd_act_cols(f, j * Hs, Hs), src));
+    }
+    return KD_OK;
+}
+
 static kd_status append_rows(kd_seq *s, int r, kd_act span, const int32_t *pick, int n, int p0) {
     kd_drafter *d = s->drafter;
     kd_draft_rank *k = &s->draft->rk[r];
@@ -737,7 +763,8 @@ static kd_status append_rows(kd_seq *s, int r, kd_act span, const int32_t *pick,
     if (pick) KD_TRY(op->upload(be, k->ids, h + IN_IDS, (size_t)(ip + n - IN_IDS) * sizeof(int32_t)));
     else KD_TRY(op->upload(be, k->pos, h + ip, (size_t)n * sizeof(int32_t)));
     kd_act f = kd_act_rows(k->f, 0, span.rows), kt = kd_act_rows(k->kt, 0, n), xn;   /* xn: the n normed rows */
-    KD_TRY(op->linear(be, span, &R->fc, f));
+    if (s->model->comm) KD_TRY(fc_split(s, r, span, f));
+    else KD_TRY(op->linear(be, span, &R->fc, f));
     if (pick) {
         kd_act g = kd_act_rows(k->fn, 0, n);
         KD_TRY(op->gather_rows(be, g, f, k->ids, n));

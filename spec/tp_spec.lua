@@ -219,7 +219,7 @@ describe("tensor parallel (CPU ranks)", function()
       assert.is_true(r0[k] > 0, k)
       assert.are.equal(r0[k], r1[k], k)
     end
-    -- the drafter's weights: every rank its heads and its part of the MLP, fc and the norms whole
+    -- the drafter's weights: every rank its heads, its part of the MLP and of fc, the norms whole
     assert.is_true(r0.drafter_weights > 0)
     assert.are.equal(r0.drafter_weights, r1.drafter_weights)
     -- its per-sequence buffers on every rank alike, and on rank 0 the [7, 1024] fp32 log-probs and
