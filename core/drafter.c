@@ -95,18 +95,19 @@ typedef struct kd_draft_rank {
     kd_act kn, vt;              /* device-length path: the block's normed+roped K and its V */
     int32_t *in;                /* backend memory: [dlen | pad | ids | pos], see IN_* */
     int32_t *ids, *pos;         /* into in: max(bs, chunk) ints each */
-    int32_t *host_in;           /* host image of in[0 .. in_pos(nid) + nid) (the context's windows) */
-    kd_act shard;               /* tp > 1: [bs-1, vocab/tp] f32 */
-    float *all;                 /* tp > 1: tp x [bs-1, vocab/tp] f32 */
-    kd_act fpart;               /* tp > 1: fc's output columns of this rank, [chunk, hidden/tp] */
-    void *fall;                 /* tp > 1: every rank's, tp x [chunk, hidden/tp] */
+    int32_t *host_in;           /* host image of in[0 .. in_pos(nid) + nid); rank 0's also stages the
+                                   draft pass's inputs, which every rank uploads */
+    void *gather_buf;           /* tp > 1: the one buffer of the four views below */
+    kd_act shard;               /* [bs-1, vocab/tp] f32: this rank's logits */
+    void *all;                  /* tp x [bs-1, vocab/tp] f32: every rank's */
+    kd_act fpart;               /* [chunk, hidden/tp]: this rank's columns of fc's output */
+    void *fall;                 /* tp x [chunk, hidden/tp]: every rank's */
 } kd_draft_rank;
 
 struct kd_draft_state {
     int ctx_len, cap;           /* committed context rows, capacity of the context */
     kd_draft_rank *rk;          /* [tp] */
     int nid;                    /* ints of ids / pos */
-    int32_t *host_in;           /* the draft pass's inputs, staged once for every rank */
     kd_act logprobs;            /* rank 0: [bs-1, vocab] f32 */
     int32_t *argmax;            /* rank 0: bs-1 ids, kd_draft_argmax */
     int32_t bonus;              /* the root token of the last draft */
@@ -553,15 +554,16 @@ int kd_drafter_taps(const struct kd_drafter *d, const int **taps) {
 
 /* ------------------------------------------------------------------ per-sequence state */
 
-static kd_act act_at(void *base, size_t *off, int rows, int cols, kd_dtype dt) {
-    kd_act a = {.data = (char *)base + *off, .rows = rows, .cols = cols, .ld = cols, .dtype = dt};
-    size_t b = (size_t)rows * cols * kd_dtype_size(dt);
-    *off += (b + 255) & ~(size_t)255;
-    return a;
-}
-
+/* a [rows, cols] view's bytes, rounded up to 256 */
 static size_t act_bytes(int rows, int cols, kd_dtype dt) {
     return ((size_t)rows * cols * kd_dtype_size(dt) + 255) & ~(size_t)255;
+}
+
+/* the view [rows, cols] at base + *off, and *off past it */
+static kd_act act_at(void *base, size_t *off, int rows, int cols, kd_dtype dt) {
+    kd_act a = {.data = (char *)base + *off, .rows = rows, .cols = cols, .ld = cols, .dtype = dt};
+    *off += act_bytes(rows, cols, dt);
+    return a;
 }
 
 /* rank r's buffers, and the target's tap features it keeps there */
@@ -577,7 +579,7 @@ static void rank_state_free(kd_seq *s, int r) {
     if (k->scratch) be->ops->free(be, k->scratch);
     if (k->in) be->ops->free(be, k->in);
     free(k->host_in);
-    if (k->shard.data) be->ops->free(be, k->shard.data);   /* all, fpart and fall lie in the same buffer */
+    if (k->gather_buf) be->ops->free(be, k->gather_buf);
     kd_seq_rank *S = &s->rk[r];
     if (S->taps.data) be->ops->free(be, S->taps.data);
     memset(&S->taps, 0, sizeof S->taps);
@@ -591,7 +593,6 @@ void kd_draft_state_free(kd_seq *s) {
     kd_graph_slot_drop(s->model, &ds->graph);     /* before the buffers it points at */
     for (int r = 0; ds->rk && r < s->model->tp; r++) rank_state_free(s, r);
     free(ds->rk);
-    free(ds->host_in);
     if (ds->logprobs.data) be->ops->free(be, ds->logprobs.data);
     if (ds->argmax) be->ops->free(be, ds->argmax);
     free(ds);
@@ -612,7 +613,7 @@ static kd_status rank_state_alloc(kd_seq *s, int r) {
     kd_draft_state *ds = s->draft;
     kd_draft_rank *k = &ds->rk[r];
     kd_dtype dt = be->act_dtype;
-    kd_dtype pt = m->tp > 1 && kd_dtype_size(dt) < 4 ? KD_F32 : dt;   /* o: partial sums at tp > 1 */
+    kd_dtype pt = kd_partial_dtype(m->tp, dt);   /* o: partial sums at tp > 1 */
     int bs = c->block_size, H = c->hidden, kvd = d->kv_heads * c->head_dim, qd = d->heads * c->head_dim;
     int ch = KD_DRAFT_CHUNK, nid = ds->nid, rows_kt = bs > ch ? bs : ch;
     kd_status st;
@@ -662,15 +663,15 @@ static kd_status rank_state_alloc(kd_seq *s, int r) {
     taps->dtype = dt;
     if (m->tp > 1) {
         int lr = bs - 1, Vs = m->split.vocab, Hs = H / m->tp;
-        size_t lb = act_bytes(lr, Vs, KD_F32), ab = act_bytes(m->tp * lr, Vs, KD_F32), fb = act_bytes(ch, Hs, dt);
-        size_t bytes = lb + ab + fb + (size_t)m->tp * ch * Hs * kd_dtype_size(dt);
-        CK(be->ops->alloc(be, bytes, &k->shard.data), "the logit and feature shards (%zu bytes)", bytes);
+        size_t ab = act_bytes(m->tp * lr, Vs, KD_F32);
+        size_t bytes = act_bytes(lr, Vs, KD_F32) + ab + act_bytes(ch, Hs, dt) + act_bytes(m->tp * ch, Hs, dt);
+        CK(be->ops->alloc(be, bytes, &k->gather_buf), "the logit and feature shards (%zu bytes)", bytes);
         off = 0;
-        k->shard = act_at(k->shard.data, &off, lr, Vs, KD_F32);
-        k->all = (float *)((char *)k->shard.data + off);
+        k->shard = act_at(k->gather_buf, &off, lr, Vs, KD_F32);
+        k->all = (char *)k->gather_buf + off;
         off += ab;
-        k->fpart = act_at(k->shard.data, &off, ch, Hs, dt);
-        k->fall = (char *)k->shard.data + off;
+        k->fpart = act_at(k->gather_buf, &off, ch, Hs, dt);
+        k->fall = (char *)k->gather_buf + off;
     }
 #undef CK
     return KD_OK;
@@ -702,8 +703,7 @@ kd_status kd_seq_attach_drafter(kd_seq *s, kd_drafter *d) {
     ds->nid = bs > ch ? bs : ch;
     kd_status st = KD_OK;
     ds->rk = calloc((size_t)m->tp, sizeof *ds->rk);
-    ds->host_in = calloc((size_t)in_pos(ds->nid) + ds->nid, sizeof(int32_t));
-    if (!ds->rk || !ds->host_in) { st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: out of host memory"); goto fail; }
+    if (!ds->rk) { st = kd_fail(KD_ERR_NOMEM, "kd_seq_attach_drafter: out of host memory"); goto fail; }
     for (int r = 0; r < m->tp && st == KD_OK; r++) st = rank_state_alloc(s, r);
     if (st != KD_OK) goto fail;
     st = be->ops->alloc(be, (size_t)(bs - 1) * V * sizeof(float), &ds->logprobs.data);
@@ -727,22 +727,16 @@ fail:
  * gathered after it: the fc weight (n_taps x hidden x hidden, 616 MB at K2.6) is read once a
  * window of accepted rows, not once a run of adjacent ones. A row's bits do not depend on the
  * others in the view. */
-/* f = fc(span) at tp > 1: each rank computes its hidden / tp output columns (fc's rows), an
- * all-gather brings every rank's to every rank, and they are laid side by side */
-static kd_status fc_split(kd_seq *s, int r, kd_act span, kd_act f) {
-    kd_model *m = s->model;
-    kd_comm *cm = m->comm;
-    kd_draft_rank *k = &s->draft->rk[r];
-    const kd_drafter_rank *R = &s->drafter->ranks[r];
-    kd_backend *be = R->be;
-    int n = span.rows, Hs = (int)R->fc.rows;
-    kd_act part = kd_act_rows(k->fpart, 0, n);
-    size_t bytes = (size_t)n * Hs * kd_dtype_size(part.dtype);
-    KD_TRY(be->ops->linear(be, span, &R->fc, part));
-    KD_TRY(cm->ops->all_gather(cm, r, be, part.data, k->fall, bytes));
-    for (int j = 0; j < m->tp; j++) {
-        kd_act src = {.data = (char *)k->fall + (size_t)j * bytes, .rows = n, .cols = Hs, .ld = Hs, .dtype = part.dtype};
-        KD_TRY(be->ops->copy(be, kd_act_cols(f, j * Hs, Hs), src));
+/* the output of a weight split by rows, whole again (tp > 1): every rank's part (a contiguous
+ * [rows, w] view) all-gathered into `all` (tp slots), then, where dst is not NULL, laid side by
+ * side into dst's columns, rank j's at [j w, (j+1) w) */
+static kd_status gather_columns(const kd_model *m, int r, kd_backend *be, kd_act part, void *all, const kd_act *dst) {
+    size_t bytes = (size_t)part.rows * part.cols * kd_dtype_size(part.dtype);
+    KD_TRY(m->comm->ops->all_gather(m->comm, r, be, part.data, all, bytes));
+    for (int j = 0; dst && j < m->tp; j++) {
+        kd_act src = {.data = (char *)all + (size_t)j * bytes, .rows = part.rows, .cols = part.cols, .ld = part.cols,
+                      .dtype = part.dtype};
+        KD_TRY(be->ops->copy(be, kd_act_cols(*dst, j * part.cols, part.cols), src));
     }
     return KD_OK;
 }
@@ -763,8 +757,13 @@ static kd_status append_rows(kd_seq *s, int r, kd_act span, const int32_t *pick,
     if (pick) KD_TRY(op->upload(be, k->ids, h + IN_IDS, (size_t)(ip + n - IN_IDS) * sizeof(int32_t)));
     else KD_TRY(op->upload(be, k->pos, h + ip, (size_t)n * sizeof(int32_t)));
     kd_act f = kd_act_rows(k->f, 0, span.rows), kt = kd_act_rows(k->kt, 0, n), xn;   /* xn: the n normed rows */
-    if (s->model->comm) KD_TRY(fc_split(s, r, span, f));
-    else KD_TRY(op->linear(be, span, &R->fc, f));
+    if (s->model->comm) {   /* this rank's hidden / tp columns (fc's rows), then every rank's */
+        kd_act part = kd_act_rows(k->fpart, 0, span.rows);
+        KD_TRY(op->linear(be, span, &R->fc, part));
+        KD_TRY(gather_columns(s->model, r, be, part, k->fall, &f));
+    } else {
+        KD_TRY(op->linear(be, span, &R->fc, f));
+    }
     if (pick) {
         kd_act g = kd_act_rows(k->fn, 0, n);
         KD_TRY(op->gather_rows(be, g, f, k->ids, n));
@@ -867,7 +866,6 @@ static kd_status draft_body(kd_seq *s, int r, int p0, const int32_t *d_len) {
     kd_draft_rank *k = &ds->rk[r];
     const kd_drafter_rank *R = &d->ranks[r];
     kd_model *m = s->model;
-    kd_comm *cm = m->comm;
     kd_backend *be = R->be;
     const kd_backend_ops *op = be->ops;
     const kd_dcfg *c = &d->cfg;
@@ -912,31 +910,20 @@ static kd_status draft_body(kd_seq *s, int r, int p0, const int32_t *d_len) {
               "attention");
         }
         T(op->linear(be, k->att, &L->o_proj, k->o), "o_proj");
-        if (cm) T(cm->ops->all_reduce_sum(cm, r, be, k->o), "o_proj: the ranks' sum");
-        T(op->add_rmsnorm(be, k->x, k->o, &L->ffn_norm, c->eps, k->h), "residual + post_attention_layernorm");
+        T(kd_add_reduced(m, r, be, k->o, k->x, &L->ffn_norm, c->eps, k->h), "residual + post_attention_layernorm");
         T(op->linear_swiglu(be, k->h, &L->gate, &L->up, k->m), "gate_proj + up_proj + swiglu");
         T(op->linear(be, k->m, &L->down, k->o), "down_proj");
-        if (cm) T(cm->ops->all_reduce_sum(cm, r, be, k->o), "down_proj: the ranks' sum");
-        if (l + 1 < c->n_layers)
-            T(op->add_rmsnorm(be, k->x, k->o, &R->layers[l + 1].attn_norm, c->eps, k->h),
-              "residual + input_layernorm");
-        else
-            T(op->add(be, k->x, k->o), "residual");
+        const kd_weight *next = l + 1 < c->n_layers ? &R->layers[l + 1].attn_norm : NULL;
+        T(kd_add_reduced(m, r, be, k->o, k->x, next, c->eps, k->h), "residual (+ the next input_layernorm)");
     }
     kd_act y = kd_act_rows(k->h, 0, bs - 1);
     T(op->rmsnorm(be, kd_act_rows(k->x, 1, bs - 1), &R->norm, c->eps, y), "norm");
-    if (!cm) {
+    if (!m->comm) {
         T(op->linear(be, y, &m->ranks[0].lm_head, ds->logprobs), "lm_head (target)");
     } else {
-        int rows = bs - 1, Vs = m->split.vocab;
         T(op->linear(be, y, &m->ranks[r].lm_head, k->shard), "lm_head (target, this rank's vocabulary shard)");
-        T(cm->ops->all_gather(cm, r, be, k->shard.data, k->all, (size_t)rows * Vs * sizeof(float)),
-          "the logit shards to every rank");
+        T(gather_columns(m, r, be, k->shard, k->all, r == 0 ? &ds->logprobs : NULL), "the logit shards");
         if (r != 0) return KD_OK;
-        for (int j = 0; j < m->tp; j++) {
-            kd_act sh = {.data = k->all + (size_t)j * rows * Vs, .rows = rows, .cols = Vs, .ld = Vs, .dtype = KD_F32};
-            T(op->copy(be, kd_act_cols(ds->logprobs, j * Vs, Vs), sh), "the logit shards side by side");
-        }
     }
     T(op->log_softmax(be, ds->logprobs), "log_softmax");
 #undef T
@@ -955,7 +942,7 @@ static kd_status draft_rank(void *ctx, int r) {
     kd_draft_state *ds = s->draft;
     kd_backend *be = s->model->ranks[r].be;
     size_t n = (size_t)in_pos(ds->nid) + s->drafter->cfg.block_size;
-    kd_status st = be->ops->upload(be, ds->rk[r].in, ds->host_in, n * sizeof(int32_t));
+    kd_status st = be->ops->upload(be, ds->rk[r].in, ds->rk[0].host_in, n * sizeof(int32_t));
     if (st != KD_OK) return kd_fail_context(st, "kd_draft: rank %d: upload inputs", r);
     return draft_body(s, r, ds->ctx_len, NULL);
 }
@@ -979,7 +966,7 @@ kd_status kd_draft(kd_seq *s, int32_t bonus, float *logprobs_dst) {
 #define T(expr, what) do { st = (expr); if (st != KD_OK) return kd_fail_context(st, "kd_draft: %s", what); } while (0)
     /* the length, the block [bonus, MASK x (bs-1)] and its positions, staged once and sent up in
      * one copy a rank */
-    int32_t *h = ds->host_in;
+    int32_t *h = ds->rk[0].host_in;
     h[IN_DLEN] = p0;
     for (int i = 0; i < bs; i++) { h[IN_IDS + i] = i ? c->mask_token_id : bonus; h[ip + i] = p0 + i; }
     if (m->tp > 1) {

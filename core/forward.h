@@ -34,6 +34,18 @@ void kd_fwd_plan_make(const kd_model *m, int rows, kd_fwd_plan *p);
 /* the same plan from a config, one rank's widths (model.h: kd_widths; the whole model's at tp = 1)
  * and an activation size in bytes: kd_fwd_plan_make for a loaded model, kd_plan for a rank's scratch */
 void kd_fwd_plan_of(const kd_config *c, const kd_widths *w, size_t act_size, int rows, kd_fwd_plan *p);
+/* the type a rank's block outputs (o_proj's, the MLPs') are written in: fp32 partial sums at
+ * tp > 1 when activations are narrower, so that the all-reduce adds what each rank's GEMM
+ * accumulated and the sum is rounded to the activation type once, by the residual add, as one
+ * device's GEMM rounds it; the activation type itself at tp 1 */
+static inline kd_dtype kd_partial_dtype(int tp, kd_dtype act) {
+    return tp > 1 && kd_dtype_size(act) < 4 ? KD_F32 : act;
+}
+/* x += the sum of every rank's part (part itself at tp 1: m->comm NULL), rounded once to x's
+ * type; then, when norm is not NULL, h = rmsnorm(x; norm) in the same pass (add_rmsnorm).
+ * Rank r's thread, its backend be. The target's forward and the drafter's draft pass. */
+kd_status kd_add_reduced(const kd_model *m, int r, kd_backend *be, kd_act part, kd_act x, const kd_weight *norm,
+                         float eps, kd_act h);
 /* the region at byte offset off of a rank's scratch as an activation view [rows, cols] (ld = cols) */
 kd_act kd_fwd_act(void *scratch, size_t off, int rows, int cols, kd_dtype dt);
 /* kd_seq_compact with the kept slots' offsets from start already in backend memory

@@ -66,11 +66,9 @@ void kd_fwd_plan_of(const kd_config *c, const kd_widths *w, size_t a, int rows, 
     REGION(idx, R * 4);
     REGION(x, R * c->hidden * a);
     REGION(h, R * c->hidden * a);
-    /* the block outputs hold partial sums at tp > 1: fp32 there, so that the all-reduce adds
-     * what each rank's GEMM accumulated in fp32 and the sum is rounded to the activation type
-     * once (by the residual add), as one device's GEMM rounds it. Rounding every rank's part
-     * first moved a MoE router's near-tied choice on the H200 (tiny-k2.6 at tp 2: logits off by
-     * 0.37). */
+    /* the block outputs hold partial sums at tp > 1: kd_partial_dtype's rule, in bytes (rounding
+     * every rank's part first moved a MoE router's near-tied choice on the H200: tiny-k2.6 at tp 2,
+     * logits off by 0.37) */
     size_t part = w->tp > 1 && a < 4 ? 4 : a;
     REGION(t1, R * c->hidden * part);
     REGION(t2, R * c->hidden * part);
@@ -104,22 +102,24 @@ static kd_act act(const rank_fwd *f, size_t off, int rows, int cols) {
     return kd_fwd_act(f->S->scratch, off, rows, cols, f->be->act_dtype);
 }
 
-/* the view of a block output at offset off: the activation type, fp32 partial sums at tp > 1 */
+/* the view of a block output at offset off (kd_partial_dtype: fp32 partial sums at tp > 1) */
 static kd_act partial(const rank_fwd *f, size_t off, int rows) {
-    kd_dtype dt = f->be->act_dtype;
-    if (f->s->model->comm && kd_dtype_size(dt) < 4) dt = KD_F32;
-    return kd_fwd_act(f->S->scratch, off, rows, f->s->model->cfg.hidden, dt);
+    const kd_model *m = f->s->model;
+    return kd_fwd_act(f->S->scratch, off, rows, m->cfg.hidden, kd_partial_dtype(m->tp, f->be->act_dtype));
 }
 
-/* x += the sum of every rank's part (part itself on one rank), rounded once to x's type (the
- * add rounds its addend to x's dtype: backend.h); then, when norm is not NULL, h = rmsnorm(x;
- * norm), the next block's input, in the same pass */
+kd_status kd_add_reduced(const kd_model *m, int r, kd_backend *be, kd_act part, kd_act x, const kd_weight *norm,
+                         float eps, kd_act h) {
+    kd_comm *c = m->comm;
+    if (c) KD_TRY(c->ops->all_reduce_sum(c, r, be, part));
+    if (!norm) return be->ops->add(be, x, part);   /* add rounds its addend to x's dtype (backend.h) */
+    return be->ops->add_rmsnorm(be, x, part, norm, eps, h);
+}
+
+/* add_reduced for this rank's forward: the next block's input h = rmsnorm(x; norm) */
 static kd_status add_reduced(const rank_fwd *f, kd_act part, kd_act x, const kd_weight *norm, kd_act h) {
-    kd_comm *c = f->s->model->comm;
-    kd_backend *be = f->be;
-    if (c) KD_TRY(c->ops->all_reduce_sum(c, f->r, be, part));
-    if (!norm) return be->ops->add(be, x, part);
-    return be->ops->add_rmsnorm(be, x, part, norm, f->s->model->cfg.rms_norm_eps, h);
+    const kd_model *m = f->s->model;
+    return kd_add_reduced(m, f->r, f->be, part, x, norm, m->cfg.rms_norm_eps, h);
 }
 
 /* out = down(silu(gate x) * up x): this rank's part of the intermediate dim (a partial sum);

@@ -132,6 +132,7 @@ describe("tensor parallel (CPU ranks)", function()
               local b = draft(m)
               local worst = 0
               for i = 0, n - 1 do worst = math.max(worst, math.abs(a[i] - b[i])) end
+              io.stderr:write(string.format("\n  %s tp %d: draft log-probs max |diff| %.3g\n", L.dir, tp, worst))
               assert.is_true(n == 7 * m.info.vocab and worst <= TOL, "largest difference " .. worst)
               m:close()
             end)
