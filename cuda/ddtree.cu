@@ -496,6 +496,16 @@ __host__ __device__ inline size_t sel_smem_bytes(int L, int K, int budget, int c
            (staged ? (size_t)L * K * (sizeof(float) + sizeof(int32_t)) : 0);
 }
 
+/* the parallel path's room: 4 x budget nodes (a power of two, 64 to SEL_FAST_CAP) where the lists
+ * are staged, the depth and budget allow it and its shared memory fits smem_max; else 0 (off) */
+__host__ __device__ inline int sel_cap(int L, int K, int budget, bool staged, size_t smem_max) {
+    int cap = 64;
+    while (cap < 4 * budget && cap < SEL_FAST_CAP) cap <<= 1;
+    const bool fits = staged && L <= SEL_FAST_DEPTH && 2 * budget <= cap &&
+                      sel_smem_bytes(L, K, budget, cap, true) <= smem_max;
+    return fits ? cap : 0;
+}
+
 /* staged: the L x K lists are copied into shared memory first (where kd_cuda_tree_select finds
  * room), so the selection's reads of them wait on shared memory, not on L2. cap > 0: the
  * parallel path may run, over at most cap nodes (it needs the lists staged). */
@@ -1476,12 +1486,9 @@ extern "C" kd_status kd_cuda_tree_select(kd_backend *be, const kd_dtree *t, int 
                        "nodes, %zu bytes here)", budget, sel_smem_bytes(L, K, budget, 0, false), SEL_MAX_BUDGET,
                        c->smem_optin);
     /* the lists staged in shared memory where they fit (L = 7, K = 256: 14 KB more), and room for
-     * the parallel path where that fits too: 4 x budget nodes (a power of two, 64 to SEL_FAST_CAP) */
+     * the parallel path where that fits too */
     const bool staged = sel_smem_bytes(L, K, budget, 0, true) <= c->smem_optin;
-    int cap = 64;
-    while (cap < 4 * budget && cap < SEL_FAST_CAP) cap <<= 1;
-    if (!staged || L > SEL_FAST_DEPTH || 2 * budget > cap || sel_smem_bytes(L, K, budget, cap, true) > c->smem_optin)
-        cap = 0;
+    const int cap = sel_cap(L, K, budget, staged, c->smem_optin);
     const size_t smem = sel_smem_bytes(L, K, budget, cap, staged);
     KD_TRY(kd_cuda_smem(c, (const void *)tree_select_kernel, smem));
     KD_TRY(kd_launch_pdl("tree_select_kernel", tree_select_kernel, 1, SEL_THREADS, smem, c->stream, *t, L, K, budget,

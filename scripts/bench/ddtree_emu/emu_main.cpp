@@ -132,9 +132,7 @@ static void test_tree(int L, int V, int B, int kind) {
     kd_dtree_layout(&d, buf.data(), B, L * K);
     memcpy(d.vals, vals.data(), vals.size() * 4);
     memcpy(d.ids, ids.data(), ids.size() * 4);
-    int cap = 64;
-    while (cap < 4 * B && cap < SEL_FAST_CAP) cap <<= 1;
-    if (L > SEL_FAST_DEPTH || 2 * B > cap || sel_smem_bytes(L, K, B, cap, true) > sizeof emu_dyn_buf) cap = 0;
+    const int cap = sel_cap(L, K, B, true, sizeof emu_dyn_buf);   /* as kd_cuda_tree_select, in the emulated smem */
     for (int run = 0; run < 3; run++) {   /* lists in global memory; staged; staged with the parallel path */
         const bool staged = run > 0;
         const int run_cap = run == 2 ? cap : 0;
