@@ -426,9 +426,6 @@ int main(int argc, char **argv) {
         uint32_t sd = 777;
         for (size_t i = 0; i < (size_t)L * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
         CK(be->ops->upload(be, x, hx, (size_t)L * V * 4));
-    for (int d = 0; d < L; d++)
-        for (int k = 0; k < 8; k++) { sd = sd * 1664525u + 1013904223u; hx[(size_t)d * V + (sd >> 8) % V] = 30.0f - 2 * k; }
-    CK(be->ops->upload(be, xp, hx, (size_t)L * V * 4));
         free(hx);
         a.x = (kd_act){x, L, V, V, KD_F32};
         CK(be->ops->alloc(be, (size_t)L * k * 4, (void **)&a.vals));

@@ -1339,14 +1339,13 @@ static void projection(const opts *o) {
         rd.heads /= tp;
         rd.kv_heads /= tp;
         rd.inter /= tp;
-        if (rd.kv_heads > 0 && f->heads % tp == 0 && f->kv_heads % tp == 0 && f->inter % tp == 0) draft_rows(o, m, &rd);
+        if (f->heads % tp == 0 && f->kv_heads % tp == 0 && f->inter % tp == 0) draft_rows(o, m, &rd);
         else md("\n(the drafter's dims do not split over %d ranks: no draft rows)\n", tp);
     }
     free_model(m);
 }
 
 /* the slice bench: the slice's tables, the decode and verify rows, the profile, memory, MLA rows */
-
 static void slice_run(const opts *o, const dims *d) {
     /* the model (built first: its config gives the MLA dims) */
     printf("building the slice (%s) on %s ...\n", d->name, g_real->name);
