@@ -65,6 +65,7 @@ constexpr int SEL_MAX_BUDGET = 4096;      /* frontier + node arrays in shared me
 constexpr int SEL_FAST_DEPTH = 16;        /* the parallel path: depths (its rank tuples), ... */
 constexpr int SEL_FAST_CAP = 2048;        /* ... nodes it enumerates, ... */
 constexpr int SEL_BINS = 128;             /* ... bins of its count estimate, */
+constexpr int SEL_PASSES = 4;             /* ... count passes at most, */
 constexpr int SEL_PARTS = SEL_THREADS / SEL_BINS;   /* threads a bin in the estimate's convolutions */
 constexpr int SMP_THREADS = 512;
 constexpr int SMP_WARPS = SMP_THREADS / 32;
@@ -317,22 +318,24 @@ __device__ int select_parallel(const kd_dtree &t, const float *vals, const int32
 
     /* the threshold t: a cost bound R that need nodes are within (the need-th depth-1 value, or the
      * sum of the lists' last values), the estimate's J over bins of R / span (so that every node
-     * within R is in the bins), then again over bins of the w (J + L) it gives */
+     * within R is in the bins), then again over bins of the bound w (J + L) it gives while that
+     * bound halves: its margin over the need-th node's cost is L bins, which crowded lists (every
+     * depth's values within a few bins) would otherwise fill past cap */
     const double a00 = list_value(vals, 0);
     double R = a00 - list_value(vals, K - 1);
     for (int d = 1; d < L; d++) R -= list_value(vals, d * K + K - 1);
     if (K >= budget) R = fmin(R, a00 - list_value(vals, budget - 1));
     if (!(R <= 1e300)) return -1;
     const int span = SEL_BINS - L - 1;
-    double w = R / span;
-    int J = sel_count_bins(f, vals, L, K, a00, w, (float)need);
-    if (J >= SEL_BINS) return -1;
-    if (w * (J + L) < R) {
-        w = w * (J + L) / span;
-        J = sel_count_bins(f, vals, L, K, a00, w, (float)need);
+    double bound = R;
+    for (int pass = 0; pass < SEL_PASSES; pass++) {
+        const double w = bound / span;
+        const int J = sel_count_bins(f, vals, L, K, a00, w, (float)need);
         if (J >= SEL_BINS) return -1;
+        bound = fmin(bound, w * (J + L));
+        if (2 * (J + L) > span) break;
     }
-    const int n_enum = sel_enumerate(f, vals, L, K, a00 - w * (J + L), cap);
+    const int n_enum = sel_enumerate(f, vals, L, K, a00 - bound, cap);
     if (n_enum < need) return -1;   /* past cap, or short of need (the estimate's rounding) */
 
     /* the pop order: key descending, rank tuple ascending (bitonic, padded to a power of two) */
@@ -496,11 +499,11 @@ __host__ __device__ inline size_t sel_smem_bytes(int L, int K, int budget, int c
            (staged ? (size_t)L * K * (sizeof(float) + sizeof(int32_t)) : 0);
 }
 
-/* the parallel path's room: 4 x budget nodes (a power of two, 64 to SEL_FAST_CAP) where the lists
+/* the parallel path's room: 8 x budget nodes (a power of two, 64 to SEL_FAST_CAP) where the lists
  * are staged, the depth and budget allow it and its shared memory fits smem_max; else 0 (off) */
 __host__ __device__ inline int sel_cap(int L, int K, int budget, bool staged, size_t smem_max) {
     int cap = 64;
-    while (cap < 4 * budget && cap < SEL_FAST_CAP) cap <<= 1;
+    while (cap < 8 * budget && cap < SEL_FAST_CAP) cap <<= 1;
     const bool fits = staged && L <= SEL_FAST_DEPTH && 2 * budget <= cap &&
                       sel_smem_bytes(L, K, budget, cap, true) <= smem_max;
     return fits ? cap : 0;
