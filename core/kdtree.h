@@ -98,9 +98,11 @@ typedef struct kd_model_options {
                                 8-warp blocks where they fit (tests, benches) */
     int mla_row_groups;      /* row groups per block: 0 = by the shape rule; 1 or 4 = forced where
                                 the shared memory fits (tests, benches) */
-    int shared_expert_branch;   /* nonzero: a MoE layer's shared expert runs beside its router and
-                                   routed experts (CUDA: on a second stream), not in line before
-                                   them; the same bits either way. Off until a GPU A/B shows it pays */
+    int shared_expert_branch;   /* a MoE layer's shared expert beside its router and routed experts
+                                   (CUDA: on a second stream) or in line before them, the same bits
+                                   either way: 0 = beside in steps of up to 32 rows, where it pays
+                                   (GPU A/B), in line in larger ones; 1 = always beside; -1 = always
+                                   in line */
 } kd_model_options;
 
 typedef struct kd_model_info {

@@ -190,6 +190,11 @@ static kd_status attention_block(const rank_fwd *f, int l, kd_act h, kd_act x, c
     return add_reduced(f, t1, x, &L->ffn_norm, h);
 }
 
+/* The shared expert's branch by default up to this many rows: at the K2.6 rank dims of TP-8 (H100,
+ * model_slice_bench --k26-rank 8) it took 7% off a decode step and 4% off a 17-row verify, and
+ * added 3% to a 65-row one, whose routed GEMMs fill the GPU themselves */
+#define SHARED_BRANCH_ROWS 32
+
 /* x += mlp(h) (dense layer) or moe(h) + shared(h), each rank's partial sums all-reduced; then
  * h = rmsnorm(x; next) unless next is NULL. The shared expert is issued first, on a branch where
  * the backend has one and the option shared_expert_branch asks for it (backend.h: branch_begin: on
@@ -208,7 +213,8 @@ static kd_status ffn_block(const rank_fwd *f, int l, kd_act h, kd_act x, const k
         kd_act shared = {0};
         if (m->cfg.n_shared_experts > 0) {
             shared = partial(f, f->p->t2, T);
-            const bool branch = be->ops->branch_begin && m->opt.shared_expert_branch;
+            const int mode = m->opt.shared_expert_branch;
+            const bool branch = be->ops->branch_begin && (mode == 1 || (mode == 0 && T <= SHARED_BRANCH_ROWS));
             if (branch) KD_TRY(be->ops->branch_begin(be));
             kd_status st = mlp(f, h, &L->mlp_gate, &L->mlp_up, &L->mlp_down, shared);
             if (branch) {

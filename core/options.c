@@ -41,9 +41,9 @@ kd_status kd_model_options_check(const kd_model_options *o) {
     const int rg = o->mla_row_groups;
     if (rg != 0 && rg != 1 && rg != 4)
         return kd_fail(KD_ERR_ARG, "%s: options.mla_row_groups is %d: expected 0 (by the shape rule), 1 or 4", fn, rg);
-    if (o->shared_expert_branch != 0 && o->shared_expert_branch != 1)
-        return kd_fail(KD_ERR_ARG, "%s: options.shared_expert_branch is %d: expected 0 (in line) or 1 (beside the "
-                       "routed experts)", fn, o->shared_expert_branch);
+    if (o->shared_expert_branch < -1 || o->shared_expert_branch > 1)
+        return kd_fail(KD_ERR_ARG, "%s: options.shared_expert_branch is %d: expected 0 (by the step's rows), 1 "
+                       "(beside the routed experts) or -1 (in line)", fn, o->shared_expert_branch);
     return KD_OK;
 }
 

@@ -52,7 +52,8 @@ describe("model and sequence options", function()
       { "mla_kernel", 2, "options.mla_kernel is 2: expected KD_MLA_DEFAULT (0) or KD_MLA_CUDA_CORES (1)" },
       { "mla_value_slices", 3, "options.mla_value_slices is 3: expected 0 (by the shape rule), -1 (no split), 1, 2 or 4" },
       { "mla_row_groups", 2, "options.mla_row_groups is 2: expected 0 (by the shape rule), 1 or 4" },
-      { "shared_expert_branch", 2, "options.shared_expert_branch is 2: expected 0 (in line) or 1 (beside the routed experts)" },
+      { "shared_expert_branch", 2, "options.shared_expert_branch is 2: expected 0 (by the step's rows), 1 (beside the routed experts) or -1 (in line)" },
+      { "shared_expert_branch", -2, "options.shared_expert_branch is -2" },
     }
     local out = ffi.new("kd_model*[1]")
     for _, c in ipairs(cases) do
@@ -111,7 +112,7 @@ describe("model and sequence options", function()
     local ref = run({})
     for _, o in ipairs({ { mla_kernel = "cuda_cores" }, { mla_value_slices = -1, mla_row_groups = 4 },
                          { graphs = "on", draft_graphs = "eager", graphs_verbose = true },
-                         { shared_expert_branch = true } }) do
+                         { shared_expert_branch = true }, { shared_expert_branch = false } }) do
       local got, launches = run(o)
       assert.are.same(ref, got)
       assert.are.equal(0, launches)

@@ -84,7 +84,7 @@ function O.model(t)
   if t.shared_expert_branch ~= nil and type(t.shared_expert_branch) ~= "boolean" then
     fail(fn, "shared_expert_branch: expected a boolean, got %s", tostring(t.shared_expert_branch))
   end
-  o.shared_expert_branch = t.shared_expert_branch and 1 or 0
+  o.shared_expert_branch = t.shared_expert_branch == nil and 0 or (t.shared_expert_branch and 1 or -1)
   if t.seq ~= nil and type(t.seq) ~= "table" then fail(fn, "seq: expected a table of sequence options, got %s", type(t.seq)) end
   if t.seq then known(fn .. ": seq", t.seq, SEQ_FIELDS) end
   return o, cb

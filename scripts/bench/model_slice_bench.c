@@ -3,8 +3,8 @@
  *
  *   model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]
  *                     [--row-seconds S] [--no-mla] [--no-graphs] [--no-draft] [--tolerance X]
- *                     [--shared-branch]
- *   model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N] [--shared-branch]
+ *                     [--shared-branch rows|on|off]
+ *   model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N] [--shared-branch rows|on|off]
  *
  * The slice: the K2.6 text model's dims (hidden 7168, 64 heads, q_lora 1536, kv_lora 512,
  * rope 64, nope 128, v 128, dense intermediate 18432, 384 routed experts top-8 INT4 group 32,
@@ -188,7 +188,7 @@ static kd_backend *g_be;
 static const kd_backend_ops *g_real;
 static kd_backend_ops g_wrap;
 static bool g_events;                 /* CUDA events (slice_cuda.cu) rather than the host clock */
-static int g_shared_branch;           /* --shared-branch: kd_model_options.shared_expert_branch */
+static int g_shared_branch;           /* --shared-branch rows|on|off: kd_model_options.shared_expert_branch 0, 1, -1 */
 
 enum { MAXMARK = 8192 };   /* a profiled step of 61 layers makes about 1600 op calls, 2 marks each */
 static uint64_t g_host_mark[MAXMARK];
@@ -1446,8 +1446,8 @@ static void slice_run(const opts *o, const dims *d) {
 static void usage(void) {
     printf("usage: model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]\n"
            "                         [--row-seconds S] [--no-mla] [--no-graphs] [--no-draft] [--tolerance X]\n"
-           "                         [--shared-branch]\n"
-           "       model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N] [--shared-branch]\n"
+           "                         [--shared-branch rows|on|off]\n"
+           "       model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N] [--shared-branch rows|on|off]\n"
            "  --backend    cuda (default when the library has it) or cpu\n"
            "  --tiny       the shipped tiny model's dims instead of Kimi K2.6's (quick logic check)\n"
            "  --md FILE    also write the markdown tables to FILE\n"
@@ -1464,8 +1464,9 @@ static void usage(void) {
            "                   verify B = 16, 64 at ctx 1K, 8K (step graphs), NCCL all-reduce on one rank, and the\n"
            "                   projected N-GPU rate (about 78 GB of device memory at N = 8; CUDA, or --tiny)\n"
            "  --layers L       layers of the projection's model (default 61; the rate is for 61)\n"
-           "  --shared-branch  the shared expert beside the router and routed experts, not in line\n"
-           "                   (kd_model_options.shared_expert_branch: an A/B of the branch)\n");
+           "  --shared-branch rows|on|off  the shared expert beside the router and routed experts in steps\n"
+           "                   of up to 32 rows (the default), in every step, or in line in every step\n"
+           "                   (kd_model_options.shared_expert_branch 0, 1, -1: an A/B of the branch)\n");
 }
 
 int main(int argc, char **argv) {
@@ -1481,7 +1482,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--no-mla")) o.mla = false;
         else if (!strcmp(a, "--no-graphs")) o.graphs = false;
         else if (!strcmp(a, "--no-draft")) o.draft = false;
-        else if (!strcmp(a, "--shared-branch")) g_shared_branch = 1;
+        else if (!strcmp(a, "--shared-branch") && v) {
+            g_shared_branch = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? -1 : 0;
+            if (strcmp(v, "on") && strcmp(v, "off") && strcmp(v, "rows")) { usage(); return 2; }
+            i++;
+        }
         else if (!strcmp(a, "--md") && v) { o.md = v; i++; }
         else if (!strcmp(a, "--steps") && v) { o.steps = atoi(v); i++; }
         else if (!strcmp(a, "--row-seconds") && v) { o.row_s = atof(v); i++; }
