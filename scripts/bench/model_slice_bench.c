@@ -4,7 +4,7 @@
  *   model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]
  *                     [--row-seconds S] [--no-mla] [--no-graphs] [--no-draft] [--tolerance X]
  *                     [--shared-branch rows|on|off]
- *   model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N] [--shared-branch rows|on|off]
+ *   model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N] [--shared-branch rows|on|off] [--ncu]
  *
  * The slice: the K2.6 text model's dims (hidden 7168, 64 heads, q_lora 1536, kv_lora 512,
  * rope 64, nope 128, v 128, dense intermediate 18432, 384 routed experts top-8 INT4 group 32,
@@ -189,6 +189,7 @@ static const kd_backend_ops *g_real;
 static kd_backend_ops g_wrap;
 static bool g_events;                 /* CUDA events (slice_cuda.cu) rather than the host clock */
 static int g_shared_branch;           /* --shared-branch rows|on|off: kd_model_options.shared_expert_branch 0, 1, -1 */
+static bool g_ncu;                    /* --ncu: each projection row's last timed step in the profiler's window */
 
 enum { MAXMARK = 8192 };   /* a profiled step of 61 layers makes about 1600 op calls, 2 marks each */
 static uint64_t g_host_mark[MAXMARK];
@@ -1184,7 +1185,13 @@ static double time_steps(kd_seq *s, const step *st, const opts *o, int *n_out, i
     *replayed = 0;
     for (int i = 0; i < n; i++) {
         long calls = g_op_calls;
+#ifdef KD_SLICE_EVENTS
+        if (g_ncu && i == n - 1) CK(kd_slice_profiler(g_be, 1));
+#endif
         t[i] = timed_step(s, st, NULL);
+#ifdef KD_SLICE_EVENTS
+        if (g_ncu && i == n - 1) CK(kd_slice_profiler(g_be, 0));
+#endif
         if (g_op_calls == calls) (*replayed)++;
     }
     double ms = median_of(t, n);
@@ -1447,7 +1454,7 @@ static void usage(void) {
     printf("usage: model_slice_bench [--backend cuda|cpu] [--tiny] [--md FILE] [--quick] [--steps N]\n"
            "                         [--row-seconds S] [--no-mla] [--no-graphs] [--no-draft] [--tolerance X]\n"
            "                         [--shared-branch rows|on|off]\n"
-           "       model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N] [--shared-branch rows|on|off]\n"
+           "       model_slice_bench --k26-rank N [--layers L] [--md FILE] [--quick] [--steps N] [--shared-branch rows|on|off] [--ncu]\n"
            "  --backend    cuda (default when the library has it) or cpu\n"
            "  --tiny       the shipped tiny model's dims instead of Kimi K2.6's (quick logic check)\n"
            "  --md FILE    also write the markdown tables to FILE\n"
@@ -1466,7 +1473,9 @@ static void usage(void) {
            "  --layers L       layers of the projection's model (default 61; the rate is for 61)\n"
            "  --shared-branch rows|on|off  the shared expert beside the router and routed experts in steps\n"
            "                   of up to 32 rows (the default), in every step, or in line in every step\n"
-           "                   (kd_model_options.shared_expert_branch 0, 1, -1: an A/B of the branch)\n");
+           "                   (kd_model_options.shared_expert_branch 0, 1, -1: an A/B of the branch)\n"
+           "  --ncu            the last timed step of each projection row between cudaProfilerStart and\n"
+           "                   Stop: `ncu --profile-from-start off` then profiles one step a row\n");
 }
 
 int main(int argc, char **argv) {
@@ -1482,6 +1491,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--no-mla")) o.mla = false;
         else if (!strcmp(a, "--no-graphs")) o.graphs = false;
         else if (!strcmp(a, "--no-draft")) o.draft = false;
+        else if (!strcmp(a, "--ncu")) g_ncu = true;
         else if (!strcmp(a, "--shared-branch") && v) {
             g_shared_branch = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? -1 : 0;
             if (strcmp(v, "on") && strcmp(v, "off") && strcmp(v, "rows")) { usage(); return 2; }

@@ -5,6 +5,7 @@
 #include "../../cuda/cuda_internal.cuh"
 #include "slice_cuda.h"
 #include <nccl.h>
+#include <cuda_profiler_api.h>
 #include <algorithm>
 #include <stdio.h>
 #include <string.h>
@@ -202,4 +203,10 @@ done:
     if (dst) cudaFree(dst);
     if (comm) ncclCommDestroy(comm);
     return st;
+}
+
+extern "C" kd_status kd_slice_profiler(kd_backend *be, int on) {
+    SCK(cudaStreamSynchronize(kd_cuda_of(be)->stream));
+    SCK(on ? cudaProfilerStart() : cudaProfilerStop());
+    return KD_OK;
 }

@@ -25,6 +25,9 @@ kd_status kd_slice_device(kd_backend *be, char *name, size_t cap, int *sms, doub
  * be's stream: the median over 10 graph launches (after 3 warm-up) / reps, in microseconds.
  * Out of place, so every call moves the bytes (in place, one rank has nothing to do). */
 kd_status kd_slice_allreduce_us(kd_backend *be, int rows, int cols, int reps, double *us);
+/* cudaProfilerStart (on) / cudaProfilerStop (off), after a sync of be's stream: the window that
+ * `ncu --profile-from-start off` profiles */
+kd_status kd_slice_profiler(kd_backend *be, int on);
 #ifdef __cplusplus
 }
 #endif
