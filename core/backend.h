@@ -149,6 +149,12 @@ typedef struct kd_backend kd_backend;
       (be, q, qfull, n_heads, kva, w, eps, pos, r, cache, row0, d_len))                                       \
     /* rows[i] of src -> rows dst_row0+i of dst (KV compaction gathers) */                                   \
     X(gather_rows, (kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n), (be, dst, src, rows, n)) \
+    /* the KV compaction of a commit in every layer at once: in each of the n_caches views (one shape and  \
+     * dtype), rows dst0 + i <- rows src0 + rows[i] for i < n (rows in backend memory, strictly increasing,  \
+     * dst0 + i <= src0 + rows[i], checked by the caller): each row moves toward row 0 or stays, so copying \
+     * in the order of i overwrites no row still to be read */                                             \
+    X(move_rows, (kd_backend *be, const kd_act *caches, int n_caches, int src0, const int32_t *rows, int n,     \
+                  int dst0), (be, caches, n_caches, src0, rows, n, dst0))                                      \
     /* src rows i -> dst rows *d_len + i (same dtype; dst spans the whole cache; d_len in backend memory) */ \
     X(store_rows_at, (kd_backend *be, kd_act dst, const int32_t *d_len, kd_act src), (be, dst, d_len, src))  \
                                                                                                              \

@@ -251,20 +251,11 @@ kd_status kd_seq_truncate(kd_seq *s, int len) {
     return KD_OK;
 }
 
-/* slots start+d_keep[i] -> slot to+i (i < n <= out_cap) in every layer, d_keep in backend
- * memory: gathered into the staging area, then copied back */
-static kd_status move_slots_rank(kd_seq *s, int r, const kd_fwd_plan *p, int start, const int32_t *d_keep, int n,
-                                 int to) {
-    kd_model *m = s->model;
-    kd_backend *be = m->ranks[r].be;
-    kd_seq_rank *S = &s->rk[r];
-    kd_act tmp = kd_act_rows(kd_fwd_act(S->scratch, p->tmp, s->out_cap, cache_cols(m), be->act_dtype), 0, n);
-    int written = s->len + s->pending;
-    for (int l = 0; l < m->cfg.n_layers; l++) {
-        KD_TRY(be->ops->gather_rows(be, tmp, kd_act_rows(S->cache[l], start, written - start), d_keep, n));
-        KD_TRY(be->ops->copy(be, kd_act_rows(S->cache[l], to, n), tmp));
-    }
-    return KD_OK;
+/* slots start+d_keep[i] -> slot to+i (i < n, d_keep strictly increasing, to <= start + d_keep[0])
+ * in every layer of rank r, d_keep in backend memory: one backend op for all the layers */
+static kd_status move_slots_rank(kd_seq *s, int r, int start, const int32_t *d_keep, int n, int to) {
+    kd_backend *be = s->model->ranks[r].be;
+    return be->ops->move_rows(be, s->rk[r].cache, s->model->cfg.n_layers, start, d_keep, n, to);
 }
 
 /* a move that failed partway has moved the slots from `start` on in some layers (or chunks)
@@ -315,7 +306,7 @@ kd_status kd_seq_compact(kd_seq *s, int start, const int32_t *keep, int n_keep) 
             kd_backend *be = m->ranks[r].be;
             int32_t *d_idx = (int32_t *)((char *)s->rk[r].scratch + p.idx);
             kd_status st = be->ops->upload(be, d_idx, keep + c0, sizeof(int32_t) * (size_t)n);
-            if (st == KD_OK) st = move_slots_rank(s, r, &p, start, d_idx, n, start + c0);
+            if (st == KD_OK) st = move_slots_rank(s, r, start, d_idx, n, start + c0);
             if (st != KD_OK) return move_failed(s, start, st, "kd_seq_compact");
         }
     }
@@ -326,12 +317,10 @@ kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int
     if (start < 0 || start > s->len || n_keep < 0 || n_keep > s->pending || n_keep > s->out_cap)
         return kd_fail(KD_ERR_ARG, "kd_seq_compact_staged: %d kept slots at %d: expected at most %d (the pending "
                        "rows, within the staging of %d) at 0..%d", n_keep, start, s->pending, s->out_cap, s->len);
-    kd_fwd_plan p;
-    kd_fwd_plan_make(s->model, s->out_cap, &p);
     if (s->model->tp > 1)      /* d_keep lives on rank 0's backend */
         return kd_fail(KD_ERR_STATE, "kd_seq_compact_staged: slots staged on one backend cannot move %d ranks' caches",
                        s->model->tp);
-    kd_status st = move_slots_rank(s, 0, &p, start, d_keep, n_keep, start);
+    kd_status st = move_slots_rank(s, 0, start, d_keep, n_keep, start);
     if (st != KD_OK) return move_failed(s, start, st, "kd_seq_compact_staged");
     return compacted(s, start, n_keep);
 }

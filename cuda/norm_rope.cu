@@ -326,6 +326,33 @@ __global__ void gather_bytes_kernel(char *dst, long long ldd_b, const char *src,
     }
 }
 
+/* move_rows: blockIdx.y a cache of the launch, each thread its W-sized column chunks of every
+ * moved row in the order of i: a row moves toward row 0 or stays, so that order overwrites no row
+ * still to be read, and no other thread touches these columns. MOVE_BATCH rows are loaded before
+ * they are stored: each one's source lies above every row stored before it. */
+constexpr int MOVE_CACHES = 64;   /* caches a launch (their pointers travel in its parameters) */
+constexpr int MOVE_BATCH = 8;
+struct MoveRows {
+    char *base[MOVE_CACHES];
+};
+template <typename W>
+__global__ void move_rows_kernel(MoveRows p, long long ld_w, long long row_w, int src0, const int32_t *rows, int n,
+                                 int dst0) {
+    kd_griddep_enter();
+    W *b = (W *)p.base[blockIdx.y];
+    for (long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x; c < row_w; c += (long long)gridDim.x * blockDim.x)
+        for (int i0 = 0; i0 < n; i0 += MOVE_BATCH) {
+            const int m = min(MOVE_BATCH, n - i0);
+            W v[MOVE_BATCH];
+#pragma unroll
+            for (int j = 0; j < MOVE_BATCH; j++)
+                if (j < m) v[j] = b[(size_t)(src0 + rows[i0 + j]) * ld_w + c];
+#pragma unroll
+            for (int j = 0; j < MOVE_BATCH; j++)
+                if (j < m) b[(size_t)(dst0 + i0 + j) * ld_w + c] = v[j];
+        }
+}
+
 static kd_status check_view(const char *op, const char *arg, kd_act a) {
     if (!a.data && a.rows > 0 && a.cols > 0) return kd_fail(KD_ERR_ARG, "cuda %s: %s: NULL data", op, arg);
     if (a.rows < 0 || a.cols < 0 || (a.rows > 1 && a.ld < a.cols))
@@ -519,6 +546,46 @@ extern "C" kd_status kd_cuda_mla_rope_store(kd_backend *be, kd_act q, kd_act qfu
     if (qblocks >= 65535) return kd_fail(KD_ERR_ARG, "cuda mla_rope_store: %d heads is too many", n_heads);
     return kd_launch_pdl("mla_rope_store_kernel", NORM_KERNEL(mla_rope_store_kernel, ns),
                          dim3((unsigned)kva.rows, (unsigned)(1 + qblocks)), ns.threads, 0, c->stream, a);
+}
+
+extern "C" kd_status kd_cuda_move_rows(kd_backend *be, const kd_act *caches, int n_caches, int src0, const int32_t *rows,
+                                       int n, int dst0) {
+    kd_cuda *c = kd_cuda_of(be);
+    if (n_caches < 0 || n < 0 || (n_caches > 0 && !caches) || (n > 0 && n_caches > 0 && !rows))
+        return kd_fail(KD_ERR_ARG, "cuda move_rows: %d rows of %d caches (NULL caches or rows)", n, n_caches);
+    if (n_caches == 0 || n == 0) return KD_OK;
+    const kd_act a = caches[0];
+    bool aligned = true;
+    for (int l = 0; l < n_caches; l++) {
+        const kd_act x = caches[l];
+        if (x.rows != a.rows || x.cols != a.cols || x.ld != a.ld || x.dtype != a.dtype || !x.data || x.ld < x.cols)
+            return kd_fail(KD_ERR_ARG, "cuda move_rows: cache %d is %d x %d (ld %d) %s%s, cache 0 %d x %d (ld %d) %s", l,
+                           x.rows, x.cols, x.ld, kd_dtype_name(x.dtype), x.data ? "" : " with no data", a.rows, a.cols,
+                           a.ld, kd_dtype_name(a.dtype));
+        aligned = aligned && (uintptr_t)x.data % 16 == 0;
+    }
+    /* the rows themselves are backend memory: the caller checks them (backend.h) */
+    if (src0 < 0 || dst0 < 0 || (long long)dst0 + n > a.rows || src0 >= a.rows)
+        return kd_fail(KD_ERR_ARG, "cuda move_rows: %d rows from %d to %d: outside the %d cache rows", n, src0, dst0,
+                       a.rows);
+    const size_t es = kd_dtype_size(a.dtype), row_b = (size_t)a.cols * es, ld_b = (size_t)a.ld * es;
+    aligned = aligned && row_b % 16 == 0 && ld_b % 16 == 0;
+    const size_t w = aligned ? 16 : 1, row_w = row_b / w;
+    const int threads = 128;
+    const unsigned bx = (unsigned)((row_w + threads - 1) / threads < 64 ? (row_w + threads - 1) / threads : 64);
+    for (int l0 = 0; l0 < n_caches; l0 += MOVE_CACHES) {
+        const int nl = n_caches - l0 < MOVE_CACHES ? n_caches - l0 : MOVE_CACHES;
+        MoveRows p = {};
+        for (int l = 0; l < nl; l++) p.base[l] = (char *)caches[l0 + l].data;
+        const dim3 grid(bx, (unsigned)nl);
+        if (aligned)
+            KD_TRY(kd_launch_pdl("move_rows_kernel", move_rows_kernel<uint4>, grid, threads, 0, c->stream, p,
+                                 (long long)(ld_b / w), (long long)row_w, src0, rows, n, dst0));
+        else
+            KD_TRY(kd_launch_pdl("move_rows_kernel", move_rows_kernel<unsigned char>, grid, threads, 0, c->stream, p,
+                                 (long long)(ld_b / w), (long long)row_w, src0, rows, n, dst0));
+    }
+    return KD_OK;
 }
 
 extern "C" kd_status kd_cuda_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n) {

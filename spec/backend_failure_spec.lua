@@ -1,7 +1,8 @@
 -- backend_failure_spec.lua: what a sequence is after a backend op fails partway through an
 -- engine call (kd_test_fail_op makes one op of the model's backend fail on demand):
---   * a compaction whose slot moves fail after some layers have moved drops the rows from
---     `start` on, says so, and the sequence then computes what a fresh one computes;
+--   * a compaction whose slot moves fail after some rows have moved (its second chunk of two,
+--     each one move_rows over every layer) drops the rows from `start` on, says so, and the
+--     sequence then computes what a fresh one computes;
 --   * a commit whose compaction fails ends the round at the committed length (a second
 --     commit is a state error) and the next round matches the autoregressive reference;
 --   * a commit whose drafter append fails changes nothing: retried, it gives the draft a
@@ -66,21 +67,21 @@ describe("after a failed backend op", function()
     m:close()
   end)
 
-  it("a compaction that fails after moving some layers drops the rows from start on and the sequence goes on", function()
-    assert.is_true(m.info.n_layers >= 2, "the spec needs a partial move: two layers at least")
-    local s = m:new_seq(64)
+  it("a compaction that fails after moving some rows drops the rows from start on and the sequence goes on", function()
+    -- two rows a chunk: the first chunk's move succeeds, the second's fails, so slots start and
+    -- start + 1 have moved and the rest have not
+    local s = m:new_seq(64, { max_rows = 2 })
     s:forward(PROMPT)
     s:forward({ 1, 2, 3, 4, 5, 6 })
     local start = #PROMPT
-    -- layer 0's gather succeeds, layer 1's fails: layer 0's slots from `start` on have moved
-    fail("gather_rows", 1)
+    fail("move_rows", 1)
     local e = err_of(s.compact, s, start, { 1, 3, 5 })
     assert.matches("injected by kd_test_fail_op", e)
     assert.matches("rows from " .. start .. " on are dropped", e)
     assert.are.equal(start, s:len())
     heal()
     -- the sequence now computes exactly what one that never saw the extra rows computes
-    local fresh = m:new_seq(64)
+    local fresh = m:new_seq(64, { max_rows = 2 })
     fresh:forward(PROMPT)
     s:forward({ 9, 8, 7 })
     fresh:forward({ 9, 8, 7 })
@@ -102,7 +103,7 @@ describe("after a failed backend op", function()
     s:verify(t)
     local r = s:accept(t)
     assert.are.equal(3, r.tau)
-    fail("gather_rows", 1)
+    fail("move_rows", 0)
     local e = err_of(s.commit, s, t)
     assert.matches("kd_commit: compacting 3 accepted rows", e)
     assert.matches("rows from " .. #PROMPT .. " on are dropped", e)
@@ -203,7 +204,7 @@ describe("after a failed backend op", function()
   end)
 
   it("names the op it was given, and only the ops it can fail", function()
-    assert.matches("expected upload, copy, mla_rope_store, gather_rows or tree_walk",
+    assert.matches("expected upload, copy, mla_rope_store, move_rows or tree_walk",
       err_of(O.check, O.C.kd_test_fail_op(m:handle(), "linear", 0), "kd_test_fail_op"))
   end)
 

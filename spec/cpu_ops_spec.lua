@@ -686,7 +686,7 @@ describe("cpu backend ops", function()
     assert.is_true(e < TOL, "log_softmax relative error " .. e)
   end)
 
-  it("copy converts to bf16 with round-to-nearest-even, gather_rows moves rows, embed looks rows up", function()
+  it("copy converts to bf16 with round-to-nearest-even, gather_rows and move_rows move rows, embed looks rows up", function()
     local src = floats(4, function(i) return ({ 1.0, 1.00390625, 1.01171875, -3.3 })[i + 1] end)
     local dst = ffi.new("uint16_t[4]")
     local a = B.act(dst, 1, 4)
@@ -706,6 +706,39 @@ describe("cpu backend ops", function()
     for i = 0, 2 do for c = 0, 2 do assert.are.equal(mt[rows[i] + 1][c + 1], g[i * 3 + c]) end end
     rows[1] = 5
     assert.are_not.equal(0, tonumber(be.ops.gather_rows(be, B.act(g, 3, 3), B.act(m, 5, 3), rows, 3)))
+
+    -- move_rows: in each of three caches rows 2 + i <- rows 3 + keep[i], in the order of i (rows 2, 3,
+    -- 4 <- 4, 6, 9: row 4 is read before it is overwritten); the others stay
+    local L, S, W = 3, 12, 5
+    local caches, before = ffi.new("kd_act[3]"), {}
+    local keep = ffi.new("int32_t[3]", { 1, 3, 6 })
+    for l = 0, L - 1 do
+      local cm, ct = rand_act(S, W)
+      caches[l] = B.act(cm, S, W)
+      before[l] = { data = cm, vals = ct }
+    end
+    ok(be, be.ops.move_rows(be, caches, L, 3, keep, 3, 2))
+    for l = 0, L - 1 do
+      for r = 0, S - 1 do
+        local from = (r >= 2 and r <= 4) and 3 + keep[r - 2] or r
+        for c = 0, W - 1 do assert.are.equal(before[l].vals[from + 1][c + 1], before[l].data[r * W + c]) end
+      end
+    end
+    -- refused before any row moves: a row that would move away from row 0, rows not increasing,
+    -- a source past the cache, caches of two shapes
+    local moved = {}
+    for l = 0, L - 1 do for i = 0, S * W - 1 do moved[#moved + 1] = before[l].data[i] end end
+    for _, c in ipairs({ { { 0, 1 }, 3, 4, "row 3 -> 4" }, { { 2, 2 }, 0, 0, "rows[1] = 2" },
+                         { { 5, 12 }, 0, 0, "row 12 -> 1" } }) do
+      local rr = ffi.new("int32_t[2]", c[1])
+      assert.are_not.equal(0, tonumber(be.ops.move_rows(be, caches, L, c[2], rr, 2, c[3])))
+      assert.truthy(ffi.string(C.kd_last_error()):find(c[4], 1, true), ffi.string(C.kd_last_error()))
+    end
+    caches[2].rows = S - 1
+    assert.are_not.equal(0, tonumber(be.ops.move_rows(be, caches, L, 3, keep, 3, 2)))
+    assert.truthy(ffi.string(C.kd_last_error()):find("cache 2 is 11 x 5", 1, true))
+    local k = 0
+    for l = 0, L - 1 do for i = 0, S * W - 1 do k = k + 1; assert.are.equal(moved[k], before[l].data[i]) end end
 
     local E = B.bf16_weight("embed_tokens", 10, 4, function() return randn() end)
     local ids = ffi.new("int32_t[2]", { 7, 3 })

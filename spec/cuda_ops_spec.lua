@@ -206,6 +206,24 @@ describe("CUDA ops against the CPU twins #gpu", function()
       function(tb, out) return C.kd_test_gather_rows(tb, src, S, c, keep, 5, 1, 10, out) end)
   end)
 
+  it("move_rows: the KV compaction of every layer in one op", function()
+    O.seed(61)
+    -- 70 caches (two launches: 64 a launch), 9 rows (two load batches of 8), rows 5.. <- 5 + keep;
+    -- then a later chunk's move (rows 7.. <- 5 + {3, 4, 9}) and rows of 37 columns (not 16-byte
+    -- multiples: the byte path)
+    local L, S, c = 70, 40, 576
+    local src = O.rand_floats(L * S * c)
+    local keep = O.ints(9, function(i) return ({ 0, 2, 3, 7, 8, 9, 15, 21, 30 })[i + 1] end)
+    exact("move_rows 70 caches of 40x576, 9 rows", L * S * c,
+      function(tb, out) return C.kd_test_move_rows(tb, src, L, S, c, 5, keep, 9, 5, out) end)
+    local later = O.ints(3, function(i) return ({ 3, 4, 9 })[i + 1] end)
+    exact("move_rows, a later chunk (rows 7.. <- 8, 9, 14)", L * S * c,
+      function(tb, out) return C.kd_test_move_rows(tb, src, L, S, c, 5, later, 3, 7, out) end)
+    local odd = O.rand_floats(3 * S * 37)
+    exact("move_rows 3 caches of 40x37 (byte path)", 3 * S * 37,
+      function(tb, out) return C.kd_test_move_rows(tb, odd, 3, S, 37, 5, keep, 9, 5, out) end)
+  end)
+
   describe("linear", function()
     local shapes = SMALL and { { 37, 256, 128 }, { 5, 33, 40 }, { 3, 7, 1000 }, { 2, 64, 4096 } } or {
       { 1, 1536, 7168 }, { 3, 1536, 7168 }, { 2, 576, 7168 }, { 4, 7168, 2048 }, { 2, 2048, 7168 },

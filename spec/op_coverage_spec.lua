@@ -21,6 +21,7 @@ local WHERE = {
   rope = { OPS_SPEC, "C.kd_test_rope(" },
   mla_rope_store = { OPS_SPEC, "C.kd_test_mla_rope_store(" },
   gather_rows = { OPS_SPEC, "C.kd_test_gather_rows(" },
+  move_rows = { OPS_SPEC, "C.kd_test_move_rows(" },
   linear = { OPS_SPEC, "C.kd_test_linear(" },
   linear_pair = { OPS_SPEC, "C.kd_test_linear_pair(" },
   linear_swiglu = { OPS_SPEC, "C.kd_test_linear_swiglu(" },

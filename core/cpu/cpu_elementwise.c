@@ -145,6 +145,29 @@ kd_status kd_cpu_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32
     return KD_OK;
 }
 
+/* the definition, in the order of i; every check comes before a row moves */
+kd_status kd_cpu_move_rows(kd_backend *be, const kd_act *caches, int n_caches, int src0, const int32_t *rows, int n,
+                           int dst0) {
+    if (n_caches < 0 || n < 0 || (n_caches > 0 && !caches) || (n > 0 && !rows))
+        return kd_fail(KD_ERR_ARG, "cpu move_rows: %d rows of %d caches (NULL caches or rows)", n, n_caches);
+    for (int l = 1; l < n_caches; l++)
+        if (caches[l].rows != caches[0].rows || caches[l].cols != caches[0].cols || caches[l].dtype != caches[0].dtype)
+            return kd_fail(KD_ERR_ARG, "cpu move_rows: cache %d is %d x %d %s, cache 0 %d x %d %s", l, caches[l].rows,
+                           caches[l].cols, kd_dtype_name(caches[l].dtype), caches[0].rows, caches[0].cols,
+                           kd_dtype_name(caches[0].dtype));
+    for (int i = 0; n_caches > 0 && i < n; i++) {
+        long long from = (long long)src0 + rows[i], to = (long long)dst0 + i;
+        if (from >= caches[0].rows || to < 0 || to > from || (i > 0 && rows[i] <= rows[i - 1]))
+            return kd_fail(KD_ERR_ARG, "cpu move_rows: row %lld -> %lld (rows[%d] = %d): expected strictly increasing rows "
+                           "that move toward row 0 within the %d cache rows", from, to, i, rows[i], caches[0].rows);
+    }
+    for (int l = 0; l < n_caches; l++)
+        for (int i = 0; i < n; i++)
+            if (src0 + rows[i] != dst0 + i)
+                KD_TRY(kd_cpu_copy(be, kd_act_rows(caches[l], dst0 + i, 1), kd_act_rows(caches[l], src0 + rows[i], 1)));
+    return KD_OK;
+}
+
 /* add, then rmsnorm: the definition itself; every check comes before x changes */
 kd_status kd_cpu_add_rmsnorm(kd_backend *be, kd_act x, kd_act y, const kd_weight *w, float eps, kd_act out) {
     KD_TRY(kd_cpu_check_f32("add_rmsnorm", "x", x));

@@ -237,6 +237,28 @@ static kd_status accept_run(void *p, int i) {
     return be->ops->download(be, a->host, a->d->result, a->words * sizeof(int32_t));
 }
 
+/* a commit's KV compaction: tau rows of the last 257 moved down to row START in each of n caches */
+enum { COMPACT_START = 3000, COMPACT_CAP = 4096, COMPACT_COLS = 576 };
+typedef struct compact_arg {
+    kd_act *caches;
+    int n, tau;
+    int32_t *d_keep;
+    void *tmp;
+} compact_arg;
+static kd_status compact_move_run(void *p, int i) {   /* the engine's: one move_rows */
+    compact_arg *a = p;
+    return be->ops->move_rows(be, a->caches, a->n, COMPACT_START, a->d_keep, a->tau, COMPACT_START);
+}
+static kd_status compact_layers_run(void *p, int i) {   /* before it: a gather and a copy back a layer */
+    compact_arg *a = p;
+    kd_act tmp = {a->tmp, a->tau, COMPACT_COLS, COMPACT_COLS, be->act_dtype};
+    for (int l = 0; l < a->n; l++) {
+        KD_TRY(be->ops->gather_rows(be, tmp, kd_act_rows(a->caches[l], COMPACT_START, 257), a->d_keep, a->tau));
+        KD_TRY(be->ops->copy(be, kd_act_rows(a->caches[l], COMPACT_START, a->tau), tmp));
+    }
+    return KD_OK;
+}
+
 /* the round around verify at V = 163840, L = 7 (the K2.6 drafter's block 8): the tree build
  * (top-K, K = B, + best-first selection) at B = 16, 64, 256 on two kinds of draft log-probs, and
  * accept over the 1 + B rows of random flat logits (uniform in [0, 16): every mass is nonzero,
@@ -312,6 +334,32 @@ static void bench_round(const char *md_path) {
     be->ops->free(be, lg);
     be->ops->free(be, x);
     be->ops->free(be, xp);
+
+    /* commit's KV compaction in K2.6's 61 layers (latent 512 + rope 64 a row), tau = 4, 8, 16 */
+    enum { NLAYER = 61, NT = 3 };
+    static const int taus[NT] = {4, 8, 16};
+    double move_us[NT], layers_us[NT];
+    kd_act caches[NLAYER];
+    const size_t es = kd_dtype_size(be->act_dtype);
+    for (int l = 0; l < NLAYER; l++) {
+        caches[l] = (kd_act){NULL, COMPACT_CAP, COMPACT_COLS, COMPACT_COLS, be->act_dtype};
+        CK(be->ops->alloc(be, (size_t)COMPACT_CAP * COMPACT_COLS * es, &caches[l].data));
+    }
+    int32_t keep[16];
+    for (int i = 0; i < 16; i++) keep[i] = 2 * i;   /* every other row of the tree's: a path */
+    compact_arg ca = {.caches = caches, .n = NLAYER};
+    CK(be->ops->alloc(be, sizeof keep, (void **)&ca.d_keep));
+    CK(be->ops->upload(be, ca.d_keep, keep, sizeof keep));
+    CK(be->ops->alloc(be, (size_t)16 * COMPACT_COLS * es, &ca.tmp));
+    for (int t = 0; t < NT; t++) {
+        ca.tau = taus[t];
+        move_us[t] = time_it(compact_move_run, &ca, 20) * 1e6;
+        layers_us[t] = time_it(compact_layers_run, &ca, 5) * 1e6;
+    }
+    for (int l = 0; l < NLAYER; l++) be->ops->free(be, caches[l].data);
+    be->ops->free(be, ca.d_keep);
+    be->ops->free(be, ca.tmp);
+
     char line[4096];
     FILE *md = md_path ? fopen(md_path, "w") : NULL;
     if (md_path && !md) fprintf(stderr, "cannot write %s\n", md_path);
@@ -329,6 +377,12 @@ static void bench_round(const char *md_path) {
     for (int k = 0; k < NS; k++)
         OUT("| accept: %s (+ walk + result) | %.1f | %.1f | %.1f |\n", samplers[k].name, accept_us[0][k],
             accept_us[1][k], accept_us[2][k]);
+    OUT("\nCommit's KV compaction, %d layers of %d x %d %s (us per call, median of 5 batches):\n\n", NLAYER,
+        COMPACT_CAP, COMPACT_COLS, kd_dtype_name(be->act_dtype));
+    OUT("| rows moved (tau) | %d | %d | %d |\n|---|---|---|---|\n", taus[0], taus[1], taus[2]);
+    OUT("| move_rows, every layer in one op | %.1f | %.1f | %.1f |\n", move_us[0], move_us[1], move_us[2]);
+    OUT("| gather_rows + copy a layer (%d ops) | %.1f | %.1f | %.1f |\n", 2 * NLAYER, layers_us[0], layers_us[1],
+        layers_us[2]);
 #undef OUT
     if (md) fclose(md);
 }

@@ -94,6 +94,8 @@ static void ops(void) {
     int32_t keep[4] = {2, 5, 6, 9};
     ck(kd_test_gather_rows(tb, x, 12, 40, keep, 4, 1, 2, out), "gather in place");
     ck(kd_test_gather_rows(tb, x, 12, 40, keep, 4, 0, 0, out), "gather");
+    ck(kd_test_move_rows(tb, x, 70, 12, 576, 1, keep, 4, 1, out), "move_rows (two launches)");
+    ck(kd_test_move_rows(tb, x, 3, 12, 37, 0, keep, 4, 0, out), "move_rows, byte path");
     kd_test_weight lw = bf16w(33, 40), lw2 = bf16w(200, 512), l4 = int4w(64, 256, 32);
     ck(kd_test_linear(tb, x, 5, &lw, 1, out), "linear odd");
     ck(kd_test_linear(tb, x, 70, &lw2, 0, out), "linear");

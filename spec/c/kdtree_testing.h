@@ -77,6 +77,11 @@ kd_status kd_test_mla_rope_store(kd_test_backend *tb, const float *q, int rows, 
  * source buffer itself (KV compaction) and out receives the whole buffer [src_rows, cols] afterwards */
 kd_status kd_test_gather_rows(kd_test_backend *tb, const float *src, int src_rows, int cols, const int32_t *idx,
                               int n, int inplace, int dst_row0, float *out);
+/* move_rows over n_caches caches of [rows, cols] (src: n_caches * rows * cols values, the caches
+ * one after another, each in the backend's act dtype): rows dst0 + i <- rows src0 + idx[i] in
+ * each; out receives every cache afterwards */
+kd_status kd_test_move_rows(kd_test_backend *tb, const float *src, int n_caches, int rows, int cols, int src0,
+                            const int32_t *idx, int n, int dst0, float *out);
 /* out [M, w.rows] = x [M, w.cols] w^T; out_f32: output buffer in f32 (else act dtype) */
 kd_status kd_test_linear(kd_test_backend *tb, const float *x, int M, const kd_test_weight *w, int out_f32, float *out);
 /* out [M, w0.rows + w1.rows] = x [w0; w1]^T (linear_pair; same cols) */
@@ -130,7 +135,7 @@ kd_status kd_test_comm_cpu(int n_ranks, int rows, int cols, int ld, float *bufs,
 kd_status kd_test_rope_inv_freq(const char *dir, int dim, float *inv_freq);
 
 /* Fault injection (spec/c/testing_faults.c): from now on the backend op `op` of the model's
- * backend ("upload", "copy", "mla_rope_store" or "gather_rows") fails with KD_ERR_BACKEND once
+ * backend ("upload", "copy", "mla_rope_store" or "move_rows") fails with KD_ERR_BACKEND once
  * `after` more calls of it have succeeded ("tree_walk": returns a path that does not start at the
  * root instead);
  * after < 0 ends the injection (one at a time; a new call moves it; closing the model ends it too). */

@@ -346,6 +346,26 @@ done:
     return st;
 }
 
+kd_status kd_test_move_rows(kd_test_backend *tb, const float *src, int n_caches, int rows, int cols, int src0,
+                            const int32_t *idx, int n, int dst0, float *out) {
+    KD_TRY(check_tb(tb, "move_rows"));
+    if (n_caches <= 0 || n_caches > 256 || n < 0 || !src || !out || (n > 0 && !idx))
+        return kd_fail(KD_ERR_ARG, "kd_test_move_rows: %d caches (1..256), %d rows, src / idx / out given", n_caches, n);
+    kd_backend *be = tb->be;
+    arena a = {.be = be};
+    kd_status st;
+    kd_act all, caches[256];   /* the caches one after another in one buffer */
+    void *d_idx = NULL;
+    RUN(up_act(&a, src, n_caches * rows, cols, be->act_dtype, &all));
+    for (int l = 0; l < n_caches; l++) caches[l] = kd_act_rows(all, l * rows, rows);
+    if (n > 0) RUN(dev_copy_in(&a, idx, sizeof(int32_t) * (size_t)n, &d_idx));
+    RUN(be->ops->move_rows(be, caches, n_caches, src0, (const int32_t *)d_idx, n, dst0));
+    RUN(down_act(&a, all, out));
+done:
+    arena_free(&a);
+    return st;
+}
+
 kd_status kd_test_linear(kd_test_backend *tb, const float *x, int M, const kd_test_weight *w, int out_f32, float *out) {
     KD_TRY(check_tb(tb, "linear"));
     if (!w) return kd_fail(KD_ERR_ARG, "kd_test_linear: weight is NULL");

@@ -43,9 +43,10 @@ static kd_status fault_mla_rope_store(kd_backend *be, kd_act q, kd_act qfull, in
     KD_TRY(fault_check());
     return g_fault.orig->mla_rope_store(be, q, qfull, n_heads, kva, w, eps, pos, r, cache, row0, d_len);
 }
-static kd_status fault_gather_rows(kd_backend *be, kd_act dst, kd_act src, const int32_t *rows, int n) {
+static kd_status fault_move_rows(kd_backend *be, const kd_act *caches, int n_caches, int src0, const int32_t *rows,
+                                 int n, int dst0) {
     KD_TRY(fault_check());
-    return g_fault.orig->gather_rows(be, dst, src, rows, n);
+    return g_fault.orig->move_rows(be, caches, n_caches, src0, rows, n, dst0);
 }
 static kd_status fault_tree_walk(kd_backend *be, const kd_dtree *t, int n, int sampled) {
     KD_TRY(g_fault.orig->tree_walk(be, t, n, sampled));
@@ -89,14 +90,14 @@ kd_status kd_test_fail_op(kd_model *m, const char *op, int after) {
     } else if (!strcmp(op, "mla_rope_store")) {
         ops.mla_rope_store = fault_mla_rope_store;
         name = "mla_rope_store";
-    } else if (!strcmp(op, "gather_rows")) {
-        ops.gather_rows = fault_gather_rows;
-        name = "gather_rows";
+    } else if (!strcmp(op, "move_rows")) {
+        ops.move_rows = fault_move_rows;
+        name = "move_rows";
     } else if (!strcmp(op, "tree_walk")) {
         ops.tree_walk = fault_tree_walk;
         name = "tree_walk";
     } else {
-        return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op '%s': expected upload, copy, mla_rope_store, gather_rows or "
+        return kd_fail(KD_ERR_ARG, "kd_test_fail_op: op '%s': expected upload, copy, mla_rope_store, move_rows or "
                        "tree_walk", op);
     }
     g_fault.be = m->be;
