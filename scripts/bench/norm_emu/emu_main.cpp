@@ -1,5 +1,5 @@
-/* emu_main.cpp: see run.sh. Runs cuda/norm_rope.cu's scale_add, rmsnorm, add_rmsnorm, rope and
- * mla_rope_store kernels (kernels.inc, extracted by run.sh) under the SIMT emulation of
+/* emu_main.cpp: see run.sh. Runs cuda/norm_rope.cu's scale_add, rmsnorm, add_rmsnorm, rope,
+ * mla_rope_store and move_rows kernels (kernels.inc, extracted by run.sh) under the SIMT emulation of
  * ddtree_emu/inc/cuda_internal.cuh: add_rmsnorm_kernel must give the bits of the add followed by
  * the norm, and the CPU twin's values; mla_rope_store_kernel the bits of rmsnorm_kernel and
  * rope_kernel on the same rows, written where the op says. */
@@ -9,6 +9,9 @@
 #include <vector>
 #include "helpers.inc"
 #include "emu_runtime.h"
+struct uint4 {   /* CUDA's 16-byte vector: move_rows_kernel's wide word */
+    unsigned x, y, z, w;
+};
 #include "kernels.inc"
 
 /* the norms' block size, as kd_cuda_rmsnorm and kd_cuda_add_rmsnorm launch them */
@@ -152,6 +155,33 @@ static void check_mla(int T, int H, int dn, int r, int d, int row0, int dlen) {
            T, H, dn, d, r, d, start, dlen >= 0 ? "device" : "host");
 }
 
+/* move_rows_kernel (16-byte words, or bytes) in one launch over n caches of rows x row_b bytes
+ * against the definition: in each cache, rows dst0 + i <- rows src0 + keep[i] in the order of i */
+template <typename W>
+static void check_move(int n, int rows, int row_b, int src0, std::vector<int32_t> keep, int dst0) {
+    const size_t bytes = (size_t)rows * row_b;
+    std::vector<std::vector<unsigned char>> got(n, std::vector<unsigned char>(bytes)), want;
+    for (auto &c : got)
+        for (auto &b : c) b = (unsigned char)urand(0, 256);
+    want = got;
+    for (auto &c : want)
+        for (size_t i = 0; i < keep.size(); i++)
+            memmove(&c[(size_t)(dst0 + i) * row_b], &c[(size_t)(src0 + keep[i]) * row_b], row_b);
+    MoveRows p = {};
+    for (int l = 0; l < n; l++) p.base[l] = (char *)got[l].data();
+    const long long w = row_b / (long long)sizeof(W);
+    launch(2, 32, [&] { move_rows_kernel<W>(p, w, w, src0, keep.data(), (int)keep.size(), dst0); }, n);
+    checks++;
+    if (got != want) {
+        fails++;
+        printf("FAIL move_rows %d caches of %d x %d bytes, %zu rows %d.. -> %d..: not the moves in order\n", n, rows, row_b,
+               keep.size(), src0, dst0);
+        return;
+    }
+    printf("ok   move_rows %2d caches of %d x %4d bytes, %2zu rows from %d to %d, %2zu-byte words: the moves in order\n", n,
+           rows, row_b, keep.size(), src0, dst0, sizeof(W));
+}
+
 int main() {
     check(3, 7168, KD_BF16, 1e-6f);    /* K2.6's hidden: 256 threads */
     check(2, 7168, KD_F32, 1e-6f);     /* a rank's fp32 partial sums */
@@ -163,6 +193,13 @@ int main() {
     check_mla(2, 64, 128, 512, 64, 7, -1);   /* K2.6 decode + 1, host length */
     check_mla(3, 8, 128, 512, 64, 2, 9);     /* a TP-8 rank's heads, device length */
     check_mla(5, 4, 16, 32, 8, 0, 3);        /* tiny-k2.6's dims */
+    /* a commit's compaction: K2.6's latent rows (576 bf16), 9 rows (two load batches), rows that
+     * stay put and rows read after an earlier row's store beside them; a later chunk (dst0 above
+     * src0); 64 caches (a launch's most); odd-width rows in bytes */
+    check_move<uint4>(5, 40, 1152, 5, {0, 1, 3, 4, 5, 9, 10, 21, 30}, 5);
+    check_move<uint4>(3, 40, 1152, 5, {3, 4, 9}, 7);
+    check_move<uint4>(64, 12, 64, 0, {1, 2, 5}, 0);
+    check_move<unsigned char>(3, 40, 74, 5, {0, 2, 3, 7, 8, 9, 15, 21, 30}, 5);
     printf("%d checks, %d failed\n", checks, fails);
     return fails ? 1 : 0;
 }

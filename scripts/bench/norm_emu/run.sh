@@ -3,8 +3,8 @@
 # emulation of scripts/bench/ddtree_emu/inc (one OS thread per CUDA thread, std::barrier for
 # __syncthreads and the warp shuffles) and check add_rmsnorm_kernel (the bits of scale_add_kernel
 # followed by rmsnorm_kernel at the model's widths, an fp32 addend added as its bf16, and the CPU
-# twin's values within bf16 rounding) and mla_rope_store_kernel (the bits of rmsnorm_kernel and
-# rope_kernel). No GPU
+# twin's values within bf16 rounding), mla_rope_store_kernel (the bits of rmsnorm_kernel and
+# rope_kernel) and move_rows_kernel (a compaction's moves in the order of their rows). No GPU
 # needed; this checks the kernels' logic and reduction order, not nvcc's code generation.
 #   emu_main.cpp   the device's 16-bit floats, the launches and the checks
 # The kernels and the device helpers (kd_ld, kd_st, the block sum) are taken from the sources as
