@@ -6,7 +6,8 @@
  * device (cuda/ddtree.cu): the tree build (top-K + best-first selection) at B = 16, 64, 256,
  * L = 7, V = 163840, and accept over its 1 + B rows (greedy: argmax + walk; sampled with four
  * samplers, min-p among them: the keyed rule + walk), each with the one small result download
- * a round makes, as a markdown table (also into FILE with --md FILE).
+ * a round makes, and a commit's KV compaction over K2.6's 61 layers (move_rows beside the
+ * per-layer gather and copy it replaced), as a markdown table (also into FILE with --md FILE).
  *
  *   cuda_ops_bench [--round] [--md FILE]     --round: the round's table alone (under a minute)
  *   cuda_ops_bench --linear                  the dense linear rows alone
