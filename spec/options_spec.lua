@@ -36,6 +36,11 @@ describe("model and sequence options", function()
       true)
     assert.matches("shared_expert_branch: expected a boolean, got 1",
       lua_error(kd.open_model, TARGET, { shared_expert_branch = 1 }), 1, true)
+    -- the C field's three values: nil -> 0 (by the step's rows), true -> 1 (always beside), false -> -1
+    for v, want in pairs({ [true] = 1, [false] = -1 }) do
+      assert.are.equal(want, Options.model({ shared_expert_branch = v }).shared_expert_branch)
+    end
+    assert.are.equal(0, Options.model({}).shared_expert_branch)
     assert.matches("open_model: seq: unknown option rows", lua_error(kd.open_model, TARGET, { seq = { rows = 4 } }), 1, true)
     local m = kd.open_model(TARGET)
     assert.matches("kdtree: new_seq: unknown option graph", lua_error(m.new_seq, m, 8, { graph = "off" }), 1, true)
