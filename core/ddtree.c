@@ -30,10 +30,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-/* the round on the backend's ops: one rank only (at tp > 1 the logits are shards on several
- * backends, and the targets come from the merged argmax / sampling on the host) */
+/* the round on the backend's ops: rank 0's (at tp > 1 the logits rows are gathered whole onto
+ * rank 0 for accept, KD_GATHER_ROWS at a time, and commit moves every rank's cache from the
+ * accepted nodes the result brought to the host) */
 static bool round_on_device(const kd_seq *s) {
-    return s->model->tp == 1 && kd_ddtree_on_device(s->model);
+    return kd_ddtree_on_device(s->model);
 }
 
 enum { ACCEPT_MAX = (int)(sizeof(((kd_seq *)0)->accepted) / sizeof(int32_t)) };
@@ -209,10 +210,15 @@ static kd_status accept_device(kd_seq *s, kd_tree *t, const kd_sampler *sp, int3
     int n = t->n, T = n + 1;
     if (s->model->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_accept: vocabulary %d above %d", s->model->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
-    kd_act rows = kd_act_rows(s->rk[0].logits, 0, T);
     bool greedy = kd_sampler_is_greedy(sp);
-    if (greedy) KD_TRY(be->ops->argmax(be, rows, d->target));
-    else KD_TRY(be->ops->sample_rows(be, rows, sp, d->pos, 1, d->target, d->row_status));
+    int chunk = s->model->tp > 1 ? KD_GATHER_ROWS : T;
+    for (int c0 = 0; c0 < T; c0 += chunk) {   /* every node's target: rows whole on rank 0 */
+        int k = T - c0 < chunk ? T - c0 : chunk;
+        kd_act rows = kd_act_rows(s->rk[0].logits, c0, k);
+        if (s->model->tp > 1) KD_TRY(kd_seq_gather_rows(s, c0, k, &rows));
+        if (greedy) KD_TRY(be->ops->argmax(be, rows, d->target + c0));
+        else KD_TRY(be->ops->sample_rows(be, rows, sp, d->pos + c0, 1, d->target + c0, d->row_status + c0));
+    }
     KD_TRY(be->ops->tree_walk(be, d, n, greedy ? 0 : 1));
 
     /* the one download of the round: header, nodes[N] (the first tau used), tokens[bound] */
@@ -307,8 +313,10 @@ kd_status kd_commit(kd_seq *s, kd_tree *t) {
         kd_status st = kd_draft_context_append(s, s->accepted, tau);
         if (st != KD_OK) return kd_fail_context(st, "kd_commit: appending %d accepted rows to the drafter context", tau);
     }
-    kd_status st = on_device ? kd_seq_compact_staged(s, start, t->dev.result + KD_DTREE_HDR, tau)
-                             : kd_seq_compact(s, start, s->accepted, tau);
+    /* on one rank the kept slots are already in its backend memory; several ranks take them from
+     * the host (kd_accept downloaded them) */
+    kd_status st = on_device && s->model->tp == 1 ? kd_seq_compact_staged(s, start, t->dev.result + KD_DTREE_HDR, tau)
+                                                  : kd_seq_compact(s, start, s->accepted, tau);
     if (st != KD_OK) return kd_fail_context(st, "kd_commit: compacting %d accepted rows at %d", tau, start);
     t->verified_by = NULL;
     return KD_OK;

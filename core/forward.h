@@ -10,6 +10,16 @@
 
 /* the most tokens one forward chunk holds (out_cap <= this) */
 enum { KD_SEQ_MAX_ROWS = 1024 };
+/* tp > 1: the most logits rows gathered whole at a time on rank 0 (kd_seq_gather_rows), so that
+ * accept and sampling run there; each rank holds two buffers of this many whole rows: the
+ * shards' all-gather, and (used on rank 0) the rows laid out */
+enum { KD_GATHER_ROWS = 32 };
+
+/* the bytes of those buffers on each rank (0 at tp 1): what the plan and kd_model_memory count */
+static inline uint64_t kd_gather_bytes(int tp, int out_cap, int vocab) {
+    int rows = out_cap < KD_GATHER_ROWS ? out_cap : KD_GATHER_ROWS;
+    return tp > 1 ? 2u * (uint64_t)rows * (uint64_t)vocab * sizeof(float) : 0;
+}
 
 typedef struct kd_fwd_plan {
     int rows;                 /* tokens per forward chunk (the sequence's out_cap) */
@@ -51,6 +61,11 @@ kd_act kd_fwd_act(void *scratch, size_t off, int rows, int cols, kd_dtype dt);
 /* kd_seq_compact with the kept slots' offsets from start already in backend memory
  * (d_keep[0..n_keep), n_keep <= out_cap, valid: kd_accept's walk on the backend made them) */
 kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int n_keep);
+/* tp > 1: rows [row0, row0 + n) (n <= KD_GATHER_ROWS) of the last forward's logits, whole, on rank
+ * 0's backend: every rank all-gathers its vocabulary shard of them and rank 0 lays the shards side
+ * by side; *out is rank 0's [n, vocab] fp32 view, valid until the next gather or forward. A
+ * collective: it runs on every rank's thread. */
+kd_status kd_seq_gather_rows(kd_seq *s, int row0, int n, kd_act *out);
 
 /* Step graphs (model.c). The mode a sequence runs (kd_graphs_mode, kdtree.h), resolved when it is
  * created: OFF: every step as before; CAPTURE: decode (causal T = 1) and verify (masked) steps

@@ -6,7 +6,8 @@
  *              tensors 1/tp, replicated ones whole; INT4 as codes + bf16 scales
  *   KV cache   n_layers x capacity x (kv_lora_rank + qk_rope_dim) bf16: the latent cache is
  *              replicated (MLA has one KV head; every rank attends its heads over all of it)
- *   logits     the vocab shard of out_cap rows, fp32
+ *   logits     the vocab shard of out_cap rows, fp32; at tp > 1 also the rows gathered whole for
+ *              accept and sampling (kd_gather_bytes: 2 x 32 rows of the whole vocabulary)
  *   scratch    the forward's plan (forward.h) for out_cap rows at the rank's widths
  *   workspace  an upper bound of the CUDA backend's growable scratch (workspace_estimate)
  * and the plan keeps KD_PLAN_MARGIN free beside them (see there). */
@@ -108,7 +109,7 @@ static void size_for(const kd_config *c, const kd_widths *w, int capacity, kd_pl
     uint64_t per_token = (uint64_t)c->n_layers * (uint64_t)(c->kv_lora_rank + c->qk_rope_dim) * 2u;
     o->kv_per_1k = per_token * 1024u;
     o->kv_cache = per_token * (uint64_t)capacity;
-    o->logits = (uint64_t)o->out_cap * (uint64_t)w->vocab * sizeof(float);
+    o->logits = (uint64_t)o->out_cap * (uint64_t)w->vocab * sizeof(float) + kd_gather_bytes(w->tp, o->out_cap, c->vocab);
     kd_fwd_plan p;
     kd_fwd_plan_of(c, w, 2, o->out_cap, &p);
     o->scratch = p.bytes;

@@ -25,7 +25,8 @@
  * reductions and radix searches; the arithmetic both share is in sample_rule.h. The
  * backend op sample_rows (backend.h) runs the rule on rows of logits in backend memory;
  * the CPU backend's twin calls kd_sample_row_code below. kd_seq_sample uses it when the
- * DDTree round runs on the backend (kd_ddtree_on_device, tree.h), else it downloads rows.
+ * DDTree round runs on the backend (kd_ddtree_on_device, tree.h; at tp > 1 on rank 0, with the
+ * rows gathered whole there), else it downloads rows.
  */
 #include "sample.h"
 #include "sample_rule.h"
@@ -312,8 +313,7 @@ kd_status kd_seq_sample_row(kd_seq *s, int i, const kd_sampler *sp, int32_t posi
     return code ? kd_sample_fail(code) : KD_OK;
 }
 
-/* every output row on the host: each row's shards come down (kd_ddtree_on_device false, or
- * several ranks) */
+/* every output row on the host: each row's shards come down (kd_ddtree_on_device false) */
 static kd_status seq_sample_host(kd_seq *s, const kd_sampler *sp, const int32_t *positions, int32_t *dst) {
     int n = s->out_rows, V = s->model->cfg.vocab;
     uint64_t *q; int32_t *a;
@@ -342,8 +342,7 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
                        "(a verify of a tree built on the backend): pass the positions");
     kd_model *m = s->model;
     kd_backend *be = m->be;
-    /* several ranks: logits are shards on several backends (the merge is on the host) */
-    if (m->tp > 1 || !kd_ddtree_on_device(m)) return seq_sample_host(s, sp, positions, dst);
+    if (!kd_ddtree_on_device(m)) return seq_sample_host(s, sp, positions, dst);
     if (m->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_seq_sample: vocabulary %d above %d", m->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
     int32_t pos[KD_SEQ_MAX_ROWS], res[2 * KD_SEQ_MAX_ROWS];
@@ -355,7 +354,14 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
     int32_t *d_pos = (int32_t *)((char *)s->rk[0].scratch + p.ids);
     int32_t *d_out = (int32_t *)((char *)s->rk[0].scratch + p.vis), *d_code = d_out + n;
     KD_TRY(be->ops->upload(be, d_pos, pos, sizeof(int32_t) * (size_t)n));
-    KD_TRY(be->ops->sample_rows(be, kd_act_rows(s->rk[0].logits, 0, n), sp, d_pos, 0, d_out, d_code));
+    /* several ranks: the rows whole on rank 0 (kd_seq_gather_rows), KD_GATHER_ROWS at a time */
+    int chunk = m->tp > 1 ? KD_GATHER_ROWS : n;
+    for (int c0 = 0; c0 < n; c0 += chunk) {
+        int k = n - c0 < chunk ? n - c0 : chunk;
+        kd_act rows = kd_act_rows(s->rk[0].logits, c0, k);
+        if (m->tp > 1) KD_TRY(kd_seq_gather_rows(s, c0, k, &rows));
+        KD_TRY(be->ops->sample_rows(be, rows, sp, d_pos + c0, 0, d_out + c0, d_code + c0));
+    }
     KD_TRY(be->ops->download(be, res, d_out, sizeof(int32_t) * 2 * (size_t)n));
     const int32_t *code = res + n;
     for (int i = 0; i < n; i++)

@@ -14,6 +14,7 @@
  * (tree) forward must fit in out_cap rows. */
 #include "forward.h"
 #include "drafter.h"
+#include "comm.h"
 #include "error.h"
 #include "sample.h"
 #include <stdio.h>
@@ -29,7 +30,9 @@ static uint64_t seq_kv_bytes(const kd_seq *s) {
            kd_dtype_size(m->be->act_dtype);
 }
 static uint64_t seq_act_bytes(const kd_seq *s) {
-    return (uint64_t)s->out_cap * (uint64_t)s->model->split.vocab * sizeof(float) + s->scratch_bytes;
+    const kd_model *m = s->model;
+    return (uint64_t)s->out_cap * (uint64_t)m->split.vocab * sizeof(float) + s->scratch_bytes +
+           kd_gather_bytes(m->tp, s->out_cap, m->cfg.vocab);
 }
 
 static void seq_release(kd_seq *s) {
@@ -45,13 +48,14 @@ static void seq_release(kd_seq *s) {
         }
         if (S->logits.data) be->ops->free(be, S->logits.data);
         if (S->scratch) be->ops->free(be, S->scratch);
+        if (S->gather) be->ops->free(be, S->gather);
     }
     free(s->rk);
     free(s->out_positions);
     free(s);
 }
 
-/* rank r's cache, logits shard and scratch */
+/* rank r's cache, logits shard, scratch and (tp > 1) the buffer of rows gathered whole */
 static kd_status seq_rank_new(kd_seq *s, int r) {
     kd_model *m = s->model;
     kd_backend *be = m->ranks[r].be;
@@ -74,6 +78,12 @@ static kd_status seq_rank_new(kd_seq *s, int r) {
     if (st != KD_OK) return kd_fail_context(st, "kd_seq_new: logits (%d rows x %d)", s->out_cap, V);
     st = be->ops->alloc(be, s->scratch_bytes, &S->scratch);
     if (st != KD_OK) return kd_fail_context(st, "kd_seq_new: forward scratch (%zu bytes)", s->scratch_bytes);
+    uint64_t gather = kd_gather_bytes(m->tp, s->out_cap, c->vocab);
+    if (gather) {
+        st = be->ops->alloc(be, (size_t)gather, &S->gather);
+        if (st != KD_OK) return kd_fail_context(st, "kd_seq_new: logits rows gathered whole (%llu bytes)",
+                                                (unsigned long long)gather);
+    }
     return KD_OK;
 }
 
@@ -182,6 +192,50 @@ kd_status kd_seq_logits(kd_seq *s, int row0, int n_rows, float *dst) {
             KD_TRY(be->ops->download(be, dst + (size_t)i * V + (size_t)r * Vr, row.data, (size_t)Vr * sizeof(float)));
         }
     }
+    return KD_OK;
+}
+
+/* rank 0's whole rows of a gather of n rows: the second half of its buffer */
+static kd_act gather_view(const kd_seq *s, int n) {
+    const kd_model *m = s->model;
+    int rows = s->out_cap < KD_GATHER_ROWS ? s->out_cap : KD_GATHER_ROWS, V = m->cfg.vocab;
+    kd_act a = {(char *)s->rk[0].gather + (size_t)rows * V * sizeof(float), n, V, V, KD_F32};
+    return a;
+}
+
+typedef struct gather_job {
+    kd_seq *s;
+    int row0, n;
+} gather_job;
+
+/* rank r's part of kd_seq_gather_rows: its shard rows (contiguous: ld = vocab / tp) into every
+ * rank's first half of the buffer, rank j's at [j n vocab/tp, ...); rank 0 then copies them into
+ * the second half as whole rows, rank j's into columns [j vocab/tp, (j+1) vocab/tp) */
+static kd_status gather_rank(void *ctx, int r) {
+    const gather_job *j = ctx;
+    kd_model *m = j->s->model;
+    kd_backend *be = m->ranks[r].be;
+    kd_seq_rank *S = &j->s->rk[r];
+    int Vr = m->split.vocab;
+    size_t bytes = (size_t)j->n * Vr * sizeof(float);
+    KD_TRY(m->comm->ops->all_gather(m->comm, r, be, kd_act_rows(S->logits, j->row0, j->n).data, S->gather, bytes));
+    if (r != 0) return KD_OK;
+    kd_act whole = gather_view(j->s, j->n);
+    for (int k = 0; k < m->tp; k++) {
+        kd_act part = {(char *)S->gather + (size_t)k * bytes, j->n, Vr, Vr, KD_F32};
+        KD_TRY(be->ops->copy(be, kd_act_cols(whole, k * Vr, Vr), part));
+    }
+    return KD_OK;
+}
+
+kd_status kd_seq_gather_rows(kd_seq *s, int row0, int n, kd_act *out) {
+    kd_model *m = s->model;
+    if (m->tp < 2 || n < 1 || n > KD_GATHER_ROWS || row0 < 0 || row0 + n > s->out_rows)
+        return kd_fail(KD_ERR_ARG, "kd_seq_gather_rows: rows [%d, %d) of %d output rows, at most %d at a time (tp %d)",
+                       row0, row0 + n, s->out_rows, KD_GATHER_ROWS, m->tp);
+    gather_job job = {s, row0, n};
+    KD_TRY(kd_ranks_run(m, gather_rank, &job));
+    *out = gather_view(s, n);
     return KD_OK;
 }
 

@@ -13,6 +13,8 @@
 --     committed DDTree round, and within TOL of TP-1;
 --   * the DFlash drafter split as the target is (its heads, its MLP; its head over the
 --     vocabulary shards): its log-probs at tp 2 within TOL of TP-1's, its memory on every rank;
+--   * accept and sampling on rank 0 over rows gathered whole (41 rows: two gathers) giving TP-1's
+--     and the host round's tokens, greedy and sampled;
 --   * refusals naming the field where a width does not split (the drafter's too), and a rank's
 --     failure reported on the caller's thread with the model and sequence still usable.
 -- Always on the CPU backend (the CUDA ranks need the NCCL communicator: a #gpu spec of its own).
@@ -137,6 +139,46 @@ describe("tensor parallel (CPU ranks)", function()
               m:close()
             end)
         end
+
+        -- at tp > 1 accept and sampling run on rank 0 over the rows gathered whole, 32 at a time
+        -- (kd_seq_gather_rows): 41 rows take two gathers
+        it("tp " .. tp .. ": 41 rows sampled, and a 40-node tree accepted, as TP-1 and the host round do", function()
+          local m = open(L.dir, tp)
+          local mh = kd.open_model(L.dir, { backend = "cpu", tp = tp, ddtree_round = "host" })
+          local sp = { temperature = 0.9, top_p = 0.8, seed = 5 }
+          local toks = {}
+          for i = 1, 41 do toks[i] = (i * 37) % m.info.vocab end
+          local function sample_all(model)
+            local s = model:new_seq(64)
+            s:forward(toks)
+            local r = s:sample(sp)
+            s:close()
+            return r
+          end
+          local want = sample_all(ref_m)
+          assert.are.equal(41, #want)
+          assert.are.same(want, sample_all(m))
+          local function round(model, sampler)
+            local s = model:new_seq(96)
+            s:forward(PROMPT)
+            local bonus = s:argmax()[#PROMPT]
+            local t = kd.tree.new()
+            t:build(Ngram.new({ vocab = model.info.vocab }):draft(PROMPT, bonus), 40, { logprobs = true, root = bonus })
+            assert.are.equal(40, t.n)
+            s:verify(t)
+            local r = s:accept(t, sampler)
+            s:commit(t)
+            local out = { tokens = r.tokens, bonus = r.bonus, len = s:len(), next = s:argmax() }
+            t:close(); s:close()
+            return out
+          end
+          for _, sampler in ipairs({ false, sp }) do
+            local ref_r = round(ref_m, sampler or nil)
+            assert.are.same(ref_r, round(m, sampler or nil))
+            assert.are.same(ref_r, round(mh, sampler or nil))
+          end
+          mh:close(); m:close()
+        end)
 
         it("tp " .. tp .. ": after a committed DDTree round the cache is identical on every rank", function()
           local m = open(L.dir, tp)
