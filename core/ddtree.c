@@ -211,11 +211,11 @@ static kd_status accept_device(kd_seq *s, kd_tree *t, const kd_sampler *sp, int3
     if (s->model->cfg.vocab > KD_SAMPLE_MAX_VOCAB)
         return kd_fail(KD_ERR_UNSUPPORTED, "kd_accept: vocabulary %d above %d", s->model->cfg.vocab, KD_SAMPLE_MAX_VOCAB);
     bool greedy = kd_sampler_is_greedy(sp);
-    int chunk = s->model->tp > 1 ? KD_GATHER_ROWS : T;
-    for (int c0 = 0; c0 < T; c0 += chunk) {   /* every node's target: rows whole on rank 0 */
+    int chunk = kd_whole_rows_chunk(s->model, T);
+    for (int c0 = 0; c0 < T; c0 += chunk) {   /* every node's target, over rows whole on rank 0 */
         int k = T - c0 < chunk ? T - c0 : chunk;
-        kd_act rows = kd_act_rows(s->rk[0].logits, c0, k);
-        if (s->model->tp > 1) KD_TRY(kd_seq_gather_rows(s, c0, k, &rows));
+        kd_act rows;
+        KD_TRY(kd_seq_rows_whole(s, c0, k, &rows));
         if (greedy) KD_TRY(be->ops->argmax(be, rows, d->target + c0));
         else KD_TRY(be->ops->sample_rows(be, rows, sp, d->pos + c0, 1, d->target + c0, d->row_status + c0));
     }

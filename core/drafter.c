@@ -727,20 +727,6 @@ fail:
  * gathered after it: the fc weight (n_taps x hidden x hidden, 616 MB at K2.6) is read once a
  * window of accepted rows, not once a run of adjacent ones. A row's bits do not depend on the
  * others in the view. */
-/* the output of a weight split by rows, whole again (tp > 1): every rank's part (a contiguous
- * [rows, w] view) all-gathered into `all` (tp slots), then, where dst is not NULL, laid side by
- * side into dst's columns, rank j's at [j w, (j+1) w) */
-static kd_status gather_columns(const kd_model *m, int r, kd_backend *be, kd_act part, void *all, const kd_act *dst) {
-    size_t bytes = (size_t)part.rows * part.cols * kd_dtype_size(part.dtype);
-    KD_TRY(m->comm->ops->all_gather(m->comm, r, be, part.data, all, bytes));
-    for (int j = 0; dst && j < m->tp; j++) {
-        kd_act src = {.data = (char *)all + (size_t)j * bytes, .rows = part.rows, .cols = part.cols, .ld = part.cols,
-                      .dtype = part.dtype};
-        KD_TRY(be->ops->copy(be, kd_act_cols(*dst, j * part.cols, part.cols), src));
-    }
-    return KD_OK;
-}
-
 static kd_status append_rows(kd_seq *s, int r, kd_act span, const int32_t *pick, int n, int p0) {
     kd_drafter *d = s->drafter;
     kd_draft_rank *k = &s->draft->rk[r];
@@ -760,7 +746,7 @@ static kd_status append_rows(kd_seq *s, int r, kd_act span, const int32_t *pick,
     if (s->model->comm) {   /* this rank's hidden / tp columns (fc's rows), then every rank's */
         kd_act part = kd_act_rows(k->fpart, 0, span.rows);
         KD_TRY(op->linear(be, span, &R->fc, part));
-        KD_TRY(gather_columns(s->model, r, be, part, k->fall, &f));
+        KD_TRY(kd_gather_columns(s->model, r, be, part, k->fall, &f));
     } else {
         KD_TRY(op->linear(be, span, &R->fc, f));
     }
@@ -922,7 +908,7 @@ static kd_status draft_body(kd_seq *s, int r, int p0, const int32_t *d_len) {
         T(op->linear(be, y, &m->ranks[0].lm_head, ds->logprobs), "lm_head (target)");
     } else {
         T(op->linear(be, y, &m->ranks[r].lm_head, k->shard), "lm_head (target, this rank's vocabulary shard)");
-        T(gather_columns(m, r, be, k->shard, k->all, r == 0 ? &ds->logprobs : NULL), "the logit shards");
+        T(kd_gather_columns(m, r, be, k->shard, k->all, r == 0 ? &ds->logprobs : NULL), "the logit shards");
         if (r != 0) return KD_OK;
     }
     T(op->log_softmax(be, ds->logprobs), "log_softmax");

@@ -10,7 +10,7 @@
 
 /* the most tokens one forward chunk holds (out_cap <= this) */
 enum { KD_SEQ_MAX_ROWS = 1024 };
-/* tp > 1: the most logits rows gathered whole at a time on rank 0 (kd_seq_gather_rows), so that
+/* tp > 1: the most logits rows gathered whole at a time on rank 0 (kd_seq_rows_whole), so that
  * accept and sampling run there; each rank holds two buffers of this many whole rows: the
  * shards' all-gather, and (used on rank 0) the rows laid out */
 enum { KD_GATHER_ROWS = 32 };
@@ -56,16 +56,22 @@ static inline kd_dtype kd_partial_dtype(int tp, kd_dtype act) {
  * Rank r's thread, its backend be. The target's forward and the drafter's draft pass. */
 kd_status kd_add_reduced(const kd_model *m, int r, kd_backend *be, kd_act part, kd_act x, const kd_weight *norm,
                          float eps, kd_act h);
+/* the output of a weight split over the ranks, whole again (tp > 1): every rank's part (a
+ * contiguous [rows, w] view) all-gathered into `all` (tp slots), then, where dst is not NULL, laid
+ * side by side into dst's columns, rank j's at [j w, (j+1) w). Rank r's thread, its backend be. The
+ * drafter's logit shards and fc columns; the target's logit rows for accept and sampling. */
+kd_status kd_gather_columns(const kd_model *m, int r, kd_backend *be, kd_act part, void *all, const kd_act *dst);
 /* the region at byte offset off of a rank's scratch as an activation view [rows, cols] (ld = cols) */
 kd_act kd_fwd_act(void *scratch, size_t off, int rows, int cols, kd_dtype dt);
 /* kd_seq_compact with the kept slots' offsets from start already in backend memory
  * (d_keep[0..n_keep), n_keep <= out_cap, valid: kd_accept's walk on the backend made them) */
 kd_status kd_seq_compact_staged(kd_seq *s, int start, const int32_t *d_keep, int n_keep);
-/* tp > 1: rows [row0, row0 + n) (n <= KD_GATHER_ROWS) of the last forward's logits, whole, on rank
- * 0's backend: every rank all-gathers its vocabulary shard of them and rank 0 lays the shards side
- * by side; *out is rank 0's [n, vocab] fp32 view, valid until the next gather or forward. A
- * collective: it runs on every rank's thread. */
-kd_status kd_seq_gather_rows(kd_seq *s, int row0, int n, kd_act *out);
+/* rows [row0, row0 + n) of the last forward's logits, whole, on rank 0's backend: *out is rank 0's
+ * [n, vocab] fp32 view. At tp 1 the logits themselves; at tp > 1 (n <= KD_GATHER_ROWS) every rank's
+ * vocabulary shard of them gathered (kd_gather_columns, on every rank's thread), valid until the
+ * next gather or forward. kd_whole_rows_chunk: how many rows a call takes, of n wanted. */
+kd_status kd_seq_rows_whole(kd_seq *s, int row0, int n, kd_act *out);
+static inline int kd_whole_rows_chunk(const kd_model *m, int n) { return m->tp > 1 ? KD_GATHER_ROWS : n; }
 
 /* Step graphs (model.c). The mode a sequence runs (kd_graphs_mode, kdtree.h), resolved when it is
  * created: OFF: every step as before; CAPTURE: decode (causal T = 1) and verify (masked) steps

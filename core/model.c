@@ -116,6 +116,17 @@ kd_status kd_add_reduced(const kd_model *m, int r, kd_backend *be, kd_act part, 
     return be->ops->add_rmsnorm(be, x, part, norm, eps, h);
 }
 
+kd_status kd_gather_columns(const kd_model *m, int r, kd_backend *be, kd_act part, void *all, const kd_act *dst) {
+    size_t bytes = (size_t)part.rows * part.cols * kd_dtype_size(part.dtype);
+    KD_TRY(m->comm->ops->all_gather(m->comm, r, be, part.data, all, bytes));
+    for (int j = 0; dst && j < m->tp; j++) {
+        kd_act src = {.data = (char *)all + (size_t)j * bytes, .rows = part.rows, .cols = part.cols, .ld = part.cols,
+                      .dtype = part.dtype};
+        KD_TRY(be->ops->copy(be, kd_act_cols(*dst, j * part.cols, part.cols), src));
+    }
+    return KD_OK;
+}
+
 /* add_reduced for this rank's forward: the next block's input h = rmsnorm(x; norm) */
 static kd_status add_reduced(const rank_fwd *f, kd_act part, kd_act x, const kd_weight *norm, kd_act h) {
     const kd_model *m = f->s->model;

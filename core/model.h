@@ -121,7 +121,7 @@ typedef struct kd_seq_rank {
     kd_act *cache;                 /* n_layers */
     kd_act logits;                 /* [out_cap, vocab/tp] f32: vocab ids [rank * vocab/tp, ...) */
     void *gather;                  /* tp > 1: every rank's shard of up to KD_GATHER_ROWS rows, then (rank 0)
-                                      the same rows whole: kd_seq_gather_rows (forward.h) */
+                                      the same rows whole: kd_seq_rows_whole (forward.h) */
     kd_act taps;                   /* [out_cap, n_taps*hidden] act dtype (when a drafter is attached): the
                                       drafter's tap features, kept by every rank for its part of it */
     void *scratch;                 /* the forward's plan for out_cap rows (forward.h) */

@@ -354,12 +354,11 @@ kd_status kd_seq_sample(kd_seq *s, const kd_sampler *sp, const int32_t *position
     int32_t *d_pos = (int32_t *)((char *)s->rk[0].scratch + p.ids);
     int32_t *d_out = (int32_t *)((char *)s->rk[0].scratch + p.vis), *d_code = d_out + n;
     KD_TRY(be->ops->upload(be, d_pos, pos, sizeof(int32_t) * (size_t)n));
-    /* several ranks: the rows whole on rank 0 (kd_seq_gather_rows), KD_GATHER_ROWS at a time */
-    int chunk = m->tp > 1 ? KD_GATHER_ROWS : n;
+    int chunk = kd_whole_rows_chunk(m, n);   /* several ranks: gathered whole on rank 0, 32 rows at a time */
     for (int c0 = 0; c0 < n; c0 += chunk) {
         int k = n - c0 < chunk ? n - c0 : chunk;
-        kd_act rows = kd_act_rows(s->rk[0].logits, c0, k);
-        if (m->tp > 1) KD_TRY(kd_seq_gather_rows(s, c0, k, &rows));
+        kd_act rows;
+        KD_TRY(kd_seq_rows_whole(s, c0, k, &rows));
         KD_TRY(be->ops->sample_rows(be, rows, sp, d_pos + c0, 0, d_out + c0, d_code + c0));
     }
     KD_TRY(be->ops->download(be, res, d_out, sizeof(int32_t) * 2 * (size_t)n));

@@ -208,31 +208,24 @@ typedef struct gather_job {
     int row0, n;
 } gather_job;
 
-/* rank r's part of kd_seq_gather_rows: its shard rows (contiguous: ld = vocab / tp) into every
- * rank's first half of the buffer, rank j's at [j n vocab/tp, ...); rank 0 then copies them into
- * the second half as whole rows, rank j's into columns [j vocab/tp, (j+1) vocab/tp) */
+/* rank r's part of a gather: its shard rows (contiguous: ld = vocab / tp) into the first half of
+ * every rank's buffer, and on rank 0 whole into the second half */
 static kd_status gather_rank(void *ctx, int r) {
     const gather_job *j = ctx;
-    kd_model *m = j->s->model;
-    kd_backend *be = m->ranks[r].be;
-    kd_seq_rank *S = &j->s->rk[r];
-    int Vr = m->split.vocab;
-    size_t bytes = (size_t)j->n * Vr * sizeof(float);
-    KD_TRY(m->comm->ops->all_gather(m->comm, r, be, kd_act_rows(S->logits, j->row0, j->n).data, S->gather, bytes));
-    if (r != 0) return KD_OK;
     kd_act whole = gather_view(j->s, j->n);
-    for (int k = 0; k < m->tp; k++) {
-        kd_act part = {(char *)S->gather + (size_t)k * bytes, j->n, Vr, Vr, KD_F32};
-        KD_TRY(be->ops->copy(be, kd_act_cols(whole, k * Vr, Vr), part));
-    }
-    return KD_OK;
+    return kd_gather_columns(j->s->model, r, j->s->model->ranks[r].be, kd_act_rows(j->s->rk[r].logits, j->row0, j->n),
+                             j->s->rk[r].gather, r == 0 ? &whole : NULL);
 }
 
-kd_status kd_seq_gather_rows(kd_seq *s, int row0, int n, kd_act *out) {
+kd_status kd_seq_rows_whole(kd_seq *s, int row0, int n, kd_act *out) {
     kd_model *m = s->model;
-    if (m->tp < 2 || n < 1 || n > KD_GATHER_ROWS || row0 < 0 || row0 + n > s->out_rows)
-        return kd_fail(KD_ERR_ARG, "kd_seq_gather_rows: rows [%d, %d) of %d output rows, at most %d at a time (tp %d)",
-                       row0, row0 + n, s->out_rows, KD_GATHER_ROWS, m->tp);
+    if (n < 1 || n > kd_whole_rows_chunk(m, n) || row0 < 0 || row0 + n > s->out_rows)
+        return kd_fail(KD_ERR_ARG, "kd_seq_rows_whole: rows [%d, %d) of %d output rows (at tp %d at most %d at a time)",
+                       row0, row0 + n, s->out_rows, m->tp, KD_GATHER_ROWS);
+    if (m->tp == 1) {
+        *out = kd_act_rows(s->rk[0].logits, row0, n);
+        return KD_OK;
+    }
     gather_job job = {s, row0, n};
     KD_TRY(kd_ranks_run(m, gather_rank, &job));
     *out = gather_view(s, n);
