@@ -107,18 +107,6 @@ static int parallel_builds = 0;
 static void test_tree(int L, int V, int B, int kind, bool want_parallel = false, int seed = 0) {
     int K = B < V ? B : V;
     std::vector<float> lp((size_t)L * V);
-    for (size_t i = 0; kind != 5 && i < lp.size(); i++) {
-        float v;
-        switch (kind) {
-        case 1: v = -(float)floor(urand() * 4) * 0.5f; break;
-        case 2: v = (float)(urand() * urand() * 16); break;
-        case 3: v = urand() < 0.1 ? -(float)(urand() * 1e-13) : -(float)(urand() * 10); break;
-        case 4: v = i >= (size_t)V && urand() < 0.05 ? (float)urand() : -(float)(urand() * 10); break;
-        case 6: case 7: v = (float)(urand() * 16); break;
-        default: v = -(float)(urand() * 10); break;
-        }
-        lp[i] = v;
-    }
     if (kind == 5) {   /* spec/gpu_round_spec.lua's scores(L, V, seed, "smooth") */
         lua_lcg r{(double)(seed % 2147483648)};
         for (size_t i = 0; i < lp.size(); i++) {
@@ -127,6 +115,19 @@ static void test_tree(int L, int V, int B, int kind, bool want_parallel = false,
         }
         for (int d = 0; d < L; d++)
             for (int k = 0; k < 3; k++) lp[(size_t)d * V + (size_t)floor(r() * V)] = (float)(-0.1 - k * 0.3);
+    } else {
+        for (size_t i = 0; i < lp.size(); i++) {
+            float v;
+            switch (kind) {
+            case 1: v = -(float)floor(urand() * 4) * 0.5f; break;
+            case 2: v = (float)(urand() * urand() * 16); break;
+            case 3: v = urand() < 0.1 ? -(float)(urand() * 1e-13) : -(float)(urand() * 10); break;
+            case 4: v = i >= (size_t)V && urand() < 0.05 ? (float)urand() : -(float)(urand() * 10); break;
+            case 6: case 7: v = (float)(urand() * 16); break;
+            default: v = -(float)(urand() * 10); break;
+            }
+            lp[i] = v;
+        }
     }
     if (kind == 7)
         for (int d = 0; d < L; d++)
