@@ -163,16 +163,38 @@ __device__ __forceinline__ uint32_t fkey(float v) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+/* The three passes over a row (histogram, sub-histogram, gather) take TK_SLICE ids a block of
+ * TK_THREADS, TK_PER a thread: column slice_col(j) of row blockIdx.y for the thread's j-th. Their
+ * keys are loaded into registers first, all in flight together: a loop that waits on each load
+ * before the next is latency-bound (TK_PER dependent trips to L2 or DRAM a pass). */
+constexpr int TK_THREADS = 256, TK_PER = TK_SLICE / TK_THREADS;
+static_assert(TK_PER <= 32, "slice_keys' mask holds a bit a key");
+__device__ __forceinline__ int slice_col(int j) { return blockIdx.x * TK_SLICE + j * TK_THREADS + threadIdx.x; }
+/* the thread's keys; bit j of the result: column slice_col(j) is inside the row */
+__device__ __forceinline__ int slice_keys(const void *x, int dt, long long ld, int cols, uint32_t *key) {
+    const size_t base = (size_t)blockIdx.y * ld;
+    int ok = 0;
+#pragma unroll
+    for (int j = 0; j < TK_PER; j++) {
+        const int c = slice_col(j);
+        key[j] = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
+        if (c < cols) ok |= 1 << j;
+    }
+    return ok;
+}
+
 /* the row histogram of the keys' top TK_BITS bits, TK_SLICE ids per block, rows on grid.y */
-__global__ void __launch_bounds__(256) topk_hist_kernel(const void *x, int dt, long long ld, int cols,
+__global__ void __launch_bounds__(TK_THREADS) topk_hist_kernel(const void *x, int dt, long long ld, int cols,
                                                         unsigned int *hist) {
     kd_griddep_enter();
     __shared__ unsigned int h[TK_BINS];
+    uint32_t key[TK_PER];
+    const int ok = slice_keys(x, dt, ld, cols, key);
     for (int i = threadIdx.x; i < TK_BINS; i += blockDim.x) h[i] = 0;
     __syncthreads();
-    const size_t base = (size_t)blockIdx.y * ld;
-    const int lo = blockIdx.x * TK_SLICE, hi = min(cols, lo + TK_SLICE);
-    for (int c = lo + threadIdx.x; c < hi; c += blockDim.x) atomicAdd(&h[fkey(ld_row(x, dt, base + c)) >> (32 - TK_BITS)], 1u);
+#pragma unroll
+    for (int j = 0; j < TK_PER; j++)
+        if ((ok >> j) & 1) atomicAdd(&h[key[j] >> (32 - TK_BITS)], 1u);
     __syncthreads();
     unsigned int *g = hist + (size_t)blockIdx.y * TK_BINS;
     for (int i = threadIdx.x; i < TK_BINS; i += blockDim.x)
@@ -186,13 +208,15 @@ __device__ __forceinline__ top_bin find_top_bin(const unsigned int *h, unsigned 
 /* for a row whose top bins down to the k-th's hold more than wide ids (hist: topk_hist_kernel's
  * counts): the row histogram of that bin's keys by their next TK_BITS bits, TK_SLICE ids per
  * block, into hist2; other rows' blocks return at once */
-__global__ void __launch_bounds__(256) topk_hist2_kernel(const void *x, int dt, long long ld, int cols, int k, int wide,
+__global__ void __launch_bounds__(TK_THREADS) topk_hist2_kernel(const void *x, int dt, long long ld, int cols, int k, int wide,
                                                          const unsigned int *hist, unsigned int *hist2) {
     kd_griddep_enter();
     __shared__ unsigned int h[TK_BINS];
     __shared__ int s_tb;
     __shared__ bool s_wide;
     const int tid = threadIdx.x;
+    uint32_t key[TK_PER];   /* in flight while warp 0 finds the bin (a row that is not wide drops them) */
+    const int ok = slice_keys(x, dt, ld, cols, key);
     if (tid < 32) {
         const top_bin t = find_top_bin(hist + (size_t)blockIdx.y * TK_BINS, (unsigned)k, tid);
         if (tid == 0) { s_tb = t.bin; s_wide = t.through > (unsigned)wide; }
@@ -201,12 +225,9 @@ __global__ void __launch_bounds__(256) topk_hist2_kernel(const void *x, int dt, 
     __syncthreads();
     if (!s_wide) return;
     const uint32_t tb = (uint32_t)s_tb;
-    const size_t base = (size_t)blockIdx.y * ld;
-    const int lo = blockIdx.x * TK_SLICE, hi = min(cols, lo + TK_SLICE);
-    for (int c = lo + tid; c < hi; c += blockDim.x) {
-        const uint32_t key = fkey(ld_row(x, dt, base + c));
-        if ((key >> (32 - TK_BITS)) == tb) atomicAdd(&h[(key >> (32 - 2 * TK_BITS)) & (TK_BINS - 1)], 1u);
-    }
+#pragma unroll
+    for (int j = 0; j < TK_PER; j++)
+        if (((ok >> j) & 1) && (key[j] >> (32 - TK_BITS)) == tb) atomicAdd(&h[(key[j] >> (32 - 2 * TK_BITS)) & (TK_BINS - 1)], 1u);
     __syncthreads();
     unsigned int *g = hist2 + (size_t)blockIdx.y * TK_BINS;
     for (int i = tid; i < TK_BINS; i += blockDim.x)
@@ -215,30 +236,38 @@ __global__ void __launch_bounds__(256) topk_hist2_kernel(const void *x, int dt, 
 
 /* one warp: the bin of h (TK_BINS counts, the largest keys in the top bin) that holds the
  * need-th largest key (1 <= need <= the sum of h), and the count of that bin and every bin
- * above it, on every lane; each lane sums 64 bins, a scan across the lanes finds the lane,
- * which walks its bins */
+ * above it, on every lane. Two rounds of loads, all of a round in flight together: each lane
+ * sums its 64 bins (lane 0 the top ones) and a scan across the lanes finds the lane L whose bins
+ * reach need; then each lane takes two of L's bins and a second scan finds the bin. (A lane
+ * walking its bins one load at a time took up to 64 dependent trips to L2.) */
+__device__ __forceinline__ unsigned int warp_incl_sum(unsigned int v, int lane) {
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned int u = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += u;
+    }
+    return v;
+}
 __device__ __forceinline__ top_bin find_top_bin(const unsigned int *h, unsigned int need, int lane) {
     constexpr int PER = TK_BINS / 32;
+    static_assert(PER == 64, "the second round takes two of a lane's bins a lane");
+    const uint4 *mine = (const uint4 *)(h + TK_BINS - PER * (lane + 1));   /* 256-byte aligned */
+    uint4 q[PER / 4];
+#pragma unroll
+    for (int j = 0; j < PER / 4; j++) q[j] = mine[j];
     unsigned int sum = 0;
-#pragma unroll 8
-    for (int j = 0; j < PER; j++) sum += h[TK_BINS - 1 - (lane * PER + j)];
-    unsigned int incl = sum;
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned int u = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += u;
-    }
+#pragma unroll
+    for (int j = 0; j < PER / 4; j++) sum += q[j].x + q[j].y + q[j].z + q[j].w;
+    const unsigned int incl = warp_incl_sum(sum, lane);
     const int L = __ffs(__ballot_sync(0xffffffffu, incl >= need)) - 1;
-    top_bin r = {0, 0};
-    if (lane == L) {
-        unsigned int c = incl - sum;
-#pragma unroll 1
-        for (int j = 0; j < PER; j++) {
-            c += h[TK_BINS - 1 - (L * PER + j)];
-            if (c >= need) { r.bin = TK_BINS - 1 - (L * PER + j); r.through = c; break; }
-        }
-    }
-    r.bin = __shfl_sync(0xffffffffu, r.bin, L);
-    r.through = __shfl_sync(0xffffffffu, r.through, L);
+    const unsigned int before = __shfl_sync(0xffffffffu, incl - sum, L), need2 = need - before;
+    const int top = TK_BINS - 1 - L * PER - 2 * lane;   /* this lane's bins of L's: top, top - 1 */
+    const unsigned int a = h[top], b = h[top - 1];
+    const unsigned int incl2 = warp_incl_sum(a + b, lane);
+    const int L2 = __ffs(__ballot_sync(0xffffffffu, incl2 >= need2)) - 1;
+    const bool first = incl2 - b >= need2;   /* bin top already reaches need2 */
+    top_bin r = {first ? top : top - 1, before + (first ? incl2 - b : incl2)};
+    r.bin = __shfl_sync(0xffffffffu, r.bin, L2);
+    r.through = __shfl_sync(0xffffffffu, r.through, L2);
     return r;
 }
 
@@ -264,7 +293,7 @@ __device__ __forceinline__ top_cut find_cut(const unsigned int *h, const unsigne
  * (zeroed by the caller); rows with more than cap such keys keep 0 there and are left to
  * topk_kernel's radix select. The order of the
  * slots does not matter: topk_kernel sorts them by a key that no two ids share. */
-__global__ void __launch_bounds__(256) topk_gather_kernel(const void *x, int dt, long long ld, int cols, int k, int wide,
+__global__ void __launch_bounds__(TK_THREADS) topk_gather_kernel(const void *x, int dt, long long ld, int cols, int k, int wide,
                                                           int cap, const unsigned int *hist, const unsigned int *hist2,
                                                           unsigned int *ncand, unsigned long long *cand) {
     kd_griddep_enter();
@@ -272,6 +301,8 @@ __global__ void __launch_bounds__(256) topk_gather_kernel(const void *x, int dt,
     __shared__ bool s_fits;
     const int tid = threadIdx.x, lane = tid & 31;
     const size_t row = blockIdx.y;
+    uint32_t key[TK_PER];   /* in flight while warp 0 finds the cut */
+    const int ok = slice_keys(x, dt, ld, cols, key);
     if (tid < 32) {
         const top_cut c = find_cut(hist + row * TK_BINS, hist2 + row * TK_BINS, (unsigned)k, (unsigned)wide, lane);
         if (tid == 0) { s_cut = c.key; s_fits = c.count <= (unsigned)cap; }
@@ -279,19 +310,16 @@ __global__ void __launch_bounds__(256) topk_gather_kernel(const void *x, int dt,
     __syncthreads();
     if (!s_fits) return;
     const uint32_t cut = s_cut;
-    const size_t base = row * ld;
     unsigned long long *out = cand + row * cap;
-    const int lo = blockIdx.x * TK_SLICE, hi = min(cols, lo + TK_SLICE);
-    for (int c0 = lo; c0 < hi; c0 += blockDim.x) {   /* whole warps iterate together: the ballot below */
-        const int c = c0 + tid;
-        const uint32_t key = c < hi ? fkey(ld_row(x, dt, base + c)) : 0u;
-        const bool in = c < hi && key >= cut;
+#pragma unroll
+    for (int j = 0; j < TK_PER; j++) {   /* whole warps take each j together: the ballot below */
+        const bool in = ((ok >> j) & 1) && key[j] >= cut;
         const unsigned m = __ballot_sync(0xffffffffu, in);
         if (!m) continue;
         unsigned int slot = 0;
         if (lane == 0) slot = atomicAdd(&ncand[row], (unsigned)__popc(m));
         slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
-        if (in) out[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
+        if (in) out[slot] = ((unsigned long long)key[j] << 32) | (unsigned long long)(0xffffffffu - (uint32_t)slice_col(j));
     }
 }
 
@@ -503,11 +531,11 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
         ncand = bins2 + n;
         KD_CUDA(cudaMemsetAsync(bins, 0, counts, c->stream));
         const dim3 grid((unsigned)((x.cols + TK_SLICE - 1) / TK_SLICE), (unsigned)x.rows);
-        KD_TRY(kd_launch_pdl("topk_hist_kernel", topk_hist_kernel, grid, 256, 0, c->stream, x.data, x.dtype, x.ld,
+        KD_TRY(kd_launch_pdl("topk_hist_kernel", topk_hist_kernel, grid, TK_THREADS, 0, c->stream, x.data, x.dtype, x.ld,
                              x.cols, bins));
-        KD_TRY(kd_launch_pdl("topk_hist2_kernel", topk_hist2_kernel, grid, 256, 0, c->stream, x.data, x.dtype, x.ld,
+        KD_TRY(kd_launch_pdl("topk_hist2_kernel", topk_hist2_kernel, grid, TK_THREADS, 0, c->stream, x.data, x.dtype, x.ld,
                              x.cols, k, 2 * kp, bins, bins2));
-        KD_TRY(kd_launch_pdl("topk_gather_kernel", topk_gather_kernel, grid, 256, 0, c->stream, x.data, x.dtype, x.ld,
+        KD_TRY(kd_launch_pdl("topk_gather_kernel", topk_gather_kernel, grid, TK_THREADS, 0, c->stream, x.data, x.dtype, x.ld,
                              x.cols, k, 2 * kp, cap, bins, bins2, ncand, gcand));
     }
     size_t smem = (size_t)cap * sizeof(unsigned long long);

@@ -20,6 +20,7 @@ extern "C" {
 #define __launch_bounds__(x)
 #define __shared__ static
 struct emu_dim { unsigned x = 0, y = 0, z = 0; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };   /* CUDA's vector type: 16-byte loads */
 extern thread_local emu_dim threadIdx, blockIdx;
 extern emu_dim blockDim, gridDim;
 extern std::barrier<> *emu_block_bar;
