@@ -1417,9 +1417,15 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_cut_kernel(const float *x,
 }
 
 /* One block per row, after smp_mass_kernel: the draw, the first kept id (ascending) whose prefix
- * mass exceeds floor(U W / 2^53), searched in the slice where the slices' prefix passes it (S u128
- * sums, then the slice's tiles). Without cuts it also reports the bad rows; with them it draws
- * only the pending rows. */
+ * mass exceeds floor(U W / 2^53). Warp 0 finds the slice where the slices' prefix (S u128 sums,
+ * 32 a round) passes the target; then warp w holds ids [DRAW_SEG w, DRAW_SEG (w + 1)) of that
+ * slice in registers (lane l: ids 32 j + l), one scan over the warps' sums finds the warp whose
+ * ids cross and that warp scans its SMP_PER rounds of 32. Every load of a round is in flight
+ * together (a thread walking the slices, or a warp its tiles, one load at a time was
+ * latency-bound), and every sum is exact, so grouping them so changes no draw. Without cuts it
+ * also reports the bad rows; with them it draws only the pending rows. */
+constexpr int DRAW_SEG = 32 * SMP_PER;
+static_assert(SMP_WARPS * DRAW_SEG == SMP_SLICE && SMP_WARPS <= 32, "the warps hold a slice, one lane a warp's sum");
 __global__ void __launch_bounds__(SMP_THREADS) smp_draw_kernel(const float *x, long long ld, int V, double T,
                                                                 uint64_t qmin, uint64_t seed, const smp_max_part *pm,
                                                                 const smp_cut *cuts, const kd_u128 *pw,
@@ -1428,7 +1434,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_draw_kernel(const float *x, l
     kd_griddep_enter();
     extern __shared__ double sel_smem[];
     smp_shared &sh = *reinterpret_cast<smp_shared *>(sel_smem);
-    const int tid = threadIdx.x, row = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, row = blockIdx.x;
     const float *xr = x + (size_t)row * (size_t)ld;
     smp_mass mass;
     int bad;
@@ -1438,39 +1444,74 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_draw_kernel(const float *x, l
         return;
     }
     if (c && !c->pending) return;
-    const uint64_t U = kd_rule_u53(seed, (int64_t)pos[row] + pos_offset);
-    if (tid == 0) {
+    if (warp == 0) {
+        const uint64_t U = kd_rule_u53(seed, (int64_t)pos[row] + pos_offset);
         const kd_u128 *w = pw + (size_t)row * S;
         kd_u128 W = u128_zero();
-        for (int j = 0; j < S; j++) W = kd_u128_add(W, w[j]);
-        const kd_u128 target = kd_rule_target(U, W);   /* < W */
+        for (int j = lane; j < S; j += 32) W = kd_u128_add(W, w[j]);
+        W = warp_sum_u128(W);
+        const kd_u128 target = kd_rule_target(U, W);   /* < W, unless W is 0: then the last slice */
+        int first = -1;
         kd_u128 before = u128_zero();
-        int j = 0;
-        for (;; j++) {
-            const kd_u128 after = kd_u128_add(before, w[j]);
-            if (kd_u128_lt(target, after) || j == S - 1) break;
-            before = after;
+        for (int j0 = 0; j0 < S && first < 0; j0 += 32) {
+            const bool in = j0 + lane < S;
+            const kd_u128 v = in ? w[j0 + lane] : u128_zero();
+            const kd_u128 incl = warp_incl_scan_u128(v);
+            const unsigned b = __ballot_sync(FULL, in && kd_u128_lt(target, kd_u128_add(before, incl)));
+            if (b) {
+                const int L = __ffs(b) - 1;
+                first = j0 + L;
+                before = kd_u128_add(before, shfl_u128(kd_u128_sub(incl, v), L));
+            } else {
+                before = kd_u128_add(before, shfl_u128(incl, 31));
+            }
         }
-        const kd_u128 rest = kd_u128_sub(target, before);   /* the target inside slice j */
-        sh.first = j;
-        sh.sel_lo = rest.lo;
-        sh.sel_hi = rest.hi;
+        if (first < 0) { first = S - 1; before = kd_u128_sub(W, w[S - 1]); }
+        if (lane == 0) {
+            const kd_u128 rest = kd_u128_sub(target, before);   /* the target inside slice first */
+            sh.first = first;
+            sh.sel_lo = rest.lo;
+            sh.sel_hi = rest.hi;
+        }
     }
     __syncthreads();
-    const int lo = sh.first * SMP_SLICE;
+    const int lo = sh.first * SMP_SLICE, n = min(V, lo + SMP_SLICE) - lo, seg = warp * DRAW_SEG;
     kd_u128 rest;
     rest.lo = sh.sel_lo;
     rest.hi = sh.sel_hi;
-    /* first_exceeding's own barriers come before it writes sh.sel_lo / hi */
-    const int i = first_exceeding(
-        [&](int k) {
-            const float v = xr[lo + k];
-            return kd_u128_of(smp_kept(c, lo + k, okey(v)) ? mass(v) : 0u);
-        },
-        [&](kd_u128) { return rest; }, min(V, lo + SMP_SLICE) - lo, sh);
-    if (tid == 0) {
-        out[row] = i < 0 ? -1 : lo + i;
-        code[row] = 0;
+    float xv[SMP_PER];
+#pragma unroll
+    for (int j = 0; j < SMP_PER; j++) xv[j] = seg + 32 * j + lane < n ? xr[lo + seg + 32 * j + lane] : 0.0f;
+    uint64_t m[SMP_PER];
+    kd_u128 sum = u128_zero();
+#pragma unroll
+    for (int j = 0; j < SMP_PER; j++) {
+        const int i = lo + seg + 32 * j + lane;
+        m[j] = seg + 32 * j + lane < n && smp_kept(c, i, okey(xv[j])) ? mass(xv[j]) : 0u;
+        sum = kd_u128_add64(sum, m[j]);
+    }
+    sum = warp_sum_u128(sum);
+    if (lane == 0) { sh.wlo[warp] = sum.lo; sh.whi[warp] = sum.hi; }
+    __syncthreads();
+    kd_u128 ws = u128_zero();
+    if (lane < SMP_WARPS) { ws.lo = sh.wlo[lane]; ws.hi = sh.whi[lane]; }
+    const kd_u128 wincl = warp_incl_scan_u128(ws);
+    const unsigned wb = __ballot_sync(FULL, lane < SMP_WARPS && kd_u128_lt(rest, wincl));
+    if (!wb) {   /* not reached: the target is past the slice's mass */
+        if (tid == 0) { out[row] = -1; code[row] = 0; }
+        return;
+    }
+    if (warp != __ffs(wb) - 1) return;
+    kd_u128 base = shfl_u128(kd_u128_sub(wincl, ws), warp);
+#pragma unroll
+    for (int j = 0; j < SMP_PER; j++) {
+        const kd_u128 incl = warp_incl_scan_u128(kd_u128_of(m[j]));
+        const unsigned b = __ballot_sync(FULL, kd_u128_lt(rest, kd_u128_add(base, incl)));
+        if (b) {
+            if (lane == 0) { out[row] = lo + seg + 32 * j + __ffs(b) - 1; code[row] = 0; }
+            return;
+        }
+        base = kd_u128_add(base, shfl_u128(incl, 31));
     }
 }
 
