@@ -1,17 +1,15 @@
 /* emu_main.cpp: see run.sh. Runs cuda/norm_rope.cu's scale_add, rmsnorm, add_rmsnorm, rope,
- * mla_rope_store and move_rows kernels (kernels.inc, extracted by run.sh) under the SIMT emulation of
- * ddtree_emu/inc/cuda_internal.cuh: add_rmsnorm_kernel must give the bits of the add followed by
- * the norm, and the CPU twin's values; mla_rope_store_kernel the bits of rmsnorm_kernel and
- * rope_kernel on the same rows, written where the op says. */
+ * mla_rope_store and move_rows kernels (kernels.inc, extracted by run.sh) under the SIMT emulation
+ * of ddtree_emu/inc/cuda_internal.cuh (its uint4 is move_rows_kernel's wide word):
+ * add_rmsnorm_kernel must give the bits of the add followed by the norm, and the CPU twin's
+ * values; mla_rope_store_kernel the bits of rmsnorm_kernel and rope_kernel on the same rows,
+ * written where the op says. */
 #include "cuda_internal.cuh"
 #include "emu_half.h"
 #include <cstdio>
 #include <vector>
 #include "helpers.inc"
 #include "emu_runtime.h"
-struct uint4 {   /* CUDA's 16-byte vector: move_rows_kernel's wide word */
-    unsigned x, y, z, w;
-};
 #include "kernels.inc"
 
 /* the norms' block size, as kd_cuda_rmsnorm and kd_cuda_add_rmsnorm launch them */
