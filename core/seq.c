@@ -232,10 +232,30 @@ kd_status kd_seq_rows_whole(kd_seq *s, int row0, int n, kd_act *out) {
     return KD_OK;
 }
 
-/* One rank: the backend's argmax. Several: per row, each rank's best (value, id) of its shard
- * (the backend's top-1, equal values: the lower id); the merge keeps the larger value and, on
- * equal values, the lower rank, whose ids are the lower ones: the whole row's argmax by the same
- * rule, from two small downloads per rank. */
+typedef struct argmax_job {
+    kd_seq *s;
+    size_t tmp;          /* the plan's tmp region: >= 3 int32 a row on every rank (r + dr >= 3: config.c) */
+    int n;
+    int32_t *host;       /* [tp][3 n]: each rank's argmax codes, top-1 value bits and top-1 ids */
+} argmax_job;
+
+/* rank r's shard, on its thread: its argmax (for its NaN / +inf report: top-1 lets NaN lose), its
+ * top-1 value and id, side by side in its tmp region and brought back in one download */
+static kd_status argmax_rank(void *ctx, int r) {
+    const argmax_job *j = ctx;
+    kd_backend *be = j->s->model->ranks[r].be;
+    int32_t *d = (int32_t *)((char *)j->s->rk[r].scratch + j->tmp);
+    kd_act rows = kd_act_rows(j->s->rk[r].logits, 0, j->n);
+    KD_TRY(be->ops->argmax(be, rows, d));
+    KD_TRY(be->ops->topk(be, rows, 1, (float *)(d + j->n), d + 2 * j->n));
+    return be->ops->download(be, j->host + (size_t)r * 3 * j->n, d, 3 * sizeof(int32_t) * (size_t)j->n);
+}
+
+/* One rank: the backend's argmax. Several: every rank's shard at once (argmax_rank), then per
+ * row, in rank order, each rank's best (value, id) of its shard (the backend's top-1, equal
+ * values: the lower id); the merge keeps the larger value and, on equal values, the lower rank,
+ * whose ids are the lower ones: the whole row's argmax by the same rule. A NaN / +inf is
+ * reported from the lowest rank that has one, as one device's argmax reports its first. */
 kd_status kd_seq_argmax(kd_seq *s, int32_t *dst) {
     if (!s) return kd_fail(KD_ERR_ARG, "kd_seq_argmax: sequence is NULL");
     if (!dst) return kd_fail(KD_ERR_ARG, "kd_seq_argmax: dst is NULL");
@@ -250,35 +270,33 @@ kd_status kd_seq_argmax(kd_seq *s, int32_t *dst) {
         KD_TRY(m->be->ops->download(m->be, dst, d, sizeof(int32_t) * (size_t)n));
         return kd_argmax_check(dst, n, "kd_seq_argmax", "the target forward's output");
     }
-    float best[KD_SEQ_MAX_ROWS], vals[KD_SEQ_MAX_ROWS];
-    int32_t ids[KD_SEQ_MAX_ROWS];
-    for (int r = 0; r < m->tp; r++) {
-        kd_backend *be = m->ranks[r].be;
-        char *sc = (char *)s->rk[r].scratch;
-        int32_t *d_ids = (int32_t *)(sc + p.idx);
-        float *d_vals = (float *)(sc + p.tmp);     /* fp32-sized, free after a forward */
-        /* the shard's argmax first, for its NaN / +inf report (top-1 lets NaN lose): its
-         * column is the shard's, the vocabulary's is r * Vr further */
-        KD_TRY(be->ops->argmax(be, kd_act_rows(s->rk[r].logits, 0, n), d_ids));
-        KD_TRY(be->ops->download(be, ids, d_ids, sizeof(int32_t) * (size_t)n));
+    argmax_job job = {s, p.tmp, n, malloc(sizeof(int32_t) * 3 * (size_t)n * (size_t)m->tp)};
+    if (!job.host) return kd_fail(KD_ERR_NOMEM, "kd_seq_argmax: cannot allocate the %d ranks' results", m->tp);
+    kd_status st = kd_ranks_run(m, argmax_rank, &job);
+    float best[KD_SEQ_MAX_ROWS];
+    for (int r = 0; st == KD_OK && r < m->tp; r++) {
+        int32_t *ids = job.host + (size_t)r * 3 * n, *top = ids + 2 * n;
+        /* a code's column is the shard's; the vocabulary's is r * Vr further */
         for (int i = 0; i < n; i++)
             if (ids[i] < 0) ids[i] = -((-ids[i] & 3) | (int32_t)((uint32_t)((-ids[i] >> 2) + r * Vr) << 2));
-        KD_TRY(kd_argmax_check(ids, n, "kd_seq_argmax", "the target forward's output"));
-        KD_TRY(be->ops->topk(be, kd_act_rows(s->rk[r].logits, 0, n), 1, d_vals, d_ids));
-        KD_TRY(be->ops->download(be, ids, d_ids, sizeof(int32_t) * (size_t)n));
-        KD_TRY(be->ops->download(be, vals, d_vals, sizeof(float) * (size_t)n));
-        for (int i = 0; i < n; i++) {
-            if (ids[i] < 0 || ids[i] >= Vr)
-                return kd_fail(KD_ERR_BACKEND, "kd_seq_argmax: rank %d: row %d: top id %d outside its %d ids", r, i,
-                               (int)ids[i], Vr);
-            bool nan = vals[i] != vals[i], best_nan = r > 0 && best[i] != best[i];   /* NaN loses, as in argmax */
-            if (r == 0 || (!nan && (best_nan || vals[i] > best[i]))) {
-                best[i] = vals[i];
-                dst[i] = r * Vr + ids[i];
+        st = kd_argmax_check(ids, n, "kd_seq_argmax", "the target forward's output");
+        for (int i = 0; st == KD_OK && i < n; i++) {
+            float v;
+            memcpy(&v, ids + n + i, sizeof v);
+            if (top[i] < 0 || top[i] >= Vr) {
+                st = kd_fail(KD_ERR_BACKEND, "kd_seq_argmax: rank %d: row %d: top id %d outside its %d ids", r, i,
+                             (int)top[i], Vr);
+                break;
+            }
+            bool nan = v != v, best_nan = r > 0 && best[i] != best[i];   /* NaN loses, as in argmax */
+            if (r == 0 || (!nan && (best_nan || v > best[i]))) {
+                best[i] = v;
+                dst[i] = r * Vr + top[i];
             }
         }
     }
-    return KD_OK;
+    free(job.host);
+    return st;
 }
 
 /* the round (if any) and the pending rows are void after the cache changes shape */
