@@ -120,23 +120,15 @@ __device__ __forceinline__ am_part am_warp_merge(am_part p) {
     return p;
 }
 
-/* the partial of row blockIdx.y's ids [blockIdx.x * AM_SLICE, + AM_SLICE), into part (rows x gridDim.x);
- * a thread's AM_PER values are loaded first, all in flight together */
-constexpr int AM_THREADS = 256, AM_PER = AM_SLICE / AM_THREADS;
-__global__ void __launch_bounds__(AM_THREADS) argmax_part_kernel(const void *x, int dt, long long ld, int cols, am_part *part) {
+/* the partial of row blockIdx.y's ids [blockIdx.x * AM_SLICE, + AM_SLICE), into part (rows x gridDim.x) */
+__global__ void __launch_bounds__(256) argmax_part_kernel(const void *x, int dt, long long ld, int cols, am_part *part) {
     kd_griddep_enter();
-    __shared__ am_part sp[AM_THREADS / 32];
+    __shared__ am_part sp[8];
     const size_t base = (size_t)blockIdx.y * ld;
-    const int c0 = blockIdx.x * AM_SLICE + threadIdx.x;
-    float xv[AM_PER];
-#pragma unroll
-    for (int j = 0; j < AM_PER; j++) xv[j] = c0 + j * AM_THREADS < cols ? ld_row(x, dt, base + c0 + j * AM_THREADS) : 0.0f;
+    const int lo = blockIdx.x * AM_SLICE, hi = min(cols, lo + AM_SLICE);
     am_part p = {NAN, AM_NONE, AM_NONE};   /* bad: the smallest code, the first bad column (its kind below it) */
-#pragma unroll
-    for (int j = 0; j < AM_PER; j++) {
-        const int c = c0 + j * AM_THREADS;
-        if (c >= cols) break;
-        const float v = xv[j];
+    for (int c = lo + threadIdx.x; c < hi; c += blockDim.x) {
+        const float v = ld_row(x, dt, base + c);
         const int32_t code = kd_rule_logit_code(v, c);
         if (code && code < p.bad) p.bad = code;
         if (p.i == AM_NONE || beats(v, c, p.v, p.i)) { p.v = v; p.i = c; }
@@ -146,7 +138,7 @@ __global__ void __launch_bounds__(AM_THREADS) argmax_part_kernel(const void *x, 
     if (lane == 0) sp[warp] = p;
     __syncthreads();
     if (warp == 0) {
-        p = lane < AM_THREADS / 32 ? sp[lane] : am_part{NAN, AM_NONE, AM_NONE};
+        p = lane < (int)(blockDim.x >> 5) ? sp[lane] : am_part{NAN, AM_NONE, AM_NONE};
         p = am_warp_merge(p);
         if (lane == 0) part[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = p;
     }
@@ -191,6 +183,14 @@ __device__ __forceinline__ int slice_keys(const void *x, int dt, long long ld, i
     return ok;
 }
 
+/* h[bin] += 1 for each lane with in set, one shared atomic per distinct bin of the warp: a row's
+ * keys crowd into few bins (a float key's top bits are its sign and exponent: every log-prob in
+ * [-32, -16) shares 4 of them), and 32 lanes adding to one address take 32 turns */
+__device__ __forceinline__ void warp_bin_add(unsigned int *h, uint32_t bin, bool in) {
+    const unsigned peers = __match_any_sync(0xffffffffu, in ? bin : 0xffffffffu);
+    if (in && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[bin], (unsigned)__popc(peers));
+}
+
 /* the row histogram of the keys' top TK_BITS bits, TK_SLICE ids per block, rows on grid.y */
 __global__ void __launch_bounds__(TK_THREADS) topk_hist_kernel(const void *x, int dt, long long ld, int cols,
                                                         unsigned int *hist) {
@@ -201,8 +201,7 @@ __global__ void __launch_bounds__(TK_THREADS) topk_hist_kernel(const void *x, in
     for (int i = threadIdx.x; i < TK_BINS; i += blockDim.x) h[i] = 0;
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < TK_PER; j++)
-        if ((ok >> j) & 1) atomicAdd(&h[key[j] >> (32 - TK_BITS)], 1u);
+    for (int j = 0; j < TK_PER; j++) warp_bin_add(h, key[j] >> (32 - TK_BITS), (ok >> j) & 1);
     __syncthreads();
     unsigned int *g = hist + (size_t)blockIdx.y * TK_BINS;
     for (int i = threadIdx.x; i < TK_BINS; i += blockDim.x)
@@ -235,7 +234,7 @@ __global__ void __launch_bounds__(TK_THREADS) topk_hist2_kernel(const void *x, i
     const uint32_t tb = (uint32_t)s_tb;
 #pragma unroll
     for (int j = 0; j < TK_PER; j++)
-        if (((ok >> j) & 1) && (key[j] >> (32 - TK_BITS)) == tb) atomicAdd(&h[(key[j] >> (32 - 2 * TK_BITS)) & (TK_BINS - 1)], 1u);
+        warp_bin_add(h, (key[j] >> (32 - 2 * TK_BITS)) & (TK_BINS - 1), ((ok >> j) & 1) && (key[j] >> (32 - TK_BITS)) == tb);
     __syncthreads();
     unsigned int *g = hist2 + (size_t)blockIdx.y * TK_BINS;
     for (int i = tid; i < TK_BINS; i += blockDim.x)
@@ -503,7 +502,7 @@ extern "C" kd_status kd_cuda_argmax(kd_backend *be, kd_act x, int32_t *out) {
     am_part *part = NULL;
     KD_TRY(kd_cuda_ws(be, KD_WS_TREE, (size_t)rows * nparts * sizeof(am_part), (void **)&part));
     return each_launch_rows(x, [&](kd_act xr, int r0) {
-        KD_TRY(kd_launch_pdl("argmax_part_kernel", argmax_part_kernel, dim3((unsigned)nparts, (unsigned)xr.rows), AM_THREADS,
+        KD_TRY(kd_launch_pdl("argmax_part_kernel", argmax_part_kernel, dim3((unsigned)nparts, (unsigned)xr.rows), 256,
                              0, c->stream, xr.data, xr.dtype, xr.ld, xr.cols, part));
         KD_TRY(kd_launch_pdl("argmax_merge_kernel", argmax_merge_kernel, (xr.rows + 7) / 8, 256, 0, c->stream, part,
                              nparts, xr.rows, out + r0));

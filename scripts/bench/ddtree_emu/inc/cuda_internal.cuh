@@ -52,6 +52,15 @@ inline unsigned __ballot_sync(unsigned, bool p) {
     emu_warp_bar[w]->arrive_and_wait();
     return b;
 }
+inline unsigned __match_any_sync(unsigned, unsigned v) {   /* the lanes holding this lane's value */
+    int w = threadIdx.x >> 5;
+    emu_xbuf[w][threadIdx.x & 31] = v;
+    emu_warp_bar[w]->arrive_and_wait();
+    unsigned b = 0;
+    for (int i = 0; i < 32; i++) if (emu_xbuf[w][i] == v) b |= 1u << i;
+    emu_warp_bar[w]->arrive_and_wait();
+    return b;
+}
 inline unsigned __reduce_max_sync(unsigned, unsigned v) {
     int w = threadIdx.x >> 5;
     emu_xbuf[w][threadIdx.x & 31] = v;
