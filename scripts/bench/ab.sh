@@ -17,7 +17,7 @@
 #     "attention CTX T"    MLA at 64 heads, T queries (a tree when T > 1) after CTX - T rows
 #     "round"              the DDTree round's table (cuda_ops_bench --round)
 #     "slice"              the K2.6-dims slice's decode and verify steps (model_slice_bench --quick)
-#     "tp8 [LAYERS]"       the TP-8 rank step, LAYERS of 61 (default 30: 61 need more than 80 GB)
+#     "tp8 [LAYERS]"       the TP-8 rank step, LAYERS of 61 (default 30: 61 need more than 80 GB), no drafter
 # Per row, the base tree's lines come first, then this tree's, each line prefixed with its tree.
 # Build logs: ${OUT:-ab-logs}/build-{base,this}.log.
 set -u -o pipefail
@@ -66,7 +66,7 @@ run_row() {   # run_row TREE ROW: the row's lines on stdout
     round) "$tree/build/bench/cuda_ops_bench" --round ;;
     slice) "$tree/build/bench/model_slice_bench" --quick --no-draft --no-mla --md "$md" > /dev/null &&
            grep -E '^\| (decode|verify)' "$md" ;;
-    tp8) "$tree/build/bench/model_slice_bench" --k26-rank 8 --layers "${2:-30}" --quick --md "$md" > /dev/null &&
+    tp8) "$tree/build/bench/model_slice_bench" --k26-rank 8 --layers "${2:-30}" --quick --no-draft --md "$md" > /dev/null &&
          grep -E '^\| (decode|verify)' "$md" ;;
   esac
   local rc=$?
