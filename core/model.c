@@ -96,6 +96,7 @@ typedef struct rank_fwd {
     kd_seq_rank *S;               /* its cache, logits shard and scratch */
     kd_backend *be;
     const kd_fwd_plan *p;
+    int bound;                    /* device-length steps: the cache rows attention sees (step_bound) */
 } rank_fwd;
 
 static kd_act act(const rank_fwd *f, size_t off, int rows, int cols) {
@@ -184,7 +185,7 @@ static kd_status attention_block(const rank_fwd *f, int l, kd_act h, kd_act x, c
     /* one latent KV head (MQA) over the cache rows [0, len+T) */
     kd_act lat = act(f, p->lat, T, H * r);
     if (d_len) {
-        kd_act kv = cache[l];      /* all rows: the bound; the kernels read len */
+        kd_act kv = kd_act_rows(cache[l], 0, f->bound);   /* the kernels read len below it */
         KD_TRY(be->ops->attention_at(be, qfull, H, r + dr, kv, kd_act_cols(kv, 0, r), 1, d_len, vis == NULL, vis, 0,
                                      c->softmax_scale, lat));
     } else {
@@ -291,8 +292,23 @@ static kd_status forward_body(const rank_fwd *f, int T, const int32_t *d_ids, co
  * changed; a shape whose capture fails twice stays eager (still on the device-length path). */
 enum { KD_GRAPH_SLOTS = 8 };
 
+/* A device-length step's attention sees the cache through a view of step_bound rows: the least
+ * power-of-two multiple of BOUND_ROWS at or above len + T, the capacity at most. The backend sizes
+ * the attention's grid from that bound and picks its kernel shape from it, so a step at 1K of an
+ * 8K cache runs the shape a 1K context gets: bounded by the whole cache, a TP-8 rank's 17-row
+ * verify at 1K ran the 64-row blocks chosen for 17 chunks (ncu, H100: 109 us a layer, 6 of its 51
+ * blocks with keys to read). Graphs are keyed by the bound, so a sequence recaptures its step
+ * shapes as it crosses one: log2(capacity / BOUND_ROWS) + 1 times at most. BOUND_ROWS is the CUDA
+ * attention's chunk (mla_tc.cuh: TC_CHUNK). */
+enum { BOUND_ROWS = 512 };
+static int step_bound(const kd_seq *s, int T) {
+    long long need = (long long)s->len + T, b = BOUND_ROWS;
+    while (b < need) b *= 2;
+    return b < s->capacity ? (int)b : s->capacity;
+}
+
 typedef struct kd_graph_entry {
-    int T;
+    int T, bound;
     bool masked, used;
     const void *taps, *drafter;   /* what the captured step writes taps to */
     kd_graph_slot g;              /* the captured step (graph_step.h) */
@@ -350,19 +366,21 @@ void kd_seq_graphs_free(kd_seq *s) {
 }
 
 /* the entry of a step shape: found, or a fresh (or least recently used) slot */
-static kd_graph_entry *graph_entry(kd_seq *s, int T, bool masked) {
+static kd_graph_entry *graph_entry(kd_seq *s, int T, bool masked, int bound) {
     kd_seq_graphs *g = s->graphs;
     const void *taps = s->rk[0].taps.data, *drafter = s->drafter;
     kd_graph_entry *victim = NULL;
     for (int i = 0; i < KD_GRAPH_SLOTS; i++) {
         kd_graph_entry *e = &g->e[i];
-        if (e->used && e->T == T && e->masked == masked && e->taps == taps && e->drafter == drafter) return e;
+        if (e->used && e->T == T && e->bound == bound && e->masked == masked && e->taps == taps && e->drafter == drafter)
+            return e;
         if (!victim || (!e->used && victim->used) || (e->used == victim->used && e->stamp < victim->stamp)) victim = e;
     }
     graph_drop(s, victim);
     memset(victim, 0, sizeof *victim);
     victim->used = true;
     victim->T = T;
+    victim->bound = bound;
     victim->masked = masked;
     victim->taps = taps;
     victim->drafter = drafter;
@@ -371,7 +389,7 @@ static kd_graph_entry *graph_entry(kd_seq *s, int T, bool masked) {
 
 /* rank r's view of a sequence and its forward plan */
 static rank_fwd rank_of(kd_seq *s, const kd_fwd_plan *p, int r) {
-    rank_fwd f = {s, r, &s->model->ranks[r], &s->rk[r], s->model->ranks[r].be, p};
+    rank_fwd f = {s, r, &s->model->ranks[r], &s->rk[r], s->model->ranks[r].be, p, s->capacity};
     return f;
 }
 
@@ -405,6 +423,7 @@ static kd_status chunk_rank(void *ctx, int r) {
     kd_seq_graphs *g = s->graphs;
     const kd_fwd_plan *p = j->p;
     rank_fwd f = rank_of(s, p, r);
+    if (j->step) f.bound = step_bound(s, j->T);
     char *base = (char *)f.S->scratch;
     const int32_t *d_len = j->step ? (const int32_t *)(base + p->dlen) : NULL, *d_ids = (const int32_t *)(base + p->ids);
     const int32_t *d_pos = (const int32_t *)(base + p->pos);
@@ -413,11 +432,12 @@ static kd_status chunk_rank(void *ctx, int r) {
     if (!j->step || g->mode != KD_GRAPHS_CAPTURE) return forward_body(&f, j->T, d_ids, d_pos, d_vis, d_len, j->want_logits);
 
     /* graph mode (one rank: kd_seq_new keeps graphs off at tp > 1) */
-    kd_graph_entry *e = graph_entry(s, j->T, j->masked);
+    kd_graph_entry *e = graph_entry(s, j->T, j->masked, f.bound);
     e->stamp = ++g->clock;
     step_body_ctx body = {&f, j->T, d_ids, d_pos, d_vis, d_len};
     char what[64];
-    if (g->verbose) snprintf(what, sizeof what, "step (%d rows, %s)", j->T, j->masked ? "masked" : "causal");
+    if (g->verbose)
+        snprintf(what, sizeof what, "step (%d rows, %s, cache bound %d)", j->T, j->masked ? "masked" : "causal", f.bound);
     return kd_graph_run(s->model, &e->g, step_body, &body, g->verbose ? what : NULL);
 }
 

@@ -63,13 +63,15 @@ local function ddtree_run(m, d, prompt, budget, n)
   end)
 end
 
--- lengths that move: a prefill of 250 (decode then crosses the 256-key attention chunk),
--- truncation back to 100, verify of one tree shape at two lengths, two sequences interleaved
+-- lengths that move: a prefill of 250 (decode then crosses the 256-key attention chunk), a
+-- prefill to 505 and decode and verify past 512 rows (a step's cache bound, model.c: step_bound,
+-- moves from 512 rows to the capacity, and its graphs are captured again), truncation back to
+-- 100, verify of one tree shape at several lengths, two sequences interleaved
 local function moving_run(m, V)
   local rec = recorder()
-  local prompt = prompt_of(250, V, 11)
+  local prompt = prompt_of(505, V, 11)
   local a, b = m:new_seq(600), m:new_seq(600)
-  a:forward(prompt)
+  a:forward({ unpack(prompt, 1, 250) })
   b:forward({ unpack(prompt, 1, 37) })
   local ta, tb = a:argmax()[250], b:argmax()[37]
   for _ = 1, 20 do                                  -- interleaved decode; a crosses row 256
@@ -77,12 +79,6 @@ local function moving_run(m, V)
     a:forward({ ta }); keep_logits(rec, a); ta = a:argmax()[1]
     rec.tokens[#rec.tokens + 1] = tb
     b:forward({ tb }); keep_logits(rec, b); tb = b:argmax()[1]
-  end
-  a:truncate(100)                                    -- the captured T = 1 step at a shorter length
-  ta = prompt[101]
-  for _ = 1, 8 do
-    rec.tokens[#rec.tokens + 1] = ta
-    a:forward({ ta }); keep_logits(rec, a); ta = a:argmax()[1]
   end
   math.randomseed(5)
   local rows = random_rows(3, V)
@@ -92,6 +88,19 @@ local function moving_run(m, V)
     keep_logits(rec, a)
     a:truncate(a:len())                              -- drop the pending tree rows
     t:close()
+  end
+  a:forward({ unpack(prompt, 271, 505) })            -- to row 505, then decode past row 512
+  ta = a:argmax()[235]
+  for _ = 1, 10 do
+    rec.tokens[#rec.tokens + 1] = ta
+    a:forward({ ta }); keep_logits(rec, a); ta = a:argmax()[1]
+  end
+  verify_here()                                      -- at row 515: bounded by the capacity
+  a:truncate(100)                                    -- the captured T = 1 step at a shorter length
+  ta = prompt[101]
+  for _ = 1, 8 do
+    rec.tokens[#rec.tokens + 1] = ta
+    a:forward({ ta }); keep_logits(rec, a); ta = a:argmax()[1]
   end
   for _, len in ipairs({ 108, 90, 60, 30 }) do
     a:truncate(len)
