@@ -193,7 +193,7 @@ s:close(); m:close()
 
   it("says on stderr why a capture failed, and only when on", function()
     local on = decode_refused(true)
-    assert.matches("kdtree: step %(1 rows, causal%): graph capture failed, running eagerly: ", on)
+    assert.matches("kdtree: step %(1 rows, causal, cache bound %d+%): graph capture failed, running eagerly: ", on)
     assert.matches("rc=0\n$", on)
     assert.are.equal("rc=0\n", decode_refused(false))
   end)
