@@ -28,11 +28,22 @@ namespace {
 
 constexpr int ROUTE_THREADS = 256;
 constexpr int TOPK_MAX = 32;
-constexpr int ROUTE_LANE_MAX = 16;   /* the one-warp top-k: up to 512 experts (K2.6: 384) */
+constexpr int ROUTE_LANE_MAX = 16;   /* the one-warp top-k: up to 512 experts (K2.6: 384); its tree is written for 16 */
 
 __device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {
     return va > vb || (va == vb && ia < ib);
 }
+
+/* a choice as a key whose unsigned order is `better`'s: the value's bits made monotone (-0 taken as
+ * +0, as `>` and `==` see them) above the complement of the id, so equal values put the lower id
+ * first. A NaN keys below every number (a NaN choice comes of a NaN logit, whose token's output is
+ * NaN whichever experts it takes); 0 is below every key (a lane's slot past n, or one taken). */
+__device__ __forceinline__ unsigned long long route_key(float v, int i) {
+    const unsigned u = __float_as_uint(v + 0.0f);
+    const unsigned ord = v != v ? 0u : (u & 0x80000000u) ? ~u : u | 0x80000000u;
+    return (unsigned long long)ord << 32 | (unsigned)~i;
+}
+__device__ __forceinline__ unsigned long long key_max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
 
 /* block argmax over v[0..n) skipping taken (ties: lower index); every thread gets the index */
 __device__ int block_best(const float *v, const unsigned char *taken, int n, float *rv, int *ri) {
@@ -102,38 +113,35 @@ __global__ void __launch_bounds__(ROUTE_THREADS) route_kernel(const float *logit
         __syncthreads();
     }
     if (n <= 32 * ROUTE_LANE_MAX) {
-        /* one warp: lane l holds the choices of experts l + 32 j in registers, and each round's best
-         * is a shuffle tree over the lanes' bests (a block-wide round took four barriers, eight
-         * rounds a token). The best under `better` is unique, so the experts are block_best's. */
+        /* one warp: lane l holds the keys of experts l + 32 j in registers; a round takes the
+         * lanes' best keys through two warp reductions (the value's high word, then the id word
+         * among the lanes holding that value), where a shuffle tree of `better` took ten
+         * dependent shuffles. The key orders as `better` does (NaN aside), so the experts are
+         * block_best's. */
         if (threadIdx.x < 32) {
             const int lane = threadIdx.x;
-            float v[ROUTE_LANE_MAX];
-            unsigned out = 0;   /* bit j: expert lane + 32 j taken or past n */
+            unsigned long long key[ROUTE_LANE_MAX];
 #pragma unroll
             for (int j = 0; j < ROUTE_LANE_MAX; j++) {
                 const int i = lane + 32 * j;
-                v[j] = i < n ? choice[i] : -INFINITY;
-                if (i >= n) out |= 1u << j;
+                key[j] = i < n ? route_key(choice[i], i) : 0ull;
             }
             for (int r = 0; r < top_k; r++) {
-                float bv = -INFINITY;
-                int bi = -1;
+                unsigned long long m[ROUTE_LANE_MAX / 2];   /* the lane's best: a tree of 4 steps, not a chain of 15 */
+#pragma unroll
+                for (int j = 0; j < 8; j++) m[j] = key_max(key[j], key[j + 8]);
+#pragma unroll
+                for (int j = 0; j < 4; j++) m[j] = key_max(m[j], m[j + 4]);
+                const unsigned long long best = key_max(key_max(m[0], m[2]), key_max(m[1], m[3]));
+                const unsigned hi = __reduce_max_sync(0xffffffffu, (unsigned)(best >> 32));
+                const unsigned lo = __reduce_max_sync(0xffffffffu, (unsigned)(best >> 32) == hi ? (unsigned)best : 0u);
+                const unsigned long long won = (unsigned long long)hi << 32 | lo;
 #pragma unroll
                 for (int j = 0; j < ROUTE_LANE_MAX; j++)
-                    if (!((out >> j) & 1u) && (bi < 0 || better(v[j], lane + 32 * j, bv, bi))) {
-                        bv = v[j];
-                        bi = lane + 32 * j;
-                    }
-                for (int o = 16; o > 0; o >>= 1) {
-                    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                    if (oi >= 0 && (bi < 0 || better(ov, oi, bv, bi))) { bv = ov; bi = oi; }
-                }
-                if (bi >= 0 && (bi & 31) == lane) out |= 1u << (bi >> 5);
-                if (lane == 0) sel[r] = bi;
+                    if (key[j] == won) key[j] = 0ull;
+                if (lane == 0) sel[r] = (int)~lo;
             }
         }
-        __syncthreads();
     } else {
         for (int i = threadIdx.x; i < n; i += blockDim.x) taken[i] = 0;
         __syncthreads();
@@ -143,24 +151,23 @@ __global__ void __launch_bounds__(ROUTE_THREADS) route_kernel(const float *logit
             __syncthreads();
         }
     }
-    if (threadIdx.x == 0) {
-        float w[TOPK_MAX], sum = 0.0f;
-        for (int j = 0; j < top_k; j++) { w[j] = score[sel[j]]; sum += w[j]; }
+    __syncthreads();
+    /* the weights (their sum in selection order, as the CPU twin adds them) and the ascending-id
+     * listing: lane j takes the j-th choice and finds its place by counting the smaller ids */
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const int id = lane < top_k ? sel[lane] : 0x7fffffff;
+        float w = lane < top_k ? score[id] : 0.0f, sum = 0.0f;
+        int place = 0;
         for (int j = 0; j < top_k; j++) {
-            if (norm) w[j] /= sum + 1e-20f;
-            w[j] *= scaling;
+            sum += __shfl_sync(0xffffffffu, w, j);
+            place += __shfl_sync(0xffffffffu, id, j) < id;
         }
-        /* list in ascending expert id (insertion sort of <= 32) */
-        int id[TOPK_MAX];
-        for (int j = 0; j < top_k; j++) id[j] = sel[j];
-        for (int a = 1; a < top_k; a++)
-            for (int b = a; b > 0 && id[b - 1] > id[b]; b--) {
-                int ti = id[b]; id[b] = id[b - 1]; id[b - 1] = ti;
-                float tw = w[b]; w[b] = w[b - 1]; w[b - 1] = tw;
-            }
-        for (int j = 0; j < top_k; j++) {
-            ids[(size_t)t * top_k + j] = id[j];
-            weights[(size_t)t * top_k + j] = w[j];
+        if (lane < top_k) {
+            if (norm) w /= sum + 1e-20f;
+            w *= scaling;
+            ids[(size_t)t * top_k + place] = id;
+            weights[(size_t)t * top_k + place] = w;
         }
     }
 }

@@ -110,6 +110,8 @@ int main() {
     test("DeepSeek-V3, ties", 3, 256, 8, 4, 8, true, 2.5f, 1);
     test("tiny (16 experts, top 4), no norm", 4, 16, 1, 1, 4, false, 1.0f, 0);
     test("33 experts (a partial lane row)", 3, 33, 1, 1, 6, true, 1.0f, 1);
+    test("K2.6 at top 32 (the most the kernel takes)", 3, 384, 1, 1, 32, true, 2.827f, 0);
+    test("K2.6 at top 32, ties", 2, 384, 1, 1, 32, true, 2.827f, 1);
     test("512 experts (the one-warp bound)", 2, 512, 1, 1, 8, true, 1.0f, 0);
     test("640 experts (block-wide)", 2, 640, 1, 1, 8, true, 1.0f, 0);
     test("640 experts, ties (block-wide)", 2, 640, 4, 2, 8, true, 1.0f, 1);
