@@ -20,7 +20,7 @@
  * of 8 warps, and the value dims split over up to 4 blocks ("value slices": each block
  * computes the chunk's S and softmax, and its DVP / VS value dims of O), so a decode step at 1K
  * runs 32 blocks of 8 warps instead of 8 blocks of 2. Those 16-row blocks take S = Q K^T from
- * tc_scores_kernel (mla_tc_scores.cuh: 64 keys a block, so a chunk's keys are read by 8 blocks,
+ * tc_scores_kernel (mla_tc_scores.cuh: 32 keys a block, so a chunk's keys are read by 16 blocks,
  * not by every value slice of it whole) and run only the softmax and O = P V (SPLIT).
  * Rows are (query, head) pairs: 64 heads of one query for MLA, 8 queries x 8 heads for
  * 8 heads, etc. All rows of a block share one staged key/value tile when their ordinals
@@ -64,7 +64,7 @@ constexpr int TC_PLD = TC_CHUNK + 8;       /* P row stride (bf16): 65 x 16 bytes
 constexpr int TC_KSTEPS = TC_CHUNK / 16;   /* phase 2: 16-key steps a chunk (a slab: VS steps x DVP / VS dims) */
 constexpr int TC_HD_MAX = 576, TC_DV_MAX = 512;
 constexpr int TC_STAGE_BYTES = TC_KSLAB * TC_P1LD * 2;   /* phase 1's slab; phase 2's fit (tc_chunk_kernel) */
-constexpr int TC_SKEYS = 64;               /* keys of a tc_scores_kernel block (8 a chunk) */
+constexpr int TC_SKEYS = 32;               /* keys of a tc_scores_kernel block (16 a chunk) */
 
 /* the kernels' dynamic shared memory (the emulator hands out its own buffer) */
 #ifdef KD_MLA_EMU
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(RG * 32 * KW, 1) tc_chunk_kernel(TcArgs a) {
     int s = 0;
     const uint16_t *qa = q_s + (rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * QLD + (lane >> 4) * 8;
     const int kb_off = (kw * KPW + ((lane >> 4) << 3) + (lane & 7)) * TC_P1LD + ((lane >> 3) & 1) * 8;
-    if (SPLIT) {   /* S from tc_scores_kernel: where its 64-key block was loaded (else 0, as unloaded keys) */
+    if (SPLIT) {   /* S from tc_scores_kernel: where its TC_SKEYS-key block was loaded (else 0, as unloaded keys) */
 #pragma unroll
         for (int kg = 0; kg < 4; kg++)
 #pragma unroll

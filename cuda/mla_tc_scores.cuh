@@ -4,21 +4,23 @@
  * Why: a 16-row block of tc_chunk_kernel (decode, small T at short context) reads its chunk's
  * whole key tile (512 keys x 576 dims, 590 KB at MLA's dims) for 16 rows, and each of its value
  * slices reads it again, one SM streaming a whole tile (cuda_ops_bench, H100, 2026-12-05: K2.6
- * decode at 1K, 48 such blocks, 38 us for 1.2 MB of cache). Here a block takes 64 keys (74 KB) of
- * the chunk for the same 16 rows, so 8 blocks share a chunk's keys, and writes S to a.ps;
- * tc_chunk_kernel<..., SPLIT> then runs the softmax and O = P V from it.
+ * decode at 1K, 48 such blocks, 38 us for 1.2 MB of cache). Here a block takes 32 keys (37 KB) of
+ * the chunk for the same 16 rows, so 16 blocks share a chunk's keys, and writes S to a.ps;
+ * tc_chunk_kernel<..., SPLIT> then runs the softmax and O = P V from it. 64-key blocks of 4
+ * warps took 9.1 us at a TP-8 rank's decode at 1K (ncu, H100, 2026-12-07: 17 blocks with keys,
+ * each streaming its 74 KB alone); 32 keys of 2 warps put the same bytes on twice the SMs.
  *
  * The bits are tc_chunk_kernel's: an S element is one mma accumulator, from 0, over the key
  * dims in ascending 16-dim steps up to HDP (dims past hd are zeros in both), with the same
  * operands; which warp or block computes it changes nothing. Keys past the block's loaded
- * count (n_load) are zeros, as there; a 64-key block wholly past it writes nothing and the
+ * count (n_load) are zeros, as there; a key block wholly past it writes nothing and the
  * values kernel reads 0 for it (masked either way). */
 #ifndef KD_MLA_TC_SCORES_CUH
 #define KD_MLA_TC_SCORES_CUH
 
 namespace mla {
 
-constexpr int TS_WARPS = 4, TS_NTH = TS_WARPS * 32, TS_ROWS = 16;
+constexpr int TS_WARPS = TC_SKEYS / 16, TS_NTH = TS_WARPS * 32, TS_ROWS = 16;
 constexpr int TS_KB = TC_CHUNK / TC_SKEYS;   /* key blocks a chunk */
 static_assert(TS_WARPS * 16 == TC_SKEYS, "a warp owns 16 keys (two n-tiles)");
 
