@@ -177,6 +177,15 @@ __device__ __forceinline__ float kd_block_max(float v, float *red) {
     __syncthreads();
     return red[0];
 }
+/* A float's order-preserving key: larger value -> larger unsigned key; -0 == +0; NaN is 0, below
+ * every number (the top-K's keys, the router's, the sampling rule's, whose logits are never NaN
+ * there) */
+__device__ __forceinline__ uint32_t kd_float_key(float v) {
+    if (v != v) return 0u;
+    if (v == 0.0f) v = 0.0f;
+    const uint32_t u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
 
 /* ---- entry points shared between the backend's files (extern "C" for the table) ---- */
 extern "C" {

@@ -659,12 +659,7 @@ __global__ void __launch_bounds__(WALK_THREADS) tree_walk_kernel(kd_dtree t, int
 
 /* ------------------------------------------------------------------ sample_rows */
 
-/* order-preserving key of a logit (larger logit -> larger key; -0 == +0); NaN never reaches it */
-__device__ __forceinline__ uint32_t okey(float v) {
-    if (v == 0.0f) v = 0.0f;
-    uint32_t u = __float_as_uint(v);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
+/* the logit of a non-NaN logit's kd_float_key */
 __device__ __forceinline__ float okey_value(uint32_t k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
@@ -1102,7 +1097,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_gather_kernel(const float *x,
         unsigned base = 0;
         if (lane == 0) base = atomicAdd(&p->ncand, (unsigned)__popc(bal));
         base = __shfl_sync(FULL, base, 0);
-        if (in) out[base + __popc(bal & ((1u << lane) - 1u))] = (unsigned long long)okey(v[j]) << 32 | (0xffffffffu - (uint32_t)i);
+        if (in) out[base + __popc(bal & ((1u << lane) - 1u))] = (unsigned long long)kd_float_key(v[j]) << 32 | (0xffffffffu - (uint32_t)i);
     }
 }
 
@@ -1199,7 +1194,7 @@ __device__ kd_u128 radix_mass_pass(const float *xr, int V, const smp_mass &mass,
     int run_b = -1;
     for (int i = threadIdx.x; i < V; i += SMP_THREADS) {
         const float v = xr[i];
-        const uint32_t key = okey(v);
+        const uint32_t key = kd_float_key(v);
         if ((key & mask) != prefix || !kept_k(i, key)) continue;
         const uint64_t q = mass(v);
         part = kd_u128_add64(part, q);
@@ -1230,7 +1225,7 @@ __device__ void cut_by_radix(const float *xr, int V, const smp_mass &mass, int t
             for (int i = tid; i < 256; i += SMP_THREADS) sh.hcnt[i] = 0;
             __syncthreads();
             for (int i = tid; i < V; i += SMP_THREADS) {
-                uint32_t key = okey(xr[i]);
+                uint32_t key = kd_float_key(xr[i]);
                 if ((key & mask) == prefix) atomicAdd(&sh.hcnt[(key >> shift) & 255u], 1u);
             }
             __syncthreads();
@@ -1253,7 +1248,7 @@ __device__ void cut_by_radix(const float *xr, int V, const smp_mass &mass, int t
         kkey = prefix;
         const uint32_t kk = kkey;
         /* the kr-th lowest id whose key is kkey */
-        kid = first_exceeding([&](int i) { return kd_u128_of(okey(xr[i]) == kk ? 1u : 0u); },
+        kid = first_exceeding([&](int i) { return kd_u128_of(kd_float_key(xr[i]) == kk ? 1u : 0u); },
                               [&](kd_u128) { return kd_u128_of(kr - 1); }, V, sh);
     }
     *ckey = kkey;
@@ -1301,7 +1296,7 @@ __device__ void cut_by_radix(const float *xr, int V, const smp_mass &mass, int t
     const unsigned long long c = kd_u128_div64_ceil(kd_u128_sub(G, before), qe);
     /* the c-th lowest kept id whose key is pkey */
     *ckey = pk;
-    *cid = first_exceeding([&](int i) { uint32_t key = okey(xr[i]); return kd_u128_of(key == pk && kept_k(i, key) ? 1u : 0u); },
+    *cid = first_exceeding([&](int i) { uint32_t key = kd_float_key(xr[i]); return kd_u128_of(key == pk && kept_k(i, key) ? 1u : 0u); },
                            [&](kd_u128) { return kd_u128_of(c - 1); }, V, sh);
 }
 
@@ -1328,7 +1323,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_max_kernel(const float *x, lo
  * and id <= id; pending: the row still needs that draw (its cut did not gather every kept id) */
 struct smp_cut { uint32_t key; int id; int pending; };
 
-/* is id i (of key okey(x[i])) kept: every id without a cut (c NULL) */
+/* is id i (of key kd_float_key(x[i])) kept: every id without a cut (c NULL) */
 __device__ __forceinline__ bool smp_kept(const smp_cut *c, int i, uint32_t key) {
     return !c || key > c->key || (key == c->key && i <= c->id);
 }
@@ -1367,7 +1362,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, l
         const int i = slice_id(j);
         const float v = xv[j];
         if (i >= V) break;
-        if (smp_kept(c, i, okey(v))) acc = kd_u128_add64(acc, mass(v));
+        if (smp_kept(c, i, kd_float_key(v))) acc = kd_u128_add64(acc, mass(v));
     }
     acc = warp_sum_u128(acc);
     if (lane == 0) { wlo[warp] = acc.lo; whi[warp] = acc.hi; }
@@ -1487,7 +1482,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_draw_kernel(const float *x, l
 #pragma unroll
     for (int j = 0; j < SMP_PER; j++) {
         const int i = lo + seg + 32 * j + lane;
-        m[j] = seg + 32 * j + lane < n && smp_kept(c, i, okey(xv[j])) ? mass(xv[j]) : 0u;
+        m[j] = seg + 32 * j + lane < n && smp_kept(c, i, kd_float_key(xv[j])) ? mass(xv[j]) : 0u;
         sum = kd_u128_add64(sum, m[j]);
     }
     sum = warp_sum_u128(sum);

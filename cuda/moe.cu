@@ -28,20 +28,19 @@ namespace {
 
 constexpr int ROUTE_THREADS = 256;
 constexpr int TOPK_MAX = 32;
-constexpr int ROUTE_LANE_MAX = 16;   /* the one-warp top-k: up to 512 experts (K2.6: 384); its tree is written for 16 */
+constexpr int ROUTE_LANE_MAX = 16;   /* the one-warp top-k: up to 512 experts (K2.6: 384) */
+static_assert(ROUTE_LANE_MAX == 16, "route_kernel's per-lane tree (16 -> 8 -> 4 -> 1 keys) is written out for 16");
 
 __device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {
     return va > vb || (va == vb && ia < ib);
 }
 
-/* a choice as a key whose unsigned order is `better`'s: the value's bits made monotone (-0 taken as
- * +0, as `>` and `==` see them) above the complement of the id, so equal values put the lower id
- * first. A NaN keys below every number (a NaN choice comes of a NaN logit, whose token's output is
- * NaN whichever experts it takes); 0 is below every key (a lane's slot past n, or one taken). */
+/* a choice as a key whose unsigned order is `better`'s: the value's kd_float_key above the
+ * complement of the id, so equal values put the lower id first. A NaN keys below every number (a
+ * NaN choice comes of a NaN logit, whose token's output is NaN whichever experts it takes); 0 is
+ * below every key (a lane's slot past n, or one taken). */
 __device__ __forceinline__ unsigned long long route_key(float v, int i) {
-    const unsigned u = __float_as_uint(v + 0.0f);
-    const unsigned ord = v != v ? 0u : (u & 0x80000000u) ? ~u : u | 0x80000000u;
-    return (unsigned long long)ord << 32 | (unsigned)~i;
+    return (unsigned long long)kd_float_key(v) << 32 | (unsigned)~i;
 }
 __device__ __forceinline__ unsigned long long key_max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
 

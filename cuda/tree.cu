@@ -155,14 +155,6 @@ __global__ void argmax_merge_kernel(const am_part *part, int nparts, int rows, i
     if (lane == 0) out[row] = p.bad != AM_NONE ? -p.bad : p.i == AM_NONE ? 0 : p.i;
 }
 
-/* order-preserving key: larger value -> larger key; NaN lowest; -0 == +0 */
-__device__ __forceinline__ uint32_t fkey(float v) {
-    if (v != v) return 0u;
-    if (v == 0.0f) v = 0.0f;
-    uint32_t u = __float_as_uint(v);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 /* The three passes over a row (histogram, sub-histogram, gather) take TK_SLICE ids a block of
  * TK_THREADS, TK_PER a thread: column slice_col(j) of row blockIdx.y for the thread's j-th. Their
  * keys are loaded into registers first, all in flight together: a loop that waits on each load
@@ -177,7 +169,7 @@ __device__ __forceinline__ int slice_keys(const void *x, int dt, long long ld, i
 #pragma unroll
     for (int j = 0; j < TK_PER; j++) {
         const int c = slice_col(j);
-        key[j] = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
+        key[j] = c < cols ? kd_float_key(ld_row(x, dt, base + c)) : 0u;
         if (c < cols) ok |= 1 << j;
     }
     return ok;
@@ -366,7 +358,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
         for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
         for (int c = tid; c < cols; c += blockDim.x) {
-            uint32_t key = fkey(ld_row(x, dt, base + c));
+            uint32_t key = kd_float_key(ld_row(x, dt, base + c));
             if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
         }
         __syncthreads();
@@ -400,7 +392,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     const bool take_all = s_sel[2] == n_eq_take;
     for (int c0 = 0; take_all && c0 < cols; c0 += blockDim.x) {
         const int c = c0 + tid;
-        const uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
+        const uint32_t key = c < cols ? kd_float_key(ld_row(x, dt, base + c)) : 0u;
         const bool in = c < cols && key >= kth;
         const unsigned m = __ballot_sync(0xffffffffu, in);
         unsigned int slot = 0;
@@ -410,7 +402,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     }
     for (int c0 = 0; !take_all && c0 < cols; c0 += blockDim.x) {
         int c = c0 + tid;
-        uint32_t key = c < cols ? fkey(ld_row(x, dt, base + c)) : 0u;
+        uint32_t key = c < cols ? kd_float_key(ld_row(x, dt, base + c)) : 0u;
         bool gt = c < cols && key > kth, eq = c < cols && key == kth;
         if (gt) {
             unsigned int slot = atomicAdd(&s_ngt, 1u);

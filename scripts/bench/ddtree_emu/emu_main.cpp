@@ -1,6 +1,7 @@
 /* emu_main.cpp: see run.sh. Runs the kernels of cuda/ddtree.cu (kernels.inc, extracted by run.sh)
  * under the SIMT emulation of inc/cuda_internal.cuh and compares them with the host code. */
 #include "cuda_internal.cuh"
+#include "emu_half.h"
 #include "sample_rule.h"
 #include <vector>
 #include <cstdio>
@@ -11,6 +12,7 @@ extern "C" {
 #include "sample.h"
 kd_status kd_cpu_tree_walk(kd_backend *be, const kd_dtree *t, int n, int sampled);
 }
+#include "helpers.inc"
 #include "emu_runtime.h"
 static double emu_dyn_buf[240000 / 8];
 static double *emu_dyn_smem = emu_dyn_buf;

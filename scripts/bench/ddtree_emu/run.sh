@@ -16,6 +16,7 @@ set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/emu_build.sh"
 emu_init ddtree
+emu_helpers
 emu_kernels ddtree.cu 's/extern __shared__ double sel_smem\[\];/double *sel_smem = emu_dyn_smem;/'
 emu_build
 "$out/emu" "${1:-}"
