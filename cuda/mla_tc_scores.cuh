@@ -22,7 +22,7 @@ namespace mla {
 
 constexpr int TS_WARPS = TC_SKEYS / 16, TS_NTH = TS_WARPS * 32, TS_ROWS = 16;
 constexpr int TS_KB = TC_CHUNK / TC_SKEYS;   /* key blocks a chunk */
-static_assert(TS_WARPS * 16 == TC_SKEYS, "a warp owns 16 keys (two n-tiles)");
+static_assert(TC_SKEYS % 16 == 0 && TC_CHUNK % TC_SKEYS == 0, "a warp owns 16 keys (two n-tiles); blocks tile a chunk");
 
 /* Q rows, the key tile, the tile's cache rows, the row tables */
 static inline size_t tc_scores_smem_bytes(int HDP) {
