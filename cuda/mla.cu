@@ -335,6 +335,19 @@ static kd_status check_act(const char *arg, kd_act a) {
  * of 8 warps (cp.async loads, DVP >= 128, the shared memory fits); mla_row_groups = 1 or 4 forces
  * that many row groups per block (tc_shape still takes 1 where 4 does not fit the shared memory). */
 
+/* a launch shape's kernel, its shared memory checked against the device's and granted */
+static kd_status tc_prepare(kd_cuda *c, mla::TcShape sh, int DVP, int HDP, bool async, int head_dim, int dv,
+                            mla::TcKernel *fn) {
+    const size_t smem = mla::tc_smem_bytes(HDP, sh.rg, sh.kw);
+    if (smem > c->smem_optin)
+        return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: key dim %d needs %zu bytes of shared memory (device has %zu)",
+                       head_dim, smem, c->smem_optin);
+    *fn = mla::tc_kernel(DVP, async, sh);
+    if (!*fn)
+        return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: no tensor-core kernel for value dim %d (padded %d)", dv, DVP);
+    return kd_cuda_smem(c, (const void *)*fn, smem);
+}
+
 /* the tensor-core path (mla_tc.cuh); arguments already checked by attention_impl */
 static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_dim, kd_act k, kd_act v,
                               int n_kv_heads, int past, const int32_t *d_past, bool causal, const uint64_t *visible,
@@ -359,22 +372,21 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
 
     /* the block shape (tc_shape: row groups, warps, value slices); the bits depend on none of it */
     const long long ncq = tc_max_chunks(S, past, T, causal, visible != NULL, d_past != NULL);
-    const TcShape sh = tc_shape(ncq, T, G, n_kv_heads, DVP, a.HDP, async, tc_wide_offsets_fit(S, k.ld, v.ld), c->n_sms,
-                                c->smem_optin, c->mla_rg, c->mla_vsplit);
-    const int rows = sh.rg * 16, nth = tc_threads(sh);
-    a.rb_per_q = (G + rows - 1) / rows;
-    const size_t smem = tc_smem_bytes(a.HDP, sh.rg, sh.kw);
-    if (smem > c->smem_optin)
-        return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: key dim %d needs %zu bytes of shared memory (device has %zu)",
-                       head_dim, smem, c->smem_optin);
-    const TcKernel fn = tc_kernel(DVP, async, sh);
-    if (!fn) return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: no tensor-core kernel for value dim %d (padded %d)", dv, DVP);
-    KD_TRY(kd_cuda_smem(c, (const void *)fn, smem));
-    const bool split = tc_split(sh);
+    const bool wide_fits = tc_wide_offsets_fit(S, k.ld, v.ld);
+    const TcShape sh = tc_shape(ncq, T, G, n_kv_heads, DVP, a.HDP, async, wide_fits, c->n_sms, c->smem_optin, c->mla_rg,
+                                c->mla_vsplit);
+    const TcShape sh_tail = visible ? tc_tail_shape(sh, tc_tail_chunks(T), T, G, n_kv_heads, DVP, a.HDP, async,
+                                                    wide_fits, c->n_sms, c->smem_optin, c->mla_rg, c->mla_vsplit)
+                                    : sh;
+    TcKernel fn, fn_tail;
+    KD_TRY(tc_prepare(c, sh, DVP, a.HDP, async, head_dim, dv, &fn));
+    KD_TRY(tc_prepare(c, sh_tail, DVP, a.HDP, async, head_dim, dv, &fn_tail));
+    const bool split = tc_split(sh), split_tail = tc_split(sh_tail);
+    const size_t smem = tc_smem_bytes(a.HDP, sh.rg, sh.kw), smem_tail = tc_smem_bytes(a.HDP, sh_tail.rg, sh_tail.kw);
     const size_t ssmem = tc_scores_smem_bytes(a.HDP);
-    if (split) KD_TRY(kd_cuda_smem(c, (const void *)tc_scores_kernel, ssmem));
+    if (split || split_tail) KD_TRY(kd_cuda_smem(c, (const void *)tc_scores_kernel, ssmem));
     AttnWork w;
-    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, split ? TC_CHUNK : 0, 65535 / ((G + 15) / 16),
+    KD_TRY(attn_work(be, visible, T, n_heads, a.nc_max, dv, split || split_tail ? TC_CHUNK : 0, 65535 / ((G + 15) / 16),
                      &w));   /* grid y: 16-row blocks */
     const int tbatch = w.tbatch;
     a.vis_list = w.vis_list; a.vis_cnt = w.vis_cnt;
@@ -387,24 +399,26 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
         /* shared launch: chunks whose ordinals are the same rows for every query */
         const int nsh = tc_shared_chunks(S, past, t0, tb, causal, visible != NULL, d_past != NULL);
         if (nsh > 0) {
+            const int rows = sh.rg * 16, rbs = (tb * G + rows - 1) / rows;
             a.tail = 0;
             a.rows_fastest = tc_rows_fastest(sh);
-            const int rbs = (tb * G + rows - 1) / rows;
             dim3 grid(a.rows_fastest ? rbs : nsh, a.rows_fastest ? nsh : rbs, n_kv_heads * sh.vs);
             if (split)
                 KD_TRY(kd_launch_pdl("tc_scores_kernel (shared)", tc_scores_kernel, dim3(nsh * TS_KB, rbs, n_kv_heads),
                                      TS_NTH, ssmem, c->stream, a));
-            KD_TRY(kd_launch_pdl("tc_chunk_kernel (shared)", fn, grid, nth, smem, c->stream, a));
+            KD_TRY(kd_launch_pdl("tc_chunk_kernel (shared)", fn, grid, tc_threads(sh), smem, c->stream, a));
         }
         /* tail launch (tree mask): chunks reaching into the new rows, one query per block */
         if (visible) {
+            const int rows = sh_tail.rg * 16;
             a.tail = 1;
             a.rows_fastest = false;
-            dim3 grid((T + TC_CHUNK - 1) / TC_CHUNK + 1, tb * a.rb_per_q, n_kv_heads * sh.vs);
-            if (split)
+            a.rb_per_q = (G + rows - 1) / rows;
+            dim3 grid(tc_tail_chunks(T), tb * a.rb_per_q, n_kv_heads * sh_tail.vs);
+            if (split_tail)
                 KD_TRY(kd_launch_pdl("tc_scores_kernel (tail)", tc_scores_kernel, dim3(grid.x * TS_KB, grid.y, n_kv_heads),
                                      TS_NTH, ssmem, c->stream, a));
-            KD_TRY(kd_launch_pdl("tc_chunk_kernel (tail)", fn, grid, nth, smem, c->stream, a));
+            KD_TRY(kd_launch_pdl("tc_chunk_kernel (tail)", fn_tail, grid, tc_threads(sh_tail), smem_tail, c->stream, a));
         }
         int mt = dv < 256 ? ((dv + 31) / 32) * 32 : 256;
         const size_t msm = tc_merge_smem(a.nc_max);

@@ -580,6 +580,22 @@ static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int 
     }
     return s;
 }
+/* the tail launch's chunk positions (grid x): the new rows, from past's chunk on, span at most these */
+static inline int tc_tail_chunks(int T) { return (T + TC_CHUNK - 1) / TC_CHUNK + 1; }
+
+/* The tail launch's shape (tree masks): its blocks hold one query's G rows each, so where G <= 16
+ * a 64-row block leaves three quarters or more of its mma rows empty and costs what a full one
+ * does (ncu, H100, a TP-8 rank's 17-row verify at 8K, 8 heads: the tail's 34 wide blocks took 46
+ * us a layer beside the shared launch's 60). There the tail takes the rule's 16-row shape for its
+ * own grid (ncx chunk positions x T queries), whatever the shared launch took; a forced row-group
+ * count applies to both. Shapes change no bits (above). */
+static inline TcShape tc_tail_shape(TcShape shared, long long ncx, int T, int G, int n_kv_heads, int DVP, int HDP,
+                                    bool async, bool wide_fits, int n_sms, size_t smem_optin, int rg_forced,
+                                    int vs_mode) {
+    if (rg_forced || shared.rg == 1 || G > 16) return shared;
+    /* G = 16: tc_shape counts the tail's blocks (one 16-row block a query) */
+    return tc_shape(ncx, T, 16, n_kv_heads, DVP, HDP, async, wide_fits, n_sms, smem_optin, 1, vs_mode);
+}
 /* whether the shape's blocks are tc_wide_kernel's (64 rows, 8 warps spanning them) */
 static inline bool tc_wide(TcShape s) { return s.rg == 4 && s.kw == 8; }
 /* threads of a block of that shape */

@@ -23,7 +23,7 @@
 
 using namespace mla;
 
-static int last_kw, last_vs;   /* the kernel shape run_tc picked last */
+static int last_rg, last_kw, last_vs, last_tail_rg;   /* the kernel shape run_tc picked last (and its tail launch's rows) */
 static uint64_t rs = 88172645463325252ull;
 static double urand() { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (rs >> 11) * 0x1.0p-53; }
 static uint16_t rbf() { return f2bf((float)((urand() * 2 - 1) * 1.7)); }
@@ -36,6 +36,7 @@ struct Att {
     int tbatch;                   /* 0: all T at once */
     int rg = 0;                   /* row groups per block: 1 or 4; 0: attention_tc's rule (132 SMs) */
     int vs = 0;                   /* value split (KDTREE_MLA_TC_VSPLIT): 0: the rule, -1: off, 1|2|4: forced */
+    int sms = 132;                /* the SM count the rule sees (few: 64-row shared blocks at small sizes) */
 };
 
 /* q [T][Hq*hd], k [S][Hkv*hd], v [S][Hkv*dv] (v == k: value = first dv cols of k, ld = k's) */
@@ -58,12 +59,14 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
     const int DVP = tc_dv_padded(c.dv);
     /* attention_tc's shape rule on 132 SMs, this emulator's shared memory as the limit */
     const long long ncq = tc_max_chunks(S, a.past, T, c.causal, c.vis != nullptr, c.bound > 0);
-    const TcShape sh = tc_shape(ncq, T, G, c.Hkv, DVP, a.HDP, async, tc_wide_offsets_fit(S, ldk, ldv), 132,
-                                sizeof emu_smem_buf, c.rg,
-                                c.vs < 0 ? 0 : c.vs == 0 ? 8 : c.vs);
-    last_kw = sh.kw; last_vs = sh.vs;
+    const int vs_mode = c.vs < 0 ? 0 : c.vs == 0 ? 8 : c.vs;
+    const bool wide_fits = tc_wide_offsets_fit(S, ldk, ldv);
+    const TcShape sh = tc_shape(ncq, T, G, c.Hkv, DVP, a.HDP, async, wide_fits, c.sms, sizeof emu_smem_buf, c.rg, vs_mode);
+    const TcShape sh_tail = c.vis ? tc_tail_shape(sh, tc_tail_chunks(T), T, G, c.Hkv, DVP, a.HDP, async, wide_fits, c.sms,
+                                                  sizeof emu_smem_buf, c.rg, vs_mode)
+                                  : sh;
+    last_rg = sh.rg; last_kw = sh.kw; last_vs = sh.vs; last_tail_rg = sh_tail.rg;
     const int rows = sh.rg * 16, nth = tc_threads(sh);
-    a.rb_per_q = (G + rows - 1) / rows;
     a.qvec = c.hd % 8 == 0;
     std::vector<int32_t> list, cnt;
     if (c.vis) {
@@ -78,11 +81,12 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
     }
     int tbatch = c.tbatch > 0 ? c.tbatch : T;
     std::vector<float> pm((size_t)tbatch * c.Hq * a.nc_max, NAN), pl(pm.size(), NAN), po(pm.size() * c.dv, NAN);
-    const bool split = tc_split(sh);
-    std::vector<float> ps(split ? pm.size() * TC_CHUNK : 0, NAN);   /* NaN: a score read before it is written shows */
-    a.pm = pm.data(); a.pl = pl.data(); a.po = po.data(); a.ps = split ? ps.data() : nullptr;
+    const bool split = tc_split(sh), split_tail = tc_split(sh_tail);
+    /* NaN: a score read before it is written shows */
+    std::vector<float> ps(split || split_tail ? pm.size() * TC_CHUNK : 0, NAN);
+    a.pm = pm.data(); a.pl = pl.data(); a.po = po.data(); a.ps = ps.empty() ? nullptr : ps.data();
     std::vector<float> out((size_t)T * c.Hq * c.dv, NAN);
-    const TcKernel fn = tc_kernel(DVP, async, sh);
+    const TcKernel fn = tc_kernel(DVP, async, sh), fn_tail = tc_kernel(DVP, async, sh_tail);
     /* a forced row-group count must be the one that ran (tc_shape takes 1 where 4 does not fit):
      * the checks name the mode they test */
     if (c.rg && sh.rg != c.rg) { printf("shape: %d row groups forced, %d taken\n", c.rg, sh.rg); exit(2); }
@@ -101,10 +105,11 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
         if (c.vis) {
             a.tail = 1;
             a.rows_fastest = false;
+            a.rb_per_q = (G + sh_tail.rg * 16 - 1) / (sh_tail.rg * 16);
             TcArgs aa = a;
-            const int ncx = (T + TC_CHUNK - 1) / TC_CHUNK + 1;
-            if (split) launch(ncx * TS_KB, tb * a.rb_per_q, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
-            launch(ncx, tb * a.rb_per_q, c.Hkv * sh.vs, nth, [&] { fn(aa); });
+            const int ncx = tc_tail_chunks(T);
+            if (split_tail) launch(ncx * TS_KB, tb * a.rb_per_q, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
+            launch(ncx, tb * a.rb_per_q, c.Hkv * sh_tail.vs, tc_threads(sh_tail), [&] { fn_tail(aa); });
         }
         TcArgs aa = a;
         launch(c.Hq, tb, 1, 32, [&] {
@@ -212,10 +217,11 @@ static void accuracy(const char *name, Att c, bool vfromk, bool plain = false) {
 
 /* tree node == decoded alone == last row of a causal prefill; attention_at == attention;
  * batches of queries == one batch */
-/* kernel shapes {row groups, value split}: 16-row 2-warp blocks (the split off), 64-row blocks,
- * 16-row 8-warp blocks with 1, 2, 4 value slices (capped at DVP / 128: the tiny dims fall back
- * to the 2-warp kernel, so those checks compare it with itself) */
-static const int modes[][2] = {{1, -1}, {4, 0}, {1, 1}, {1, 2}, {1, 4}};
+/* kernel shapes {row groups, value split, SMs the rule sees}: 16-row 2-warp blocks (the split
+ * off), 64-row blocks, 16-row 8-warp blocks with 1, 2, 4 value slices (capped at DVP / 128: the
+ * tiny dims fall back to the 2-warp kernel, so those checks compare it with itself), and the rule
+ * on 8 SMs (64-row blocks in the shared launch, 16-row ones in the tail where G <= 16) */
+static const int modes[][3] = {{1, -1, 132}, {4, 0, 132}, {1, 1, 132}, {1, 2, 132}, {1, 4, 132}, {0, 0, 8}};
 
 static void invariance(const char *name, int H, int hd, int dv, int P, const std::vector<int> &par, bool full) {
     std::vector<std::vector<int>> paths;
@@ -247,9 +253,10 @@ static void invariance(const char *name, int H, int hd, int dv, int P, const std
             Att tr = tc;
             tr.rg = md[0];
             tr.vs = md[1];
+            tr.sms = md[2];
             o = run_tc(tr, q.data(), kv.data(), ld, kv.data(), ld, false);
-            snprintf(nm, sizeof nm, "%s: tree, %d row groups, %d warps/group, %d value slices == default", name, md[0],
-                     last_kw, last_vs);
+            snprintf(nm, sizeof nm, "%s: tree, %d row groups, %d warps/group, %d value slices, tail %d row groups (%d SMs) == default",
+                     name, last_rg, last_kw, last_vs, last_tail_rg, md[2]);
             check_same(nm, o.data(), tree.data(), o.size());
         }
     }
@@ -263,8 +270,9 @@ static void invariance(const char *name, int H, int hd, int dv, int P, const std
         for (const auto &md : modes) {
             al.rg = md[0];
             al.vs = md[1];
+            al.sms = md[2];
             auto alone = run_tc(al, q.data() + (size_t)i * H * hd, kv2.data(), ld, kv2.data(), ld, false);
-            snprintf(nm, sizeof nm, "%s: node %d alone (T=1; %d rg, %d warps, %d slices) == tree node", name, i, md[0],
+            snprintf(nm, sizeof nm, "%s: node %d alone (T=1; %d rg, %d warps, %d slices) == tree node", name, i, last_rg,
                      last_kw, last_vs);
             check_same(nm, alone.data(), tree.data() + (size_t)i * H * dv, (size_t)H * dv);
         }
