@@ -20,7 +20,7 @@
  * of 8 warps, and the value dims split over up to 4 blocks ("value slices": each block
  * computes the chunk's S and softmax, and its DVP / VS value dims of O), so a decode step at 1K
  * runs 32 blocks of 8 warps instead of 8 blocks of 2. Those 16-row blocks take S = Q K^T from
- * tc_scores_kernel (mla_tc_scores.cuh: 32 keys a block, so a chunk's keys are read by 16 blocks,
+ * tc_scores_kernel (mla_tc_scores.cuh: 64 keys a block, so a chunk's keys are read by 8 blocks,
  * not by every value slice of it whole) and run only the softmax and O = P V (SPLIT).
  * Rows are (query, head) pairs: 64 heads of one query for MLA, 8 queries x 8 heads for
  * 8 heads, etc. All rows of a block share one staged key/value tile when their ordinals
@@ -64,7 +64,7 @@ constexpr int TC_PLD = TC_CHUNK + 8;       /* P row stride (bf16): 65 x 16 bytes
 constexpr int TC_KSTEPS = TC_CHUNK / 16;   /* phase 2: 16-key steps a chunk (a slab: VS steps x DVP / VS dims) */
 constexpr int TC_HD_MAX = 576, TC_DV_MAX = 512;
 constexpr int TC_STAGE_BYTES = TC_KSLAB * TC_P1LD * 2;   /* phase 1's slab; phase 2's fit (tc_chunk_kernel) */
-constexpr int TC_SKEYS = 32;               /* keys of a tc_scores_kernel block (16 a chunk) */
+constexpr int TC_SKEYS = 64;               /* keys of a tc_scores_kernel block (8 a chunk) */
 
 /* the kernels' dynamic shared memory (the emulator hands out its own buffer) */
 #ifdef KD_MLA_EMU
@@ -556,12 +556,16 @@ struct TcShape { int rg, kw, vs; };
 static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int DVP, int HDP, bool async,
                                bool wide_fits, int n_sms, size_t smem_optin, int rg_forced, int vs_mode) {
     TcShape s = {4, 2, 1};
-    const long long blocks4 = ncq * (((long long)T * G + TC_ROWS - 1) / TC_ROWS) * n_kv_heads;
+    const long long rows = (long long)T * G, blocks4 = ncq * ((rows + TC_ROWS - 1) / TC_ROWS) * n_kv_heads;
     /* 64-row blocks once they fill a third of the SMs: below that the 16-row blocks (4x as many,
      * each a quarter of the work) finish sooner. Measured (cuda_ops_bench --attention, H100,
      * 2026-12-05): 34 blocks (1K, T = 17) faster as 16-row blocks; 64 (32K, T = 1) and 130 (1K,
-     * T = 65) faster as 64-row blocks. */
-    s.rg = rg_forced ? rg_forced : blocks4 * 3 < n_sms ? 1 : 4;
+     * T = 65) faster as 64-row blocks. And only where the 64-row blocks are more than half full: a
+     * block costs the same full or not, so 8 heads at T = 1 (8 rows of 64) ran the 32K decode in
+     * 62.8 us as 64 blocks of 64 rows, 53.9 as 16-row blocks (H100, 2026-12-07), where 8 heads at
+     * T = 17 (136 rows in 192) stayed faster as 64-row blocks (8K: 85.3 against 116.9 us). */
+    const bool half_full = rows * 2 > TC_ROWS * ((rows + TC_ROWS - 1) / TC_ROWS);
+    s.rg = rg_forced ? rg_forced : blocks4 * 3 < n_sms || !half_full ? 1 : 4;
     if (s.rg == 4 && async && wide_fits && DVP >= 128 && tc_smem_bytes(HDP, 4, 8) <= smem_optin) {
         s.kw = 8;
         return s;
@@ -583,18 +587,19 @@ static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int 
 /* the tail launch's chunk positions (grid x): the new rows, from past's chunk on, span at most these */
 static inline int tc_tail_chunks(int T) { return (T + TC_CHUNK - 1) / TC_CHUNK + 1; }
 
-/* The tail launch's shape (tree masks): its blocks hold one query's G rows each, so where G <= 16
- * a 64-row block leaves three quarters or more of its mma rows empty and costs what a full one
- * does (ncu, H100, a TP-8 rank's 17-row verify at 8K, 8 heads: the tail's 34 wide blocks took 46
- * us a layer beside the shared launch's 60). There the tail takes the rule's 16-row shape for its
- * own grid (ncx chunk positions x T queries), whatever the shared launch took; a forced row-group
- * count applies to both. Shapes change no bits (above). */
+/* The tail launch's shape (tree masks): its blocks hold one query's G rows each, so where G <= 32
+ * a 64-row block is at most half full and costs what a full one does (ncu, H100, a TP-8 rank's
+ * 17-row verify at 8K, 8 heads: the tail's 34 wide blocks took 46 us a layer beside the shared
+ * launch's 60; with 16-row tail blocks the rank's verify step at 8K went from 7.506 to 6.793 ms,
+ * 2026-12-07). There the tail takes the rule's 16-row shape for its own grid (ncx chunk positions x
+ * T queries x the 16-row blocks of G), whatever the shared launch took; a forced row-group count
+ * applies to both. Shapes change no bits (above). */
 static inline TcShape tc_tail_shape(TcShape shared, long long ncx, int T, int G, int n_kv_heads, int DVP, int HDP,
                                     bool async, bool wide_fits, int n_sms, size_t smem_optin, int rg_forced,
                                     int vs_mode) {
-    if (rg_forced || shared.rg == 1 || G > 16) return shared;
-    /* G = 16: tc_shape counts the tail's blocks (one 16-row block a query) */
-    return tc_shape(ncx, T, 16, n_kv_heads, DVP, HDP, async, wide_fits, n_sms, smem_optin, 1, vs_mode);
+    if (rg_forced || shared.rg == 1 || G * 2 > TC_ROWS) return shared;
+    /* G padded to 16: tc_shape counts the tail's blocks */
+    return tc_shape(ncx, T, (G + 15) / 16 * 16, n_kv_heads, DVP, HDP, async, wide_fits, n_sms, smem_optin, 1, vs_mode);
 }
 /* whether the shape's blocks are tc_wide_kernel's (64 rows, 8 warps spanning them) */
 static inline bool tc_wide(TcShape s) { return s.rg == 4 && s.kw == 8; }

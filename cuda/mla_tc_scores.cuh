@@ -4,11 +4,11 @@
  * Why: a 16-row block of tc_chunk_kernel (decode, small T at short context) reads its chunk's
  * whole key tile (512 keys x 576 dims, 590 KB at MLA's dims) for 16 rows, and each of its value
  * slices reads it again, one SM streaming a whole tile (cuda_ops_bench, H100, 2026-12-05: K2.6
- * decode at 1K, 48 such blocks, 38 us for 1.2 MB of cache). Here a block takes 32 keys (37 KB) of
- * the chunk for the same 16 rows, so 16 blocks share a chunk's keys, and writes S to a.ps;
- * tc_chunk_kernel<..., SPLIT> then runs the softmax and O = P V from it. 64-key blocks of 4
- * warps took 9.1 us at a TP-8 rank's decode at 1K (ncu, H100, 2026-12-07: 17 blocks with keys,
- * each streaming its 74 KB alone); 32 keys of 2 warps put the same bytes on twice the SMs.
+ * decode at 1K, 48 such blocks, 38 us for 1.2 MB of cache). Here a block takes 64 keys (74 KB) of
+ * the chunk for the same 16 rows, so 8 blocks share a chunk's keys, and writes S to a.ps;
+ * tc_chunk_kernel<..., SPLIT> then runs the softmax and O = P V from it. 32-key blocks of 2
+ * warps (twice the blocks, each half the bytes) were slower: H100, 2026-12-07, K2.6 decode at
+ * 64 heads 21.9 -> 24.0 us at 1K and 42.8 -> 47.1 at 8K, a TP-8 rank's decode step +2%.
  *
  * The bits are tc_chunk_kernel's: an S element is one mma accumulator, from 0, over the key
  * dims in ascending 16-dim steps up to HDP (dims past hd are zeros in both), with the same
