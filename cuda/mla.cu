@@ -335,17 +335,17 @@ static kd_status check_act(const char *arg, kd_act a) {
  * of 8 warps (cp.async loads, DVP >= 128, the shared memory fits); mla_row_groups = 1 or 4 forces
  * that many row groups per block (tc_shape still takes 1 where 4 does not fit the shared memory). */
 
-/* a launch shape's kernel, its shared memory checked against the device's and granted */
+/* a launch shape's kernel and its shared memory, checked against the device's and granted */
 static kd_status tc_prepare(kd_cuda *c, mla::TcShape sh, int DVP, int HDP, bool async, int head_dim, int dv,
-                            mla::TcKernel *fn) {
-    const size_t smem = mla::tc_smem_bytes(HDP, sh.rg, sh.kw);
-    if (smem > c->smem_optin)
+                            mla::TcKernel *fn, size_t *smem) {
+    *smem = mla::tc_smem_bytes(HDP, sh.rg, sh.kw);
+    if (*smem > c->smem_optin)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: key dim %d needs %zu bytes of shared memory (device has %zu)",
-                       head_dim, smem, c->smem_optin);
+                       head_dim, *smem, c->smem_optin);
     *fn = mla::tc_kernel(DVP, async, sh);
     if (!*fn)
         return kd_fail(KD_ERR_UNSUPPORTED, "cuda attention: no tensor-core kernel for value dim %d (padded %d)", dv, DVP);
-    return kd_cuda_smem(c, (const void *)*fn, smem);
+    return kd_cuda_smem(c, (const void *)*fn, *smem);
 }
 
 /* the tensor-core path (mla_tc.cuh); arguments already checked by attention_impl */
@@ -379,10 +379,10 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
                                                     wide_fits, c->n_sms, c->smem_optin, c->mla_rg, c->mla_vsplit)
                                     : sh;
     TcKernel fn, fn_tail;
-    KD_TRY(tc_prepare(c, sh, DVP, a.HDP, async, head_dim, dv, &fn));
-    KD_TRY(tc_prepare(c, sh_tail, DVP, a.HDP, async, head_dim, dv, &fn_tail));
+    size_t smem, smem_tail;
+    KD_TRY(tc_prepare(c, sh, DVP, a.HDP, async, head_dim, dv, &fn, &smem));
+    KD_TRY(tc_prepare(c, sh_tail, DVP, a.HDP, async, head_dim, dv, &fn_tail, &smem_tail));
     const bool split = tc_split(sh), split_tail = tc_split(sh_tail);
-    const size_t smem = tc_smem_bytes(a.HDP, sh.rg, sh.kw), smem_tail = tc_smem_bytes(a.HDP, sh_tail.rg, sh_tail.kw);
     const size_t ssmem = tc_scores_smem_bytes(a.HDP);
     if (split || split_tail) KD_TRY(kd_cuda_smem(c, (const void *)tc_scores_kernel, ssmem));
     AttnWork w;

@@ -34,7 +34,7 @@ struct Att {
     const uint64_t *vis;          /* T x ceil(T/64) words or NULL */
     int bound;                    /* > 0: attention_at with k/v rows = bound, past on the "device" */
     int tbatch;                   /* 0: all T at once */
-    int rg = 0;                   /* row groups per block: 1 or 4; 0: attention_tc's rule (132 SMs) */
+    int rg = 0;                   /* row groups per block: 1 or 4; 0: attention_tc's rule (on sms SMs) */
     int vs = 0;                   /* value split (KDTREE_MLA_TC_VSPLIT): 0: the rule, -1: off, 1|2|4: forced */
     int sms = 132;                /* the SM count the rule sees (few: 64-row shared blocks at small sizes) */
 };
@@ -57,7 +57,7 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
     a.nc_max = (S + TC_CHUNK - 1) / TC_CHUNK;
     bool async = !force_plain && c.hd % 8 == 0 && c.dv % 8 == 0 && a.kstride % 8 == 0 && a.vstride % 8 == 0;
     const int DVP = tc_dv_padded(c.dv);
-    /* attention_tc's shape rule on 132 SMs, this emulator's shared memory as the limit */
+    /* attention_tc's shape rule on c.sms SMs, this emulator's shared memory as the limit */
     const long long ncq = tc_max_chunks(S, a.past, T, c.causal, c.vis != nullptr, c.bound > 0);
     const int vs_mode = c.vs < 0 ? 0 : c.vs == 0 ? 8 : c.vs;
     const bool wide_fits = tc_wide_offsets_fit(S, ldk, ldv);
@@ -220,7 +220,7 @@ static void accuracy(const char *name, Att c, bool vfromk, bool plain = false) {
 /* kernel shapes {row groups, value split, SMs the rule sees}: 16-row 2-warp blocks (the split
  * off), 64-row blocks, 16-row 8-warp blocks with 1, 2, 4 value slices (capped at DVP / 128: the
  * tiny dims fall back to the 2-warp kernel, so those checks compare it with itself), and the rule
- * on 8 SMs (64-row blocks in the shared launch, 16-row ones in the tail where G <= 16) */
+ * on 8 SMs (64-row blocks in the shared launch, 16-row ones in the tail where G <= 32) */
 static const int modes[][3] = {{1, -1, 132}, {4, 0, 132}, {1, 1, 132}, {1, 2, 132}, {1, 4, 132}, {0, 0, 8}};
 
 static void invariance(const char *name, int H, int hd, int dv, int P, const std::vector<int> &par, bool full) {
