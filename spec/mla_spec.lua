@@ -9,7 +9,9 @@
 --      NaN never passes.
 --   2. batch invariance on CUDA, bit for bit: a token's output decoded alone (T=1) == the
 --      same token as row p of a T=64 causal prefill == the same token as a node of a 64-node
---      tree (its ancestors at scattered rows), at 64 heads and at 8 heads; and decode (16-row
+--      tree (its ancestors at scattered rows), at 64 heads and at 8 heads (after 1100 rows, and
+--      after 8200, where the tree's shared chunks take 64-row blocks and its tail and the
+--      decodes 16-row ones); and decode (16-row
 --      blocks of 8 warps, value-split) == the same rows of a T=64 prefill (64-row blocks) at
 --      1K, 20K and 40K context.
 -- KDTREE_OPS_OTHER=cpu runs it CPU against CPU (a check of the harness on machines without a GPU).
@@ -85,9 +87,9 @@ describe("MLA attention on tensor cores at K2.6 dims #gpu", function()
     compare("8 heads tree mask, 37 nodes", 8, 37, 1500, 0, vis8)
   end)
 
-  -- a token alone == row p of a T=64 prefill == a tree node (bit for bit, on the GPU)
-  local function invariance(H)
-    local P, N = 1100, 64
+  -- a token alone == row p of a T=64 prefill == a tree node (bit for bit, on the GPU), after P past rows
+  local function invariance(H, P)
+    local N = 64
     local parents = random_parents(N)
     local vis, paths = tree(parents)
     local pastrows = O.rand_floats(P * HD)
@@ -139,11 +141,17 @@ describe("MLA attention on tensor cores at K2.6 dims #gpu", function()
 
   it("a token's output is bit-identical alone, in a T=64 prefill and as a tree node (64 heads)", function()
     O.seed(22)
-    invariance(64)
+    invariance(64, 1100)
   end)
   it("the same with 8 heads (several queries per block)", function()
     O.seed(23)
-    invariance(8)
+    invariance(8, 1100)
+  end)
+  -- on 132 SMs: the tree's shared chunks in 64-row blocks, its tail and the decodes (8 rows) in
+  -- 16-row ones (mla_tc.cuh: tc_shape's half-full clause, tc_tail_shape)
+  it("the same with 8 heads after an 8K past (64-row shared blocks, 16-row tail and decode blocks)", function()
+    O.seed(26)
+    invariance(8, 8200)
   end)
 
   -- every kernel choice of kd_model_options (the CUDA backend takes them at creation) matches
