@@ -186,6 +186,10 @@ __device__ __forceinline__ uint32_t kd_float_key(float v) {
     const uint32_t u = __float_as_uint(v);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
+/* the number whose kd_float_key is k (k of a non-NaN; -0 comes back as +0) */
+__device__ __forceinline__ float kd_float_of_key(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
 
 /* ---- entry points shared between the backend's files (extern "C" for the table) ---- */
 extern "C" {

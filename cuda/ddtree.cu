@@ -659,11 +659,6 @@ __global__ void __launch_bounds__(WALK_THREADS) tree_walk_kernel(kd_dtree t, int
 
 /* ------------------------------------------------------------------ sample_rows */
 
-/* the logit of a non-NaN logit's kd_float_key */
-__device__ __forceinline__ float okey_value(uint32_t k) {
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
 __device__ __forceinline__ kd_u128 u128_zero() { return kd_u128_of(0); }
 
 __device__ __forceinline__ kd_u128 shfl_xor_u128(kd_u128 v, int o) {
@@ -1129,7 +1124,7 @@ __device__ bool cut_by_bins(const smp_mass &mass, int top_k, float top_p, bool t
         for (int j = 0; j < PER; j++) {
             const int c = tid * PER + j;
             const unsigned long long e = c <= ik ? sh.cand[c] : 0ull;
-            q[j] = kd_u128_of(c <= ik ? mass(okey_value((uint32_t)(e >> 32))) : 0u);
+            q[j] = kd_u128_of(c <= ik ? mass(kd_float_of_key((uint32_t)(e >> 32))) : 0u);
             part = kd_u128_add(part, q[j]);
         }
         kd_u128 total;
@@ -1291,7 +1286,7 @@ __device__ void cut_by_radix(const float *xr, int V, const smp_mass &mass, int t
         __syncthreads();
     }
     const uint32_t pk = prefix;
-    uint64_t qe = mass(okey_value(pk));   /* equal logits: equal masses (min-p included) */
+    uint64_t qe = mass(kd_float_of_key(pk));   /* equal logits: equal masses (min-p included) */
     if (qe == 0) qe = 1;                  /* not reached: the crossing run has mass */
     const unsigned long long c = kd_u128_div64_ceil(kd_u128_sub(G, before), qe);
     /* the c-th lowest kept id whose key is pkey */

@@ -3,7 +3,7 @@
 # from the sources as they are, so the emulation runs the code the GPU runs.
 #   emu_init NAME        root, out (EMU_BUILD, default /tmp/kd_NAME_emu) and lib: the engine's
 #                        objects (libkdtree_internal.a, engine.flags) of EMU_LIB's build, or built here
-#   emu_helpers          cuda/cuda_internal.cuh's device helpers (kd_ld .. kd_float_key) -> helpers.inc
+#   emu_helpers          cuda/cuda_internal.cuh's device helpers (kd_ld .. kd_float_of_key) -> helpers.inc
 #   emu_kernels FILE [S] the anonymous namespaces of cuda/FILE, through the sed script S (dynamic
 #                        shared memory from a host buffer, host-only pieces left out) -> kernels.inc
 #   emu_build            emu_main.cpp against ddtree_emu/inc, the extracted pieces and the engine
