@@ -378,10 +378,10 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
     const TcShape sh_tail = visible ? tc_tail_shape(sh, tc_tail_chunks(T), T, G, n_kv_heads, DVP, a.HDP, async,
                                                     wide_fits, c->n_sms, c->smem_optin, c->mla_rg, c->mla_vsplit)
                                     : sh;
-    TcKernel fn, fn_tail;
-    size_t smem, smem_tail;
+    TcKernel fn, fn_tail = NULL;
+    size_t smem, smem_tail = 0;
     KD_TRY(tc_prepare(c, sh, DVP, a.HDP, async, head_dim, dv, &fn, &smem));
-    KD_TRY(tc_prepare(c, sh_tail, DVP, a.HDP, async, head_dim, dv, &fn_tail, &smem_tail));
+    if (visible) KD_TRY(tc_prepare(c, sh_tail, DVP, a.HDP, async, head_dim, dv, &fn_tail, &smem_tail));
     const bool split = tc_split(sh), split_tail = tc_split(sh_tail);
     const size_t ssmem = tc_scores_smem_bytes(a.HDP);
     if (split || split_tail) KD_TRY(kd_cuda_smem(c, (const void *)tc_scores_kernel, ssmem));
@@ -399,7 +399,7 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
         /* shared launch: chunks whose ordinals are the same rows for every query */
         const int nsh = tc_shared_chunks(S, past, t0, tb, causal, visible != NULL, d_past != NULL);
         if (nsh > 0) {
-            const int rows = sh.rg * 16, rbs = (tb * G + rows - 1) / rows;
+            const int rbs = tc_row_blocks((long long)tb * G, sh);
             a.tail = 0;
             a.rows_fastest = tc_rows_fastest(sh);
             dim3 grid(a.rows_fastest ? rbs : nsh, a.rows_fastest ? nsh : rbs, n_kv_heads * sh.vs);
@@ -410,10 +410,9 @@ static kd_status attention_tc(kd_backend *be, kd_act q, int n_heads, int head_di
         }
         /* tail launch (tree mask): chunks reaching into the new rows, one query per block */
         if (visible) {
-            const int rows = sh_tail.rg * 16;
             a.tail = 1;
             a.rows_fastest = false;
-            a.rb_per_q = (G + rows - 1) / rows;
+            a.rb_per_q = tc_row_blocks(G, sh_tail);
             dim3 grid(tc_tail_chunks(T), tb * a.rb_per_q, n_kv_heads * sh_tail.vs);
             if (split_tail)
                 KD_TRY(kd_launch_pdl("tc_scores_kernel (tail)", tc_scores_kernel, dim3(grid.x * TS_KB, grid.y, n_kv_heads),

@@ -553,6 +553,10 @@ static inline long long tc_max_chunks(int S, int past, int T, bool causal, bool 
  * rg_forced: 1 or 4, else 0 (the rule); vs_mode: 0 off, 1, 2 or 4 forced, 8 the rule. The bits
  * depend on none of these (above). */
 struct TcShape { int rg, kw, vs; };
+/* whether rows (query, head) pairs in 64-row blocks fill them more than half */
+static inline bool tc_fills_half(long long rows) { return rows * 2 > TC_ROWS * ((rows + TC_ROWS - 1) / TC_ROWS); }
+/* the blocks of shape s that rows (query, head) pairs take (a shared launch's grid y; a tail query's blocks) */
+static inline int tc_row_blocks(long long rows, TcShape s) { return (int)((rows + s.rg * 16 - 1) / (s.rg * 16)); }
 static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int DVP, int HDP, bool async,
                                bool wide_fits, int n_sms, size_t smem_optin, int rg_forced, int vs_mode) {
     TcShape s = {4, 2, 1};
@@ -564,8 +568,7 @@ static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int 
      * block costs the same full or not, so 8 heads at T = 1 (8 rows of 64) ran the 32K decode in
      * 62.8 us as 64 blocks of 64 rows, 53.9 as 16-row blocks (H100, 2026-12-07), where 8 heads at
      * T = 17 (136 rows in 192) stayed faster as 64-row blocks (8K: 85.3 against 116.9 us). */
-    const bool half_full = rows * 2 > TC_ROWS * ((rows + TC_ROWS - 1) / TC_ROWS);
-    s.rg = rg_forced ? rg_forced : blocks4 * 3 < n_sms || !half_full ? 1 : 4;
+    s.rg = rg_forced ? rg_forced : blocks4 * 3 < n_sms || !tc_fills_half(rows) ? 1 : 4;
     if (s.rg == 4 && async && wide_fits && DVP >= 128 && tc_smem_bytes(HDP, 4, 8) <= smem_optin) {
         s.kw = 8;
         return s;
@@ -587,8 +590,8 @@ static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int 
 /* the tail launch's chunk positions (grid x): the new rows, from past's chunk on, span at most these */
 static inline int tc_tail_chunks(int T) { return (T + TC_CHUNK - 1) / TC_CHUNK + 1; }
 
-/* The tail launch's shape (tree masks): its blocks hold one query's G rows each, so where G <= 32
- * a 64-row block is at most half full and costs what a full one does (ncu, H100, a TP-8 rank's
+/* The tail launch's shape (tree masks): its blocks hold one query's G rows each, so where those
+ * fill a 64-row block at most half (G <= 32) it costs what a full one does (ncu, H100, a TP-8 rank's
  * 17-row verify at 8K, 8 heads: the tail's 34 wide blocks took 46 us a layer beside the shared
  * launch's 60; with 16-row tail blocks the rank's verify step at 8K went from 7.506 to 6.793 ms,
  * 2026-12-07). There the tail takes the rule's 16-row shape for its own grid (ncx chunk positions x
@@ -597,7 +600,7 @@ static inline int tc_tail_chunks(int T) { return (T + TC_CHUNK - 1) / TC_CHUNK +
 static inline TcShape tc_tail_shape(TcShape shared, long long ncx, int T, int G, int n_kv_heads, int DVP, int HDP,
                                     bool async, bool wide_fits, int n_sms, size_t smem_optin, int rg_forced,
                                     int vs_mode) {
-    if (rg_forced || shared.rg == 1 || G * 2 > TC_ROWS) return shared;
+    if (rg_forced || shared.rg == 1 || tc_fills_half(G)) return shared;
     /* G padded to 16: tc_shape counts the tail's blocks */
     return tc_shape(ncx, T, (G + 15) / 16 * 16, n_kv_heads, DVP, HDP, async, wide_fits, n_sms, smem_optin, 1, vs_mode);
 }

@@ -66,7 +66,7 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
                                                   sizeof emu_smem_buf, c.rg, vs_mode)
                                   : sh;
     last_rg = sh.rg; last_kw = sh.kw; last_vs = sh.vs; last_tail_rg = sh_tail.rg;
-    const int rows = sh.rg * 16, nth = tc_threads(sh);
+    const int nth = tc_threads(sh);
     a.qvec = c.hd % 8 == 0;
     std::vector<int32_t> list, cnt;
     if (c.vis) {
@@ -98,14 +98,14 @@ static std::vector<float> run_tc(const Att &c, const uint16_t *q, const uint16_t
             a.tail = 0;
             a.rows_fastest = tc_rows_fastest(sh);
             TcArgs aa = a;
-            const int rbs = (tb * G + rows - 1) / rows;
+            const int rbs = tc_row_blocks((long long)tb * G, sh);
             if (split) launch(nsh * TS_KB, rbs, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
             launch(a.rows_fastest ? rbs : nsh, a.rows_fastest ? nsh : rbs, c.Hkv * sh.vs, nth, [&] { fn(aa); });
         }
         if (c.vis) {
             a.tail = 1;
             a.rows_fastest = false;
-            a.rb_per_q = (G + sh_tail.rg * 16 - 1) / (sh_tail.rg * 16);
+            a.rb_per_q = tc_row_blocks(G, sh_tail);
             TcArgs aa = a;
             const int ncx = tc_tail_chunks(T);
             if (split_tail) launch(ncx * TS_KB, tb * a.rb_per_q, c.Hkv, TS_NTH, [&] { tc_scores_kernel(aa); });
