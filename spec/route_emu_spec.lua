@@ -3,7 +3,8 @@
 -- thread per CUDA thread), against the host rule: the experts and weights of its one-warp top-k
 -- (up to 512 experts: K2.6's 384, DeepSeek-V3's 256 in 8 groups) and of its block-wide one (640),
 -- with tied choices, -inf choices, top 8 and top 32 and both normalisations, bit for bit. This
--- holds the kernel's logic in CI; spec/cuda_ops_spec.lua checks the MoE op against the CPU twin on the GPU (#gpu).
+-- holds the kernel's logic in CI; spec/cuda_ops_spec.lua checks the MoE op against the CPU twin
+-- on the GPU (#gpu).
 package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local emu = require("helpers.emu")
 
