@@ -94,8 +94,8 @@ typedef struct kd_model_options {
     kd_ddtree_round ddtree_round;
     kd_mla_kernel mla_kernel;
     int mla_value_slices;    /* tensor-core kernel on small grids: 0 = by the shape rule; -1 = no
-                                split (2-warp 16-row blocks); 1, 2 or 4 = that many value slices of
-                                8-warp blocks where they fit (tests, benches) */
+                                split (2-warp 16-row blocks, unsplit 64-row ones); 1, 2 or 4 = that
+                                many value slices of 8-warp blocks where they fit (tests, benches) */
     int mla_row_groups;      /* row groups per block: 0 = by the shape rule; 1 or 4 = forced where
                                 the shared memory fits (tests, benches) */
     int shared_expert_branch;   /* a MoE layer's shared expert beside its router and routed experts

@@ -547,7 +547,8 @@ static inline long long tc_max_chunks(int S, int past, int T, bool causal, bool 
  * that leaves two thirds of the SMs idle (K2.6 decode below ~22K context, small T at short
  * context) or does not fit; 64-row blocks take tc_wide_kernel (kw = 8: each warp spans the 64
  * rows) where it applies (async, DVP >= 128, its shared memory fits, wide_fits:
- * tc_wide_offsets_fit), else kw = 2. 16-row blocks, when async and vs_mode allow, take kw = 8
+ * tc_wide_offsets_fit), split into vs value slices while the grid stays within one block an SM
+ * (up to DVP / 128), else kw = 2. 16-row blocks, when async and vs_mode allow, take kw = 8
  * warps split into vs value slices (up to DVP / 128; more while the grid has fewer than two
  * blocks per SM), which take S from tc_scores_kernel (where its shared memory fits as well).
  * rg_forced: 1 or 4, else 0 (the rule); vs_mode: 0 off, 1, 2 or 4 forced, 8 the rule. The bits
@@ -570,7 +571,14 @@ static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int 
      * T = 17 (136 rows in 192) stayed faster as 64-row blocks (8K: 85.3 against 116.9 us). */
     s.rg = rg_forced ? rg_forced : blocks4 * 3 < n_sms || !tc_fills_half(rows) ? 1 : 4;
     if (s.rg == 4 && async && wide_fits && DVP >= 128 && tc_smem_bytes(HDP, 4, 8) <= smem_optin) {
+        /* value slices while the grid stays within one block an SM (a wide block takes most of an
+         * SM's shared memory) */
         s.kw = 8;
+        const int vs_max = DVP / 128;
+        if (vs_mode != 8) s.vs = vs_mode == 0 ? 1 : vs_mode;
+        else
+            while (s.vs < vs_max && blocks4 * s.vs * 2 <= n_sms) s.vs *= 2;
+        if (s.vs > vs_max) s.vs = vs_max;
         return s;
     }
     if (s.rg == 4 && tc_smem_bytes(HDP, 4) > smem_optin) s.rg = 1;   /* e.g. sm_120's 99 KB */
@@ -621,8 +629,13 @@ static inline bool tc_rows_fastest(TcShape s) { return tc_wide(s); }
 /* the kernel instance of a shape, or NULL (no instance for that DVP) */
 typedef void (*TcKernel)(TcArgs);
 static inline TcKernel tc_kernel(int DVP, bool async, TcShape s) {
-    if (tc_wide(s))   /* async, DVP >= 128 (tc_shape) */
-        return DVP == 128 ? tc_wide_kernel<128> : DVP == 256 ? tc_wide_kernel<256> : DVP == 512 ? tc_wide_kernel<512> : NULL;
+    if (tc_wide(s)) {   /* async, DVP >= 128 * vs (tc_shape) */
+        if (DVP == 128) return tc_wide_kernel<128, 1>;
+        if (DVP == 256) return s.vs == 1 ? tc_wide_kernel<256, 1> : tc_wide_kernel<256, 2>;
+        if (DVP == 512)
+            return s.vs == 1 ? tc_wide_kernel<512, 1> : s.vs == 2 ? tc_wide_kernel<512, 2> : tc_wide_kernel<512, 4>;
+        return NULL;
+    }
     if (s.kw == 8) {   /* async, rg 1, DVP >= 128 * vs (tc_shape); S from tc_scores_kernel */
         if (DVP == 128) return tc_chunk_kernel<128, true, 1, 8, 1, true>;
         if (DVP == 256)

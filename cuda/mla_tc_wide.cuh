@@ -39,14 +39,15 @@ static inline size_t tc_wide_smem_bytes(int HDP) {
 }
 
 /* stage s of the block: s < nd1: keys [0, TC_CHUNK) x key dims [32 s, +32), stored [key][TW_P1LD];
- * else keys [32 (s - nd1), +32) x value dims [0, DVP), stored [key][DVP + 8]. koff / voff: where a
- * tile position's key / value row starts, in 16-byte units from the kv head's first row, or
+ * else keys [32 (s - nd1), +32) x the value dims [sl DVS, +DVS) of slice sl (DVS = DVP / VS),
+ * stored [key][DVS + 8]. koff / voff: where a tile position's key / value row starts, in 16-byte
+ * units from the kv head's first row, or
  * TW_NONE (zeros are stored, nothing is read); dims past hd / dv: zeros. A thread's 16-byte
  * column is the same in every stage, so a copy is a table read, one multiply-add and the cp.async. */
 constexpr unsigned TW_NONE = 0xffffffffu;
-template <int DVP>
+template <int DVP, int VS>
 __device__ __forceinline__ void tc_wide_load(const TcArgs &a, uint16_t *dst, int s, int nd1, const unsigned *koff,
-                                             const unsigned *voff, int g) {
+                                             const unsigned *voff, int g, int sl) {
     const int tid = threadIdx.x;
     if (s < nd1) {
         const int u = tid & 3, d0 = s * TW_D1 + u * 8;
@@ -60,17 +61,17 @@ __device__ __forceinline__ void tc_wide_load(const TcArgs &a, uint16_t *dst, int
             cp16(dst + r * TW_P1LD + u * 8, src + (ok ? off : 0u), ok);
         }
     } else {
-        constexpr int U = DVP / 8;
+        constexpr int DVS = DVP / VS, U = DVS / 8;
         static_assert(TW_NTH % U == 0 && TW_K2 % (TW_NTH / U) == 0, "a thread's value column is fixed");
-        const int u = tid % U, k0 = (s - nd1) * TW_K2;
-        const bool dok = u * 8 < a.dv;
-        const uint4 *src = (const uint4 *)(a.v + (size_t)g * a.vstride + u * 8);
+        const int u = tid % U, k0 = (s - nd1) * TW_K2, d0 = sl * DVS + u * 8;
+        const bool dok = d0 < a.dv;
+        const uint4 *src = (const uint4 *)(a.v + (size_t)g * a.vstride + d0);
 #pragma unroll
         for (int n = 0; n < TW_K2 / (TW_NTH / U); n++) {
             const int r = tid / U + n * (TW_NTH / U);
             const unsigned off = voff[k0 + r];
             const bool ok = dok && off != TW_NONE;
-            cp16(dst + r * (DVP + 8) + u * 8, src + (ok ? off : 0u), ok);
+            cp16(dst + r * (DVS + 8) + u * 8, src + (ok ? off : 0u), ok);
         }
     }
 }
@@ -80,14 +81,21 @@ static inline bool tc_wide_offsets_fit(long long rows, long long ldk, long long 
     return rows * (ldk > ldv ? ldk : ldv) / 8 < (long long)TW_NONE;
 }
 
-/* grid as tc_chunk_kernel with RG = 4, VS = 1: x = chunk, y = 64-row block, z = kv head; x and y
- * swapped where a.rows_fastest (a shared launch: tc_rows_fastest) */
-template <int DVP>
+/* grid as tc_chunk_kernel with RG = 4: x = chunk, y = 64-row block, z = kv head * VS + value
+ * slice; x and y swapped where a.rows_fastest (a shared launch: tc_rows_fastest). VS value slices
+ * (as tc_chunk_kernel's): each slice block computes the chunk's whole S and softmax and O for its
+ * DVP / VS value dims, so an under-filled grid (8 heads at 8K, T = 17: 51 blocks) spreads over
+ * more SMs; an O element is the same accumulator over the same 32 16-key steps with the same P
+ * fragment whichever slice holds its dim, so no bit moves. */
+template <int DVP, int VS>
 __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
     kd_griddep_enter();
     TC_DYNAMIC_SMEM(smem);
     static_assert(DVP >= 128 && DVP <= TC_DV_MAX, "DVP: 128..512");
-    constexpr int DW = DVP / TW_WARPS, NT2 = DW / 8;       /* phase 2: value dims and n-tiles per warp */
+    static_assert(VS == 1 || VS == 2 || VS == 4, "VS: 1, 2 or 4 value slices");
+    constexpr int DVS = DVP / VS;                           /* value dims of this block's slice */
+    constexpr int DW = DVS / TW_WARPS, NT2 = DW / 8;       /* phase 2: value dims and n-tiles per warp */
+    static_assert(DW >= 16, "a warp's phase-2 tile is at least two n-tiles");
     constexpr int KPW = TC_CHUNK / TW_WARPS, NT1 = KPW / 8; /* phase 1: keys and n-tiles per warp */
     constexpr int ROWS = TW_ROWS;
     const int HDP = a.HDP, QLD = HDP + 8, nd1 = HDP / TW_D1;
@@ -106,7 +114,7 @@ __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
     float *m_s = lred_s + 2 * ROWS;                                   /* [ROWS] the chunk's max */
     int *nl_s = (int *)(m_s + ROWS);
 
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = (int)blockIdx.z / VS, sl = (int)blockIdx.z % VS;
     int past, S;
     tc_past_rows(a, &past, &S);
     int c, tq, rbase;
@@ -140,7 +148,7 @@ __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
 
     const int ns = nd1 + TC_CHUNK / TW_K2;
 #define TW_STAGE(i) ((uint16_t *)(st_s + (size_t)((i) % TW_STAGES) * TW_STAGE_BYTES))
-#define TW_LOAD(i) tc_wide_load<DVP>(a, TW_STAGE(i), (i), nd1, koff_s, voff_s, g)
+#define TW_LOAD(i) tc_wide_load<DVP, VS>(a, TW_STAGE(i), (i), nd1, koff_s, voff_s, g, sl)
     for (int s0 = 0; s0 < TW_STAGES - 1; s0++) {
         if (s0 < ns) TW_LOAD(s0);
         cp_commit();
@@ -245,7 +253,7 @@ __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
         if (q == 0) lred_s[h * ROWS + row] = v;
     }
 
-    /* ---- phase 2: O = P V; warp w owns value dims w*DW + [0, DW) of all rows ---- */
+    /* ---- phase 2: O = P V; warp w owns value dims sl*DVS + w*DW + [0, DW) of all rows ---- */
     float oacc[4][NT2][4];
 #pragma unroll
     for (int mt = 0; mt < 4; mt++)
@@ -254,7 +262,7 @@ __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
 #pragma unroll
             for (int e = 0; e < 4; e++) oacc[mt][nt][e] = 0.0f;
     const uint16_t *pa = p_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * TC_PLD + (lane >> 4) * 8;
-    const int vb_off = (((lane >> 3) & 1) * 8 + (lane & 7)) * (DVP + 8) + w * DW + (lane >> 4) * 8;
+    const int vb_off = (((lane >> 3) & 1) * 8 + (lane & 7)) * (DVS + 8) + w * DW + (lane >> 4) * 8;
     for (int k2 = 0; s < ns; k2++, s++) {
         cp_wait<TW_STAGES - 2>();
         __syncthreads();   /* also publishes l (above) before the first step */
@@ -269,7 +277,7 @@ __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
 #pragma unroll
             for (int np = 0; np < NT2 / 2; np++) {
                 uint32_t bfr[4];
-                ldsm_x4_trans(bfr, vs + vb_off + kk * 16 * (DVP + 8) + np * 16);
+                ldsm_x4_trans(bfr, vs + vb_off + kk * 16 * (DVS + 8) + np * 16);
 #pragma unroll
                 for (int mt = 0; mt < 4; mt++) {
                     mma16816(oacc[mt][2 * np], af[mt], bfr);
@@ -290,14 +298,14 @@ __global__ void __launch_bounds__(TW_NTH, 1) tc_wide_kernel(TcArgs a) {
             const int row = mt * 16 + (lane >> 2) + hr * 8, t = t_s[row];
             if (t < 0) continue;
             const size_t slot = tc_slot(a, t, h_s[row], c);
-            if (w == 0 && (lane & 3) == 0) {
+            if (sl == 0 && w == 0 && (lane & 3) == 0) {
                 a.pm[slot] = m_s[row];
                 a.pl[slot] = lred_s[row] + lred_s[ROWS + row];
             }
             float *po = a.po + slot * a.dv;
 #pragma unroll
             for (int nt = 0; nt < NT2; nt++) {
-                const int d = w * DW + nt * 8 + 2 * (lane & 3);   /* even; dv % 8 == 0 (async) */
+                const int d = sl * DVS + w * DW + nt * 8 + 2 * (lane & 3);   /* even; dv % 8 == 0 (async) */
                 if (d < a.dv) *(float2 *)(po + d) = make_float2(oacc[mt][nt][2 * hr], oacc[mt][nt][2 * hr + 1]);
             }
         }

@@ -218,10 +218,12 @@ static void accuracy(const char *name, Att c, bool vfromk, bool plain = false) {
 /* tree node == decoded alone == last row of a causal prefill; attention_at == attention;
  * batches of queries == one batch */
 /* kernel shapes {row groups, value split, SMs the rule sees}: 16-row 2-warp blocks (the split
- * off), 64-row blocks, 16-row 8-warp blocks with 1, 2, 4 value slices (capped at DVP / 128: the
- * tiny dims fall back to the 2-warp kernel, so those checks compare it with itself), and the rule
- * on 8 SMs (64-row blocks in the shared launch, 16-row ones in the tail where G <= 32) */
-static const int modes[][3] = {{1, -1, 132}, {4, 0, 132}, {1, 1, 132}, {1, 2, 132}, {1, 4, 132}, {0, 0, 8}};
+ * off), 64-row blocks unsplit, in 2 value slices and in the rule's (4 at MLA dims), 16-row 8-warp
+ * blocks with 1, 2, 4 value slices (capped at DVP / 128: the tiny dims fall back to the 2-warp
+ * kernel, so those checks compare it with itself), and the rule on 8 SMs (64-row blocks in the
+ * shared launch, 16-row ones in the tail where G <= 32) */
+static const int modes[][3] = {{1, -1, 132}, {4, -1, 132}, {4, 2, 132}, {4, 0, 132},
+                               {1, 1, 132}, {1, 2, 132}, {1, 4, 132}, {0, 0, 8}};
 
 static void invariance(const char *name, int H, int hd, int dv, int P, const std::vector<int> &par, bool full) {
     std::vector<std::vector<int>> paths;
