@@ -268,17 +268,53 @@ static kd_status compact_layers_run(void *p, int i) {   /* before it: a gather a
  * by about 1e-4, so every node's child costs ~12 more than its next sibling and the tree is the
  * root's B children) and peaked (8 ids a depth at logits 30, 28, .., 16 above the uniform rest:
  * a draft's shape, a tree of several depths) */
+static const struct { const char *name; kd_sampler sp; } samplers[] = {
+    {"greedy (argmax)", {.temperature = 0.0f}},
+    {"T 1", {.temperature = 1.0f, .seed = 7}},
+    {"T 0.8, top-k 50, top-p 0.95", {.temperature = 0.8f, .top_k = 50, .top_p = 0.95f, .seed = 7}},
+    {"T 1, top-p 0.9", {.temperature = 1.0f, .top_p = 0.9f, .seed = 7}},
+    {"T 1, min-p 0.05", {.temperature = 1.0f, .seed = 7, .min_p = 0.05f}},
+};
+enum { NS = sizeof samplers / sizeof samplers[0] };
+
+typedef struct { kd_act logits; const kd_sampler *sp; int32_t *pos, *out, *code; } sample_arg;
+static kd_status sample_run(void *p, int i) {
+    sample_arg *a = p;
+    (void)i;
+    return be->ops->sample_rows(be, a->logits, a->sp, a->pos, 1, a->out, a->code);
+}
+
+/* sample_rows alone over `rows` rows of the round's flat logits (uniform in [0, 16), V = 163840),
+ * one line per sampled sampler (for a profiler: the accept's kernels without the tree's) */
+static void bench_sample(int rows) {
+    enum { V = 163840 };
+    float *hx = malloc((size_t)rows * V * 4);
+    int32_t *hp = malloc((size_t)rows * sizeof(int32_t));
+    uint32_t sd = 4242;
+    for (size_t i = 0; i < (size_t)rows * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
+    for (int r = 0; r < rows; r++) hp[r] = 1000 + r;
+    sample_arg a = {.logits = {NULL, rows, V, V, KD_F32}};
+    CK(be->ops->alloc(be, (size_t)rows * V * 4, &a.logits.data));
+    CK(be->ops->alloc(be, (size_t)rows * sizeof(int32_t), (void **)&a.pos));
+    CK(be->ops->alloc(be, (size_t)rows * sizeof(int32_t), (void **)&a.out));
+    CK(be->ops->alloc(be, (size_t)rows * sizeof(int32_t), (void **)&a.code));
+    CK(be->ops->upload(be, a.logits.data, hx, (size_t)rows * V * 4));
+    CK(be->ops->upload(be, a.pos, hp, (size_t)rows * sizeof(int32_t)));
+    for (int k = 1; k < NS; k++) {
+        a.sp = &samplers[k].sp;
+        printf("sample_rows %s, %d rows of V = %d: %.1f us\n", samplers[k].name, rows, V, time_it(sample_run, &a, 10) * 1e6);
+    }
+    be->ops->free(be, a.logits.data);
+    be->ops->free(be, a.pos);
+    be->ops->free(be, a.out);
+    be->ops->free(be, a.code);
+    free(hx);
+    free(hp);
+}
+
 static void bench_round(const char *md_path) {
     enum { L = 7, V = 163840, NB = 3 };
     static const int budgets[NB] = {16, 64, 256};
-    static const struct { const char *name; kd_sampler sp; } samplers[] = {
-        {"greedy (argmax)", {.temperature = 0.0f}},
-        {"T 1", {.temperature = 1.0f, .seed = 7}},
-        {"T 0.8, top-k 50, top-p 0.95", {.temperature = 0.8f, .top_k = 50, .top_p = 0.95f, .seed = 7}},
-        {"T 1, top-p 0.9", {.temperature = 1.0f, .top_p = 0.9f, .seed = 7}},
-        {"T 1, min-p 0.05", {.temperature = 1.0f, .seed = 7, .min_p = 0.05f}},
-    };
-    enum { NS = sizeof samplers / sizeof samplers[0] };
     double build_us[NB], peaked_us[NB], topk_us[NB], accept_us[NB][NS];
     int rows[NB], path[NB][2], peaked_depth[NB];
     uint32_t sd = 4242;
@@ -391,7 +427,7 @@ static void bench_round(const char *md_path) {
 int main(int argc, char **argv) {
     const char *md_path = NULL;
     int round_only = 0, attention_only = 0, linear_only = 0, rg = 0, vs = 0, one_ctx = 0, one_T = 0;
-    int one_N = 0, one_K = 0, one_M = 0;
+    int one_N = 0, one_K = 0, one_M = 0, sample_rows_n = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--md") && i + 1 < argc) md_path = argv[++i];
         else if (!strcmp(argv[i], "--round")) round_only = 1;
@@ -407,10 +443,11 @@ int main(int argc, char **argv) {
             one_K = atoi(argv[++i]);
             one_M = atoi(argv[++i]);
         }
+        else if (!strcmp(argv[i], "--sample-at") && i + 1 < argc) sample_rows_n = atoi(argv[++i]);   /* for a profiler */
         else if (!strcmp(argv[i], "--mla-row-groups") && i + 1 < argc) rg = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--mla-value-slices") && i + 1 < argc) vs = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: cuda_ops_bench [--round | --linear | --linear-at N K M | --attention | --attention-at CTX T] [--md FILE] [--mla-row-groups N] "
+            fprintf(stderr, "usage: cuda_ops_bench [--round | --linear | --linear-at N K M | --attention | --attention-at CTX T | --sample-at ROWS] [--md FILE] [--mla-row-groups N] "
                             "[--mla-value-slices N]\n");
             return 2;
         }
@@ -421,6 +458,11 @@ int main(int argc, char **argv) {
     const kd_model_options opt = { .mla_kernel = tc && !strcmp(tc, "0") ? KD_MLA_CUDA_CORES : KD_MLA_DEFAULT,
                                    .mla_row_groups = rg, .mla_value_slices = vs };
     CK(kd_backend_cuda_create(0, &opt, &be));
+    if (sample_rows_n > 0) {
+        bench_sample(sample_rows_n);
+        be->ops->destroy(be);
+        return 0;
+    }
     if (round_only) {
         bench_round(md_path);
         be->ops->destroy(be);
