@@ -858,21 +858,32 @@ __device__ kd_u128 warp_prefix(const F &f, int b) {
 }
 
 /* a token's mass under the rule (sample_rule.h) with min-p: below qmin it is 0. A logit far below
- * the max has mass 0 without the exp: with ap = (x - m) / T in double (error below
- * (|x| + |m|) / T * 2^-50), ap + that bound < -44 means x/T - m/T < -44, so exp < 2^-63 and the
- * rule's trunc(w * 2^62) is 0 (the polynomial is within a few ulp of exp). */
+ * the max has mass 0 without the exp: ap = (x - m) / T in double and the rule's own a = x/T - m/T
+ * are each within (|x| + |m|) / T * 2^-51 of the exact value, so ap + err (err twice that and more)
+ * below afloor means the rule's a is too. afloor is -44 (exp < 2^-63: trunc(w * 2^62) = 0), or
+ * with min-p log(Q * 2^-62) less 2^-30 (exp(a) < Q * 2^-62: q < Q), the polynomial being within a
+ * few ulp of exp and the device's log within one. */
 struct smp_mass {
     float m;
-    double T, z, invT;
+    double T, z, invT, afloor;
     uint64_t qmin;
-    __device__ __forceinline__ uint64_t operator()(float v) const {
-        if (v == -INFINITY) return 0;
+    __device__ smp_mass() = default;
+    __device__ smp_mass(float m_, double T_, uint64_t qmin_)
+        : m(m_), T(T_), z(kd_rule_zmax(m_, T_)), invT(1.0 / T_),
+          afloor(qmin_ ? fmax(-44.0, log(ldexp((double)qmin_, -62)) - 0x1p-30) : -44.0), qmin(qmin_) {}
+    /* false: v's mass is 0 for sure (no exp needed) */
+    __device__ __forceinline__ bool maybe(float v) const {
+        if (v == -INFINITY) return false;
         const double ap = ((double)v - (double)m) * invT;
         const double err = ((double)fabsf(v) + (double)fabsf(m)) * invT * 0x1p-48;
-        if (ap + err < -44.0) return 0;
+        return ap + err >= afloor;
+    }
+    /* the mass of a value maybe() let through */
+    __device__ __forceinline__ uint64_t exact(float v) const {
         const uint64_t q = kd_rule_mass(v, T, z);
         return q >= qmin ? q : 0;
     }
+    __device__ __forceinline__ uint64_t operator()(float v) const { return maybe(v) ? exact(v) : 0; }
 };
 
 /* a row's max and first NaN / +inf id (bad) from its S slices' parts, on every thread of the
@@ -883,7 +894,7 @@ __device__ bool smp_row_rule(const smp_max_part *parts, int S, double T, uint64_
     for (int j = threadIdx.x; j < S; j += SMP_THREADS) { m = fmaxf(m, parts[j].m); bad = min(bad, parts[j].bad); }
     block_max_bad(m, bad);
     if (bad != INT_MAX || m == -INFINITY) return false;
-    mass = smp_mass{ m, T, kd_rule_zmax(m, T), 1.0 / T, qmin };
+    mass = smp_mass(m, T, qmin);
     return true;
 }
 
@@ -1344,6 +1355,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, l
                                                                const smp_cut *cuts, kd_u128 *pw) {
     kd_griddep_enter();
     __shared__ unsigned long long wlo[SMP_WARPS], whi[SMP_WARPS];
+    __shared__ float queue[SMP_WARPS][32 * SMP_PER];
     const int S = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     smp_mass mass;
     int bad;
@@ -1351,14 +1363,23 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, l
     if (!smp_row_rule(pm + (size_t)blockIdx.y * S, S, T, qmin, mass, bad) || (c && !c->pending)) return;   /* the block */
     float xv[SMP_PER];
     slice_values(x + (size_t)blockIdx.y * (size_t)ld, V, xv);
-    kd_u128 acc = u128_zero();
+    /* the values that need an exp (kept, not surely 0), queued by the warp and then taken 32 at a
+     * time: a cut or a min-p floor leaves a few lanes of most rounds, and a warp pays an exp for
+     * every round any lane of it needs one */
+    float *wq = queue[warp];
+    int n = 0;
 #pragma unroll
-    for (int j = 0; j < SMP_PER; j++) {
+    for (int j = 0; j < SMP_PER; j++) {   /* whole warps iterate together: the ballot */
         const int i = slice_id(j);
         const float v = xv[j];
-        if (i >= V) break;
-        if (smp_kept(c, i, kd_float_key(v))) acc = kd_u128_add64(acc, mass(v));
+        const bool need = i < V && mass.maybe(v) && smp_kept(c, i, kd_float_key(v));
+        const unsigned bal = __ballot_sync(FULL, need);
+        if (need) wq[n + __popc(bal & ((1u << lane) - 1u))] = v;
+        n += __popc(bal);
     }
+    __syncwarp();
+    kd_u128 acc = u128_zero();
+    for (int k = lane; k < n; k += 32) acc = kd_u128_add64(acc, mass.exact(wq[k]));
     acc = warp_sum_u128(acc);
     if (lane == 0) { wlo[warp] = acc.lo; whi[warp] = acc.hi; }
     __syncthreads();
