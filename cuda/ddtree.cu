@@ -41,11 +41,14 @@
  *              comes from the bins that can hold it (smp_plan_kernel): their ids are gathered
  *              over several blocks per row (smp_gather_kernel) and sorted in shared memory
  *              (cut_by_bins); when they start at the max every kept id
- *              is there and the draw is made from them; rows whose bins are too crowded (ties)
- *              fall back to radix passes on the logit's 32-bit key (cut_by_radix). Otherwise
- *              the draw (smp_draw_kernel, a block per row) finds the slice where the slices'
- *              kept-mass prefix passes its target and searches that slice alone. min-p zeroes
- *              the masses below its floor. Prefix searches (the draw, and the radix path's
+ *              is there and the draw is made from them; otherwise the gather also sums each
+ *              slice's mass in the bins before them (all kept) and the cut adds the kept
+ *              candidates', so no pass follows the cut. Rows whose bins are too crowded (ties)
+ *              fall back to radix passes on the logit's 32-bit key (cut_by_radix) and the kept-
+ *              mass pass. The draw over a row (smp_draw_kernel, a block per row) finds the
+ *              slice where the slices' kept-mass prefix passes its target and searches that
+ *              slice alone. min-p zeroes the masses below its floor; the passes queue the
+ *              values that need an exp, so a warp's exps are not spent on lanes that need none. Prefix searches (the draw, and the radix path's
  *              last kept id among equal logits) sum tiles, find the crossing tile by one block
  *              scan and scan that tile with one warp. Logits far below the max get mass 0
  *              without the exp (smp_mass says why that is exact).
@@ -867,7 +870,7 @@ struct smp_mass {
     float m;
     double T, z, invT, afloor;
     uint64_t qmin;
-    __device__ smp_mass() = default;
+    smp_mass() = default;
     __device__ smp_mass(float m_, double T_, uint64_t qmin_)
         : m(m_), T(T_), z(kd_rule_zmax(m_, T_)), invT(1.0 / T_),
           afloor(qmin_ ? fmax(-44.0, log(ldexp((double)qmin_, -62)) - 0x1p-30) : -44.0), qmin(qmin_) {}
@@ -1074,10 +1077,44 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_plan_kernel(int V, double T, 
     }
 }
 
+/* The block's sum of the masses of its SMP_PER values a thread (xv, slice blockIdx.x) that
+ * take(id, value) keeps, into *out. The values that need an exp (taken, not surely 0) are queued
+ * by the warp and then evaluated 32 at a time: a cut or a min-p floor leaves a few lanes of most
+ * rounds, and a warp pays an exp for every round any lane of it needs one. */
+template <class F>
+__device__ void slice_mass(const smp_mass &mass, const float *xv, const F &take, kd_u128 *out) {
+    __shared__ unsigned long long wlo[SMP_WARPS], whi[SMP_WARPS];
+    __shared__ float queue[SMP_WARPS][32 * SMP_PER];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float *wq = queue[warp];
+    int n = 0;
+#pragma unroll
+    for (int j = 0; j < SMP_PER; j++) {   /* whole warps iterate together: the ballot */
+        const bool need = take(slice_id(j), xv[j]) && mass.maybe(xv[j]);
+        const unsigned bal = __ballot_sync(FULL, need);
+        if (need) wq[n + __popc(bal & ((1u << lane) - 1u))] = xv[j];
+        n += __popc(bal);
+    }
+    __syncwarp();
+    kd_u128 acc = u128_zero();
+    for (int k = lane; k < n; k += 32) acc = kd_u128_add64(acc, mass.exact(wq[k]));
+    acc = warp_sum_u128(acc);
+    if (lane == 0) { wlo[warp] = acc.lo; whi[warp] = acc.hi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        kd_u128 r = u128_zero();
+        for (int w = 0; w < SMP_WARPS; w++) { kd_u128 v; v.lo = wlo[w]; v.hi = whi[w]; r = kd_u128_add(r, v); }
+        *out = r;
+    }
+}
+
 /* slice blockIdx.x of row blockIdx.y, for a fast plan: the (key << 32 | ~id) of its ids in bins
- * [lo, hi] into the row's SMP_CAP slots of cand (in no set order: cut_by_bins sorts them) */
+ * [lo, hi] into the row's SMP_CAP slots of cand (in no set order: cut_by_bins sorts them). Where
+ * the row is drawn over (lo > 0: bins below lo are kept but not gathered), also the slice's mass
+ * in bins below lo into pw (rows x gridDim.x); sample_cut_kernel adds the kept candidates'. */
 __global__ void __launch_bounds__(SMP_THREADS) smp_gather_kernel(const float *x, long long ld, int V, double T,
-                                                                 smp_plan *plans, unsigned long long *cand) {
+                                                                 uint64_t qmin, smp_plan *plans,
+                                                                 unsigned long long *cand, kd_u128 *pw) {
     kd_griddep_enter();
     constexpr int PER = SMP_SLICE / SMP_THREADS;
     smp_plan *p = plans + blockIdx.y;
@@ -1105,14 +1142,18 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_gather_kernel(const float *x,
         base = __shfl_sync(FULL, base, 0);
         if (in) out[base + __popc(bal & ((1u << lane) - 1u))] = (unsigned long long)kd_float_key(v[j]) << 32 | (0xffffffffu - (uint32_t)i);
     }
+    if (blo > 0)   /* uniform over the block */
+        slice_mass(smp_mass(p->m, T, qmin), v, [&](int i, float val) { return i < hi && bin_of(val) < blo; },
+                   pw + (size_t)blockIdx.y * gridDim.x + blockIdx.x);
 }
 
-/* the cut from a fast plan's gathered ids (false: the plan is not fast) */
+/* the cut from a fast plan's gathered ids (false: the plan is not fast); sh.cand[0..nkept) are
+ * the kept candidates, in the row's order */
 __device__ bool cut_by_bins(const smp_mass &mass, int top_k, float top_p, bool topk, bool topp, const smp_plan *plan,
                             const unsigned long long *gathered, uint32_t *ckey, int *cid, int *nkept, smp_shared &sh) {
     const int tid = threadIdx.x;
     if (!plan->fast) return false;   /* uniform over the block */
-    const int lo = plan->lo, n = (int)plan->ncand;
+    const int n = (int)plan->ncand;
     if (tid == 0) {
         sh.cnt_lo = plan->cnt_lo;
         sh.mlo_lo = plan->mlo_lo; sh.mlo_hi = plan->mlo_hi;
@@ -1155,7 +1196,7 @@ __device__ bool cut_by_bins(const smp_mass &mass, int top_k, float top_p, bool t
     const int c = sh.cut;   /* found: the candidates through ik reach G (the mass through the k-th is S) */
     *ckey = (uint32_t)(sh.cand[c] >> 32);
     *cid = (int)(0xffffffffu - (uint32_t)(sh.cand[c] & 0xffffffffull));
-    *nkept = lo == 0 ? c + 1 : 0;   /* lo = 0: every kept id is a candidate */
+    *nkept = c + 1;   /* with lo = 0, every kept id */
     return true;
 }
 
@@ -1326,8 +1367,13 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_max_kernel(const float *x, lo
 }
 
 /* a row's cut for the draw over the row: the kept ids are those with key > key, or key == key
- * and id <= id; pending: the row still needs that draw (its cut did not gather every kept id) */
-struct smp_cut { uint32_t key; int id; int pending; };
+ * and id <= id; draw: how the row is drawn */
+enum {
+    SMP_DRAWN,           /* from its candidates, by sample_cut_kernel (they are every kept id) */
+    SMP_DRAW_PASS,       /* over the row, its slices' kept masses from smp_mass_kernel */
+    SMP_DRAW_GATHERED,   /* over the row, its slices' kept masses from smp_gather_kernel and sample_cut_kernel */
+};
+struct smp_cut { uint32_t key; int id; int draw; };
 
 /* is id i (of key kd_float_key(x[i])) kept: every id without a cut (c NULL) */
 __device__ __forceinline__ bool smp_kept(const smp_cut *c, int i, uint32_t key) {
@@ -1347,57 +1393,34 @@ __device__ void smp_report_bad(const float *xr, int bad, int row, int32_t *out, 
 }
 
 /* slice blockIdx.x of row blockIdx.y's kept mass (every id without cuts; with them, the ids of
- * the row's cut, for pending rows), into pw (rows x gridDim.x); rows with
- * a bad logit or no finite one, and rows drawn already, are left out (smp_draw_kernel does not
- * read their pw) */
+ * the row's cut, for SMP_DRAW_PASS rows), into pw (rows x gridDim.x); rows with a bad logit or no
+ * finite one, and the others with cuts, are left out (smp_draw_kernel does not read their pw, or
+ * the gather and the cut wrote it) */
 __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, long long ld, int V, double T,
                                                                uint64_t qmin, const smp_max_part *pm,
                                                                const smp_cut *cuts, kd_u128 *pw) {
     kd_griddep_enter();
-    __shared__ unsigned long long wlo[SMP_WARPS], whi[SMP_WARPS];
-    __shared__ float queue[SMP_WARPS][32 * SMP_PER];
-    const int S = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int S = gridDim.x;
+    const smp_cut *c = cuts ? cuts + blockIdx.y : NULL;
+    if (c && c->draw != SMP_DRAW_PASS) return;   /* the block */
     smp_mass mass;
     int bad;
-    const smp_cut *c = cuts ? cuts + blockIdx.y : NULL;
-    if (!smp_row_rule(pm + (size_t)blockIdx.y * S, S, T, qmin, mass, bad) || (c && !c->pending)) return;   /* the block */
+    if (!smp_row_rule(pm + (size_t)blockIdx.y * S, S, T, qmin, mass, bad)) return;
     float xv[SMP_PER];
     slice_values(x + (size_t)blockIdx.y * (size_t)ld, V, xv);
-    /* the values that need an exp (kept, not surely 0), queued by the warp and then taken 32 at a
-     * time: a cut or a min-p floor leaves a few lanes of most rounds, and a warp pays an exp for
-     * every round any lane of it needs one */
-    float *wq = queue[warp];
-    int n = 0;
-#pragma unroll
-    for (int j = 0; j < SMP_PER; j++) {   /* whole warps iterate together: the ballot */
-        const int i = slice_id(j);
-        const float v = xv[j];
-        const bool need = i < V && mass.maybe(v) && smp_kept(c, i, kd_float_key(v));
-        const unsigned bal = __ballot_sync(FULL, need);
-        if (need) wq[n + __popc(bal & ((1u << lane) - 1u))] = v;
-        n += __popc(bal);
-    }
-    __syncwarp();
-    kd_u128 acc = u128_zero();
-    for (int k = lane; k < n; k += 32) acc = kd_u128_add64(acc, mass.exact(wq[k]));
-    acc = warp_sum_u128(acc);
-    if (lane == 0) { wlo[warp] = acc.lo; whi[warp] = acc.hi; }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        kd_u128 r = u128_zero();
-        for (int w = 0; w < SMP_WARPS; w++) { kd_u128 v; v.lo = wlo[w]; v.hi = whi[w]; r = kd_u128_add(r, v); }
-        pw[(size_t)blockIdx.y * S + blockIdx.x] = r;
-    }
+    slice_mass(mass, xv, [&](int i, float v) { return i < V && smp_kept(c, i, kd_float_key(v)); },
+               pw + (size_t)blockIdx.y * S + blockIdx.x);
 }
 
 /* With top-k / top-p, one block per row after smp_max_kernel (pm), smp_plan_kernel (plans) and
- * smp_gather_kernel (cand): a bad row's code; else the cut (the last kept element of the order after top-k and
- * top-p) and, when every kept id is a gathered candidate, the draw from them; else the cut goes
- * to cuts[row], pending, for smp_mass_kernel and smp_draw_kernel */
+ * smp_gather_kernel (cand, pw): a bad row's code; else the cut (the last kept element of the order
+ * after top-k and top-p) into cuts[row] and, when every kept id is a gathered candidate, the draw
+ * from them; else the kept candidates' masses added into pw by slice (a fast plan: pw holds the
+ * rest of the kept mass), or the draw left to smp_mass_kernel's pass (the radix path) */
 __global__ void __launch_bounds__(SMP_THREADS) sample_cut_kernel(const float *x, long long ld, int V, double T,
                                                                   int top_k, float top_p, uint64_t qmin, uint64_t seed,
                                                                   const smp_max_part *pm, int S, const smp_plan *plans,
-                                                                  const unsigned long long *cand,
+                                                                  const unsigned long long *cand, kd_u128 *pw,
                                                                   const int32_t *pos, int pos_offset, smp_cut *cuts,
                                                                   int32_t *out, int32_t *code) {
     kd_griddep_enter();
@@ -1413,14 +1436,26 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_cut_kernel(const float *x,
     }
     const bool topk = top_k > 0 && top_k < V, topp = top_p > 0.0f && top_p < 1.0f;
     uint32_t ckey = 0;
-    int cid = INT_MAX, nkept = 0;
-    if (!cut_by_bins(mass, top_k, top_p, topk, topp, plans + row, cand + (size_t)row * SMP_CAP, &ckey, &cid, &nkept, sh))
+    int cid = INT_MAX, nkept = 0, draw = SMP_DRAW_PASS, tok = -1;
+    if (!cut_by_bins(mass, top_k, top_p, topk, topp, plans + row, cand + (size_t)row * SMP_CAP, &ckey, &cid, &nkept, sh)) {
         cut_by_radix(xr, V, mass, top_k, top_p, topk, topp, &ckey, &cid, sh);
-    int tok = -1;
-    if (nkept > 0) tok = draw_from_candidates(xr, nkept, mass, kd_rule_u53(seed, (int64_t)pos[row] + pos_offset), sh);
+    } else if (plans[row].lo == 0) {
+        tok = draw_from_candidates(xr, nkept, mass, kd_rule_u53(seed, (int64_t)pos[row] + pos_offset), sh);
+        draw = SMP_DRAWN;
+    } else {
+        kd_u128 *pr = pw + (size_t)row * S;
+        for (int j = tid; j < nkept; j += SMP_THREADS) {
+            const unsigned long long e = sh.cand[j];
+            const int id = (int)(0xffffffffu - (uint32_t)(e & 0xffffffffull));
+            u128_atomic_add(reinterpret_cast<unsigned long long *>(&pr[id / SMP_SLICE].lo),
+                            reinterpret_cast<unsigned long long *>(&pr[id / SMP_SLICE].hi), 0,
+                            kd_u128_of(mass(kd_float_of_key((uint32_t)(e >> 32)))));
+        }
+        draw = SMP_DRAW_GATHERED;
+    }
     if (tid == 0) {
-        cuts[row] = smp_cut{ckey, cid, nkept > 0 ? 0 : 1};
-        if (nkept > 0) {
+        cuts[row] = smp_cut{ckey, cid, draw};
+        if (draw == SMP_DRAWN) {
             out[row] = tok;
             code[row] = 0;
         }
@@ -1434,7 +1469,7 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_cut_kernel(const float *x,
  * ids cross and that warp scans its SMP_PER rounds of 32. Every load of a round is in flight
  * together (a thread walking the slices, or a warp its tiles, one load at a time was
  * latency-bound), and every sum is exact, so grouping them so changes no draw. Without cuts it
- * also reports the bad rows; with them it draws only the pending rows. */
+ * also reports the bad rows; with them it draws only the rows not drawn already. */
 constexpr int DRAW_SEG = 32 * SMP_PER;
 static_assert(SMP_WARPS * DRAW_SEG == SMP_SLICE && SMP_WARPS <= 32, "the warps hold a slice, one lane a warp's sum");
 __global__ void __launch_bounds__(SMP_THREADS) smp_draw_kernel(const float *x, long long ld, int V, double T,
@@ -1454,7 +1489,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_draw_kernel(const float *x, l
         if (!c) smp_report_bad(xr, bad, row, out, code);   /* with cuts, sample_cut_kernel did */
         return;
     }
-    if (c && !c->pending) return;
+    if (c && c->draw == SMP_DRAWN) return;
     if (warp == 0) {
         const uint64_t U = kd_rule_u53(seed, (int64_t)pos[row] + pos_offset);
         const kd_u128 *w = pw + (size_t)row * S;
@@ -1611,10 +1646,10 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
             KD_TRY(kd_launch_pdl("smp_plan_kernel", smp_plan_kernel, xr.rows, SMP_THREADS, SMP_SMEM, c->stream, xr.cols,
                                  T, sp->top_k, sp->top_p, qmin, pm, S, gcnt, glo, ghi, plans));
             KD_TRY(kd_launch_pdl("smp_gather_kernel", smp_gather_kernel, grid, SMP_THREADS, 0, c->stream, xd, xr.ld,
-                                 xr.cols, T, plans, cand));
+                                 xr.cols, T, qmin, plans, cand, pw));
             KD_TRY(kd_launch_pdl("sample_cut_kernel", sample_cut_kernel, xr.rows, SMP_THREADS, SMP_SMEM, c->stream, xd,
-                                 xr.ld, xr.cols, T, sp->top_k, sp->top_p, qmin, sp->seed, pm, S, plans, cand, pos + r0,
-                                 pos_offset, cuts, out + r0, code + r0));
+                                 xr.ld, xr.cols, T, sp->top_k, sp->top_p, qmin, sp->seed, pm, S, plans, cand, pw,
+                                 pos + r0, pos_offset, cuts, out + r0, code + r0));
         }
         KD_TRY(kd_launch_pdl("smp_mass_kernel", smp_mass_kernel, grid, SMP_THREADS, 0, c->stream, xd, xr.ld, xr.cols, T,
                              qmin, pm, cuts, pw));

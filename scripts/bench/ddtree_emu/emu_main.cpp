@@ -71,10 +71,10 @@ static void test_sample(int V, int kind, const kd_sampler &sp, int rows) {
         launch(rows, SMP_THREADS, [&] {
             smp_plan_kernel(V, T, sp.top_k, sp.top_p, qmin, pm.data(), S, gcnt.data(), glo.data(), ghi.data(), plans.data());
         });
-        launch(S, SMP_THREADS, [&] { smp_gather_kernel(x.data(), V, V, T, plans.data(), cand.data()); }, rows);
+        launch(S, SMP_THREADS, [&] { smp_gather_kernel(x.data(), V, V, T, qmin, plans.data(), cand.data(), pw.data()); }, rows);
         launch(rows, SMP_THREADS, [&] {
             sample_cut_kernel(x.data(), V, V, T, sp.top_k, sp.top_p, qmin, sp.seed, pm.data(), S, plans.data(),
-                              cand.data(), pos.data(), 0, cuts.data(), out.data(), code.data());
+                              cand.data(), pw.data(), pos.data(), 0, cuts.data(), out.data(), code.data());
         });
     }
     launch(S, SMP_THREADS, [&] { smp_mass_kernel(x.data(), V, V, T, qmin, pm.data(), cp, pw.data()); }, rows);
