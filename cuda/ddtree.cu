@@ -708,6 +708,13 @@ struct smp_shared {
     unsigned long long mlo_lo, mlo_hi, tot_lo, tot_hi;   /* fast path: mass below lo; the row's mass */
 };
 constexpr size_t SMP_SMEM = sizeof(smp_shared);
+/* a candidate of the cut's fast path: (key << 32 | ~id), so that descending order is the row's
+ * order (logit descending, id ascending) */
+__device__ __forceinline__ unsigned long long smp_cand(uint32_t key, int id) {
+    return (unsigned long long)key << 32 | (0xffffffffu - (uint32_t)id);
+}
+__device__ __forceinline__ uint32_t smp_cand_key(unsigned long long e) { return (uint32_t)(e >> 32); }
+__device__ __forceinline__ int smp_cand_id(unsigned long long e) { return (int)(0xffffffffu - (uint32_t)e); }
 
 /* exact sum over the block; every thread gets it */
 __device__ kd_u128 block_sum_u128(kd_u128 v, smp_shared &sh) {
@@ -1079,22 +1086,22 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_plan_kernel(int V, double T, 
 }
 
 /* The block's sum of the masses of its SMP_PER values a thread (xv, slice blockIdx.x) that
- * take(id, value) keeps, into *out. queued (uniform over the block): the values that need an exp
- * (taken, not surely 0) are queued by the warp and then evaluated 32 at a time, for a cut or a
- * min-p floor, which leave a few lanes of most rounds (a warp pays an exp for every round any lane
- * of it needs one); where every value may need one, the queue's stores and its loop without
- * unrolling cost more than they save (T 1 over 257 rows of 163840: 250.5 -> 290.7 us, H200). */
-template <class F>
-__device__ void slice_mass(const smp_mass &mass, const float *xv, const F &take, bool queued, kd_u128 *out) {
+ * take(id, value) keeps, into *out. QUEUED: the values that need an exp (taken, not surely 0) are
+ * queued by the warp and then evaluated 32 at a time, for a cut or a min-p floor, which leave a few
+ * lanes of most rounds (a warp pays an exp for every round any lane of it needs one); where every
+ * value may need one, the queue's stores and its loop without unrolling cost more than they save
+ * (T 1 over 257 rows of 163840: 250.5 -> 290.7 us, H200), so that pass is built without it. */
+template <bool QUEUED, class F>
+__device__ void slice_mass(const smp_mass &mass, const float *xv, const F &take, kd_u128 *out) {
     __shared__ unsigned long long wlo[SMP_WARPS], whi[SMP_WARPS];
-    __shared__ float queue[SMP_WARPS][32 * SMP_PER];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     kd_u128 acc = u128_zero();
-    if (!queued) {
+    if constexpr (!QUEUED) {
 #pragma unroll
         for (int j = 0; j < SMP_PER; j++)
             if (take(slice_id(j), xv[j])) acc = kd_u128_add64(acc, mass(xv[j]));
     } else {
+        __shared__ float queue[SMP_WARPS][32 * SMP_PER];
         float *wq = queue[warp];
         int n = 0;
 #pragma unroll
@@ -1149,11 +1156,11 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_gather_kernel(const float *x,
         unsigned base = 0;
         if (lane == 0) base = atomicAdd(&p->ncand, (unsigned)__popc(bal));
         base = __shfl_sync(FULL, base, 0);
-        if (in) out[base + __popc(bal & ((1u << lane) - 1u))] = (unsigned long long)kd_float_key(v[j]) << 32 | (0xffffffffu - (uint32_t)i);
+        if (in) out[base + __popc(bal & ((1u << lane) - 1u))] = smp_cand(kd_float_key(v[j]), i);
     }
     if (blo > 0)   /* uniform over the block */
-        slice_mass(smp_mass(p->m, T, qmin), v, [&](int i, float val) { return i < hi && bin_of(val) < blo; }, true,
-                   pw + (size_t)blockIdx.y * gridDim.x + blockIdx.x);
+        slice_mass<true>(smp_mass(p->m, T, qmin), v, [&](int i, float val) { return i < hi && bin_of(val) < blo; },
+                         pw + (size_t)blockIdx.y * gridDim.x + blockIdx.x);
 }
 
 /* the cut from a fast plan's gathered ids (false: the plan is not fast); sh.cand[0..nkept) are
@@ -1185,7 +1192,7 @@ __device__ bool cut_by_bins(const smp_mass &mass, int top_k, float top_p, bool t
         for (int j = 0; j < PER; j++) {
             const int c = tid * PER + j;
             const unsigned long long e = c <= ik ? sh.cand[c] : 0ull;
-            q[j] = kd_u128_of(c <= ik ? mass(kd_float_of_key((uint32_t)(e >> 32))) : 0u);
+            q[j] = kd_u128_of(c <= ik ? mass(kd_float_of_key(smp_cand_key(e))) : 0u);
             part = kd_u128_add(part, q[j]);
         }
         kd_u128 total;
@@ -1203,8 +1210,8 @@ __device__ bool cut_by_bins(const smp_mass &mass, int top_k, float top_p, bool t
     }
     __syncthreads();
     const int c = sh.cut;   /* found: the candidates through ik reach G (the mass through the k-th is S) */
-    *ckey = (uint32_t)(sh.cand[c] >> 32);
-    *cid = (int)(0xffffffffu - (uint32_t)(sh.cand[c] & 0xffffffffull));
+    *ckey = smp_cand_key(sh.cand[c]);
+    *cid = smp_cand_id(sh.cand[c]);
     *nkept = c + 1;   /* with lo = 0, every kept id */
     return true;
 }
@@ -1218,7 +1225,7 @@ __device__ int draw_from_candidates(const float *xr, int nk, const smp_mass &mas
     int np = 1;
     while (np < nk) np <<= 1;
     for (int j = tid; j < np; j += SMP_THREADS)   /* ids; the padding (~0) sorts last */
-        sh.cand[j] = j < nk ? (unsigned long long)(0xffffffffu - (uint32_t)(sh.cand[j] & 0xffffffffull)) : ~0ull;
+        sh.cand[j] = j < nk ? (unsigned long long)smp_cand_id(sh.cand[j]) : ~0ull;
     if (tid == 0) sh.first = INT_MAX;
     __syncthreads();
     bitonic_sort(sh.cand, np, false);
@@ -1404,7 +1411,8 @@ __device__ void smp_report_bad(const float *xr, int bad, int row, int32_t *out, 
 /* slice blockIdx.x of row blockIdx.y's kept mass (every id without cuts; with them, the ids of
  * the row's cut, for SMP_DRAW_PASS rows), into pw (rows x gridDim.x); rows with a bad logit or no
  * finite one, and the others with cuts, are left out (smp_draw_kernel does not read their pw, or
- * the gather and the cut wrote it) */
+ * the gather and the cut wrote it). QUEUED (slice_mass): the sampler has a cut or a min-p floor. */
+template <bool QUEUED>
 __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, long long ld, int V, double T,
                                                                uint64_t qmin, const smp_max_part *pm,
                                                                const smp_cut *cuts, kd_u128 *pw) {
@@ -1417,8 +1425,8 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, l
     if (!smp_row_rule(pm + (size_t)blockIdx.y * S, S, T, qmin, mass, bad)) return;
     float xv[SMP_PER];
     slice_values(x + (size_t)blockIdx.y * (size_t)ld, V, xv);
-    slice_mass(mass, xv, [&](int i, float v) { return i < V && smp_kept(c, i, kd_float_key(v)); }, c || qmin,
-               pw + (size_t)blockIdx.y * S + blockIdx.x);
+    slice_mass<QUEUED>(mass, xv, [&](int i, float v) { return i < V && smp_kept(c, i, kd_float_key(v)); },
+                       pw + (size_t)blockIdx.y * S + blockIdx.x);
 }
 
 /* With top-k / top-p, one block per row after smp_max_kernel (pm), smp_plan_kernel (plans) and
@@ -1455,10 +1463,10 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_cut_kernel(const float *x,
         kd_u128 *pr = pw + (size_t)row * S;
         for (int j = tid; j < nkept; j += SMP_THREADS) {
             const unsigned long long e = sh.cand[j];
-            const int id = (int)(0xffffffffu - (uint32_t)(e & 0xffffffffull));
+            const int id = smp_cand_id(e);
             u128_atomic_add(reinterpret_cast<unsigned long long *>(&pr[id / SMP_SLICE].lo),
                             reinterpret_cast<unsigned long long *>(&pr[id / SMP_SLICE].hi), 0,
-                            kd_u128_of(mass(kd_float_of_key((uint32_t)(e >> 32)))));
+                            kd_u128_of(mass(kd_float_of_key(smp_cand_key(e)))));
         }
         draw = SMP_DRAW_GATHERED;
     }
@@ -1660,8 +1668,8 @@ extern "C" kd_status kd_cuda_sample_rows(kd_backend *be, kd_act x, const kd_samp
                                  xr.ld, xr.cols, T, sp->top_k, sp->top_p, qmin, sp->seed, pm, S, plans, cand, pw,
                                  pos + r0, pos_offset, cuts, out + r0, code + r0));
         }
-        KD_TRY(kd_launch_pdl("smp_mass_kernel", smp_mass_kernel, grid, SMP_THREADS, 0, c->stream, xd, xr.ld, xr.cols, T,
-                             qmin, pm, cuts, pw));
+        KD_TRY(kd_launch_pdl("smp_mass_kernel", cut || qmin ? smp_mass_kernel<true> : smp_mass_kernel<false>, grid,
+                             SMP_THREADS, 0, c->stream, xd, xr.ld, xr.cols, T, qmin, pm, cuts, pw));
         KD_TRY(kd_launch_pdl("smp_draw_kernel", smp_draw_kernel, xr.rows, SMP_THREADS, SMP_SMEM, c->stream, xd, xr.ld,
                              xr.cols, T, qmin, sp->seed, pm, cuts, pw, S, pos + r0, pos_offset, out + r0, code + r0));
     }

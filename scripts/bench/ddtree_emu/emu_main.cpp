@@ -77,7 +77,10 @@ static void test_sample(int V, int kind, const kd_sampler &sp, int rows) {
                               cand.data(), pw.data(), pos.data(), 0, cuts.data(), out.data(), code.data());
         });
     }
-    launch(S, SMP_THREADS, [&] { smp_mass_kernel(x.data(), V, V, T, qmin, pm.data(), cp, pw.data()); }, rows);
+    launch(S, SMP_THREADS, [&] {
+        if (cut || qmin) smp_mass_kernel<true>(x.data(), V, V, T, qmin, pm.data(), cp, pw.data());
+        else smp_mass_kernel<false>(x.data(), V, V, T, qmin, pm.data(), cp, pw.data());
+    }, rows);
     launch(rows, SMP_THREADS, [&] {
         smp_draw_kernel(x.data(), V, V, T, qmin, sp.seed, pm.data(), cp, pw.data(), S, pos.data(), 0, out.data(),
                         code.data());
