@@ -63,6 +63,11 @@ static kd_status backend_wait(void) { return be->ops->sync(be); }
 /* the backend's ops, waited for on its stream */
 static double time_it(bench_fn fn, void *arg, int n) { return time_with(fn, arg, n, backend_wait); }
 
+/* the round's flat logits: h[0..n) uniform in [0, 16), from the LCG state *sd */
+static void fill_flat(float *h, size_t n, uint32_t *sd) {
+    for (size_t i = 0; i < n; i++) { *sd = *sd * 1664525u + 1013904223u; h[i] = (float)(*sd >> 8) / 1048576.0f; }
+}
+
 static void *dev_random_bf16(size_t n) {
     uint16_t *h = malloc(n * 2);
     uint32_t s = 12345;
@@ -291,7 +296,7 @@ static void bench_sample(int rows) {
     float *hx = malloc((size_t)rows * V * 4);
     int32_t *hp = malloc((size_t)rows * sizeof(int32_t));
     uint32_t sd = 4242;
-    for (size_t i = 0; i < (size_t)rows * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
+    fill_flat(hx, (size_t)rows * V, &sd);
     for (int r = 0; r < rows; r++) hp[r] = 1000 + r;
     sample_arg a = {.logits = {NULL, rows, V, V, KD_F32}};
     CK(be->ops->alloc(be, (size_t)rows * V * 4, &a.logits.data));
@@ -323,12 +328,12 @@ static void bench_round(const char *md_path) {
     CK(be->ops->alloc(be, (size_t)L * V * 4, &x));
     CK(be->ops->alloc(be, (size_t)L * V * 4, &xp));
     CK(be->ops->alloc(be, (size_t)(256 + 1) * V * 4, &lg));
-    for (size_t i = 0; i < (size_t)L * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
+    fill_flat(hx, (size_t)L * V, &sd);
     CK(be->ops->upload(be, x, hx, (size_t)L * V * 4));
     for (int d = 0; d < L; d++)
         for (int k = 0; k < 8; k++) { sd = sd * 1664525u + 1013904223u; hx[(size_t)d * V + (sd >> 8) % V] = 30.0f - 2 * k; }
     CK(be->ops->upload(be, xp, hx, (size_t)L * V * 4));
-    for (size_t i = 0; i < (size_t)(256 + 1) * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
+    fill_flat(hx, (size_t)(256 + 1) * V, &sd);
     CK(be->ops->upload(be, lg, hx, (size_t)(256 + 1) * V * 4));
     free(hx);
     kd_act lp = {x, L, V, V, KD_F32};
@@ -521,7 +526,7 @@ int main(int argc, char **argv) {
         CK(be->ops->alloc(be, (size_t)L * V * 4, (void **)&x));
         float *hx = malloc((size_t)L * V * 4);
         uint32_t sd = 777;
-        for (size_t i = 0; i < (size_t)L * V; i++) { sd = sd * 1664525u + 1013904223u; hx[i] = (float)(sd >> 8) / 1048576.0f; }
+        fill_flat(hx, (size_t)L * V, &sd);
         CK(be->ops->upload(be, x, hx, (size_t)L * V * 4));
         free(hx);
         a.x = (kd_act){x, L, V, V, KD_F32};
