@@ -558,6 +558,15 @@ struct TcShape { int rg, kw, vs; };
 static inline bool tc_fills_half(long long rows) { return rows * 2 > TC_ROWS * ((rows + TC_ROWS - 1) / TC_ROWS); }
 /* the blocks of shape s that rows (query, head) pairs take (a shared launch's grid y; a tail query's blocks) */
 static inline int tc_row_blocks(long long rows, TcShape s) { return (int)((rows + s.rg * 16 - 1) / (s.rg * 16)); }
+/* value slices of a DVP-dim block: vs_mode's forced count (0: none), or the rule's (8), doubling
+ * while more(vs) holds; at most DVP / 128 */
+template <class F> static inline int tc_value_slices(int DVP, int vs_mode, F more) {
+    const int vs_max = DVP / 128;
+    int vs = vs_mode == 0 ? 1 : vs_mode;
+    if (vs_mode == 8)
+        for (vs = 1; vs < vs_max && more(vs);) vs *= 2;
+    return vs < vs_max ? vs : vs_max;
+}
 static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int DVP, int HDP, bool async,
                                bool wide_fits, int n_sms, size_t smem_optin, int rg_forced, int vs_mode) {
     TcShape s = {4, 2, 1};
@@ -574,24 +583,15 @@ static inline TcShape tc_shape(long long ncq, int T, int G, int n_kv_heads, int 
         /* value slices while the grid stays within one block an SM (a wide block takes most of an
          * SM's shared memory) */
         s.kw = 8;
-        const int vs_max = DVP / 128;
-        if (vs_mode != 8) s.vs = vs_mode == 0 ? 1 : vs_mode;
-        else
-            while (s.vs < vs_max && blocks4 * s.vs * 2 <= n_sms) s.vs *= 2;
-        if (s.vs > vs_max) s.vs = vs_max;
+        s.vs = tc_value_slices(DVP, vs_mode, [&](int vs) { return blocks4 * vs * 2 <= n_sms; });
         return s;
     }
     if (s.rg == 4 && tc_smem_bytes(HDP, 4) > smem_optin) s.rg = 1;   /* e.g. sm_120's 99 KB */
     if (s.rg == 1 && vs_mode != 0 && async && DVP >= 128 && tc_smem_bytes(HDP, 1, 8) <= smem_optin &&
         tc_scores_smem_bytes(HDP) <= smem_optin) {
         s.kw = 8;
-        const int vs_max = DVP / 128;
-        if (vs_mode != 8) s.vs = vs_mode;
-        else {
-            const long long blocks1 = ncq * (((long long)T * G + 15) / 16) * n_kv_heads;
-            while (s.vs < vs_max && blocks1 * s.vs < 2LL * n_sms) s.vs *= 2;
-        }
-        if (s.vs > vs_max) s.vs = vs_max;
+        const long long blocks1 = ncq * ((rows + 15) / 16) * n_kv_heads;
+        s.vs = tc_value_slices(DVP, vs_mode, [&](int vs) { return blocks1 * vs < 2LL * n_sms; });
     }
     return s;
 }
