@@ -2,17 +2,18 @@
  * shared word for word by the host (core/sample.c) and the device (cuda/ddtree.cu), so that
  * both give bit-identical tokens.
  *
- * Every step is either an IEEE-754 operation with one rounding (+, -, *, /, fma, rint,
- * ldexp of a normal result) or integer arithmetic:
- *  - kd_rule_exp: exp(a) for a <= 0 by Cody-Waite reduction (k = rint(a / ln2), r = a - k ln2
- *    with two fma) and a degree-13 Taylor polynomial in Horner form with fma, then ldexp.
+ * Every step is either an IEEE-754 operation with one rounding (+, -, *, /, fma) or integer
+ * arithmetic:
+ *  - exp(a) for a <= 0 (kd_rule_exp_parts) by Cody-Waite reduction (k = rint(a / ln2), r = a -
+ *    k ln2 with two fma) and a degree-13 Taylor polynomial p in Horner form with fma; w = p 2^k.
  *    Below a = -708 the weight is 0 (the result would leave the normal range). Accuracy is a
  *    few ulp; what matters is that it is the same function on both sides (no library exp:
  *    glibc's and CUDA's differ in the last bit). On the device the non-fma steps use the
  *    __d*_rn intrinsics so nvcc cannot contract them into fma; on the host C11 (-std=c11)
  *    does not contract either, and fma() is the C library's correctly rounded fma.
  *  - kd_rule_mass: a token's mass q = trunc(w * 2^62) with w = exp(x/T - m/T) in double, an
- *    integer in [0, 2^62]; the top token has w = 1 exactly, so q = 2^62.
+ *    integer in [0, 2^62] (read off p's bits: w * 2^62 is exact); the top token has w = 1
+ *    exactly, so q = 2^62.
  *  - masses are summed exactly in 128-bit integers (kd_u128), so every sum is independent of
  *    the order of summation: a parallel reduction gives the host's value.
  *  - the draw: U = the top 53 bits of the keyed SplitMix64 word; target = floor(U * W / 2^53)
@@ -25,12 +26,14 @@
  *  - top-p: G = max(1, ceil(S * P / 2^32)) with P = trunc(top_p * 2^32) and S the mass kept
  *    by top-k and min-p; the nucleus is the shortest prefix (logit descending, id ascending)
  *    whose mass reaches G.
- * Not part of any public contract; include it only from sample.c, cuda/ddtree.cu and the
- * argmax ops (cpu/cpu_elementwise.c, cuda/tree.cu: kd_rule_logit_code). */
+ * Not part of any public contract; include it only where the rule is computed or checked:
+ * core/sample.c, core/drafter.c, the backends' sampling and argmax ops (cpu/, cuda/ddtree.cu,
+ * cuda/tree.cu) and the test surface. */
 #ifndef KD_SAMPLE_RULE_H
 #define KD_SAMPLE_RULE_H
 #include <stdint.h>
 #include <math.h>
+#include <string.h>
 
 #ifdef __CUDACC__
 #define KD_RULE_FN static __host__ __device__ __forceinline__
@@ -42,10 +45,12 @@
 #define KD_RULE_MUL(a, b) __dmul_rn((a), (b))
 #define KD_RULE_DIV(a, b) __ddiv_rn((a), (b))
 #define KD_RULE_SUB(a, b) __dsub_rn((a), (b))
+#define KD_RULE_ADD(a, b) __dadd_rn((a), (b))
 #else
 #define KD_RULE_MUL(a, b) ((a) * (b))
 #define KD_RULE_DIV(a, b) ((a) / (b))
 #define KD_RULE_SUB(a, b) ((a) - (b))
+#define KD_RULE_ADD(a, b) ((a) + (b))
 #endif
 
 /* error codes of one row: kind | column << 2 (0 = fine) */
@@ -72,11 +77,27 @@ KD_RULE_FN uint64_t kd_rule_u53(uint64_t seed, int64_t position) {
 }
 
 /* ---- exp on (-inf, 0] ---- */
-KD_RULE_FN double kd_rule_exp(double a) {
-    if (!(a >= -708.0)) return 0.0;                       /* also -inf */
-    double k = rint(KD_RULE_MUL(a, 0x1.71547652b82fep+0)); /* a / ln2 */
-    double r = fma(-k, 0x1.62e42fee00000p-1, a);          /* ln2 high part (k * hi is exact) */
-    r = fma(-k, 0x1.a39ef35793c76p-33, r);                /* ln2 low part */
+/* a double's bits (the device reads them from the register; the host through memcpy) */
+KD_RULE_FN uint64_t kd_rule_bits(double d) {
+#if defined(__CUDA_ARCH__)
+    return (uint64_t)__double_as_longlong(d);
+#else
+    uint64_t u;
+    memcpy(&u, &d, sizeof u);
+    return u;
+#endif
+}
+/* exp(a) = p * 2^k for a in [-708, 0] (p about [0.7, 1.42]). k = rint(a / ln2) is found by adding
+ * and subtracting 1.5 * 2^52: for |y| < 2^51 the sum rounds y to an integer, ties to even as rint
+ * does, and the subtraction is exact; the sum's low 32 bits are k itself. Neither step is a
+ * conversion instruction, which the device issues at a quarter of its fp64 rate. */
+KD_RULE_FN double kd_rule_exp_parts(double a, int *k) {
+    const double shift = 0x1.8p52;
+    const double s = KD_RULE_ADD(KD_RULE_MUL(a, 0x1.71547652b82fep+0), shift); /* a / ln2 + shift */
+    const double kf = KD_RULE_SUB(s, shift);
+    *k = (int32_t)(uint32_t)kd_rule_bits(s);
+    double r = fma(-kf, 0x1.62e42fee00000p-1, a);         /* ln2 high part (k * hi is exact) */
+    r = fma(-kf, 0x1.a39ef35793c76p-33, r);               /* ln2 low part */
     double p = 0x1.6124613a86d09p-33;                     /* 1/13! */
     p = fma(p, r, 0x1.1eed8eff8d898p-29);                 /* 1/12! */
     p = fma(p, r, 0x1.ae64567f544e4p-26);                 /* 1/11! */
@@ -90,17 +111,23 @@ KD_RULE_FN double kd_rule_exp(double a) {
     p = fma(p, r, 0x1.5555555555555p-3);                  /* 1/3! */
     p = fma(p, r, 0.5);
     p = fma(p, r, 1.0);
-    p = fma(p, r, 1.0);
-    return ldexp(p, (int)k);                              /* k >= -1021: a normal result, exact */
+    return fma(p, r, 1.0);
 }
 
 /* x / T; a division by 1 is exact, so T = 1 skips it (the device's division is a long sequence) */
 KD_RULE_FN double kd_rule_scaled(float x, double T) { return T == 1.0 ? (double)x : KD_RULE_DIV((double)x, T); }
-/* a token's mass: trunc(exp(x/T - z) * 2^62), z = m/T for the row max m */
+/* a token's mass: trunc(exp(x/T - z) * 2^62), z = m/T for the row max m; 0 below a = -708 (and
+ * for -inf). With p = M * 2^(E - 52) (M its 53-bit significand), w = p * 2^k is normal (k >=
+ * -1021), so w * 2^62 = M * 2^(E + k + 10) exactly and its trunc is M shifted: integer steps,
+ * not ldexp and a conversion. */
 KD_RULE_FN uint64_t kd_rule_mass(float x, double T, double z) {
-    double a = KD_RULE_SUB(kd_rule_scaled(x, T), z);
-    double w = kd_rule_exp(a);
-    return (uint64_t)KD_RULE_MUL(w, 0x1p62);
+    const double a = KD_RULE_SUB(kd_rule_scaled(x, T), z);
+    if (!(a >= -708.0)) return 0;
+    int k;
+    const uint64_t u = kd_rule_bits(kd_rule_exp_parts(a, &k));
+    const uint64_t M = (u & 0xfffffffffffffull) | 0x10000000000000ull;
+    const int s = (int)(u >> 52) - 1023 + k + 10;
+    return s >= 0 ? M << s : s > -64 ? M >> -s : 0;
 }
 KD_RULE_FN double kd_rule_zmax(float m, double T) { return kd_rule_scaled(m, T); }
 /* the min-p floor Q = ceil(min_p * 2^62) for 0 < min_p <= 1 (exact: a power-of-two scaling of a

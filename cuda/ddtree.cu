@@ -869,24 +869,35 @@ __device__ kd_u128 warp_prefix(const F &f, int b) {
 }
 
 /* a token's mass under the rule (sample_rule.h) with min-p: below qmin it is 0. A logit far below
- * the max has mass 0 without the exp: ap = (x - m) / T in double and the rule's own a = x/T - m/T
- * are each within (|x| + |m|) / T * 2^-51 of the exact value, so ap + err (err twice that and more)
- * below afloor means the rule's a is too. afloor is -44 (exp < 2^-63: trunc(w * 2^62) = 0), or
- * with min-p log(Q * 2^-62) less 2^-30 (exp(a) < Q * 2^-62: q < Q), the polynomial being within a
- * few ulp of exp and the device's log within one. */
+ * the max has mass 0 without the exp, found in float where it can be and in double where not.
+ * afloor is -44 (exp < 2^-63: trunc(w * 2^62) = 0), or with min-p log(Q * 2^-62) less 2^-30
+ * (exp(a) < Q * 2^-62: q < Q), the polynomial being within a few ulp of exp and the device's log
+ * within one. Against the exact e = (x - m) / T the rule's a = x/T - m/T errs by at most
+ * (|x| + |m|) / T * 2^-52.
+ *  - float: d = (m - x) * (1/T) errs from -e by under 2^-22 of it (three roundings), so where
+ *    (|x| + |m|) / T < 2^41 (a's error under 2^-11), d > (-afloor + 2^-9)(1 + 2^-19) puts a below
+ *    afloor. 1/T must be a normal float (T < 2^100) for those bounds.
+ *  - double: ap = (x - m) / T is within (|x| + |m|) / T * 2^-51 of e, so ap + err (err twice that
+ *    and more) below afloor puts a below it too.
+ * A value neither test rules out gets its exp: a "maybe" that is 0 costs time, never a mass. */
 struct smp_mass {
-    float m;
+    float m, invTf, thrf;
     double T, z, invT, afloor;
     uint64_t qmin;
     smp_mass() = default;
     __device__ smp_mass(float m_, double T_, uint64_t qmin_)
-        : m(m_), T(T_), z(kd_rule_zmax(m_, T_)), invT(1.0 / T_),
-          afloor(qmin_ ? fmax(-44.0, log(ldexp((double)qmin_, -62)) - 0x1p-30) : -44.0), qmin(qmin_) {}
+        : m(m_), invTf(T_ < 0x1p100 ? (float)(1.0 / T_) : 0.0f), T(T_), z(kd_rule_zmax(m_, T_)), invT(1.0 / T_),
+          afloor(qmin_ ? fmax(-44.0, log(ldexp((double)qmin_, -62)) - 0x1p-30) : -44.0), qmin(qmin_) {
+        thrf = __double2float_ru((-afloor + 0x1p-9) * (1.0 + 0x1p-19));
+    }
     /* false: v's mass is 0 for sure (no exp needed) */
     __device__ __forceinline__ bool maybe(float v) const {
         if (v == -INFINITY) return false;
-        const double ap = ((double)v - (double)m) * invT;
-        const double err = ((double)fabsf(v) + (double)fabsf(m)) * invT * 0x1p-48;
+        if (!((m - v) * invTf > thrf)) return true;   /* near the max (or invTf = 0): the exp decides */
+        if ((fabsf(v) + fabsf(m)) * invTf < 0x1p40f) return false;
+        const double vd = (double)v;
+        const double ap = (vd - (double)m) * invT;
+        const double err = (fabs(vd) + (double)fabsf(m)) * invT * 0x1p-48;
         return ap + err >= afloor;
     }
     /* the mass of a value maybe() let through */

@@ -3,7 +3,7 @@
 -- with u = uniform(seed, position). Frequencies over many positions/seeds must match
 -- the distribution the rule defines (a chi-square bound), truncation must exclude
 -- exactly the right tokens, and the draw must be a pure function of (seed, position).
-package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+package.path = "lua/?.lua;lua/?/init.lua;spec/?.lua;" .. package.path
 local kd = require("kdtree")
 local ffi = require("ffi")
 local C = kd.C
@@ -237,6 +237,16 @@ describe("keyed sampling: determinism", function()
       assert.is_true(t == 99999 or t == 123)
     end
     assert.is_true(seen[99999] and seen[123])
+  end)
+end)
+
+describe("keyed sampling: the mass's arithmetic (core/sample_rule.h)", function()
+  it("kd_rule_mass equals the rule written with libm's rint, ldexp and a conversion, value for value", function()
+    local T = require("helpers.testlib")
+    local checked = ffi.new("long[1]")
+    local bad = T.C.kd_test_rule_mass_mismatches(3000000, 12345, checked)
+    assert.is_true(tonumber(checked[0]) > 3000000, "values compared: " .. tonumber(checked[0]))
+    assert.are.equal(0, tonumber(bad))
   end)
 end)
 

@@ -8,10 +8,12 @@
 #include "cpu/cpu.h"
 #include "model.h"
 #include "sample.h"
+#include "sample_rule.h"
 #include "comm.h"
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 struct kd_test_backend {
     kd_backend *be;
@@ -597,6 +599,49 @@ kd_status kd_test_sample_shards(const float *row, int vocab, int n_shards, const
     free(q);
     free(a);
     return st;
+}
+
+/* the rule's exp as sample_rule.h first wrote it: rint, ldexp, the product converted */
+static uint64_t rule_mass_libm(float x, double T, double z) {
+    const double a = kd_rule_scaled(x, T) - z;
+    if (!(a >= -708.0)) return 0;
+    const double k = rint(a * 0x1.71547652b82fep+0);
+    double r = fma(-k, 0x1.62e42fee00000p-1, a);
+    r = fma(-k, 0x1.a39ef35793c76p-33, r);
+    static const double c[] = {0x1.6124613a86d09p-33, 0x1.1eed8eff8d898p-29, 0x1.ae64567f544e4p-26,
+                               0x1.27e4fb7789f5cp-22, 0x1.71de3a556c734p-19, 0x1.a01a01a01a01ap-16,
+                               0x1.a01a01a01a01ap-13, 0x1.6c16c16c16c17p-10, 0x1.1111111111111p-7,
+                               0x1.5555555555555p-5,  0x1.5555555555555p-3,  0.5, 1.0, 1.0};
+    double p = c[0];
+    for (int i = 1; i < 14; i++) p = fma(p, r, c[i]);
+    return (uint64_t)(ldexp(p, (int)k) * 0x1p62);
+}
+
+long kd_test_rule_mass_mismatches(long n, uint64_t seed, long *checked) {
+    static const double Ts[] = {1.0, 0.8, 0.7, 1.3, 0.01, 100.0};
+    long bad = 0, done = 0;
+    uint64_t s = seed;
+    for (long i = 0; i < n; i++) {
+        s = kd_rule_mix64(s + (uint64_t)i);
+        const double T = Ts[i % 6];
+        const float m = (float)((int64_t)(s >> 20) % 4000) / 16.0f;
+        float x = m - (float)((s >> 1) % 100000) / 1000.0f * (float)(1 + (s >> 50) % 20);
+        if (i % 7 == 0) x = m - (float)(i % 1000) * 0x1p-20f;
+        if (i % 11 == 0) {
+            const uint32_t u = (uint32_t)(s >> 7);
+            memcpy(&x, &u, 4);
+            if (x != x || isinf(x) || x > m) x = m;
+        }
+        const double z = kd_rule_zmax(m, T);
+        bad += kd_rule_mass(x, T, z) != rule_mass_libm(x, T, z);
+        done++;
+    }
+    for (double a = -708.5; a <= 0.0; a += 0x1p-12) {   /* x = 0, z = -a */
+        bad += kd_rule_mass(0.0f, 1.0, -a) != rule_mass_libm(0.0f, 1.0, -a);
+        done++;
+    }
+    if (checked) *checked = done;
+    return bad;
 }
 
 typedef struct comm_job {

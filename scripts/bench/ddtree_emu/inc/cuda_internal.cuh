@@ -77,6 +77,7 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline long long __double_as_longlong(double d) { long long u; std::memcpy(&u, &d, 8); return u; }
 inline double __longlong_as_double(long long u) { double d; std::memcpy(&d, &u, 8); return d; }
 inline double __dadd_rn(double a, double b) { return a + b; }
+inline float __double2float_ru(double d) { float f = (float)d; return (double)f < d ? std::nextafter(f, INFINITY) : f; }
 inline double __dsub_rn(double a, double b) { return a - b; }
 inline unsigned atomicAdd(unsigned *p, unsigned v) { std::lock_guard<std::mutex> g(emu_atomic_mu); unsigned o = *p; *p = o + v; return o; }
 inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) { std::lock_guard<std::mutex> g(emu_atomic_mu); auto o = *p; *p = o + v; return o; }
