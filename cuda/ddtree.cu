@@ -696,7 +696,7 @@ struct smp_shared {
     unsigned int hcnt[256];                              /* radix histograms: counts (fallback) */
     unsigned long long hlo[256], hhi[256];               /* radix histograms: masses (fallback) */
     unsigned int bcnt[SMP_BINS];                         /* fast path's plan: counts by bin */
-    unsigned long long blo[SMP_BINS], bhi[SMP_BINS];     /* fast path's plan: masses by bin */
+    unsigned long long blo[SMP_BINS], bhi[SMP_BINS];     /* fast path's plan: masses by bin (sums of 32-bit halves) */
     unsigned long long cand[SMP_CAP];                    /* fast path: (key << 32 | ~id), sorted descending */
     unsigned long long tlo[SMP_TILES], thi[SMP_TILES];   /* segment sums of a prefix search */
     int sel_d;
@@ -968,8 +968,11 @@ __device__ __forceinline__ void slice_values(const float *xr, int V, float *xv) 
 
 /* For a sampler with top-k / top-p: slice blockIdx.x of row blockIdx.y's counts by bin (all but
  * the last bin's) and, where smp_bin_mass, masses by bin, added into the row's SMP_BINS entries of
- * gcnt / glo / ghi (zeroed by the caller; integer sums, so the order of the adds does not matter);
- * a warp whose lanes share a bin adds once. Rows with a bad logit or no finite one are left out. */
+ * gcnt / glo / ghi (zeroed by the caller). A mass q < 2^63 is added as its two 32-bit halves, each
+ * into a 64-bit sum (glo: the low halves, ghi: the high ones; a row of at most 2^29 ids cannot
+ * carry out of them), so no add needs the old value back for a carry: the adds are fire-and-forget
+ * reductions, and integer sums, in any order. A warp whose lanes share a bin adds once. Rows with a
+ * bad logit or no finite one are left out. */
 __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, long long ld, int V, double T,
                                                                uint64_t qmin, bool bin_mass, const smp_max_part *pm,
                                                                unsigned int *gcnt, unsigned long long *glo,
@@ -998,25 +1001,29 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, l
         }
         const bool counted = b < SMP_BINS - 1;
         const int b0 = __shfl_sync(FULL, b, 0);
+        unsigned long long ql = q & 0xffffffffu, qh = q >> 32;
         if (__ballot_sync(FULL, counted && b == b0) == FULL) {
-            const kd_u128 s = warp_sum_u128(kd_u128_of(q));
+            for (int o = 16; o > 0; o >>= 1) {
+                ql += __shfl_xor_sync(FULL, ql, o);
+                qh += __shfl_xor_sync(FULL, qh, o);
+            }
             if (lane == 0) {
                 atomicAdd(&bcnt[b0], 32u);
-                u128_atomic_add(blo, bhi, b0, s);
+                if (ql) atomicAdd(&blo[b0], ql);
+                if (qh) atomicAdd(&bhi[b0], qh);
             }
         } else if (counted) {
             atomicAdd(&bcnt[b], 1u);
-            u128_atomic_add(blo, bhi, b, kd_u128_of(q));
+            if (ql) atomicAdd(&blo[b], ql);
+            if (qh) atomicAdd(&bhi[b], qh);
         }
     }
     __syncthreads();
     const size_t o = (size_t)blockIdx.y * SMP_BINS;
     for (int b = tid; b < SMP_BINS; b += SMP_THREADS) {
         if (bcnt[b]) atomicAdd(&gcnt[o + b], bcnt[b]);
-        kd_u128 v;
-        v.lo = blo[b];
-        v.hi = bhi[b];
-        u128_atomic_add(glo + o, ghi + o, b, v);
+        if (blo[b]) atomicAdd(&glo[o + b], blo[b]);
+        if (bhi[b]) atomicAdd(&ghi[o + b], bhi[b]);
     }
 }
 
@@ -1063,7 +1070,12 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_plan_kernel(int V, double T, 
     }());
     const unsigned int tail = (unsigned)V - (unsigned)counted.lo;
     auto cnt = [&](int b) { return kd_u128_of(b < SMP_BINS - 1 ? sh.bcnt[b] : tail); };
-    auto mas = [&](int b) { kd_u128 r; r.lo = sh.blo[b]; r.hi = sh.bhi[b]; return r; };
+    auto mas = [&](int b) {   /* the bin's high halves' sum * 2^32 + its low halves' */
+        kd_u128 r;
+        r.lo = (sh.bhi[b] << 32) + sh.blo[b];
+        r.hi = (sh.bhi[b] >> 32) + (r.lo < sh.blo[b] ? 1u : 0u);
+        return r;
+    };
     kd_u128 ignore;
     int lo, hi;
     if (topk) {
