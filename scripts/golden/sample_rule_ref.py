@@ -48,8 +48,8 @@ def fma(a, b, c):
     return r.numerator / r.denominator
 
 
-# the documented exp on (-inf, 0] (sample_rule.h kd_rule_exp_parts and kd_rule_mass: reduction by ln2 in two parts,
-# degree-13 Taylor polynomial by Horner with fused multiply-adds, scaled by 2^k)
+# the documented exp on (-inf, 0] (sample_rule.h kd_rule_exp_parts and kd_rule_mass: reduction by
+# ln2 in two parts, degree-13 Taylor polynomial by Horner with fused multiply-adds, scaled by 2^k)
 INV_LN2 = float.fromhex("0x1.71547652b82fep+0")
 LN2_HI = float.fromhex("0x1.62e42fee00000p-1")
 LN2_LO = float.fromhex("0x1.a39ef35793c76p-33")
