@@ -185,13 +185,13 @@ int32_t kd_sample_shards_code(const kd_shard *sh, int ns, const kd_sampler *sp, 
         V += sh[k].n;
     }
     if (isinf(m)) return KD_SAMPLE_ERR_ALLNEG;
-    double z = kd_rule_zmax(m, T);
+    const kd_rule_row row = kd_rule_row_of(m, T);
     const uint64_t qmin = kd_rule_min_p_floor(sp->min_p);
     kd_u128 total = kd_u128_of(0), mass[KD_TP_MAX];
     for (int k = 0; k < ns; k++) {
         mass[k] = kd_u128_of(0);
         for (int i = 0; i < sh[k].n; i++) {
-            uint64_t w = kd_rule_mass(sh[k].x[i], T, z);
+            uint64_t w = kd_rule_mass(sh[k].x[i], row);
             if (w < qmin) w = 0;
             q[sh[k].id0 + i] = w;
             mass[k] = kd_u128_add64(mass[k], w);

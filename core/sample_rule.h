@@ -11,9 +11,10 @@
  *    glibc's and CUDA's differ in the last bit). On the device the non-fma steps use the
  *    __d*_rn intrinsics so nvcc cannot contract them into fma; on the host C11 (-std=c11)
  *    does not contract either, and fma() is the C library's correctly rounded fma.
- *  - kd_rule_mass: a token's mass q = trunc(w * 2^62) with w = exp(x/T - m/T) in double, an
- *    integer in [0, 2^62] (read off p's bits: w * 2^62 is exact); the top token has w = 1
- *    exactly, so q = 2^62.
+ *  - kd_rule_mass: a token's mass q = trunc(w * 2^62) with w = exp(x/T - m/T) in double (x/T
+ *    and m/T rounded to nearest, found without a division: kd_rule_scaled), an integer in
+ *    [0, 2^62] (read off p's bits: w * 2^62 is exact); the top token has w = 1 exactly, so
+ *    q = 2^62.
  *  - masses are summed exactly in 128-bit integers (kd_u128), so every sum is independent of
  *    the order of summation: a parallel reduction gives the host's value.
  *  - the draw: U = the top 53 bits of the keyed SplitMix64 word; target = floor(U * W / 2^53)
@@ -114,14 +115,32 @@ KD_RULE_FN double kd_rule_exp_parts(double a, int *k) {
     return fma(p, r, 1.0);
 }
 
-/* x / T; a division by 1 is exact, so T = 1 skips it (the device's division is a long sequence) */
-KD_RULE_FN double kd_rule_scaled(float x, double T) { return T == 1.0 ? (double)x : KD_RULE_DIV((double)x, T); }
-/* a token's mass: trunc(exp(x/T - z) * 2^62), z = m/T for the row max m; 0 below a = -708 (and
+/* A row's constants under temperature T: invT = RN(1/T) and z = m/T for its max m. */
+typedef struct kd_rule_row { double T, invT, z; } kd_rule_row;
+/* x / T rounded to nearest, without a division per value (the device's is a long sequence): q =
+ * RN(x invT) is within an ulp of x/T, r = x - q T is exact (fma), and RN(q + r invT) is then RN(x/T)
+ * (Markstein's theorem; x and T are floats, so nothing under- or overflows in double). r = 0 keeps
+ * q, whose zero has x's sign as x/T's does. T = 1 is x. */
+KD_RULE_FN double kd_rule_scaled(float x, kd_rule_row row) {
+    if (row.T == 1.0) return (double)x;
+    const double q = KD_RULE_MUL((double)x, row.invT);
+    const double r = fma(-q, row.T, (double)x);
+    return r == 0.0 ? q : fma(r, row.invT, q);
+}
+KD_RULE_FN kd_rule_row kd_rule_row_of(float m, double T) {
+    kd_rule_row row;
+    row.T = T;
+    row.invT = KD_RULE_DIV(1.0, T);
+    row.z = 0.0;
+    row.z = kd_rule_scaled(m, row);
+    return row;
+}
+/* a token's mass: trunc(exp(x/T - z) * 2^62) under its row's constants; 0 below a = -708 (and
  * for -inf). With p = M * 2^(E - 52) (M its 53-bit significand), w = p * 2^k is normal (k >=
  * -1021), so w * 2^62 = M * 2^(E + k + 10) exactly and its trunc is M shifted: integer steps,
  * not ldexp and a conversion. */
-KD_RULE_FN uint64_t kd_rule_mass(float x, double T, double z) {
-    const double a = KD_RULE_SUB(kd_rule_scaled(x, T), z);
+KD_RULE_FN uint64_t kd_rule_mass(float x, kd_rule_row row) {
+    const double a = KD_RULE_SUB(kd_rule_scaled(x, row), row.z);
     if (!(a >= -708.0)) return 0;
     int k;
     const uint64_t u = kd_rule_bits(kd_rule_exp_parts(a, &k));
@@ -129,7 +148,6 @@ KD_RULE_FN uint64_t kd_rule_mass(float x, double T, double z) {
     const int s = (int)(u >> 52) - 1023 + k + 10;
     return s >= 0 ? M << s : s > -64 ? M >> -s : 0;
 }
-KD_RULE_FN double kd_rule_zmax(float m, double T) { return kd_rule_scaled(m, T); }
 /* the min-p floor Q = ceil(min_p * 2^62) for 0 < min_p <= 1 (exact: a power-of-two scaling of a
  * float), 0 = off for min_p <= 0; kd_sampler_check rejects NaN and min_p > 1 */
 KD_RULE_FN uint64_t kd_rule_min_p_floor(float min_p) {

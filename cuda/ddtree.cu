@@ -872,21 +872,22 @@ __device__ kd_u128 warp_prefix(const F &f, int b) {
  * the max has mass 0 without the exp, found in float where it can be and in double where not.
  * afloor is -44 (exp < 2^-63: trunc(w * 2^62) = 0), or with min-p log(Q * 2^-62) less 2^-30
  * (exp(a) < Q * 2^-62: q < Q), the polynomial being within a few ulp of exp and the device's log
- * within one. Against the exact e = (x - m) / T the rule's a = x/T - m/T errs by at most
- * (|x| + |m|) / T * 2^-52.
+ * within one. Against the exact e = (x - m) / T the rule's a = RN(RN(x/T) - RN(m/T)) errs by at
+ * most (|x| + |m|) / T * 2^-51 (three roundings).
  *  - float: d = (m - x) * (1/T) errs from -e by under 2^-22 of it (three roundings), so where
- *    (|x| + |m|) / T < 2^41 (a's error under 2^-11), d > (-afloor + 2^-9)(1 + 2^-19) puts a below
- *    afloor. 1/T must be a normal float (T < 2^100) for those bounds.
+ *    (|x| + |m|) / T < 2^41 (a's error under 2^-10), d > (-afloor + 2^-9)(1 + 2^-19) puts a below
+ *    afloor - 2^-10. 1/T must be a normal float (T < 2^100) for those bounds.
  *  - double: ap = (x - m) / T is within (|x| + |m|) / T * 2^-51 of e, so ap + err (err twice that
  *    and more) below afloor puts a below it too.
  * A value neither test rules out gets its exp: a "maybe" that is 0 costs time, never a mass. */
 struct smp_mass {
     float m, invTf, thrf;
-    double T, z, invT, afloor;
+    kd_rule_row row;
+    double afloor;
     uint64_t qmin;
     smp_mass() = default;
-    __device__ smp_mass(float m_, double T_, uint64_t qmin_)
-        : m(m_), invTf(T_ < 0x1p100 ? (float)(1.0 / T_) : 0.0f), T(T_), z(kd_rule_zmax(m_, T_)), invT(1.0 / T_),
+    __device__ smp_mass(float m_, double T, uint64_t qmin_)
+        : m(m_), invTf(T < 0x1p100 ? (float)(1.0 / T) : 0.0f), row(kd_rule_row_of(m_, T)),
           afloor(qmin_ ? fmax(-44.0, log(ldexp((double)qmin_, -62)) - 0x1p-30) : -44.0), qmin(qmin_) {
         thrf = __double2float_ru((-afloor + 0x1p-9) * (1.0 + 0x1p-19));
     }
@@ -896,13 +897,13 @@ struct smp_mass {
         if (!((m - v) * invTf > thrf)) return true;   /* near the max (or invTf = 0): the exp decides */
         if ((fabsf(v) + fabsf(m)) * invTf < 0x1p40f) return false;
         const double vd = (double)v;
-        const double ap = (vd - (double)m) * invT;
-        const double err = (fabs(vd) + (double)fabsf(m)) * invT * 0x1p-48;
+        const double ap = (vd - (double)m) * row.invT;
+        const double err = (fabs(vd) + (double)fabsf(m)) * row.invT * 0x1p-48;
         return ap + err >= afloor;
     }
     /* the mass of a value maybe() let through */
     __device__ __forceinline__ uint64_t exact(float v) const {
-        const uint64_t q = kd_rule_mass(v, T, z);
+        const uint64_t q = kd_rule_mass(v, row);
         return q >= qmin ? q : 0;
     }
     __device__ __forceinline__ uint64_t operator()(float v) const { return maybe(v) ? exact(v) : 0; }

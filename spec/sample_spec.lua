@@ -241,7 +241,7 @@ describe("keyed sampling: determinism", function()
 end)
 
 describe("keyed sampling: the mass's arithmetic (core/sample_rule.h)", function()
-  it("kd_rule_mass equals the rule written with libm's rint, ldexp and a conversion, value for value", function()
+  it("kd_rule_mass equals the rule written with division, libm's rint, ldexp and a conversion, value for value", function()
     local T = require("helpers.testlib")
     local checked = ffi.new("long[1]")
     local bad = T.C.kd_test_rule_mass_mismatches(3000000, 12345, checked)

@@ -121,9 +121,9 @@ kd_status kd_test_topk(kd_test_backend *tb, const float *x, int rows, int cols, 
  * sampler not greedy. The same token as kd_sample_logits over the whole row, or its error. */
 kd_status kd_test_sample_shards(const float *row, int vocab, int n_shards, const kd_sampler *sp, int32_t position,
                                 int32_t *dst);
-/* the sampling rule's mass (core/sample_rule.h: kd_rule_mass) against a second writing of it: k by
- * libm's rint, w = ldexp(p, k) and trunc(w * 2^62) by conversion, over n logits x below a max m at
- * temperatures T (SplitMix64 from seed: spread over the span, near the max, at every float bit
+/* the sampling rule's mass (core/sample_rule.h: kd_rule_mass) against a second writing of it: x/T
+ * and m/T by division, k by libm's rint, w = ldexp(p, k) and trunc(w * 2^62) by conversion, over n
+ * logits x below a max m at temperatures T (SplitMix64 from seed: spread over the span, near the max, at every float bit
  * pattern) and a grid of a = x/T - m/T over [-708.5, 0]. Returns how many masses differ; *checked
  * the values compared. */
 long kd_test_rule_mass_mismatches(long n, uint64_t seed, long *checked);

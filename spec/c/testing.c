@@ -603,7 +603,7 @@ kd_status kd_test_sample_shards(const float *row, int vocab, int n_shards, const
 
 /* the rule's exp as sample_rule.h first wrote it: rint, ldexp, the product converted */
 static uint64_t rule_mass_libm(float x, double T, double z) {
-    const double a = kd_rule_scaled(x, T) - z;
+    const double a = (T == 1.0 ? (double)x : (double)x / T) - z;
     if (!(a >= -708.0)) return 0;
     const double k = rint(a * 0x1.71547652b82fep+0);
     double r = fma(-k, 0x1.62e42fee00000p-1, a);
@@ -618,7 +618,7 @@ static uint64_t rule_mass_libm(float x, double T, double z) {
 }
 
 long kd_test_rule_mass_mismatches(long n, uint64_t seed, long *checked) {
-    static const double Ts[] = {1.0, 0.8, 0.7, 1.3, 0.01, 100.0};
+    static const double Ts[] = {1.0f, 0.8f, 0.7f, 1.3f, 0.01f, 100.0f};   /* temperatures are floats */
     long bad = 0, done = 0;
     uint64_t s = seed;
     for (long i = 0; i < n; i++) {
@@ -632,12 +632,14 @@ long kd_test_rule_mass_mismatches(long n, uint64_t seed, long *checked) {
             memcpy(&x, &u, 4);
             if (x != x || isinf(x) || x > m) x = m;
         }
-        const double z = kd_rule_zmax(m, T);
-        bad += kd_rule_mass(x, T, z) != rule_mass_libm(x, T, z);
+        const kd_rule_row row = kd_rule_row_of(m, T);
+        bad += row.z != (T == 1.0 ? (double)m : (double)m / T);
+        bad += kd_rule_mass(x, row) != rule_mass_libm(x, T, row.z);
         done++;
     }
     for (double a = -708.5; a <= 0.0; a += 0x1p-12) {   /* x = 0, z = -a */
-        bad += kd_rule_mass(0.0f, 1.0, -a) != rule_mass_libm(0.0f, 1.0, -a);
+        const kd_rule_row row = {1.0, 1.0, -a};
+        bad += kd_rule_mass(0.0f, row) != rule_mass_libm(0.0f, 1.0, -a);
         done++;
     }
     if (checked) *checked = done;
