@@ -14,7 +14,7 @@ describe("the DDTree round kernels under emulation", function()
   it("draw the host rule's tokens on rows of several slices", function()
     local rc, out = emu("scripts/bench/ddtree_emu/run.sh", "slices")
     assert.are.equal(0, rc, out)
-    assert.truthy(out:find("\nok: 100 checks, 0 fails", 1, true), out)
+    assert.truthy(out:find("\nok: 120 checks, 0 fails", 1, true), out)
   end)
 
   it("select the host's trees (both selection paths) and walk them as the host does", function()

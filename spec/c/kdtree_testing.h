@@ -123,9 +123,9 @@ kd_status kd_test_sample_shards(const float *row, int vocab, int n_shards, const
                                 int32_t *dst);
 /* the sampling rule's mass (core/sample_rule.h: kd_rule_mass) against a second writing of it: x/T
  * and m/T by division, k by libm's rint, w = ldexp(p, k) and trunc(w * 2^62) by conversion, over n
- * logits x below a max m at temperatures T (SplitMix64 from seed: spread over the span, near the max, at every float bit
- * pattern) and a grid of a = x/T - m/T over [-708.5, 0]. Returns how many masses differ; *checked
- * the values compared. */
+ * logits x below a max m at float temperatures T (SplitMix64 from seed: spread over the span, near
+ * the max, at every float bit pattern) and a grid of a = x/T - m/T over [-708.5, 0]. Returns how
+ * many values differ (a mass, or m/T from m / T); *checked the values compared. */
 long kd_test_rule_mass_mismatches(long n, uint64_t seed, long *checked);
 
 /* The CPU communicator (core/comm_cpu.c) driven by n_ranks threads: rank r all-reduces its view

@@ -44,6 +44,18 @@ static void test_sample(int V, int kind, const kd_sampler &sp, int rows) {
             case 1: v = (float)floor(urand() * 5) * 0.5f; break;              /* ties */
             case 2: v = urand() < 0.3 ? -INFINITY : (float)(urand() * 3); break;
             case 3: v = 0.0f; break;                                          /* all equal */
+            case 5: {   /* wide: near the mass's cut-offs (x/T - m/T at -44, at min-p 0.05's log), past
+                           them, and magnitudes past smp_mass's float test (|x| / T >= 2^40) */
+                const double u = urand(), T = sp.temperature;
+                v = u < 0.25 ? (float)(10 - T * (44 + (urand() - 0.5) * 0.01))
+                  : u < 0.5 ? (float)(10 - T * (2.9957 + (urand() - 0.5) * 0.01))
+                  : u < 0.75 ? (float)(10 - T * urand() * 1000)
+                  : u < 0.97 ? (float)(urand() * 10)
+                  : (float)(-urand() * 1e30);
+                if (i == 3) v = 10.0f;
+                if (r == 1 && i == 5) v = 1e20f;   /* row 1's max: its other logits far below, with |m| / T past 2^40 */
+                break;
+            }
             default: v = (float)(urand() * 2); if (i % 1000 == 7) v = 12 + (float)urand(); break;   /* peaked */
             }
             x[(size_t)r * V + i] = v;
@@ -219,7 +231,7 @@ int main(int argc, char **argv) {
     const bool full = !strcmp(mode, "full"), crowded = !strcmp(mode, "crowded"), slices = !strcmp(mode, "slices");
     if (slices)   /* rows of several 8192-id slices: the multi-block max and mass passes, and a draw in one slice */
         for (int V : {8193, 20000})
-            for (int kind = 0; kind < 5; kind++)
+            for (int kind = 0; kind < 6; kind++)
                 for (kd_sampler sp : {kd_sampler{1.0f, 0, 0.0f, 21, 0.0f}, kd_sampler{0.7f, 0, 0.0f, 22, 0.05f},
                                       kd_sampler{1.0f, 40, 0.9f, 23, 0.0f}, kd_sampler{1.0f, 0, 0.9f, 24, 0.0f},
                                       kd_sampler{0.8f, 4096, 0.95f, 25, 0.0f}})
@@ -247,7 +259,7 @@ int main(int argc, char **argv) {
     std::vector<float> temps = full ? std::vector<float>{1.0f, 0.6f, 2.5f, 1e-3f, 40.0f} : std::vector<float>{1.0f, 0.6f};
     for (int V : {10, 333, 1000}) {
         if (!samples || (!full && V == 1000)) continue;   /* quick: V = 10 (one tile, V < 32) and 333 */
-        for (int kind = 0; kind < 5; kind++)
+        for (int kind = 0; kind < 6; kind++)
             for (float T : temps) {
                 std::vector<int> ks = full ? std::vector<int>{0, 1, 5, 50, V - 1} : std::vector<int>{0, 5, V - 1};
                 std::vector<float> ps = full ? std::vector<float>{0.0f, 0.3f, 0.9f, 0.999f} : std::vector<float>{0.0f, 0.9f};
