@@ -115,24 +115,21 @@ KD_RULE_FN double kd_rule_exp_parts(double a, int *k) {
     return fma(p, r, 1.0);
 }
 
+/* x / T rounded to nearest, without a division per value (the device's is a long sequence): q =
+ * RN(x invT) with invT = RN(1/T) is within an ulp of x/T, r = x - q T is exact (fma), and RN(q + r
+ * invT) is then RN(x/T) (Markstein's theorem; x and T are floats, so nothing under- or overflows in
+ * double). r = 0 keeps q, whose zero has x's sign as x/T's does. T = 1 is x. */
+KD_RULE_FN double kd_rule_scaled(float x, double T, double invT) {
+    if (T == 1.0) return (double)x;
+    const double q = KD_RULE_MUL((double)x, invT);
+    const double r = fma(-q, T, (double)x);
+    return r == 0.0 ? q : fma(r, invT, q);
+}
 /* A row's constants under temperature T: invT = RN(1/T) and z = m/T for its max m. */
 typedef struct kd_rule_row { double T, invT, z; } kd_rule_row;
-/* x / T rounded to nearest, without a division per value (the device's is a long sequence): q =
- * RN(x invT) is within an ulp of x/T, r = x - q T is exact (fma), and RN(q + r invT) is then RN(x/T)
- * (Markstein's theorem; x and T are floats, so nothing under- or overflows in double). r = 0 keeps
- * q, whose zero has x's sign as x/T's does. T = 1 is x. */
-KD_RULE_FN double kd_rule_scaled(float x, kd_rule_row row) {
-    if (row.T == 1.0) return (double)x;
-    const double q = KD_RULE_MUL((double)x, row.invT);
-    const double r = fma(-q, row.T, (double)x);
-    return r == 0.0 ? q : fma(r, row.invT, q);
-}
 KD_RULE_FN kd_rule_row kd_rule_row_of(float m, double T) {
-    kd_rule_row row;
-    row.T = T;
-    row.invT = KD_RULE_DIV(1.0, T);
-    row.z = 0.0;
-    row.z = kd_rule_scaled(m, row);
+    const double invT = KD_RULE_DIV(1.0, T);
+    const kd_rule_row row = {T, invT, kd_rule_scaled(m, T, invT)};
     return row;
 }
 /* a token's mass: trunc(exp(x/T - z) * 2^62) under its row's constants; 0 below a = -708 (and
@@ -140,7 +137,7 @@ KD_RULE_FN kd_rule_row kd_rule_row_of(float m, double T) {
  * -1021), so w * 2^62 = M * 2^(E + k + 10) exactly and its trunc is M shifted: integer steps,
  * not ldexp and a conversion. */
 KD_RULE_FN uint64_t kd_rule_mass(float x, kd_rule_row row) {
-    const double a = KD_RULE_SUB(kd_rule_scaled(x, row), row.z);
+    const double a = KD_RULE_SUB(kd_rule_scaled(x, row.T, row.invT), row.z);
     if (!(a >= -708.0)) return 0;
     int k;
     const uint64_t u = kd_rule_bits(kd_rule_exp_parts(a, &k));
