@@ -881,15 +881,17 @@ __device__ kd_u128 warp_prefix(const F &f, int b) {
  *    and more) below afloor puts a below it too.
  * A value neither test rules out gets its exp: a "maybe" that is 0 costs time, never a mass. */
 struct smp_mass {
-    float m, invTf, thrf;
+    float m;
     kd_rule_row row;
     double afloor;
+    float invTf, thrf;   /* the float test's 1/T and threshold */
     uint64_t qmin;
     smp_mass() = default;
     __device__ smp_mass(float m_, double T, uint64_t qmin_)
-        : m(m_), invTf(T < 0x1p100 ? (float)(1.0 / T) : 0.0f), row(kd_rule_row_of(m_, T)),
-          afloor(qmin_ ? fmax(-44.0, log(ldexp((double)qmin_, -62)) - 0x1p-30) : -44.0), qmin(qmin_) {
-        thrf = __double2float_ru((-afloor + 0x1p-9) * (1.0 + 0x1p-19));
+        : m(m_), row(kd_rule_row_of(m_, T)),
+          afloor(qmin_ ? fmax(-44.0, log(ldexp((double)qmin_, -62)) - 0x1p-30) : -44.0),
+          invTf(T < 0x1p100 ? (float)row.invT : 0.0f), qmin(qmin_) {
+        thrf = __double2float_ru((-afloor + 0x1p-9) * (1.0 + 0x1p-19));   /* here: nvcc's host pass compiles the list */
     }
     /* false: v's mass is 0 for sure (no exp needed) */
     __device__ __forceinline__ bool maybe(float v) const {
@@ -967,6 +969,18 @@ __device__ __forceinline__ void slice_values(const float *xr, int V, float *xv) 
     for (int j = 0; j < SMP_PER; j++) xv[j] = slice_id(j) < V ? xr[slice_id(j)] : 0.0f;
 }
 
+/* a bin's mass as the sums of its masses' 32-bit halves (smp_bins_kernel): add l and h to them, in
+ * shared or global memory (zeros skipped: most bins of a far tail get none) */
+__device__ __forceinline__ void halves_add(unsigned long long *lo, unsigned long long *hi, unsigned long long l,
+                                           unsigned long long h) {
+    if (l) atomicAdd(lo, l);
+    if (h) atomicAdd(hi, h);
+}
+/* those sums' value, h * 2^32 + l */
+__device__ __forceinline__ kd_u128 halves_value(unsigned long long l, unsigned long long h) {
+    return kd_u128_add(kd_u128_shl(kd_u128_of(h), 32), kd_u128_of(l));
+}
+
 /* For a sampler with top-k / top-p: slice blockIdx.x of row blockIdx.y's counts by bin (all but
  * the last bin's) and, where smp_bin_mass, masses by bin, added into the row's SMP_BINS entries of
  * gcnt / glo / ghi (zeroed by the caller). A mass q < 2^63 is added as its two 32-bit halves, each
@@ -1010,21 +1024,18 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, l
             }
             if (lane == 0) {
                 atomicAdd(&bcnt[b0], 32u);
-                if (ql) atomicAdd(&blo[b0], ql);
-                if (qh) atomicAdd(&bhi[b0], qh);
+                halves_add(&blo[b0], &bhi[b0], ql, qh);
             }
         } else if (counted) {
             atomicAdd(&bcnt[b], 1u);
-            if (ql) atomicAdd(&blo[b], ql);
-            if (qh) atomicAdd(&bhi[b], qh);
+            halves_add(&blo[b], &bhi[b], ql, qh);
         }
     }
     __syncthreads();
     const size_t o = (size_t)blockIdx.y * SMP_BINS;
     for (int b = tid; b < SMP_BINS; b += SMP_THREADS) {
         if (bcnt[b]) atomicAdd(&gcnt[o + b], bcnt[b]);
-        if (blo[b]) atomicAdd(&glo[o + b], blo[b]);
-        if (bhi[b]) atomicAdd(&ghi[o + b], bhi[b]);
+        halves_add(&glo[o + b], &ghi[o + b], blo[b], bhi[b]);
     }
 }
 
@@ -1071,12 +1082,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_plan_kernel(int V, double T, 
     }());
     const unsigned int tail = (unsigned)V - (unsigned)counted.lo;
     auto cnt = [&](int b) { return kd_u128_of(b < SMP_BINS - 1 ? sh.bcnt[b] : tail); };
-    auto mas = [&](int b) {   /* the bin's high halves' sum * 2^32 + its low halves' */
-        kd_u128 r;
-        r.lo = (sh.bhi[b] << 32) + sh.blo[b];
-        r.hi = (sh.bhi[b] >> 32) + (r.lo < sh.blo[b] ? 1u : 0u);
-        return r;
-    };
+    auto mas = [&](int b) { return halves_value(sh.blo[b], sh.bhi[b]); };
     kd_u128 ignore;
     int lo, hi;
     if (topk) {
