@@ -17,12 +17,13 @@
 #     "attention CTX T"    MLA at 64 heads, T queries (a tree when T > 1) after CTX - T rows
 #     "round"              the DDTree round's table (cuda_ops_bench --round)
 #     "sample ROWS"        sample_rows alone per sampled sampler over ROWS flat rows (--sample-at)
+#     "tree B"             the tree build alone at budget B: top-K and the build, flat and peaked (--tree-at)
 #     "slice"              the K2.6-dims slice's decode and verify steps (model_slice_bench --quick)
 #     "tp8 [LAYERS]"       the TP-8 rank step, LAYERS of 61 (default 30: 61 need more than 80 GB), no drafter
 # Per row, the base tree's lines come first, then this tree's, each line prefixed with its tree.
 # Build logs: ${OUT:-ab-logs}/build-{base,this}.log.
 set -u -o pipefail
-usage() { sed -n '12,22p' "$0" >&2; exit 2; }
+usage() { sed -n '12,23p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 BASE=$(cd "$1" 2>/dev/null && pwd) || { echo "ab.sh: base tree '$1' is not a directory" >&2; exit 2; }
 shift
@@ -34,7 +35,7 @@ fi
 [ $# -ge 1 ] || usage
 num='[1-9][0-9]*'
 for row in "$@"; do
-  [[ $row =~ ^(linear\ $num\ $num\ $num|attention\ $num\ $num|round|sample\ $num|slice|tp8(\ $num)?)$ ]] ||
+  [[ $row =~ ^(linear\ $num\ $num\ $num|attention\ $num\ $num|round|sample\ $num|tree\ $num|slice|tp8(\ $num)?)$ ]] ||
     { echo "ab.sh: unknown row '$row'" >&2; usage; }
 done
 THIS=$PWD
@@ -66,6 +67,7 @@ run_row() {   # run_row TREE ROW: the row's lines on stdout
     attention) "$tree/build/bench/cuda_ops_bench" --attention-at "$2" "$3" | tail -1 ;;
     round) "$tree/build/bench/cuda_ops_bench" --round ;;
     sample) "$tree/build/bench/cuda_ops_bench" --sample-at "$2" ;;
+    tree) "$tree/build/bench/cuda_ops_bench" --tree-at "$2" ;;
     slice) "$tree/build/bench/model_slice_bench" --quick --no-draft --no-mla --md "$md" > /dev/null &&
            grep -E '^\| (decode|verify)' "$md" ;;
     tp8) "$tree/build/bench/model_slice_bench" --k26-rank 8 --layers "${2:-30}" --quick --no-draft --md "$md" > /dev/null &&

@@ -317,6 +317,39 @@ static void bench_sample(int rows) {
     free(hp);
 }
 
+/* the tree build alone at budget B (K = B, L = 7, V = 163840): top-K, then the whole build, on the
+ * round's flat and peaked draft log-probs, one line each (for A/Bs and a profiler: ncu's
+ * `-k regex:topk` then sees only the build's top-K passes) */
+static void bench_tree(int B) {
+    enum { L = 7, V = 163840 };
+    uint32_t sd = 4242;
+    float *hx = malloc((size_t)L * V * 4);
+    void *x, *xp, *buf;
+    CK(be->ops->alloc(be, (size_t)L * V * 4, &x));
+    CK(be->ops->alloc(be, (size_t)L * V * 4, &xp));
+    fill_flat(hx, (size_t)L * V, &sd);
+    CK(be->ops->upload(be, x, hx, (size_t)L * V * 4));
+    for (int d = 0; d < L; d++)
+        for (int k = 0; k < 8; k++) { sd = sd * 1664525u + 1013904223u; hx[(size_t)d * V + (sd >> 8) % V] = 30.0f - 2 * k; }
+    CK(be->ops->upload(be, xp, hx, (size_t)L * V * 4));
+    free(hx);
+    tree_arg a = {.lp = {x, L, V, V, KD_F32}, .L = L, .K = B, .B = B};
+    CK(be->ops->log_softmax(be, a.lp));
+    size_t bytes = kd_dtree_layout(&a.d, NULL, B, L * B);
+    CK(be->ops->alloc(be, bytes, &buf));
+    kd_dtree_layout(&a.d, buf, B, L * B);
+    tree_arg ap = a;
+    ap.lp.data = xp;
+    CK(be->ops->log_softmax(be, ap.lp));
+    printf("tree B = %d, flat: top-K %.1f us, build %.1f us\n", B, time_it(tree_topk_run, &a, 20) * 1e6,
+           time_it(tree_build_run, &a, 20) * 1e6);
+    printf("tree B = %d, peaked: top-K %.1f us, build %.1f us\n", B, time_it(tree_topk_run, &ap, 20) * 1e6,
+           time_it(tree_build_run, &ap, 20) * 1e6);
+    be->ops->free(be, buf);
+    be->ops->free(be, x);
+    be->ops->free(be, xp);
+}
+
 static void bench_round(const char *md_path) {
     enum { L = 7, V = 163840, NB = 3 };
     static const int budgets[NB] = {16, 64, 256};
@@ -432,7 +465,7 @@ static void bench_round(const char *md_path) {
 int main(int argc, char **argv) {
     const char *md_path = NULL;
     int round_only = 0, attention_only = 0, linear_only = 0, rg = 0, vs = 0, one_ctx = 0, one_T = 0;
-    int one_N = 0, one_K = 0, one_M = 0, sample_rows_n = 0;
+    int one_N = 0, one_K = 0, one_M = 0, sample_rows_n = 0, tree_B = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--md") && i + 1 < argc) md_path = argv[++i];
         else if (!strcmp(argv[i], "--round")) round_only = 1;
@@ -449,10 +482,11 @@ int main(int argc, char **argv) {
             one_M = atoi(argv[++i]);
         }
         else if (!strcmp(argv[i], "--sample-at") && i + 1 < argc) sample_rows_n = atoi(argv[++i]);   /* for a profiler */
+        else if (!strcmp(argv[i], "--tree-at") && i + 1 < argc) tree_B = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--mla-row-groups") && i + 1 < argc) rg = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--mla-value-slices") && i + 1 < argc) vs = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: cuda_ops_bench [--round | --linear | --linear-at N K M | --attention | --attention-at CTX T | --sample-at ROWS] [--md FILE] [--mla-row-groups N] "
+            fprintf(stderr, "usage: cuda_ops_bench [--round | --linear | --linear-at N K M | --attention | --attention-at CTX T | --sample-at ROWS | --tree-at B] [--md FILE] [--mla-row-groups N] "
                             "[--mla-value-slices N]\n");
             return 2;
         }
@@ -465,6 +499,11 @@ int main(int argc, char **argv) {
     CK(kd_backend_cuda_create(0, &opt, &be));
     if (sample_rows_n > 0) {
         bench_sample(sample_rows_n);
+        be->ops->destroy(be);
+        return 0;
+    }
+    if (tree_B > 0) {
+        bench_tree(tree_B);
         be->ops->destroy(be);
         return 0;
     }
