@@ -160,25 +160,33 @@ __global__ void argmax_merge_kernel(const am_part *part, int nparts, int rows, i
  * keys are loaded into registers first, all in flight together: a loop that waits on each load
  * before the next is latency-bound (TK_PER dependent trips to L2 or DRAM a pass). */
 constexpr int TK_THREADS = 256, TK_PER = TK_SLICE / TK_THREADS;
-static_assert(TK_PER <= 32, "slice_keys' mask holds a bit a key");
-__device__ __forceinline__ int slice_col(int j) { return blockIdx.x * TK_SLICE + j * TK_THREADS + threadIdx.x; }
+/* (the slice pass of a small k, topk_slice_kernel, takes wider slices with the same helpers) */
+template <int THREADS = TK_THREADS, int PER = TK_PER>
+__device__ __forceinline__ int slice_col(int j) { return blockIdx.x * (THREADS * PER) + j * THREADS + threadIdx.x; }
 /* the thread's keys; bit j of the result: column slice_col(j) is inside the row */
+template <int THREADS = TK_THREADS, int PER = TK_PER>
 __device__ __forceinline__ int slice_keys(const void *x, int dt, long long ld, int cols, uint32_t *key) {
+    static_assert(PER <= 32, "the mask holds a bit a key");
     const size_t base = (size_t)blockIdx.y * ld;
     int ok = 0;
 #pragma unroll
-    for (int j = 0; j < TK_PER; j++) {
-        const int c = slice_col(j);
+    for (int j = 0; j < PER; j++) {
+        const int c = slice_col<THREADS, PER>(j);
         key[j] = c < cols ? kd_float_key(ld_row(x, dt, base + c)) : 0u;
         if (c < cols) ok |= 1 << j;
     }
     return ok;
 }
+__device__ __forceinline__ unsigned long long topk_cand(uint32_t key, int col) {   /* value, then the lower id */
+    return ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)col);
+}
 
 /* h[bin] += 1 for each lane with in set, one shared atomic per distinct bin of the warp: a row's
  * keys crowd into few bins (a float key's top bits are its sign and exponent: every log-prob in
- * [-32, -16) shares 4 of them), and 32 lanes adding to one address take 32 turns */
+ * [-32, -16) shares 4 of them), and 32 lanes adding to one address take 32 turns. A warp with no
+ * lane in skips the match (the narrower passes count few of their keys). */
 __device__ __forceinline__ void warp_bin_add(unsigned int *h, uint32_t bin, bool in) {
+    if (!__any_sync(0xffffffffu, in)) return;
     const unsigned peers = __match_any_sync(0xffffffffu, in ? bin : 0xffffffffu);
     if (in && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[bin], (unsigned)__popc(peers));
 }
@@ -318,17 +326,93 @@ __global__ void __launch_bounds__(TK_THREADS) topk_gather_kernel(const void *x, 
         unsigned int slot = 0;
         if (lane == 0) slot = atomicAdd(&ncand[row], (unsigned)__popc(m));
         slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
-        if (in) out[slot] = ((unsigned long long)key[j] << 32) | (unsigned long long)(0xffffffffu - (uint32_t)slice_col(j));
+        if (in) out[slot] = topk_cand(key[j], slice_col(j));
     }
 }
 
-/* One block per row. With gcand / ncand (topk_gather_kernel's cap slots per row, and how many
- * it filled): a row whose keys from the cut up fit its slots (ncand > 0: they are at least k)
- * sorts them; else (or without gcand) the radix select below finds the k-th and collects the top
- * k. Either way the sort orders a superset of the top k by the same (key desc, id asc), so both
- * give the same lists. */
+/* The slice pass of a small k (topk_by_slices): each block takes TS_SLICE ids of a row and appends
+ * every key from its slice's k-th largest up (so its slice's top k, and any key equal to the k-th)
+ * to the row's cap slots of cand, in any order, their number in ncand; its k-th key goes into the
+ * row's floor by a max. A slice's k-th bounds the row's k-th from below (the slice alone holds k
+ * keys from it up), so topk_kernel keeps only the candidates from the floor up: about k of them,
+ * not slices x k. A slice of k ids or fewer appends them all. The k-th key comes from three rounds of a
+ * shared histogram over the keys that match the rounds before (11, 11 and 10 bits). Slots past cap
+ * are not written and the count goes on, so a row of many ties at its k-th (ncand > cap) is left
+ * to topk_kernel's radix select. ncand and floor start at 0. */
+constexpr int TS_THREADS = 1024, TS_PER = 16, TS_SLICE = TS_THREADS * TS_PER;
+__global__ void __launch_bounds__(TS_THREADS) topk_slice_kernel(const void *x, int dt, long long ld, int cols, int k,
+                                                                int cap, unsigned int *ncand, unsigned int *row_floor,
+                                                                unsigned long long *cand) {
+    kd_griddep_enter();
+    __shared__ __align__(16) unsigned int h[TK_BINS];
+    __shared__ unsigned int s_bin, s_above, s_n, s_base;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const size_t row = blockIdx.y;
+    uint32_t key[TS_PER];
+    const int ok = slice_keys<TS_THREADS, TS_PER>(x, dt, ld, cols, key);
+    if (tid == 0) s_n = 0;
+    uint32_t kth = 0;   /* the slice's k-th largest key (0: a slice of k ids or fewer, all kept) */
+    if (cols - (int)blockIdx.x * TS_SLICE > k) {
+        unsigned int need = (unsigned)k;   /* of the keys that match kth's digits so far */
+#pragma unroll
+        for (int r = 0; r < 3; r++) {
+            const int shift = r == 0 ? 21 : r == 1 ? 10 : 0, width = r < 2 ? TK_BITS : 10;
+            for (int i = tid; i < TK_BINS; i += TS_THREADS) h[i] = 0;
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < TS_PER; j++) {
+                const bool in = ((ok >> j) & 1) && (r == 0 || (key[j] >> (shift + width)) == kth);
+                warp_bin_add(h, (key[j] >> shift) & ((1u << width) - 1u), in);
+            }
+            __syncthreads();
+            if (tid < 32) {
+                const top_bin t = find_top_bin(h, need, lane);
+                if (lane == 0) { s_bin = (unsigned)t.bin; s_above = t.through - h[t.bin]; }
+            }
+            __syncthreads();
+            kth = (kth << width) | s_bin;
+            need -= s_above;
+            __syncthreads();   /* s_bin and h are rewritten by the next round (and s_n is set) */
+        }
+        if (tid == 0) atomicMax(&row_floor[row], kth);
+    } else {
+        __syncthreads();   /* s_n is set */
+    }
+    /* append: a slot per warp in the block's run (s_n), then the block's run in the row's (ncand) */
+    unsigned int wn = 0;
+#pragma unroll
+    for (int j = 0; j < TS_PER; j++) wn += __popc(__ballot_sync(0xffffffffu, ((ok >> j) & 1) && key[j] >= kth));
+    unsigned int wbase = 0;
+    if (lane == 0 && wn) wbase = atomicAdd(&s_n, wn);
+    __syncthreads();
+    if (tid == 0) s_base = atomicAdd(&ncand[row], s_n);
+    __syncthreads();
+    unsigned int pos = s_base + __shfl_sync(0xffffffffu, wbase, 0);
+    unsigned long long *out = cand + row * cap;
+#pragma unroll
+    for (int j = 0; j < TS_PER; j++) {
+        const bool in = ((ok >> j) & 1) && key[j] >= kth;
+        const unsigned m = __ballot_sync(0xffffffffu, in);
+        const unsigned int slot = pos + (unsigned)__popc(m & ((1u << lane) - 1u));
+        if (in && slot < (unsigned)cap) out[slot] = topk_cand(key[j], slice_col<TS_THREADS, TS_PER>(j));
+        pos += (unsigned)__popc(m);
+    }
+}
+
+/* the slice pass serves k whose slices' candidates (about slices x k) fit the row's slots twice over */
+__host__ __device__ __forceinline__ bool topk_by_slices(int cols, int kpow2) {
+    return (long long)((cols + TS_SLICE - 1) / TS_SLICE) * kpow2 * 2 <= TK_CAND;
+}
+
+/* One block per row. With gcand / ncand (the cap slots per row of topk_gather_kernel or
+ * topk_slice_kernel, and how many they filled) and floor (a key at or below the row's k-th: 0, or
+ * topk_slice_kernel's): a row whose candidates fit its slots (0 < ncand <= cap: they hold the top
+ * k) sorts those from the floor up; else (or without gcand) the radix select below finds the k-th
+ * and collects the top k. Either way the sort orders a superset of the top k by the same (key
+ * desc, id asc), so both give the same lists. */
 __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
                                                            int kpow2, int cap, const unsigned int *ncand,
+                                                           const unsigned int *row_floor,
                                                            const unsigned long long *gcand, float *vals,
                                                            int32_t *ids) {
     kd_griddep_enter();
@@ -341,13 +425,27 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     int nsort = kpow2;
 
-    const unsigned int n = gcand ? ncand[blockIdx.x] : 0;   /* the keys from the row's cut up, if they fit */
-    const bool gathered = n > 0;
+    const unsigned int n = gcand ? ncand[blockIdx.x] : 0;   /* the row's candidates, if they fit */
+    const bool gathered = n > 0 && n <= (unsigned)cap;
     if (gathered) {
         const unsigned long long *g = gcand + (size_t)blockIdx.x * cap;
+        const uint32_t lo = row_floor[blockIdx.x];
+        if (tid == 0) s_ngt = 0;
+        __syncthreads();
+        for (int i0 = 0; i0 < (int)n; i0 += blockDim.x) {   /* those from the floor up, in any order */
+            const unsigned long long e = i0 + tid < (int)n ? g[i0 + tid] : 0ull;
+            const bool in = i0 + tid < (int)n && (uint32_t)(e >> 32) >= lo;
+            const unsigned m = __ballot_sync(0xffffffffu, in);
+            unsigned int slot = 0;
+            if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
+            slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
+            if (in) cand[slot] = e;
+        }
+        __syncthreads();
+        const int kept = (int)s_ngt;
         nsort = 1;
-        while (nsort < (int)n) nsort <<= 1;   /* <= cap: a power of two */
-        for (int i = tid; i < nsort; i += blockDim.x) cand[i] = i < (int)n ? g[i] : 0ull;   /* padding sorts last */
+        while (nsort < kept) nsort <<= 1;   /* <= cap: a power of two */
+        for (int i = kept + tid; i < nsort; i += blockDim.x) cand[i] = 0ull;   /* padding sorts last */
         __syncthreads();
     } else {
 
@@ -398,7 +496,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
         unsigned int slot = 0;
         if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
         slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
-        if (in) cand[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
+        if (in) cand[slot] = topk_cand(key, c);
     }
     for (int c0 = 0; !take_all && c0 < cols; c0 += blockDim.x) {
         int c = c0 + tid;
@@ -406,7 +504,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
         bool gt = c < cols && key > kth, eq = c < cols && key == kth;
         if (gt) {
             unsigned int slot = atomicAdd(&s_ngt, 1u);
-            cand[slot] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
+            cand[slot] = topk_cand(key, c);
         }
         unsigned int m = __ballot_sync(0xffffffffu, eq);
         if (lane == 0) warp_cnt[warp] = __popc(m);
@@ -415,7 +513,7 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
         for (int w = 0; w < warp; w++) before += warp_cnt[w];
         unsigned int rank = before + __popc(m & ((1u << lane) - 1u));
         if (eq && rank < n_eq_take)
-            cand[n_gt_total + rank] = ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)c);
+            cand[n_gt_total + rank] = topk_cand(key, c);
         __syncthreads();
         if (tid == 0) {
             unsigned int tot = 0;
@@ -511,35 +609,49 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
     if (!vals || !ids) return kd_fail(KD_ERR_ARG, "cuda topk: vals/ids are NULL");
     int kp = 1;
     while (kp < k) kp <<= 1;
-    /* the histograms and the gather (several blocks per row each) let most rows skip the radix
-     * passes; grid.y bounds the rows they take, and a row's candidate slots are 4 kp (at least
-     * 2048, at most TK_CAND): twice the most keys a row has after the second histogram, unless
-     * many keys tie there */
-    unsigned int *bins = NULL, *bins2 = NULL, *ncand = NULL;
+    /* the passes over the rows (several blocks per row each) let most rows skip the radix passes:
+     * for a small k, the slice pass (topk_slice_kernel), its row's slots twice its slices' k
+     * candidates; else the histograms and the gather, a row's slots 4 kp (at least 2048, at most
+     * TK_CAND): twice the most keys a row has after the second histogram, unless many keys tie
+     * there. grid.y bounds the rows they take. */
+    const bool by_slices = x.rows <= ROWS_PER_LAUNCH && topk_by_slices(x.cols, kp);
+    const int nslices = (x.cols + TS_SLICE - 1) / TS_SLICE;
+    int cap = kp;
+    if (by_slices) {
+        cap = 2048;
+        while (cap < 2 * nslices * kp) cap <<= 1;   /* <= TK_CAND: topk_by_slices */
+    } else if (x.rows <= ROWS_PER_LAUNCH && kp < TK_CAND) {
+        cap = 4 * kp < 2048 ? 2048 : 4 * kp < TK_CAND ? 4 * kp : TK_CAND;
+    }
+    unsigned int *ncand = NULL, *row_floor = NULL;
     unsigned long long *gcand = NULL;
-    const int slots = 4 * kp < 2048 ? 2048 : 4 * kp < TK_CAND ? 4 * kp : TK_CAND;
-    const int cap = x.rows <= ROWS_PER_LAUNCH && kp < TK_CAND ? slots : kp;
     if (cap > kp) {
-        const size_t n = (size_t)x.rows * TK_BINS, ncap = (size_t)x.rows * cap;
-        void *ws = NULL;   /* the slots first: 8-byte aligned */
-        const size_t counts = (2 * n + (size_t)x.rows) * sizeof(unsigned int);
+        const size_t n = by_slices ? 0 : (size_t)x.rows * TK_BINS, ncap = (size_t)x.rows * cap;
+        void *ws = NULL;   /* the slots first: 8-byte aligned; then ncand, floor and the bins, all zeroed */
+        const size_t counts = (2 * (size_t)x.rows + 2 * n) * sizeof(unsigned int);
         KD_TRY(kd_cuda_ws(be, KD_WS_TREE, ncap * sizeof(unsigned long long) + counts, &ws));
         gcand = (unsigned long long *)ws;
-        bins = (unsigned int *)(gcand + ncap);
-        bins2 = bins + n;
-        ncand = bins2 + n;
-        KD_CUDA(cudaMemsetAsync(bins, 0, counts, c->stream));
-        const dim3 grid((unsigned)((x.cols + TK_SLICE - 1) / TK_SLICE), (unsigned)x.rows);
-        KD_TRY(kd_launch_pdl("topk_hist_kernel", topk_hist_kernel, grid, TK_THREADS, 0, c->stream, x.data, x.dtype, x.ld,
-                             x.cols, bins));
-        KD_TRY(kd_launch_pdl("topk_hist2_kernel", topk_hist2_kernel, grid, TK_THREADS, 0, c->stream, x.data, x.dtype, x.ld,
-                             x.cols, k, 2 * kp, bins, bins2));
-        KD_TRY(kd_launch_pdl("topk_gather_kernel", topk_gather_kernel, grid, TK_THREADS, 0, c->stream, x.data, x.dtype, x.ld,
-                             x.cols, k, 2 * kp, cap, bins, bins2, ncand, gcand));
+        ncand = (unsigned int *)(gcand + ncap);
+        row_floor = ncand + x.rows;
+        KD_CUDA(cudaMemsetAsync(ncand, 0, counts, c->stream));
+        if (by_slices) {
+            const dim3 grid((unsigned)nslices, (unsigned)x.rows);
+            KD_TRY(kd_launch_pdl("topk_slice_kernel", topk_slice_kernel, grid, TS_THREADS, 0, c->stream, x.data,
+                                 x.dtype, x.ld, x.cols, k, cap, ncand, row_floor, gcand));
+        } else {
+            unsigned int *bins = row_floor + x.rows, *bins2 = bins + n;
+            const dim3 grid((unsigned)((x.cols + TK_SLICE - 1) / TK_SLICE), (unsigned)x.rows);
+            KD_TRY(kd_launch_pdl("topk_hist_kernel", topk_hist_kernel, grid, TK_THREADS, 0, c->stream, x.data, x.dtype,
+                                 x.ld, x.cols, bins));
+            KD_TRY(kd_launch_pdl("topk_hist2_kernel", topk_hist2_kernel, grid, TK_THREADS, 0, c->stream, x.data, x.dtype,
+                                 x.ld, x.cols, k, 2 * kp, bins, bins2));
+            KD_TRY(kd_launch_pdl("topk_gather_kernel", topk_gather_kernel, grid, TK_THREADS, 0, c->stream, x.data,
+                                 x.dtype, x.ld, x.cols, k, 2 * kp, cap, bins, bins2, ncand, gcand));
+        }
     }
     size_t smem = (size_t)cap * sizeof(unsigned long long);
     KD_TRY(kd_cuda_smem(c, (const void *)topk_kernel, smem));
     KD_TRY(kd_launch_pdl("topk_kernel", topk_kernel, x.rows, ROW_THREADS, smem, c->stream, x.data, x.dtype, x.ld,
-                         x.cols, k, kp, cap, ncand, gcand, vals, ids));
+                         x.cols, k, kp, cap, ncand, row_floor, gcand, vals, ids));
     return KD_OK;
 }

@@ -17,7 +17,7 @@ static double *emu_dyn_smem = emu_dyn_buf;
 
 static uint64_t rs = 88172645463325252ull;
 static double urand() { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (rs >> 11) * 0x1.0p-53; }
-static int fails = 0, checks = 0;
+static int fails = 0, checks = 0, gathered_rows = 0, radix_rows = 0;
 
 /* rows x V values of a kind, rounded to bf16 when dt is KD_BF16 (f: the values the kernels read) */
 struct rows_t { std::vector<float> f; std::vector<bf16> h; int dt; const void *data() const { return dt == KD_BF16 ? (const void *)h.data() : f.data(); } };
@@ -52,30 +52,47 @@ static bool before(float a, int ia, float b, int ib) {   /* the kernels' order: 
     return a > b || (a == b && ia < ib);
 }
 
-static void test_topk(int rows, int V, int k, int kind, int dt) {
+/* path: 0 as kd_cuda_topk chooses, 1 the slice pass, 2 the histograms and the gather */
+static void test_topk(int rows, int V, int k, int kind, int dt, int path = 0) {
     rows_t x = make_rows(rows, V, kind, dt);
     if (kind == 0) { set(x, 3, NAN); set(x, (size_t)V - 1, -INFINITY); }
     /* as kd_cuda_topk launches them */
     int kp = 1;
     while (kp < k) kp <<= 1;
-    const int slots = 4 * kp < 2048 ? 2048 : 4 * kp < TK_CAND ? 4 * kp : TK_CAND;
-    const int cap = kp < TK_CAND ? slots : kp;
-    std::vector<unsigned> bins, bins2, ncand;
+    const bool by_slices = path == 1 || (path == 0 && topk_by_slices(V, kp));
+    const int nslices = (V + TS_SLICE - 1) / TS_SLICE;
+    int cap = kp;
+    if (by_slices) {
+        cap = 2048;
+        while (cap < 2 * nslices * kp) cap <<= 1;
+    } else if (kp < TK_CAND) {
+        cap = 4 * kp < 2048 ? 2048 : 4 * kp < TK_CAND ? 4 * kp : TK_CAND;
+    }
+    std::vector<unsigned> bins, bins2, ncand, floor;
     std::vector<unsigned long long> gcand;
-    const unsigned *nc = NULL;
+    const unsigned *nc = NULL, *fl = NULL;
     const unsigned long long *gc = NULL;
     if (cap > kp) {
-        bins.assign((size_t)rows * TK_BINS, 0); bins2.assign((size_t)rows * TK_BINS, 0); ncand.assign(rows, 0);
+        ncand.assign(rows, 0); floor.assign(rows, 0);
         gcand.assign((size_t)rows * cap, 0x5a5aull);
-        const int g = (V + TK_SLICE - 1) / TK_SLICE;
-        launch(g, 256, [&] { topk_hist_kernel(x.data(), dt, V, V, bins.data()); }, rows);
-        launch(g, 256, [&] { topk_hist2_kernel(x.data(), dt, V, V, k, 2 * kp, bins.data(), bins2.data()); }, rows);
-        launch(g, 256, [&] { topk_gather_kernel(x.data(), dt, V, V, k, 2 * kp, cap, bins.data(), bins2.data(), ncand.data(), gcand.data()); }, rows);
-        nc = ncand.data(); gc = gcand.data();
+        if (by_slices) {
+            launch(nslices, TS_THREADS, [&] { topk_slice_kernel(x.data(), dt, V, V, k, cap, ncand.data(), floor.data(), gcand.data()); }, rows);
+        } else {
+            bins.assign((size_t)rows * TK_BINS, 0); bins2.assign((size_t)rows * TK_BINS, 0);
+            const int g = (V + TK_SLICE - 1) / TK_SLICE;
+            launch(g, 256, [&] { topk_hist_kernel(x.data(), dt, V, V, bins.data()); }, rows);
+            launch(g, 256, [&] { topk_hist2_kernel(x.data(), dt, V, V, k, 2 * kp, bins.data(), bins2.data()); }, rows);
+            launch(g, 256, [&] { topk_gather_kernel(x.data(), dt, V, V, k, 2 * kp, cap, bins.data(), bins2.data(), ncand.data(), gcand.data()); }, rows);
+        }
+        nc = ncand.data(); fl = floor.data(); gc = gcand.data();
+        for (int r = 0; r < rows; r++) {
+            if (ncand[r] > 0 && ncand[r] <= (unsigned)cap) gathered_rows++;
+            else radix_rows++;
+        }
     }
     std::vector<float> vals((size_t)rows * k);
     std::vector<int32_t> ids((size_t)rows * k, -7);
-    launch(rows, ROW_THREADS, [&] { topk_kernel(x.data(), dt, V, V, k, kp, cap, nc, gc, vals.data(), ids.data()); });
+    launch(rows, ROW_THREADS, [&] { topk_kernel(x.data(), dt, V, V, k, kp, cap, nc, fl, gc, vals.data(), ids.data()); });
     for (int r = 0; r < rows; r++) {
         const float *xr = x.f.data() + (size_t)r * V;
         std::vector<int> o(V);
@@ -87,8 +104,8 @@ static void test_topk(int rows, int V, int k, int kind, int dt) {
             const float v = vals[(size_t)r * k + i];
             if (id != o[i] || !(v == xr[o[i]] || (v != v && xr[o[i]] != xr[o[i]]))) {
                 fails++;
-                printf("TOPK MISMATCH rows=%d V=%d k=%d kind=%d dt=%d row %d entry %d: ref %d (%g), emu %d (%g)\n", rows, V, k,
-                       kind, dt, r, i, o[i], xr[o[i]], id, v);
+                printf("TOPK MISMATCH rows=%d V=%d k=%d kind=%d dt=%d path=%d row %d entry %d: ref %d (%g), emu %d (%g)\n", rows, V,
+                       k, kind, dt, path, r, i, o[i], xr[o[i]], id, v);
                 break;
             }
         }
@@ -132,9 +149,17 @@ int main(int argc, char **argv) {
     printf("argmax: %d checks, %d fails\n", checks, fails);
     for (int dt : {(int)KD_F32, (int)KD_BF16})
         for (int kind = 0; kind < 5; kind++)
-            for (int k : {1, 8, 64, 256, 1024}) test_topk(2, 12000, k, kind, dt);
+            for (int k : {1, 8, 64, 256, 1024})
+                for (int path : {1, 2}) test_topk(2, 12000, k, kind, dt, path);
     test_topk(3, 40, 32, 0, KD_F32);
     printf("topk V=12000: %d checks, %d fails\n", checks, fails);
+    /* rows of several slices (the floor from the largest slice's k-th), a tail slice of k ids or fewer */
+    for (int kind = 0; kind < 5; kind++)
+        for (int k : {8, 256}) test_topk(2, 40000, k, kind, KD_F32);
+    test_topk(2, TS_SLICE + 100, 256, 0, KD_BF16);
+    test_topk(2, TS_SLICE + 100, 256, 1, KD_F32);
+    printf("topk V=40000, %d: %d checks, %d fails\n", TS_SLICE + 100, checks, fails);
+    printf("top-k rows: %d sorted from their candidates, %d by the radix select\n", gathered_rows, radix_rows);
     if (full) {
         for (int kind : {0, 1, 2, 4}) test_topk(1, 163840, 256, kind, KD_F32);
         test_topk(1, 163840, 16, 2, KD_BF16);

@@ -19,6 +19,7 @@ extern "C" {
 #define __forceinline__ inline
 #define __launch_bounds__(x)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 struct emu_dim { unsigned x = 0, y = 0, z = 0; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };   /* CUDA's vector type: 16-byte loads */
 extern thread_local emu_dim threadIdx, blockIdx;
@@ -52,6 +53,7 @@ inline unsigned __ballot_sync(unsigned, bool p) {
     emu_warp_bar[w]->arrive_and_wait();
     return b;
 }
+inline bool __any_sync(unsigned m, bool p) { return __ballot_sync(m, p) != 0; }
 inline unsigned __match_any_sync(unsigned, unsigned v) {   /* the lanes holding this lane's value */
     int w = threadIdx.x >> 5;
     emu_xbuf[w][threadIdx.x & 31] = v;
@@ -82,6 +84,7 @@ inline double __dsub_rn(double a, double b) { return a - b; }
 inline unsigned atomicAdd(unsigned *p, unsigned v) { std::lock_guard<std::mutex> g(emu_atomic_mu); unsigned o = *p; *p = o + v; return o; }
 inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) { std::lock_guard<std::mutex> g(emu_atomic_mu); auto o = *p; *p = o + v; return o; }
 inline float atomicAdd(float *p, float v) { std::lock_guard<std::mutex> g(emu_atomic_mu); float o = *p; *p = o + v; return o; }
+inline unsigned atomicMax(unsigned *p, unsigned v) { std::lock_guard<std::mutex> g(emu_atomic_mu); unsigned o = *p; if (v > o) *p = v; return o; }
 inline int atomicMin(int *p, int v) { std::lock_guard<std::mutex> g(emu_atomic_mu); int o = *p; if (v < o) *p = v; return o; }
 using std::min;
 typedef struct kd_cuda { size_t smem_optin; } kd_cuda;
