@@ -330,54 +330,60 @@ __global__ void __launch_bounds__(TK_THREADS) topk_gather_kernel(const void *x, 
     }
 }
 
+/* The need-th largest of a block's keys (key[j] for the bits j of ok; need at least 1 and at most
+ * their number) by three rounds of the shared histogram h over the keys that match the digits
+ * found so far (11, 11 and 10 bits); s2: two shared words. Every thread of the block calls it. */
+template <int PER>
+__device__ uint32_t block_kth(const uint32_t (&key)[PER], unsigned int ok, unsigned int need, unsigned int *h,
+                              unsigned int *s2) {
+    const int tid = threadIdx.x, lane = tid & 31;
+    uint32_t kth = 0;
+#pragma unroll
+    for (int r = 0; r < 3; r++) {
+        const int shift = r == 0 ? 21 : r == 1 ? 10 : 0, width = r < 2 ? TK_BITS : 10;
+        for (int i = tid; i < TK_BINS; i += blockDim.x) h[i] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const bool in = ((ok >> j) & 1) && (r == 0 || (key[j] >> (shift + width)) == kth);
+            warp_bin_add(h, (key[j] >> shift) & ((1u << width) - 1u), in);
+        }
+        __syncthreads();
+        if (tid < 32) {
+            const top_bin t = find_top_bin(h, need, lane);
+            if (lane == 0) { s2[0] = (unsigned)t.bin; s2[1] = t.through - h[t.bin]; }
+        }
+        __syncthreads();
+        kth = (kth << width) | s2[0];
+        need -= s2[1];
+        __syncthreads();   /* h and s2 are rewritten by the next round */
+    }
+    return kth;
+}
+
 /* The slice pass of a small k (topk_by_slices): each block takes TS_SLICE ids of a row and appends
- * every key from its slice's k-th largest up (so its slice's top k, and any key equal to the k-th)
- * to the row's cap slots of cand, in any order, their number in ncand; its k-th key goes into the
- * row's floor by a max. A slice's k-th bounds the row's k-th from below (the slice alone holds k
- * keys from it up), so topk_kernel keeps only the candidates from the floor up: about k of them,
- * not slices x k. A slice of k ids or fewer appends them all. The k-th key comes from three rounds of a
- * shared histogram over the keys that match the rounds before (11, 11 and 10 bits). Slots past cap
- * are not written and the count goes on, so a row of many ties at its k-th (ncand > cap) is left
- * to topk_kernel's radix select. ncand and floor start at 0. */
-constexpr int TS_THREADS = 1024, TS_PER = 16, TS_SLICE = TS_THREADS * TS_PER;
+ * every key from its slice's k-th largest up (its slice's top k, and any key equal to the k-th) to
+ * the row's cap slots of cand, in any order, their number in ncand (zeroed by the caller); a slice
+ * of k ids or fewer appends them all. The row's top k are among them: about slices x k keys, which
+ * topk_kernel narrows to its k-th. Slots past cap are not written and the count goes on, so a row of
+ * many ties (ncand > cap) is left to topk_kernel's radix select. */
+constexpr int TS_THREADS = 512, TS_PER = 16, TS_SLICE = TS_THREADS * TS_PER;
 __global__ void __launch_bounds__(TS_THREADS) topk_slice_kernel(const void *x, int dt, long long ld, int cols, int k,
-                                                                int cap, unsigned int *ncand, unsigned int *row_floor,
+                                                                int cap, unsigned int *ncand,
                                                                 unsigned long long *cand) {
     kd_griddep_enter();
     __shared__ __align__(16) unsigned int h[TK_BINS];
-    __shared__ unsigned int s_bin, s_above, s_n, s_base;
+    __shared__ unsigned int s2[2], s_n, s_base;
     const int tid = threadIdx.x, lane = tid & 31;
     const size_t row = blockIdx.y;
     uint32_t key[TS_PER];
     const int ok = slice_keys<TS_THREADS, TS_PER>(x, dt, ld, cols, key);
     if (tid == 0) s_n = 0;
-    uint32_t kth = 0;   /* the slice's k-th largest key (0: a slice of k ids or fewer, all kept) */
-    if (cols - (int)blockIdx.x * TS_SLICE > k) {
-        unsigned int need = (unsigned)k;   /* of the keys that match kth's digits so far */
-#pragma unroll
-        for (int r = 0; r < 3; r++) {
-            const int shift = r == 0 ? 21 : r == 1 ? 10 : 0, width = r < 2 ? TK_BITS : 10;
-            for (int i = tid; i < TK_BINS; i += TS_THREADS) h[i] = 0;
-            __syncthreads();
-#pragma unroll
-            for (int j = 0; j < TS_PER; j++) {
-                const bool in = ((ok >> j) & 1) && (r == 0 || (key[j] >> (shift + width)) == kth);
-                warp_bin_add(h, (key[j] >> shift) & ((1u << width) - 1u), in);
-            }
-            __syncthreads();
-            if (tid < 32) {
-                const top_bin t = find_top_bin(h, need, lane);
-                if (lane == 0) { s_bin = (unsigned)t.bin; s_above = t.through - h[t.bin]; }
-            }
-            __syncthreads();
-            kth = (kth << width) | s_bin;
-            need -= s_above;
-            __syncthreads();   /* s_bin and h are rewritten by the next round (and s_n is set) */
-        }
-        if (tid == 0) atomicMax(&row_floor[row], kth);
-    } else {
-        __syncthreads();   /* s_n is set */
-    }
+    /* the slice's k-th largest key (0: a slice of k ids or fewer, all kept); block_kth's barriers,
+     * or the one here, come before s_n is added to */
+    uint32_t kth = 0;
+    if (cols - (int)blockIdx.x * TS_SLICE > k) kth = block_kth<TS_PER>(key, (unsigned)ok, (unsigned)k, h, s2);
+    else __syncthreads();
     /* append: a slot per warp in the block's run (s_n), then the block's run in the row's (ncand) */
     unsigned int wn = 0;
 #pragma unroll
@@ -405,19 +411,20 @@ __host__ __device__ __forceinline__ bool topk_by_slices(int cols, int kpow2) {
 }
 
 /* One block per row. With gcand / ncand (the cap slots per row of topk_gather_kernel or
- * topk_slice_kernel, and how many they filled) and floor (a key at or below the row's k-th: 0, or
- * topk_slice_kernel's): a row whose candidates fit its slots (0 < ncand <= cap: they hold the top
- * k) sorts those from the floor up; else (or without gcand) the radix select below finds the k-th
- * and collects the top k. Either way the sort orders a superset of the top k by the same (key
- * desc, id asc), so both give the same lists. */
+ * topk_slice_kernel, and how many they filled): a row whose candidates fit its slots (0 < ncand <=
+ * cap: they hold the top k) finds the k-th of them (block_kth, over the candidates in registers)
+ * and sorts those from it up; else (or without gcand) the radix select below finds the k-th over
+ * the row and collects the top k. Either way the sort orders a superset of the top k by the same
+ * (key desc, id asc), so both give the same lists. */
+constexpr int TK_CAND_PER = TK_CAND / ROW_THREADS;   /* a thread's candidates */
 __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
                                                            int kpow2, int cap, const unsigned int *ncand,
-                                                           const unsigned int *row_floor,
                                                            const unsigned long long *gcand, float *vals,
                                                            int32_t *ids) {
     kd_griddep_enter();
     extern __shared__ unsigned long long cand[];     /* max(cap, kpow2) composite keys */
     __shared__ unsigned int hist[256];
+    __shared__ __align__(16) unsigned int bins[TK_BINS];
     __shared__ unsigned int s_sel[3];
     __shared__ unsigned int warp_cnt[32];
     __shared__ unsigned int s_ngt, s_neq_taken;
@@ -429,17 +436,26 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
     const bool gathered = n > 0 && n <= (unsigned)cap;
     if (gathered) {
         const unsigned long long *g = gcand + (size_t)blockIdx.x * cap;
-        const uint32_t lo = row_floor[blockIdx.x];
+        unsigned long long e[TK_CAND_PER];
+        uint32_t key[TK_CAND_PER];
+        unsigned int ok = 0;
+#pragma unroll
+        for (int j = 0; j < TK_CAND_PER; j++) {
+            const int i = j * ROW_THREADS + tid;
+            e[j] = i < (int)n ? g[i] : 0ull;
+            key[j] = (uint32_t)(e[j] >> 32);
+            if (i < (int)n) ok |= 1u << j;
+        }
         if (tid == 0) s_ngt = 0;
-        __syncthreads();
-        for (int i0 = 0; i0 < (int)n; i0 += blockDim.x) {   /* those from the floor up, in any order */
-            const unsigned long long e = i0 + tid < (int)n ? g[i0 + tid] : 0ull;
-            const bool in = i0 + tid < (int)n && (uint32_t)(e >> 32) >= lo;
+        const uint32_t kth = block_kth<TK_CAND_PER>(key, ok, (unsigned)k, bins, s_sel);   /* its barriers: s_ngt */
+#pragma unroll
+        for (int j = 0; j < TK_CAND_PER; j++) {   /* the candidates from the k-th up, in any order */
+            const bool in = ((ok >> j) & 1) && key[j] >= kth;
             const unsigned m = __ballot_sync(0xffffffffu, in);
             unsigned int slot = 0;
             if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
             slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
-            if (in) cand[slot] = e;
+            if (in) cand[slot] = e[j];
         }
         __syncthreads();
         const int kept = (int)s_ngt;
@@ -623,23 +639,22 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
     } else if (x.rows <= ROWS_PER_LAUNCH && kp < TK_CAND) {
         cap = 4 * kp < 2048 ? 2048 : 4 * kp < TK_CAND ? 4 * kp : TK_CAND;
     }
-    unsigned int *ncand = NULL, *row_floor = NULL;
+    unsigned int *ncand = NULL;
     unsigned long long *gcand = NULL;
     if (cap > kp) {
         const size_t n = by_slices ? 0 : (size_t)x.rows * TK_BINS, ncap = (size_t)x.rows * cap;
-        void *ws = NULL;   /* the slots first: 8-byte aligned; then ncand, floor and the bins, all zeroed */
-        const size_t counts = (2 * (size_t)x.rows + 2 * n) * sizeof(unsigned int);
+        void *ws = NULL;   /* the slots, then the bins (both 16-byte aligned: find_top_bin) and ncand, zeroed */
+        const size_t counts = (2 * n + (size_t)x.rows) * sizeof(unsigned int);
         KD_TRY(kd_cuda_ws(be, KD_WS_TREE, ncap * sizeof(unsigned long long) + counts, &ws));
         gcand = (unsigned long long *)ws;
-        ncand = (unsigned int *)(gcand + ncap);
-        row_floor = ncand + x.rows;
-        KD_CUDA(cudaMemsetAsync(ncand, 0, counts, c->stream));
+        unsigned int *bins = (unsigned int *)(gcand + ncap), *bins2 = bins + n;   /* cap: a multiple of 2048 */
+        ncand = bins2 + n;
+        KD_CUDA(cudaMemsetAsync(bins, 0, counts, c->stream));
         if (by_slices) {
             const dim3 grid((unsigned)nslices, (unsigned)x.rows);
             KD_TRY(kd_launch_pdl("topk_slice_kernel", topk_slice_kernel, grid, TS_THREADS, 0, c->stream, x.data,
-                                 x.dtype, x.ld, x.cols, k, cap, ncand, row_floor, gcand));
+                                 x.dtype, x.ld, x.cols, k, cap, ncand, gcand));
         } else {
-            unsigned int *bins = row_floor + x.rows, *bins2 = bins + n;
             const dim3 grid((unsigned)((x.cols + TK_SLICE - 1) / TK_SLICE), (unsigned)x.rows);
             KD_TRY(kd_launch_pdl("topk_hist_kernel", topk_hist_kernel, grid, TK_THREADS, 0, c->stream, x.data, x.dtype,
                                  x.ld, x.cols, bins));
@@ -652,6 +667,6 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
     size_t smem = (size_t)cap * sizeof(unsigned long long);
     KD_TRY(kd_cuda_smem(c, (const void *)topk_kernel, smem));
     KD_TRY(kd_launch_pdl("topk_kernel", topk_kernel, x.rows, ROW_THREADS, smem, c->stream, x.data, x.dtype, x.ld,
-                         x.cols, k, kp, cap, ncand, row_floor, gcand, vals, ids));
+                         x.cols, k, kp, cap, ncand, gcand, vals, ids));
     return KD_OK;
 }

@@ -68,15 +68,15 @@ static void test_topk(int rows, int V, int k, int kind, int dt, int path = 0) {
     } else if (kp < TK_CAND) {
         cap = 4 * kp < 2048 ? 2048 : 4 * kp < TK_CAND ? 4 * kp : TK_CAND;
     }
-    std::vector<unsigned> bins, bins2, ncand, floor;
+    std::vector<unsigned> bins, bins2, ncand;
     std::vector<unsigned long long> gcand;
-    const unsigned *nc = NULL, *fl = NULL;
+    const unsigned *nc = NULL;
     const unsigned long long *gc = NULL;
     if (cap > kp) {
-        ncand.assign(rows, 0); floor.assign(rows, 0);
+        ncand.assign(rows, 0);
         gcand.assign((size_t)rows * cap, 0x5a5aull);
         if (by_slices) {
-            launch(nslices, TS_THREADS, [&] { topk_slice_kernel(x.data(), dt, V, V, k, cap, ncand.data(), floor.data(), gcand.data()); }, rows);
+            launch(nslices, TS_THREADS, [&] { topk_slice_kernel(x.data(), dt, V, V, k, cap, ncand.data(), gcand.data()); }, rows);
         } else {
             bins.assign((size_t)rows * TK_BINS, 0); bins2.assign((size_t)rows * TK_BINS, 0);
             const int g = (V + TK_SLICE - 1) / TK_SLICE;
@@ -84,7 +84,7 @@ static void test_topk(int rows, int V, int k, int kind, int dt, int path = 0) {
             launch(g, 256, [&] { topk_hist2_kernel(x.data(), dt, V, V, k, 2 * kp, bins.data(), bins2.data()); }, rows);
             launch(g, 256, [&] { topk_gather_kernel(x.data(), dt, V, V, k, 2 * kp, cap, bins.data(), bins2.data(), ncand.data(), gcand.data()); }, rows);
         }
-        nc = ncand.data(); fl = floor.data(); gc = gcand.data();
+        nc = ncand.data(); gc = gcand.data();
         for (int r = 0; r < rows; r++) {
             if (ncand[r] > 0 && ncand[r] <= (unsigned)cap) gathered_rows++;
             else radix_rows++;
@@ -92,7 +92,7 @@ static void test_topk(int rows, int V, int k, int kind, int dt, int path = 0) {
     }
     std::vector<float> vals((size_t)rows * k);
     std::vector<int32_t> ids((size_t)rows * k, -7);
-    launch(rows, ROW_THREADS, [&] { topk_kernel(x.data(), dt, V, V, k, kp, cap, nc, fl, gc, vals.data(), ids.data()); });
+    launch(rows, ROW_THREADS, [&] { topk_kernel(x.data(), dt, V, V, k, kp, cap, nc, gc, vals.data(), ids.data()); });
     for (int r = 0; r < rows; r++) {
         const float *xr = x.f.data() + (size_t)r * V;
         std::vector<int> o(V);
@@ -153,7 +153,7 @@ int main(int argc, char **argv) {
                 for (int path : {1, 2}) test_topk(2, 12000, k, kind, dt, path);
     test_topk(3, 40, 32, 0, KD_F32);
     printf("topk V=12000: %d checks, %d fails\n", checks, fails);
-    /* rows of several slices (the floor from the largest slice's k-th), a tail slice of k ids or fewer */
+    /* rows of several slices, a tail slice of k ids or fewer */
     for (int kind = 0; kind < 5; kind++)
         for (int k : {8, 256}) test_topk(2, 40000, k, kind, KD_F32);
     test_topk(2, TS_SLICE + 100, 256, 0, KD_BF16);
