@@ -380,10 +380,28 @@ __global__ void __launch_bounds__(TS_THREADS) topk_slice_kernel(const void *x, i
     const int ok = slice_keys<TS_THREADS, TS_PER>(x, dt, ld, cols, key);
     if (tid == 0) s_n = 0;
     /* the slice's k-th largest key (0: a slice of k ids or fewer, all kept); block_kth's barriers,
-     * or the one here, come before s_n is added to */
+     * or the one here, come before s_n is added to. Its rounds count only the keys from lo up: the
+     * k-th largest of the threads' maxima, below the slice's k-th (k threads hold a key from it up;
+     * with more than k ids, more than k threads hold one, or all TS_THREADS), so that the histogram
+     * adds of a pass over every key are made once, for a key a thread */
     uint32_t kth = 0;
-    if (cols - (int)blockIdx.x * TS_SLICE > k) kth = block_kth<TS_PER>(key, (unsigned)ok, (unsigned)k, h, s2);
-    else __syncthreads();
+    if (cols - (int)blockIdx.x * TS_SLICE > k) {
+        uint32_t lo = 0;
+        if (k < TS_THREADS) {
+            uint32_t tmax[1] = {0};
+#pragma unroll
+            for (int j = 0; j < TS_PER; j++)
+                if (((ok >> j) & 1) && key[j] > tmax[0]) tmax[0] = key[j];
+            lo = block_kth<1>(tmax, ok != 0, (unsigned)k, h, s2);
+        }
+        unsigned int from_lo = 0;
+#pragma unroll
+        for (int j = 0; j < TS_PER; j++)
+            if (((ok >> j) & 1) && key[j] >= lo) from_lo |= 1u << j;
+        kth = block_kth<TS_PER>(key, from_lo, (unsigned)k, h, s2);
+    } else {
+        __syncthreads();
+    }
     /* append: a slot per warp in the block's run (s_n), then the block's run in the row's (ncand) */
     unsigned int wn = 0;
 #pragma unroll
@@ -412,12 +430,12 @@ __host__ __device__ __forceinline__ bool topk_by_slices(int cols, int kpow2) {
 
 /* One block per row. With gcand / ncand (the cap slots per row of topk_gather_kernel or
  * topk_slice_kernel, and how many they filled): a row whose candidates fit its slots (0 < ncand <=
- * cap: they hold the top k) finds the k-th of them (block_kth, over the candidates in registers)
- * and sorts those from it up; else (or without gcand) the radix select below finds the k-th over
+ * cap: they hold the top k) sorts them, or, when they are many more than k, those from their k-th
+ * up (block_kth, over the candidates in registers); else (or without gcand) the radix select below finds the k-th over
  * the row and collects the top k. Either way the sort orders a superset of the top k by the same
  * (key desc, id asc), so both give the same lists. */
 constexpr int TK_CAND_PER = TK_CAND / ROW_THREADS;   /* a thread's candidates */
-__global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
+__global__ void __launch_bounds__(ROW_THREADS, 1) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
                                                            int kpow2, int cap, const unsigned int *ncand,
                                                            const unsigned long long *gcand, float *vals,
                                                            int32_t *ids) {
@@ -447,7 +465,10 @@ __global__ void __launch_bounds__(ROW_THREADS) topk_kernel(const void *x, int dt
             if (i < (int)n) ok |= 1u << j;
         }
         if (tid == 0) s_ngt = 0;
-        const uint32_t kth = block_kth<TK_CAND_PER>(key, ok, (unsigned)k, bins, s_sel);   /* its barriers: s_ngt */
+        /* many more than k (the slices' candidates): the k-th of them first; its barriers order s_ngt */
+        uint32_t kth = 0;
+        if (n > 2u * (unsigned)kpow2) kth = block_kth<TK_CAND_PER>(key, ok, (unsigned)k, bins, s_sel);
+        else __syncthreads();
 #pragma unroll
         for (int j = 0; j < TK_CAND_PER; j++) {   /* the candidates from the k-th up, in any order */
             const bool in = ((ok >> j) & 1) && key[j] >= kth;

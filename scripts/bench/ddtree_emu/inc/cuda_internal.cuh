@@ -17,7 +17,7 @@ extern "C" {
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 struct emu_dim { unsigned x = 0, y = 0, z = 0; };
