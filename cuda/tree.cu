@@ -5,18 +5,20 @@
  * core/cpu/cpu_elementwise.c; argmax reports a row's first NaN / +inf column as -code
  * (sample_rule.h) as the CPU op does.
  *
- * top-k (k up to 16384, V up to 2^31): a histogram of the keys' top 11 bits, several blocks
- * per row, finds the bin that holds the k-th largest value; when the bins from the top down
- * to it hold more than twice k ids (flat rows: thousands in the k-th's bin), a second row
- * histogram, of that bin's keys by their next 11 bits and again over several blocks per row,
- * narrows the cut to the sub-bin that holds the k-th. When the keys from the cut up fit the row's
- * candidate slots, a third pass over the row, again several blocks per row, appends them to
- * those slots, and one block per row sorts them (bitonic, in shared memory): no pass over the
- * whole row runs in one block, as a single block's pass is latency-bound (about 100 us for
- * 163840 ids on the H200). Else (many equal values) a radix select finds the k-th largest value in
- * four 8-bit passes over the row, then one ordered pass collects everything above it
- * plus the lowest-id entries equal to it, and a bitonic sort in shared memory orders
- * the k candidates by (value desc, id asc). */
+ * top-k (k up to 16384, V up to 2^31): passes over the row, several blocks per row each (a single
+ * block's pass over a whole row is latency-bound: about 100 us for 163840 ids on the H200), append
+ * a superset of the row's top k to the row's candidate slots, and one block per row sorts them
+ * (bitonic, in shared memory). A small k (about 20 x k candidates fit the slots twice over: K = B
+ * up to 128 at V = 163840) takes one pass: each block appends its 8192-id slice's keys from the
+ * slice's k-th up, found by rounds of a shared histogram (topk_slice_kernel), and the sorting block
+ * first narrows them to their k-th. A larger k takes three: a histogram of the keys' top 11 bits
+ * finds the bin that holds the k-th largest value; when the bins from the top down to it hold
+ * more than twice k ids (flat rows: thousands in the k-th's bin), a second row histogram, of that
+ * bin's keys by their next 11 bits, narrows the cut to the sub-bin that holds the k-th; a third
+ * pass appends the keys from the cut up. Where the candidates do not fit the slots (many equal
+ * values), a radix select finds the k-th largest value in four 8-bit passes over the row, then
+ * one ordered pass collects everything above it plus the lowest-id entries equal to it, and a
+ * bitonic sort in shared memory orders the k candidates by (value desc, id asc). */
 #include "cuda_internal.cuh"
 #include "sample_rule.h"
 
