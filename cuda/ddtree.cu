@@ -986,15 +986,20 @@ __device__ __forceinline__ kd_u128 halves_value(unsigned long long l, unsigned l
  * gcnt / glo / ghi (zeroed by the caller). A mass q < 2^63 is added as its two 32-bit halves, each
  * into a 64-bit sum (glo: the low halves, ghi: the high ones; a row of at most 2^29 ids cannot
  * carry out of them), so no add needs the old value back for a carry: the adds are fire-and-forget
- * reductions, and integer sums, in any order. A warp whose lanes share a bin adds once. Rows with a
- * bad logit or no finite one are left out. */
+ * reductions, and integer sums, in any order. With masses, the block's count of a bin rides in its
+ * low halves' sum from bit SMP_CNT_SHIFT up (a slice's low halves sum to less than 2^45): two
+ * shared adds a value, not three (the pass is bound by them). A warp whose lanes share a bin adds
+ * once. Rows with a bad logit or no finite one are left out. */
+constexpr int SMP_CNT_SHIFT = 45;
+static_assert(SMP_SLICE <= (1 << (64 - SMP_CNT_SHIFT)) && (unsigned long long)SMP_SLICE << 32 <= 1ull << SMP_CNT_SHIFT,
+              "a slice's count and low halves share a 64-bit sum");
 __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, long long ld, int V, double T,
                                                                uint64_t qmin, bool bin_mass, const smp_max_part *pm,
                                                                unsigned int *gcnt, unsigned long long *glo,
                                                                unsigned long long *ghi) {
     kd_griddep_enter();
-    __shared__ unsigned int bcnt[SMP_BINS];
-    __shared__ unsigned long long blo[SMP_BINS], bhi[SMP_BINS];
+    __shared__ unsigned int bcnt[SMP_BINS];                        /* counts alone */
+    __shared__ unsigned long long blo[SMP_BINS], bhi[SMP_BINS];   /* with masses: count << SHIFT + low halves, high */
     const int tid = threadIdx.x, lane = tid & 31, S = gridDim.x;
     smp_mass mass;
     int bad;
@@ -1004,6 +1009,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, l
     __syncthreads();
     float xv[SMP_PER];
     slice_values(x + (size_t)blockIdx.y * (size_t)ld, V, xv);
+    constexpr unsigned long long ONE = 1ull << SMP_CNT_SHIFT;
 #pragma unroll
     for (int j = 0; j < SMP_PER; j++) {   /* whole warps iterate together: the ballot below */
         const int i = slice_id(j);
@@ -1016,26 +1022,26 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, l
         }
         const bool counted = b < SMP_BINS - 1;
         const int b0 = __shfl_sync(FULL, b, 0);
-        unsigned long long ql = q & 0xffffffffu, qh = q >> 32;
-        if (__ballot_sync(FULL, counted && b == b0) == FULL) {
+        unsigned long long ql = (q & 0xffffffffu) + ONE, qh = q >> 32;
+        const bool whole = __ballot_sync(FULL, counted && b == b0) == FULL;
+        if (whole) {
             for (int o = 16; o > 0; o >>= 1) {
                 ql += __shfl_xor_sync(FULL, ql, o);
                 qh += __shfl_xor_sync(FULL, qh, o);
             }
-            if (lane == 0) {
-                atomicAdd(&bcnt[b0], 32u);
-                halves_add(&blo[b0], &bhi[b0], ql, qh);
-            }
-        } else if (counted) {
-            atomicAdd(&bcnt[b], 1u);
-            halves_add(&blo[b], &bhi[b], ql, qh);
+        }
+        if (whole ? lane == 0 : counted) {
+            const int bb = whole ? b0 : b;
+            if (bin_mass) halves_add(&blo[bb], &bhi[bb], ql, qh);
+            else atomicAdd(&bcnt[bb], whole ? 32u : 1u);
         }
     }
     __syncthreads();
     const size_t o = (size_t)blockIdx.y * SMP_BINS;
     for (int b = tid; b < SMP_BINS; b += SMP_THREADS) {
-        if (bcnt[b]) atomicAdd(&gcnt[o + b], bcnt[b]);
-        halves_add(&glo[o + b], &ghi[o + b], blo[b], bhi[b]);
+        const unsigned int n = bin_mass ? (unsigned int)(blo[b] >> SMP_CNT_SHIFT) : bcnt[b];
+        if (n) atomicAdd(&gcnt[o + b], n);
+        halves_add(&glo[o + b], &ghi[o + b], blo[b] & (ONE - 1), bhi[b]);
     }
 }
 
@@ -1448,7 +1454,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_mass_kernel(const float *x, l
                                                                const smp_cut *cuts, kd_u128 *pw) {
     kd_griddep_enter();
     const int S = gridDim.x;
-    const smp_cut *c = cuts ? cuts + blockIdx.y : NULL;
+    const smp_cut *c = QUEUED && cuts ? cuts + blockIdx.y : NULL;   /* the plain pass has none (cuts is NULL) */
     if (c && c->draw != SMP_DRAW_PASS) return;   /* the block */
     smp_mass mass;
     int bad;
