@@ -383,9 +383,10 @@ __global__ void __launch_bounds__(TS_THREADS) topk_slice_kernel(const void *x, i
     if (tid == 0) s_n = 0;
     /* the slice's k-th largest key (0: a slice of k ids or fewer, all kept); block_kth's barriers,
      * or the one here, come before s_n is added to. Its rounds count only the keys from lo up: the
-     * k-th largest of the threads' maxima, below the slice's k-th (k threads hold a key from it up;
-     * with more than k ids, more than k threads hold one, or all TS_THREADS), so that the histogram
-     * adds of a pass over every key are made once, for a key a thread */
+     * k-th largest of the threads' maxima is at or below the slice's k-th (k threads hold a key
+     * from it up; a slice of more than k ids has more than k threads holding one, or all
+     * TS_THREADS, so lo exists when k < TS_THREADS), and finding it adds one key a thread to the
+     * histogram, not every key */
     uint32_t kth = 0;
     if (cols - (int)blockIdx.x * TS_SLICE > k) {
         uint32_t lo = 0;
@@ -433,9 +434,9 @@ __host__ __device__ __forceinline__ bool topk_by_slices(int cols, int kpow2) {
 /* One block per row. With gcand / ncand (the cap slots per row of topk_gather_kernel or
  * topk_slice_kernel, and how many they filled): a row whose candidates fit its slots (0 < ncand <=
  * cap: they hold the top k) sorts them, or, when they are many more than k, those from their k-th
- * up (block_kth, over the candidates in registers); else (or without gcand) the radix select below finds the k-th over
- * the row and collects the top k. Either way the sort orders a superset of the top k by the same
- * (key desc, id asc), so both give the same lists. */
+ * up (block_kth, over the candidates in registers); else (or without gcand) the radix select
+ * below finds the k-th over the row and collects the top k. Either way the sort orders a superset
+ * of the top k by the same (key desc, id asc), so both give the same lists. */
 constexpr int TK_CAND_PER = TK_CAND / ROW_THREADS;   /* a thread's candidates */
 __global__ void __launch_bounds__(ROW_THREADS, 1) topk_kernel(const void *x, int dt, long long ld, int cols, int k,
                                                            int kpow2, int cap, const unsigned int *ncand,

@@ -84,7 +84,6 @@ inline double __dsub_rn(double a, double b) { return a - b; }
 inline unsigned atomicAdd(unsigned *p, unsigned v) { std::lock_guard<std::mutex> g(emu_atomic_mu); unsigned o = *p; *p = o + v; return o; }
 inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) { std::lock_guard<std::mutex> g(emu_atomic_mu); auto o = *p; *p = o + v; return o; }
 inline float atomicAdd(float *p, float v) { std::lock_guard<std::mutex> g(emu_atomic_mu); float o = *p; *p = o + v; return o; }
-inline unsigned atomicMax(unsigned *p, unsigned v) { std::lock_guard<std::mutex> g(emu_atomic_mu); unsigned o = *p; if (v > o) *p = v; return o; }
 inline int atomicMin(int *p, int v) { std::lock_guard<std::mutex> g(emu_atomic_mu); int o = *p; if (v < o) *p = v; return o; }
 using std::min;
 typedef struct kd_cuda { size_t smem_optin; } kd_cuda;
