@@ -182,6 +182,15 @@ __device__ __forceinline__ int slice_keys(const void *x, int dt, long long ld, i
 __device__ __forceinline__ unsigned long long topk_cand(uint32_t key, int col) {   /* value, then the lower id */
     return ((unsigned long long)key << 32) | (unsigned long long)(0xffffffffu - (uint32_t)col);
 }
+/* a slot for each lane with in set, taken from *count by one atomic add a warp (the lanes in lane
+ * order); every lane of the warp calls it */
+__device__ __forceinline__ unsigned int warp_slot(unsigned int *count, bool in) {
+    const unsigned m = __ballot_sync(0xffffffffu, in);
+    const int lane = threadIdx.x & 31;
+    unsigned int base = 0;
+    if (lane == 0 && m) base = atomicAdd(count, (unsigned)__popc(m));
+    return __shfl_sync(0xffffffffu, base, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
+}
 
 /* h[bin] += 1 for each lane with in set, one shared atomic per distinct bin of the warp: a row's
  * keys crowd into few bins (a float key's top bits are its sign and exponent: every log-prob in
@@ -323,11 +332,7 @@ __global__ void __launch_bounds__(TK_THREADS) topk_gather_kernel(const void *x, 
 #pragma unroll
     for (int j = 0; j < TK_PER; j++) {   /* whole warps take each j together: the ballot below */
         const bool in = ((ok >> j) & 1) && key[j] >= cut;
-        const unsigned m = __ballot_sync(0xffffffffu, in);
-        if (!m) continue;
-        unsigned int slot = 0;
-        if (lane == 0) slot = atomicAdd(&ncand[row], (unsigned)__popc(m));
-        slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
+        const unsigned int slot = warp_slot(&ncand[row], in);
         if (in) out[slot] = topk_cand(key[j], slice_col(j));
     }
 }
@@ -426,9 +431,20 @@ __global__ void __launch_bounds__(TS_THREADS) topk_slice_kernel(const void *x, i
     }
 }
 
-/* the slice pass serves k whose slices' candidates (about slices x k) fit the row's slots twice over */
-__host__ __device__ __forceinline__ bool topk_by_slices(int cols, int kpow2) {
-    return (long long)((cols + TS_SLICE - 1) / TS_SLICE) * kpow2 * 2 <= TK_CAND;
+/* The candidate slots of a row, for k's power of two kp. The slice pass serves k whose slices'
+ * candidates (about slices x k) fit the slots twice over, its slots that (a power of two, at
+ * least 2048); the histograms and the gather take 4 kp (at least 2048, at most TK_CAND): twice
+ * the most keys a row has after the second histogram, unless many keys tie there. */
+__host__ __device__ __forceinline__ bool topk_by_slices(int cols, int kp) {
+    return (long long)((cols + TS_SLICE - 1) / TS_SLICE) * kp * 2 <= TK_CAND;
+}
+__host__ __device__ __forceinline__ int topk_slice_cap(int cols, int kp) {
+    int cap = 2048;
+    while (cap < 2 * ((cols + TS_SLICE - 1) / TS_SLICE) * kp) cap <<= 1;   /* <= TK_CAND: topk_by_slices */
+    return cap;
+}
+__host__ __device__ __forceinline__ int topk_gather_cap(int kp) {
+    return 4 * kp < 2048 ? 2048 : 4 * kp < TK_CAND ? 4 * kp : TK_CAND;
 }
 
 /* One block per row. With gcand / ncand (the cap slots per row of topk_gather_kernel or
@@ -475,10 +491,7 @@ __global__ void __launch_bounds__(ROW_THREADS, 1) topk_kernel(const void *x, int
 #pragma unroll
         for (int j = 0; j < TK_CAND_PER; j++) {   /* the candidates from the k-th up, in any order */
             const bool in = ((ok >> j) & 1) && key[j] >= kth;
-            const unsigned m = __ballot_sync(0xffffffffu, in);
-            unsigned int slot = 0;
-            if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
-            slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
+            const unsigned int slot = warp_slot(&s_ngt, in);
             if (in) cand[slot] = e[j];
         }
         __syncthreads();
@@ -532,10 +545,7 @@ __global__ void __launch_bounds__(ROW_THREADS, 1) topk_kernel(const void *x, int
         const int c = c0 + tid;
         const uint32_t key = c < cols ? kd_float_key(ld_row(x, dt, base + c)) : 0u;
         const bool in = c < cols && key >= kth;
-        const unsigned m = __ballot_sync(0xffffffffu, in);
-        unsigned int slot = 0;
-        if (lane == 0 && m) slot = atomicAdd(&s_ngt, (unsigned)__popc(m));
-        slot = __shfl_sync(0xffffffffu, slot, 0) + (unsigned)__popc(m & ((1u << lane) - 1u));
+        const unsigned int slot = warp_slot(&s_ngt, in);
         if (in) cand[slot] = topk_cand(key, c);
     }
     for (int c0 = 0; !take_all && c0 < cols; c0 += blockDim.x) {
@@ -650,19 +660,10 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
     int kp = 1;
     while (kp < k) kp <<= 1;
     /* the passes over the rows (several blocks per row each) let most rows skip the radix passes:
-     * for a small k, the slice pass (topk_slice_kernel), its row's slots twice its slices' k
-     * candidates; else the histograms and the gather, a row's slots 4 kp (at least 2048, at most
-     * TK_CAND): twice the most keys a row has after the second histogram, unless many keys tie
-     * there. grid.y bounds the rows they take. */
-    const bool by_slices = x.rows <= ROWS_PER_LAUNCH && topk_by_slices(x.cols, kp);
-    const int nslices = (x.cols + TS_SLICE - 1) / TS_SLICE;
-    int cap = kp;
-    if (by_slices) {
-        cap = 2048;
-        while (cap < 2 * nslices * kp) cap <<= 1;   /* <= TK_CAND: topk_by_slices */
-    } else if (x.rows <= ROWS_PER_LAUNCH && kp < TK_CAND) {
-        cap = 4 * kp < 2048 ? 2048 : 4 * kp < TK_CAND ? 4 * kp : TK_CAND;
-    }
+     * for a small k the slice pass (topk_slice_kernel), else the histograms and the gather; grid.y
+     * bounds the rows they take. cap = kp: neither (the radix select). */
+    const bool fits = x.rows <= ROWS_PER_LAUNCH, by_slices = fits && topk_by_slices(x.cols, kp);
+    const int cap = by_slices ? topk_slice_cap(x.cols, kp) : fits && kp < TK_CAND ? topk_gather_cap(kp) : kp;
     unsigned int *ncand = NULL;
     unsigned long long *gcand = NULL;
     if (cap > kp) {
@@ -675,7 +676,7 @@ extern "C" kd_status kd_cuda_topk(kd_backend *be, kd_act x, int k, float *vals, 
         ncand = bins2 + n;
         KD_CUDA(cudaMemsetAsync(bins, 0, counts, c->stream));
         if (by_slices) {
-            const dim3 grid((unsigned)nslices, (unsigned)x.rows);
+            const dim3 grid((unsigned)((x.cols + TS_SLICE - 1) / TS_SLICE), (unsigned)x.rows);
             KD_TRY(kd_launch_pdl("topk_slice_kernel", topk_slice_kernel, grid, TS_THREADS, 0, c->stream, x.data,
                                  x.dtype, x.ld, x.cols, k, cap, ncand, gcand));
         } else {

@@ -61,13 +61,7 @@ static void test_topk(int rows, int V, int k, int kind, int dt, int path = 0) {
     while (kp < k) kp <<= 1;
     const bool by_slices = path == 1 || (path == 0 && topk_by_slices(V, kp));
     const int nslices = (V + TS_SLICE - 1) / TS_SLICE;
-    int cap = kp;
-    if (by_slices) {
-        cap = 2048;
-        while (cap < 2 * nslices * kp) cap <<= 1;
-    } else if (kp < TK_CAND) {
-        cap = 4 * kp < 2048 ? 2048 : 4 * kp < TK_CAND ? 4 * kp : TK_CAND;
-    }
+    const int cap = by_slices ? topk_slice_cap(V, kp) : kp < TK_CAND ? topk_gather_cap(kp) : kp;
     std::vector<unsigned> bins, bins2, ncand;
     std::vector<unsigned long long> gcand;
     const unsigned *nc = NULL;
