@@ -1024,7 +1024,7 @@ __global__ void __launch_bounds__(SMP_THREADS) smp_bins_kernel(const float *x, l
         const int b0 = __shfl_sync(FULL, b, 0);
         unsigned long long ql = (q & 0xffffffffu) + ONE, qh = q >> 32;
         const bool whole = __ballot_sync(FULL, counted && b == b0) == FULL;
-        if (whole) {
+        if (whole && bin_mass) {   /* (counts alone: the warp adds 32) */
             for (int o = 16; o > 0; o >>= 1) {
                 ql += __shfl_xor_sync(FULL, ql, o);
                 qh += __shfl_xor_sync(FULL, qh, o);
