@@ -317,37 +317,46 @@ static void bench_sample(int rows) {
     free(hp);
 }
 
+/* the round's draft log-probs, L rows of V on the device (log_softmax of the logits below):
+ * *flat from the uniform logits, *peaked the same with 8 ids a depth at logits 30, 28, .., 16 */
+static void draft_logprobs(int L, int V, uint32_t *sd, kd_act *flat, kd_act *peaked) {
+    float *hx = malloc((size_t)L * V * 4);
+    *flat = (kd_act){NULL, L, V, V, KD_F32};
+    *peaked = *flat;
+    CK(be->ops->alloc(be, (size_t)L * V * 4, &flat->data));
+    CK(be->ops->alloc(be, (size_t)L * V * 4, &peaked->data));
+    fill_flat(hx, (size_t)L * V, sd);
+    CK(be->ops->upload(be, flat->data, hx, (size_t)L * V * 4));
+    for (int d = 0; d < L; d++)
+        for (int k = 0; k < 8; k++) { *sd = *sd * 1664525u + 1013904223u; hx[(size_t)d * V + (*sd >> 8) % V] = 30.0f - 2 * k; }
+    CK(be->ops->upload(be, peaked->data, hx, (size_t)L * V * 4));
+    free(hx);
+    CK(be->ops->log_softmax(be, *flat));
+    CK(be->ops->log_softmax(be, *peaked));
+}
+
 /* the tree build alone at budget B (K = B, L = 7, V = 163840): top-K, then the whole build, on the
  * round's flat and peaked draft log-probs, one line each (for A/Bs and a profiler: ncu's
  * `-k regex:topk` then sees only the build's top-K passes) */
 static void bench_tree(int B) {
     enum { L = 7, V = 163840 };
     uint32_t sd = 4242;
-    float *hx = malloc((size_t)L * V * 4);
-    void *x, *xp, *buf;
-    CK(be->ops->alloc(be, (size_t)L * V * 4, &x));
-    CK(be->ops->alloc(be, (size_t)L * V * 4, &xp));
-    fill_flat(hx, (size_t)L * V, &sd);
-    CK(be->ops->upload(be, x, hx, (size_t)L * V * 4));
-    for (int d = 0; d < L; d++)
-        for (int k = 0; k < 8; k++) { sd = sd * 1664525u + 1013904223u; hx[(size_t)d * V + (sd >> 8) % V] = 30.0f - 2 * k; }
-    CK(be->ops->upload(be, xp, hx, (size_t)L * V * 4));
-    free(hx);
-    tree_arg a = {.lp = {x, L, V, V, KD_F32}, .L = L, .K = B, .B = B};
-    CK(be->ops->log_softmax(be, a.lp));
+    tree_arg a = {.L = L, .K = B, .B = B};
+    kd_act peaked;
+    draft_logprobs(L, V, &sd, &a.lp, &peaked);
+    void *buf;
     size_t bytes = kd_dtree_layout(&a.d, NULL, B, L * B);
     CK(be->ops->alloc(be, bytes, &buf));
     kd_dtree_layout(&a.d, buf, B, L * B);
     tree_arg ap = a;
-    ap.lp.data = xp;
-    CK(be->ops->log_softmax(be, ap.lp));
+    ap.lp = peaked;
     printf("tree B = %d, flat: top-K %.1f us, build %.1f us\n", B, time_it(tree_topk_run, &a, 20) * 1e6,
            time_it(tree_build_run, &a, 20) * 1e6);
     printf("tree B = %d, peaked: top-K %.1f us, build %.1f us\n", B, time_it(tree_topk_run, &ap, 20) * 1e6,
            time_it(tree_build_run, &ap, 20) * 1e6);
     be->ops->free(be, buf);
-    be->ops->free(be, x);
-    be->ops->free(be, xp);
+    be->ops->free(be, a.lp.data);
+    be->ops->free(be, peaked.data);
 }
 
 static void bench_round(const char *md_path) {
@@ -356,23 +365,14 @@ static void bench_round(const char *md_path) {
     double build_us[NB], peaked_us[NB], topk_us[NB], accept_us[NB][NS];
     int rows[NB], path[NB][2], peaked_depth[NB];
     uint32_t sd = 4242;
+    kd_act lp, lpp;   /* draft log-probs */
+    draft_logprobs(L, V, &sd, &lp, &lpp);
     float *hx = malloc((size_t)(256 + 1) * V * 4);
-    void *x, *xp, *lg;
-    CK(be->ops->alloc(be, (size_t)L * V * 4, &x));
-    CK(be->ops->alloc(be, (size_t)L * V * 4, &xp));
+    void *lg;
     CK(be->ops->alloc(be, (size_t)(256 + 1) * V * 4, &lg));
-    fill_flat(hx, (size_t)L * V, &sd);
-    CK(be->ops->upload(be, x, hx, (size_t)L * V * 4));
-    for (int d = 0; d < L; d++)
-        for (int k = 0; k < 8; k++) { sd = sd * 1664525u + 1013904223u; hx[(size_t)d * V + (sd >> 8) % V] = 30.0f - 2 * k; }
-    CK(be->ops->upload(be, xp, hx, (size_t)L * V * 4));
     fill_flat(hx, (size_t)(256 + 1) * V, &sd);
     CK(be->ops->upload(be, lg, hx, (size_t)(256 + 1) * V * 4));
     free(hx);
-    kd_act lp = {x, L, V, V, KD_F32};
-    kd_act lpp = {xp, L, V, V, KD_F32};
-    CK(be->ops->log_softmax(be, lp));            /* draft log-probs */
-    CK(be->ops->log_softmax(be, lpp));
     for (int b = 0; b < NB; b++) {
         int B = budgets[b];
         tree_arg a = {.lp = lp, .L = L, .K = B, .B = B};
@@ -407,8 +407,8 @@ static void bench_round(const char *md_path) {
         be->ops->free(be, buf);
     }
     be->ops->free(be, lg);
-    be->ops->free(be, x);
-    be->ops->free(be, xp);
+    be->ops->free(be, lp.data);
+    be->ops->free(be, lpp.data);
 
     /* commit's KV compaction in K2.6's 61 layers (latent 512 + rope 64 a row), tau = 4, 8, 16 */
     enum { NLAYER = 61, NT = 3 };
